@@ -1,0 +1,125 @@
+"""Sampling parameters shared by the SDK and the engine.
+
+Field names follow vLLM's ``SamplingParams`` so that code written for vLLM ports unchanged.
+This module imports nothing heavy: the client SDK must never pull in torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+class InvalidParamsError(ValueError):
+    """A sampling parameter is out of range; the message names the field and the valid range."""
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output.
+
+    temperature 0 means greedy. ``seed`` makes sampling reproducible: a seeded request's tokens
+    depend only on its prompt, its params and the token position, never on its batch mates, so
+    a job resumed on another worker continues exactly.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise InvalidParamsError naming the first bad field."""
+
+        def bad(name: str, why: str) -> InvalidParamsError:
+            return InvalidParamsError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+        if not is_int(self.n) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if not is_num(getattr(self, name)):
+                raise bad(name, "must be a finite number")
+        if not 0.0 <= self.temperature < float("inf"):
+            raise bad("temperature", "must be >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise bad("top_k", "must be an integer >= 1, or 0/-1 to disable")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise bad("seed", "must be an integer in [0, 2**63) or None")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1 or None (up to the model's length)")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a list of non-empty strings")
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of token ids >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be a bool")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise bad("skip_special_tokens", "must be a bool")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise bad("repetition_penalty", "must be > 0 (1 disables it)")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "must be an integer in [0, 20] or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for the wire (msgpack); round-trips through ``from_dict``."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        """Build from a wire dict; unknown keys are an error so typos never pass silently."""
+        if not isinstance(data, dict):
+            raise InvalidParamsError(f"sampling params must be a map, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in data if k not in known)
+        if unknown:
+            raise InvalidParamsError(
+                f"unknown sampling params {unknown}; valid fields are {sorted(known)}"
+            )
+        try:
+            return cls(**data)
+        except TypeError as exc:  # wrong types that __post_init__ could not coerce
+            raise InvalidParamsError(str(exc)) from exc

@@ -1,0 +1,1 @@
+"""Placeholder: the Redis fixture lands with the queue worker."""
