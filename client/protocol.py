@@ -1,0 +1,426 @@
+"""The wire protocol between clients and workers: key names, msgpack payloads, versions.
+
+Everything another language needs to enqueue a job or read its output is defined here (and
+documented in docs/queue.md). Payloads are msgpack maps carrying ``"v": PROTOCOL_VERSION``;
+nothing is ever pickled, so a hostile payload can at worst be rejected.
+
+Key schema (``P`` = prefix, default ``pagedq``; ``Q`` = queue name; ``ID`` = request id)::
+
+    P:Q:jobs:high | P:Q:jobs:normal | P:Q:jobs:low   job streams, one per priority level,
+                                                     consumer group "workers"
+    P:Q:dead                                          dead-letter stream
+    P:Q:stats                                         hash: queue depth per level (checkpoint)
+    P:Q:workers                                       zset: worker name -> last heartbeat
+    P:Q:worker:NAME                                   hash: that worker's checkpoint (TTL)
+    P:req:{ID}:out                                    the request's output stream (TTL)
+    P:req:{ID}:state                                  hash: epoch, owner, seq, done, cancel (TTL)
+
+The ``{ID}`` braces are a Redis Cluster hash tag: a request's two keys always share a slot, so
+the fenced publish script can touch both.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+from pagedq.client.params import InvalidParamsError, SamplingParams
+
+PROTOCOL_VERSION = 1
+DEFAULT_PREFIX = "pagedq"
+DEFAULT_QUEUE = "default"
+GROUP = "workers"
+
+# Priority levels, read highest first. A request's integer priority maps to a level by sign;
+# the integer itself also orders the engine's waiting queue (higher runs first).
+LEVELS: tuple[str, ...] = ("high", "normal", "low")
+MAX_ABS_PRIORITY = 1_000_000
+
+# Stream entry fields.
+F_ID = b"id"  # job entry: the request id, duplicated outside the payload so a worker can
+F_PAYLOAD = b"p"  # address an error event even when the payload does not decode
+F_SEQ = b"seq"  # output entry: 1, 2, 3, ... per request, whichever worker wrote it
+F_EVENT = b"e"  # output entry: the msgpack event
+
+# Event types. Exactly one terminal event ends every output stream.
+TOKENS = "tokens"
+FINISHED = "finished"
+ERROR = "error"
+CANCELLED = "cancelled"
+TERMINAL = frozenset({FINISHED, ERROR, CANCELLED})
+
+# Error codes carried by error events.
+E_BAD_PAYLOAD = "bad_payload"
+E_UNSUPPORTED_VERSION = "unsupported_version"
+E_INVALID_PARAMS = "invalid_params"
+E_INVALID_REQUEST = "invalid_request"
+E_TOO_LONG = "prompt_too_long"
+E_DEAD_LETTER = "dead_letter"
+E_INTERNAL = "internal"
+
+_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+class ProtocolError(ValueError):
+    """A payload is not a valid protocol message.
+
+    ``code`` is the error code for the error event; ``request_id`` is set when the message
+    named a usable id, so the worker can tell that request's client what went wrong.
+    """
+
+    def __init__(self, message: str, code: str = E_BAD_PAYLOAD, request_id: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.request_id = request_id
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Every Redis key name the protocol uses, for one prefix and queue."""
+
+    queue: str = DEFAULT_QUEUE
+    prefix: str = DEFAULT_PREFIX
+
+    def jobs(self, level: str) -> str:
+        return f"{self.prefix}:{self.queue}:jobs:{level}"
+
+    def all_jobs(self) -> list[str]:
+        """Job streams in read order (highest priority first)."""
+        return [self.jobs(level) for level in LEVELS]
+
+    @property
+    def dead(self) -> str:
+        return f"{self.prefix}:{self.queue}:dead"
+
+    @property
+    def stats(self) -> str:
+        return f"{self.prefix}:{self.queue}:stats"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}:{self.queue}:workers"
+
+    def worker(self, name: str) -> str:
+        return f"{self.prefix}:{self.queue}:worker:{name}"
+
+    def out(self, request_id: str) -> str:
+        return f"{self.prefix}:req:{{{request_id}}}:out"
+
+    def state(self, request_id: str) -> str:
+        return f"{self.prefix}:req:{{{request_id}}}:state"
+
+
+def priority_level(priority: int) -> str:
+    """The stream level of an integer priority: > 0 high, 0 normal, < 0 low."""
+    return LEVELS[0] if priority > 0 else LEVELS[1] if priority == 0 else LEVELS[2]
+
+
+def new_request_id() -> str:
+    import uuid
+
+    return uuid.uuid4().hex
+
+
+def check_request_id(request_id: Any) -> str:
+    """Request ids become part of key names: 1-128 chars of ``[A-Za-z0-9._:-]``."""
+    if not isinstance(request_id, str) or not _ID_RE.match(request_id):
+        raise ProtocolError(
+            f"request id {request_id!r} is invalid: use 1-128 characters of [A-Za-z0-9._:-]",
+            E_INVALID_REQUEST,
+        )
+    return request_id
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    """One generation job as it travels on the job stream.
+
+    Exactly one of ``prompt`` (text), ``messages`` (chat, rendered by the worker's chat
+    template) and ``prompt_token_ids`` is set.
+    """
+
+    id: str
+    params: SamplingParams
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None
+    deadline: float | None = None  # unix seconds; past it the job is not started / is stopped
+    priority: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+    created: float = 0.0
+
+    @property
+    def level(self) -> str:
+        return priority_level(self.priority)
+
+
+def build_request(
+    prompt: Any,
+    params: SamplingParams | None = None,
+    *,
+    request_id: str | None = None,
+    deadline: float | None = None,
+    priority: int = 0,
+    metadata: dict[str, Any] | None = None,
+) -> Request:
+    """Classify ``prompt`` (str | chat messages | token ids) into a validated Request."""
+    req = Request(
+        id=check_request_id(request_id or new_request_id()),
+        params=params if params is not None else SamplingParams(),
+        deadline=deadline,
+        priority=priority,
+        metadata=dict(metadata or {}),
+        created=time.time(),
+    )
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        req.messages = [dict(m) for m in prompt]
+    elif isinstance(prompt, (list, tuple)):
+        req.prompt_token_ids = list(prompt)
+    else:
+        raise ProtocolError(
+            f"prompt must be a str, a list of chat messages or a list of token ids, "
+            f"got {type(prompt).__name__}",
+            E_INVALID_REQUEST,
+        )
+    _validate_request(req)
+    return req
+
+
+def encode_request(req: Request) -> bytes:
+    _validate_request(req)
+    body = {
+        "v": PROTOCOL_VERSION,
+        "id": req.id,
+        "params": req.params.to_dict(),
+        "deadline": req.deadline,
+        "priority": req.priority,
+        "metadata": req.metadata,
+        "created": req.created,
+    }
+    if req.prompt is not None:
+        body["prompt"] = req.prompt
+    if req.messages is not None:
+        body["messages"] = req.messages
+    if req.prompt_token_ids is not None:
+        body["prompt_token_ids"] = req.prompt_token_ids
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def job_fields(req: Request) -> dict[bytes, bytes]:
+    """The job stream entry for ``req``."""
+    return {F_ID: req.id.encode(), F_PAYLOAD: encode_request(req)}
+
+
+def _unpack(data: Any) -> Any:
+    if not isinstance(data, (bytes, bytearray)):
+        raise ProtocolError(f"payload must be bytes, got {type(data).__name__}")
+    try:
+        return msgpack.unpackb(bytes(data), raw=False, strict_map_key=False, max_bin_len=1 << 26,
+                               max_str_len=1 << 26, max_array_len=1 << 22, max_map_len=1 << 16)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"payload is not valid msgpack: {exc}") from exc
+
+
+def decode_request(data: Any, entry_id_hint: str | None = None) -> Request:
+    """Parse and validate a job payload; raise ProtocolError (with request_id when known)."""
+    obj = _unpack(data)
+    if not isinstance(obj, dict):
+        raise ProtocolError("payload must be a msgpack map", request_id=entry_id_hint)
+    rid = obj.get("id", entry_id_hint)
+    try:
+        rid = check_request_id(rid)
+    except ProtocolError as exc:
+        exc.request_id = _safe_id(entry_id_hint)
+        raise
+    version = obj.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version!r} is not supported (this worker speaks "
+            f"{PROTOCOL_VERSION}); upgrade the worker or the client",
+            E_UNSUPPORTED_VERSION,
+            rid,
+        )
+    try:
+        params = SamplingParams.from_dict(obj.get("params") or {})
+    except InvalidParamsError as exc:
+        raise ProtocolError(str(exc), E_INVALID_PARAMS, rid) from exc
+    except Exception as exc:  # e.g. a comparison of incompatible types inside validate()
+        raise ProtocolError(f"invalid sampling params: {exc}", E_INVALID_PARAMS, rid) from exc
+    req = Request(
+        id=rid,
+        params=params,
+        prompt=obj.get("prompt"),
+        messages=obj.get("messages"),
+        prompt_token_ids=obj.get("prompt_token_ids"),
+        deadline=obj.get("deadline"),
+        priority=obj.get("priority", 0),
+        metadata=obj.get("metadata") or {},
+        created=obj.get("created") or 0.0,
+    )
+    try:
+        _validate_request(req)
+    except ProtocolError as exc:
+        exc.request_id = rid
+        raise
+    return req
+
+
+def _safe_id(value: Any) -> str | None:
+    try:
+        return check_request_id(value)
+    except ProtocolError:
+        return None
+
+
+def _validate_request(req: Request) -> None:
+    def bad(msg: str) -> ProtocolError:
+        return ProtocolError(msg, E_INVALID_REQUEST, _safe_id(req.id))
+
+    given = [x is not None for x in (req.prompt, req.messages, req.prompt_token_ids)]
+    if sum(given) != 1:
+        raise bad("exactly one of prompt, messages, prompt_token_ids must be given")
+    if req.prompt is not None and (not isinstance(req.prompt, str) or not req.prompt):
+        raise bad("prompt must be a non-empty string")
+    if req.messages is not None:
+        if not isinstance(req.messages, list) or not req.messages:
+            raise bad("messages must be a non-empty list of {role, content} maps")
+        for m in req.messages:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)):
+                raise bad("each chat message must be a map with string 'role' and 'content'")
+    if req.prompt_token_ids is not None:
+        ids = req.prompt_token_ids
+        if not isinstance(ids, list) or not ids:
+            raise bad("prompt_token_ids must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in ids):
+            raise bad("prompt_token_ids must be integers in [0, 2**31)")
+    if req.deadline is not None and (
+        not isinstance(req.deadline, (int, float)) or isinstance(req.deadline, bool)
+        or not math.isfinite(req.deadline)
+    ):
+        raise bad("deadline must be a unix time in seconds (a finite number) or None")
+    if (not isinstance(req.priority, int) or isinstance(req.priority, bool)
+            or abs(req.priority) > MAX_ABS_PRIORITY):
+        raise bad(f"priority must be an integer in [-{MAX_ABS_PRIORITY}, {MAX_ABS_PRIORITY}]")
+    if not isinstance(req.metadata, dict):
+        raise bad("metadata must be a map")
+    if not isinstance(req.created, (int, float)) or isinstance(req.created, bool):
+        raise bad("created must be a unix time in seconds")
+
+
+# ---------------------------------------------------------------------------------------------
+# Events
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Event:
+    """One entry of a request's output stream.
+
+    ``seq`` numbers a request's events 1, 2, 3, ... with no gap, whoever wrote them. A TOKENS
+    event carries sample ``index``'s new ``token_ids`` and ``text`` and ``position`` = that
+    sample's generated-token count after them, so its first token sits at
+    ``position - len(token_ids)``. ``finish_reason`` is set on a sample's last TOKENS event.
+    The terminal FINISHED event carries ``finish_reasons`` (per sample) and ``usage``.
+    """
+
+    type: str
+    request_id: str
+    seq: int = 0
+    index: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    position: int = 0
+    finish_reason: str | None = None
+    finish_reasons: list[str | None] | None = None
+    usage: dict[str, int] | None = None
+    logprobs: list[dict[int, float]] | None = None
+    error_code: str | None = None
+    error: str | None = None
+    worker: str | None = None
+    entry_id: str | None = None  # the output stream entry id, to resume reading after it
+
+    @property
+    def terminal(self) -> bool:
+        return self.type in TERMINAL
+
+
+_EVENT_KEYS = ("index", "token_ids", "text", "position", "finish_reason", "finish_reasons",
+               "usage", "logprobs", "error_code", "error", "worker")
+
+
+def encode_event(ev: Event) -> bytes:
+    """msgpack map without defaults; seq lives in the entry's own field (the publisher sets it)."""
+    body: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": ev.type, "id": ev.request_id}
+    for key in _EVENT_KEYS:
+        value = getattr(ev, key)
+        if value is not None and value != [] and value != "":
+            body[key] = value
+    if ev.logprobs is not None:  # string-keyed maps only: [[token id, logprob], ...] per token
+        body["logprobs"] = [[[int(t), float(lp)] for t, lp in d.items()] for d in ev.logprobs]
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode_event(fields: dict[bytes, bytes], entry_id: str | bytes | None = None) -> Event:
+    """Build an Event from an output stream entry's fields."""
+    try:
+        obj = msgpack.unpackb(fields[F_EVENT], raw=False, strict_map_key=False)
+        seq = int(fields[F_SEQ])
+    except Exception as exc:
+        raise ProtocolError(f"corrupt output stream entry {entry_id!r}: {exc}") from exc
+    if not isinstance(obj, dict) or obj.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"output event version {obj.get('v') if isinstance(obj, dict) else None!r} is not "
+            f"supported by this client (speaks {PROTOCOL_VERSION}); upgrade the client",
+            E_UNSUPPORTED_VERSION,
+        )
+    if isinstance(entry_id, bytes):
+        entry_id = entry_id.decode()
+    ev = Event(type=obj["type"], request_id=obj.get("id", ""), seq=seq, entry_id=entry_id)
+    for key in _EVENT_KEYS:
+        if key in obj:
+            setattr(ev, key, obj[key])
+    if ev.logprobs is not None:
+        ev.logprobs = [{int(t): float(lp) for t, lp in pairs} for pairs in ev.logprobs]
+    return ev
+
+
+# ---------------------------------------------------------------------------------------------
+# Client-side script: cancel
+# ---------------------------------------------------------------------------------------------
+
+# KEYS: state, out.  ARGV: ttl seconds, encoded CANCELLED event.
+# Returns 0: already done; 1: flagged, the owning worker will stop it and write the terminal
+# event; 2: no worker held it, so the terminal event was written here.
+CANCEL_SCRIPT = """
+local st = KEYS[1]
+if redis.call('HGET', st, 'done') == '1' then return 0 end
+redis.call('HSET', st, 'cancel', '1')
+redis.call('EXPIRE', st, ARGV[1])
+if redis.call('HEXISTS', st, 'owner') == 0 or redis.call('HGET', st, 'handed_back') == '1' then
+  local seq = redis.call('HINCRBY', st, 'seq', 1)
+  redis.call('XADD', KEYS[2], '*', 'seq', seq, 'e', ARGV[2])
+  redis.call('HSET', st, 'done', '1')
+  redis.call('EXPIRE', KEYS[2], ARGV[1])
+  return 2
+end
+return 1
+"""
+
+DEFAULT_TTL_S = 3600

@@ -1,0 +1,146 @@
+"""Backend dispatch for ``paged_attention`` and ``write_kv``: the only entry points the engine uses.
+
+backend=None picks Triton for CUDA tensors (when triton imports) and plain PyTorch elsewhere.
+Triton on a CPU tensor runs only in Triton's interpreter (``TRITON_INTERPRET=1`` set before
+triton is first imported); that is how the Triton kernels are tested on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import cache
+
+import torch
+from pagedq.kernels.plan import AttentionPlan, KernelArgumentError, plan_attention
+from pagedq.kernels.torch_attention import torch_paged_attention
+from pagedq.kernels.torch_cache import torch_write_kv
+
+BACKENDS = ("triton", "torch")
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested kernel backend cannot run here; the message says what to use instead."""
+
+
+@cache
+def triton_available() -> bool:
+    """True when triton imports (it is an optional, x86-64-only dependency)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_backend(backend: str | None, tensor: torch.Tensor) -> str:
+    """Map ``None`` to the best backend for ``tensor``'s device and check an explicit choice."""
+    if backend is None:
+        return "triton" if tensor.is_cuda and triton_available() else "torch"
+    if backend not in BACKENDS:
+        raise BackendUnavailableError(f"unknown backend {backend!r}; use one of {BACKENDS}")
+    if backend == "triton":
+        if not triton_available():
+            raise BackendUnavailableError(
+                "backend='triton' needs the triton package (pip install triton); "
+                "use backend='torch' or None"
+            )
+        if not tensor.is_cuda and not _interpreting():
+            raise BackendUnavailableError(
+                "backend='triton' on CPU tensors runs only in Triton's interpreter: set "
+                "TRITON_INTERPRET=1 before importing triton, or use backend='torch' or None"
+            )
+    return backend
+
+
+def _check_attention_args(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan
+) -> None:
+    if query.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise KernelArgumentError(
+            "expected query [num_tokens, num_heads, head_dim] and k_cache/v_cache of one shape "
+            f"[num_blocks, block_size, num_kv_heads, head_dim]; got {tuple(query.shape)}, "
+            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    num_heads, head_dim = query.shape[1:]
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_heads % num_kv_heads:
+        raise KernelArgumentError(
+            f"query has {num_heads} heads of dim {head_dim}, cache {num_kv_heads} heads of dim "
+            f"{cache_dim}; head dims must match and num_heads be a multiple of num_kv_heads"
+        )
+    if block_size != plan.block_size:
+        raise KernelArgumentError(
+            f"the plan was built for block_size={plan.block_size}, the cache has {block_size}"
+        )
+    if query.shape[0] < plan.num_tokens:
+        raise KernelArgumentError(
+            f"query has {query.shape[0]} rows, the plan needs num_tokens={plan.num_tokens}"
+        )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float | None = None,
+    backend: str | None = None,
+    plan: AttentionPlan | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens over their sequences' paged KV cache.
+
+    query: [num_tokens, num_heads, head_dim]; k_cache/v_cache: [num_blocks, block_size,
+    num_kv_heads, head_dim]; block_table int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs]
+    (cached + new tokens); cu_seqlens_q int32 [num_seqs + 1]. Query token ``j`` of sequence ``i``
+    sits at position ``seq_lens[i] - q_len_i + j``. Pass ``plan`` (from :func:`plan_attention`,
+    built once per step) to skip the per-call index/mask construction; the other metadata
+    arguments are then ignored. Returns [num_tokens, num_heads, head_dim] in query's dtype.
+    """
+    if plan is None:
+        plan = plan_attention(
+            block_table, seq_lens, cu_seqlens_q, k_cache.shape[1], device=query.device
+        )
+    _check_attention_args(query, k_cache, v_cache, plan)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    if resolve_backend(backend, query) == "triton":
+        from pagedq.kernels.triton_attention import triton_paged_attention
+
+        return triton_paged_attention(query, k_cache, v_cache, plan, scale)
+    return torch_paged_attention(query, k_cache, v_cache, plan, scale)
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    backend: str | None = None,
+) -> None:
+    """Store new tokens' K/V [num_tokens, num_kv_heads, head_dim] into the paged cache in place.
+
+    slot_mapping int64 [num_tokens]: slot = block * block_size + offset; -1 marks padding tokens,
+    which are skipped.
+    """
+    if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:]:
+        raise KernelArgumentError(
+            f"key/value {tuple(key.shape)}/{tuple(value.shape)} do not match the cache's "
+            f"[num_kv_heads, head_dim] = {tuple(k_cache.shape[2:])}"
+        )
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise KernelArgumentError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens"
+        )
+    if resolve_backend(backend, key) == "triton":
+        from pagedq.kernels.triton_cache import triton_write_kv
+
+        triton_write_kv(key, value, k_cache, v_cache, slot_mapping)
+        return
+    torch_write_kv(key, value, k_cache, v_cache, slot_mapping)

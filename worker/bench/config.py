@@ -1,0 +1,102 @@
+"""What a benchmark run does: model, engine knobs and the size of every scenario.
+
+``quick()`` fits the issue's budget (under 3 minutes on 2 CPU cores with the default model);
+``full()`` runs the issue's shapes (the 64-request mixed trace, 128-token decode sweeps). Tests
+build a config by hand with tiny sizes. Every number here ends up in the report's ``config``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from .workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT, LengthDist
+
+SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "queue")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Every knob of a run. Engine knobs apply to every engine the run builds unless a
+    scenario needs a different value to mean anything (noted per field)."""
+
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
+    device: str | None = None
+    dtype: str = "float32"
+    threads: int | None = None  # torch intra-op threads for pagedq and HF alike
+    seed: int = 0
+    scenarios: tuple[str, ...] = SCENARIOS
+    profile: str = "full"
+
+    # the serving engine (throughput, decode sweep, prefix and queue scenarios)
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+
+    # throughput: a ShareGPT-like mixed trace, pagedq vs HF generate in static batches
+    throughput_requests: int = 64
+    prompt_dist: LengthDist = SHAREGPT_PROMPT
+    output_dist: LengthDist = SHAREGPT_OUTPUT
+    hf_batch_size: int = 16
+
+    # decode sweep (llama-batched-bench shape)
+    decode_batches: tuple[int, ...] = (1, 8, 32, 64)
+    decode_prompt_tokens: int = 128
+    decode_new_tokens: int = 128
+
+    # capacity: KV budget = reserved_slots * capacity_max_model_len tokens, for both layouts
+    capacity_requests: int = 128
+    capacity_reserved_slots: int = 8
+    capacity_max_model_len: int = 2048
+    capacity_max_num_seqs: int = 256  # high, so KV memory (not a sequence cap) is the limit
+
+    # ITL: decodes running while one long prompt arrives
+    itl_decodes: int = 8
+    itl_decode_prompt_tokens: int = 64
+    itl_decode_new_tokens: int = 128
+    itl_long_prompt_tokens: int = 2048
+    itl_inject_after_tokens: int = 16
+
+    # prefix: TTFT with a cached prefix vs cold
+    prefix_tokens: int = 1024
+    prefix_suffix_tokens: int = 32
+    prefix_repeats: int = 3
+
+    # queue: the throughput trace through Redis (worker subprocess + client)
+    redis_url: str | None = None  # None: start a private redis-server for the run
+    queue_timeout_s: float = 600.0
+
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def with_(self, **changes: Any) -> BenchConfig:
+        return replace(self, **changes)
+
+
+def full(**overrides: Any) -> BenchConfig:
+    """The issue's shapes: expect 10-20 minutes on 2 CPU cores."""
+    return BenchConfig(profile="full", **overrides)
+
+
+def quick(**overrides: Any) -> BenchConfig:
+    """Smaller traces and shorter decodes with the same structure (target: < 3 min, 2 cores)."""
+    base = dict(
+        profile="quick",
+        throughput_requests=16,
+        prompt_dist=LengthDist(median=96.0, sigma=0.8, low=32, high=256),
+        output_dist=LengthDist(median=40.0, sigma=0.6, low=16, high=64),
+        hf_batch_size=16,
+        decode_new_tokens=32,
+        capacity_requests=32,
+        capacity_reserved_slots=2,
+        capacity_max_model_len=1024,
+        itl_decodes=8,
+        itl_decode_new_tokens=48,
+        itl_inject_after_tokens=8,
+        prefix_repeats=2,
+    )
+    base.update(overrides)
+    return BenchConfig(**base)

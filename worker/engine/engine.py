@@ -1,0 +1,403 @@
+"""The Engine: offline ``generate``/``chat`` and the step API the queue worker drives.
+
+One ``step()`` = schedule (token budget) -> one forward pass over the paged cache -> sample ->
+append tokens, detokenize, check stops -> free finished sequences' blocks. Everything else here
+is request intake (validation, tokenization) and bookkeeping.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import psutil
+import torch
+
+from pagedq.client.params import SamplingParams
+from pagedq.worker.engine.config import EngineConfig
+from pagedq.worker.engine.errors import InvalidRequestError, RequestTooLongError
+from pagedq.worker.engine.kv_cache_manager import KVCacheManager, cdiv
+from pagedq.worker.engine.model_runner import ModelRunner, kv_bytes_per_token
+from pagedq.worker.engine.outputs import CompletionOutput, RequestOutput, StepOutput
+from pagedq.worker.engine.output_processor import OutputProcessor
+from pagedq.worker.engine.sampler import Sampler
+from pagedq.worker.engine.scheduler import Scheduler
+from pagedq.worker.engine.sequence import Request, Sequence, SeqStatus
+from pagedq.worker.logging import get_logger
+from pagedq.worker.models.llama import CausalLM
+from pagedq.worker.models.loader import iter_weights, load_config, load_tokenizer, resolve_model
+
+log = get_logger("pagedq.engine")
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+TYPICAL_SEQ_LEN = 512  # for the "concurrency at a typical length" line in the start-up log
+
+
+class Engine:
+    """A paged-KV, continuously batched LLM engine for one model on one device."""
+
+    def __init__(self, model: str | None = None, *, block_size: int = 16,
+                 num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 gpu_memory_utilization: float = 0.9, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, max_model_len: int | None = None,
+                 long_prefill_token_threshold: int = 0, enable_chunked_prefill: bool = True,
+                 enable_prefix_caching: bool = True, dtype: str = "float32",
+                 device: str | None = None, num_threads: int | None = None,
+                 seed: int = 0) -> None:
+        self.config = EngineConfig(
+            model=model, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
+            enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching, dtype=dtype, device=device,
+            num_threads=num_threads)
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = getattr(torch, dtype)
+        started = time.perf_counter()
+        self.model_path = resolve_model(model)
+        self.hf_config = load_config(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
+        positions = max_model_len or self.hf_config.max_position_embeddings
+        self.model = CausalLM(self.hf_config, self.dtype, self.device, positions)
+        self.model.load_weights(iter_weights(self.model_path))
+        self.model.eval()
+        num_blocks = self._num_blocks()
+        self.max_model_len = min(positions, num_blocks * block_size)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.dtype, self.device)
+        self.scheduler = Scheduler(self.config, self.kv)
+        self.sampler = Sampler(seed)
+        self.eos_token_ids = self._eos_token_ids()
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._pending: list[StepOutput] = []
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_computed_tokens = 0
+        self._log_capacity(num_blocks, time.perf_counter() - started)
+
+    # -- set-up ---------------------------------------------------------------------------
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks:
+            return cfg.num_kv_blocks
+        per_block = kv_bytes_per_token(self.model, self.dtype) * cfg.block_size
+        if self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = cfg.kv_cache_memory or min(DEFAULT_CPU_KV_BYTES,
+                                                psutil.virtual_memory().available // 4)
+        blocks = int(budget // per_block)
+        if blocks < 1:
+            raise InvalidRequestError(
+                f"KV cache budget of {budget} bytes holds no block of {per_block} bytes: raise "
+                "kv_cache_memory / gpu_memory_utilization or pass num_kv_blocks")
+        return blocks
+
+    def _cuda_kv_budget(self) -> int:
+        """vLLM's rule: utilization x total memory, minus weights and a profiled activation peak."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._profile_forward()
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - before
+        used_by_others = total - free  # weights and other processes
+        return int(total * self.config.gpu_memory_utilization - used_by_others - activation_peak)
+
+    def _profile_forward(self) -> None:
+        """One forward of a full token budget through a throwaway cache, to size activations."""
+        cfg = self.config
+        tokens = cfg.max_num_batched_tokens
+        runner = ModelRunner(self.model, cdiv(tokens, cfg.block_size), cfg.block_size,
+                             self.dtype, self.device)
+        req = Request("profile", None, [0] * tokens, SamplingParams(max_tokens=1))
+        seq = Sequence(req, 0, [0] * tokens, tokens, block_table=list(range(runner.kv_cache.shape[2])))
+        from pagedq.worker.engine.scheduler import SchedulerOutput
+
+        runner.execute(SchedulerOutput(scheduled=[(seq, tokens)]))
+        del runner
+        torch.cuda.empty_cache()
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (self.hf_config, getattr(self.tokenizer, "generation_config", None)):
+            eos = getattr(source, "eos_token_id", None)
+            ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        try:
+            from transformers import GenerationConfig
+
+            gen = GenerationConfig.from_pretrained(self.model_path)
+            eos = gen.eos_token_id
+            ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        except (OSError, ValueError):
+            pass
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    def _log_capacity(self, num_blocks: int, load_s: float) -> None:
+        bs = self.config.block_size
+        per_token = kv_bytes_per_token(self.model, self.dtype)
+        log.info("engine ready", model=str(self.model_path), device=str(self.device),
+                 dtype=self.config.dtype, load_s=round(load_s, 2), kv_blocks=num_blocks,
+                 block_size=bs, kv_tokens=num_blocks * bs, kv_bytes_per_token=per_token,
+                 kv_bytes=num_blocks * bs * per_token, max_model_len=self.max_model_len,
+                 concurrency_at_max_len=round(num_blocks * bs / self.max_model_len, 2),
+                 concurrency_at_typical_len=round(
+                     num_blocks * bs / min(TYPICAL_SEQ_LEN, self.max_model_len), 2),
+                 typical_len=min(TYPICAL_SEQ_LEN, self.max_model_len))
+
+    # -- request intake -------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int] | None,
+                    params: SamplingParams | dict | None = None, *,
+                    prompt_token_ids: list[int] | None = None, priority: int = 0,
+                    resume: list[list[int]] | None = None, deadline: float | None = None,
+                    beam: Any = None) -> Request:
+        """Queue a request. Raises InvalidRequestError / RequestTooLongError / InvalidParamsError."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already running; use a new id")
+        params = self._coerce_params(params)
+        text, ids = self._tokenize(prompt, prompt_token_ids)
+        params = self._check_lengths(ids, params)
+        req = Request(request_id, text, ids, params, priority=priority,
+                      arrival=next(self._arrivals), deadline=deadline,
+                      eos_token_ids=self.eos_token_ids, beam=beam)
+        samples = resume if resume else [[]]
+        if resume and len(resume) != params.n:
+            raise InvalidRequestError(f"resume has {len(resume)} samples, params.n is {params.n}")
+        for index, done in enumerate(samples):
+            seq = Sequence(req, index, ids + list(done), len(ids))
+            self.outputs.start(seq, resumed=list(done))
+            req.seqs.append(seq)
+            if seq.is_finished:
+                self._pending.append(self.outputs.final(seq))
+            else:
+                self.scheduler.add(seq)
+        req.forked = bool(resume) or params.n == 1
+        self.requests[request_id] = req
+        if req.finished:
+            del self.requests[request_id]
+        return req
+
+    def _coerce_params(self, params: SamplingParams | dict | None) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        if isinstance(params, dict):
+            return SamplingParams.from_dict(params)
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        return params
+
+    def _tokenize(self, prompt: str | list[int] | None,
+                  prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
+        if prompt_token_ids is None and isinstance(prompt, (list, tuple)):
+            prompt, prompt_token_ids = None, list(prompt)
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("prompt must be a string or a list of token ids")
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    f"model {self.model_path} has no tokenizer: send token ids instead of text")
+            prompt_token_ids = self.tokenizer(prompt).input_ids
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise InvalidRequestError("prompt is empty: send at least one token")
+        vocab = self.hf_config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        return (prompt if isinstance(prompt, str) else None), ids
+
+    def _check_lengths(self, ids: list[int], params: SamplingParams) -> SamplingParams:
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise RequestTooLongError(
+                f"prompt has {len(ids)} tokens; this engine fits at most {limit} tokens per "
+                "sequence (prompt + output): shorten the prompt")
+        if params.max_tokens is None:
+            from dataclasses import replace
+
+            return replace(params, max_tokens=limit - len(ids))
+        if len(ids) + params.max_tokens > limit:
+            raise RequestTooLongError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"{limit}, the most one sequence can hold (max_model_len, bounded by the KV cache): "
+                "lower max_tokens or shorten the prompt")
+        return params
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; no further outputs are produced for it."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
+                self.scheduler.remove(seq)
+        return True
+
+    # -- the step -------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def step(self) -> list[StepOutput]:
+        """Run one engine iteration; returns the stream deltas it produced."""
+        outputs, self._pending = self._pending, []
+        self._expire_deadlines(outputs)
+        sched = self.scheduler.schedule()
+        if not sched:
+            return outputs
+        logits, sample_seqs = self.runner.execute(sched)
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+            self.kv.commit(seq)
+        self.num_computed_tokens += sched.num_batched_tokens
+        self.num_steps += 1
+        if sample_seqs:
+            rows, sample_seqs = self._fork_samples(sample_seqs)
+            result = self.sampler(logits[rows] if len(rows) != len(logits) else logits,
+                                  sample_seqs)
+            self.num_generated_tokens += len(sample_seqs)
+            for k, seq in enumerate(sample_seqs):
+                lp = None if result.logprobs is None else result.logprobs[k]
+                top = None if result.top_logprobs is None else result.top_logprobs[k]
+                delta = self.outputs.append(seq, result.token_ids[k], lp, top)
+                if seq.is_finished:
+                    self._finish(seq)
+                if delta is not None:
+                    outputs.append(delta)
+        return outputs
+
+    def _fork_samples(self, seqs: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+        """n > 1: when a request's prompt is done, fork it into n sequences sharing its blocks.
+
+        Returns the logits row of each sampling sequence (siblings share their parent's row).
+        """
+        rows: list[int] = []
+        out: list[Sequence] = []
+        for row, seq in enumerate(seqs):
+            rows.append(row)
+            out.append(seq)
+            req = seq.request
+            if req.forked:
+                continue
+            for index in range(1, req.params.n):
+                child = seq.fork(index)
+                self.kv.share(seq, child)
+                self.outputs.start(child, resumed=[])
+                req.seqs.append(child)
+                self.scheduler.add_running(child)
+                rows.append(row)
+                out.append(child)
+            req.forked = True
+        return rows, out
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        req = seq.request
+        if req.finished:
+            self.requests.pop(req.request_id, None)
+
+    def _expire_deadlines(self, outputs: list[StepOutput]) -> None:
+        now = time.time()
+        for req in [r for r in self.requests.values() if r.deadline and r.deadline <= now]:
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    seq.status, seq.finish_reason = SeqStatus.FINISHED, "deadline"
+                    self.scheduler.remove(seq)
+                    outputs.append(self.outputs.final(seq))
+            if not req.forked:  # deadline hit before the fork: the missing samples end too
+                req.forked = True
+            self.requests.pop(req.request_id, None)
+
+    # -- offline API ----------------------------------------------------------------------
+    def generate(self, prompts: Seq[str] | Seq[list[int]] | str,
+                 params: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion with continuous batching; results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InvalidRequestError(f"{len(plist)} params for {len(prompts)} prompts")
+        ids = [f"offline-{next(self._arrivals)}" for _ in prompts]
+        reqs: list[Request] = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+                reqs.append(self.add_request(rid, prompt, p))
+        except Exception:
+            for rid in ids:
+                self.abort_request(rid)
+            raise
+        self.run_until_done(ids)
+        return [self.request_output(r) for r in reqs]
+
+    def chat(self, conversations: list[dict] | list[list[dict]],
+             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then ``generate``."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        return self.generate([self.apply_chat_template(c) for c in conversations], params)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(f"model {self.model_path} has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def run_until_done(self, request_ids: list[str]) -> None:
+        wanted = set(request_ids)
+        while wanted & self.requests.keys() or self._pending:
+            self.step()
+
+    def request_output(self, req: Request) -> RequestOutput:
+        outs = [CompletionOutput(s.index, s.output_token_ids, s.text, s.finish_reason,
+                                 s.cum_logprob, s.logprobs)
+                for s in sorted(req.seqs, key=lambda s: s.index)]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs,
+                             finished=req.finished, num_cached_tokens=req.num_cached_tokens)
+
+    # -- introspection --------------------------------------------------------------------
+    def free_capacity(self, prompt_len_hint: int = 256) -> int:
+        """How many more requests could be admitted now (sequence slots and KV blocks)."""
+        slots = self.config.max_num_seqs - len(self.scheduler.running) - len(
+            self.scheduler.waiting)
+        bs = self.config.block_size
+        reserved = sum(cdiv(s.num_tokens, bs) for s in self.scheduler.waiting)
+        per_request = cdiv(min(prompt_len_hint, self.max_model_len) + 1, bs)
+        by_blocks = (self.kv.pool.num_free - reserved) // per_request
+        return max(0, min(slots, by_blocks))
+
+    def stats(self) -> dict[str, Any]:
+        pool = self.kv.pool
+        running = self.scheduler.running
+        return {
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used,
+            "kv_blocks_free": pool.num_free,
+            "kv_tokens_live": self.kv.live_tokens(running),
+            "kv_usage": pool.num_used / pool.num_blocks,
+            "block_size": self.config.block_size,
+            "running": len(running),
+            "waiting": len(self.scheduler.waiting),
+            "requests": len(self.requests),
+            "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.kv.prefix_cache_queries,
+            "prefix_cache_hits": self.kv.prefix_cache_hits,
+            "prefix_cache_evictions": pool.num_evictions,
+            "num_steps": self.num_steps,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_computed_tokens": self.num_computed_tokens,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.config.max_num_seqs,
+        }

@@ -1,0 +1,111 @@
+"""Turns a scheduler plan into one forward pass over the paged KV cache.
+
+It owns the KV tensors (one [2, num_blocks, block_size, kv_heads, head_dim] slab per layer),
+packs every scheduled sequence's new tokens into one flat batch, derives positions and cache
+slots from the block tables on tensors, and returns the logits of the sequences whose last
+known token was just computed (the ones that sample this step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedq.kernels import plan_attention
+from pagedq.worker.engine.scheduler import SchedulerOutput
+from pagedq.worker.engine.sequence import Sequence
+from pagedq.worker.models.llama import AttentionContext, CausalLM
+
+
+@dataclass
+class StepBatch:
+    """The flat inputs of one step (kept for inspection and tests)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    logits_indices: torch.Tensor
+    sample_seqs: list[Sequence]
+
+
+def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * len(model.layers) * model.num_kv_heads * model.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, backend: str | None = None) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.backend = backend
+        shape = (len(model.layers), 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_views = [(layer[0], layer[1]) for layer in self.kv_cache]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate whole blocks in every layer before the step writes."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def prepare(self, sched: SchedulerOutput) -> StepBatch:
+        bs = self.block_size
+        seqs = [s for s, _ in sched.scheduled]
+        q_lens_list = [n for _, n in sched.scheduled]
+        starts_list = [s.num_computed_tokens for s in seqs]
+        tokens: list[int] = []
+        for seq, start, n in zip(seqs, starts_list, q_lens_list, strict=True):
+            tokens.extend(seq.token_ids[start:start + n])
+        width = max(len(s.block_table) for s in seqs)
+        table = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+
+        q_lens = torch.tensor(q_lens_list)
+        starts = torch.tensor(starts_list)
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.long)
+        torch.cumsum(q_lens, 0, out=cu[1:])
+        block_table = torch.tensor(table, dtype=torch.int32)
+        seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
+        positions = torch.arange(len(tokens)) - cu[seq_idx] + starts[seq_idx]
+        slots = block_table[seq_idx, positions // bs].long() * bs + positions % bs
+        seq_lens = starts + q_lens
+        samples = [i for i, s in enumerate(seqs) if reaches_end(s, starts_list[i], q_lens_list[i])]
+        dev = self.device
+        return StepBatch(
+            input_ids=torch.tensor(tokens, device=dev),
+            positions=positions.to(dev),
+            slot_mapping=slots.to(dev),
+            block_table=block_table.to(dev),
+            seq_lens=seq_lens.to(dtype=torch.int32, device=dev),
+            cu_seqlens_q=cu.to(dtype=torch.int32, device=dev),
+            logits_indices=(cu[1:][samples] - 1).to(dev),
+            sample_seqs=[seqs[i] for i in samples],
+        )
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run the step; returns (logits [num_sampling, vocab] fp32, the sampling sequences)."""
+        self.copy_blocks(sched.copies)
+        batch = self.prepare(sched)
+        plan = plan_attention(batch.block_table, batch.seq_lens, batch.cu_seqlens_q,
+                              self.block_size, num_tokens=len(batch.input_ids))
+        ctx = AttentionContext(self.kv_views, batch.slot_mapping, batch.block_table,
+                               batch.seq_lens, batch.cu_seqlens_q, plan, self.backend)
+        hidden = self.model(batch.input_ids, batch.positions, ctx)
+        if not batch.sample_seqs:
+            return hidden.new_empty((0, 0)), []
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return logits.cpu() if logits.device.type != "cpu" else logits, batch.sample_seqs
+
+
+def reaches_end(seq: Sequence, start: int, n: int) -> bool:
+    """Does this chunk reach the sequence's last known token (so its logits are needed)?"""
+    return start + n == seq.num_tokens

@@ -1,0 +1,99 @@
+"""After sampling: append the token, detokenize, decide whether the sequence stops, and cut
+the stream delta.
+
+Stops, in vLLM's order: EOS (unless ignore_eos) and ``stop_token_ids`` (their text is not
+added), then max_tokens / max_model_len, then stop strings found in the detokenized text across
+token boundaries (the text is cut before the stop string). A stream never shows text that a
+later stop string could still remove: a tail that may grow into a stop string is held back.
+"""
+
+from __future__ import annotations
+
+from pagedq.worker.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
+from pagedq.worker.engine.outputs import StepOutput
+from pagedq.worker.engine.sequence import Sequence, SeqStatus
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def start(self, seq: Sequence, resumed: list[int]) -> None:
+        """Set up a sequence's output state; replay tokens a previous owner already streamed."""
+        p = seq.params
+        seq.detok = IncrementalDetokenizer(
+            self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], p.skip_special_tokens)
+        if p.logprobs is not None:
+            seq.logprobs = seq.logprobs or []
+        if not resumed:
+            return
+        del seq.token_ids[seq.num_prompt_tokens:]
+        for token in resumed:
+            self._accept(seq, token)
+            if seq.is_finished:
+                break
+        seq.num_resumed_tokens = seq.num_emitted_tokens = seq.num_generated
+        seq.num_emitted_chars = self._visible_chars(seq)
+
+    def append(self, seq: Sequence, token: int, logprob: float | None,
+               top: dict[int, float] | None) -> StepOutput:
+        """Add one sampled token; returns the sequence's stream delta for this step."""
+        if logprob is not None:
+            seq.cum_logprob += logprob
+        if top is not None and seq.logprobs is not None:
+            seq.logprobs.append(top)
+        self._accept(seq, token)
+        return self.delta(seq)
+
+    def final(self, seq: Sequence) -> StepOutput:
+        """The last delta of a sequence finished outside sampling (deadline, resumed done)."""
+        return self.delta(seq)
+
+    def delta(self, seq: Sequence) -> StepOutput:
+        new_tokens = seq.output_token_ids[seq.num_emitted_tokens:]
+        visible = self._visible_chars(seq)
+        new_text = seq.text[seq.num_emitted_chars:visible]
+        new_lp = None
+        if seq.logprobs is not None:
+            new_lp = seq.logprobs[len(seq.logprobs) - len(new_tokens):] if new_tokens else []
+        seq.num_emitted_tokens = seq.num_generated
+        seq.num_emitted_chars = visible
+        usage = {}
+        if seq.is_finished:
+            usage = {"prompt_tokens": seq.num_prompt_tokens,
+                     "completion_tokens": seq.num_generated}
+        return StepOutput(seq.request.request_id, seq.index, new_tokens, new_text,
+                          seq.num_generated, seq.is_finished, seq.finish_reason, new_lp, usage)
+
+    # -- internals ------------------------------------------------------------------------
+    def _accept(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        seq.token_ids.append(token)
+        if seq.num_generated >= p.min_tokens:
+            if not p.ignore_eos and token in seq.request.eos_token_ids:
+                return self._stop(seq, "stop", None)
+            if token in p.stop_token_ids:
+                return self._stop(seq, "stop", token)
+        old_len = len(seq.text)
+        seq.text += seq.detok.append([token])
+        if p.stop and seq.num_generated >= p.min_tokens:
+            hit = find_stop(seq.text, old_len, p.stop)
+            if hit is not None:
+                seq.text = seq.text[:hit[0]]
+                return self._stop(seq, "stop", hit[1])
+        if seq.num_generated >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._stop(seq, "length", None)
+
+    def _stop(self, seq: Sequence, reason: str, stop_reason: str | int | None) -> None:
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        if stop_reason is None or isinstance(stop_reason, int):
+            seq.text += seq.detok.flush()
+
+    def _visible_chars(self, seq: Sequence) -> int:
+        """Characters of ``seq.text`` a stream may show now."""
+        if seq.is_finished or not seq.params.stop:
+            return len(seq.text)
+        return len(seq.text) - partial_stop_len(seq.text, seq.params.stop)

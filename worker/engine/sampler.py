@@ -1,0 +1,165 @@
+"""Batched token sampling: penalties, temperature, top-k/top-p/min-p, greedy, seeded draws.
+
+All rows are processed together on tensors; per-row parameters become columns. A sampled token
+is drawn by inverse CDF from one uniform number per row. For a seeded request that number is a
+pure function of (seed, sample index, position), so its tokens never depend on its batch mates
+and a job resumed on another worker continues exactly where it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedq.worker.engine.sequence import Sequence
+
+MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    """A fast, well-mixed 64-bit hash (Steele et al.); the seeded draws' only randomness."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, index: int, position: int) -> float:
+    """Uniform in [0, 1) determined by the request seed, the sample index and the position."""
+    x = splitmix64(splitmix64(splitmix64(seed) ^ index) ^ position)
+    return (x >> 11) * (1.0 / (1 << 53))
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None  # log-probability of each chosen token (raw model distribution)
+    top_logprobs: list[dict[int, float] | None] | None
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Repetition (prompt + output), presence and frequency (output) penalties, in place."""
+    rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0
+            or s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0]
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    sub = [seqs[i] for i in rows]
+    idx = torch.tensor(rows, device=logits.device)
+    x = logits[idx]
+    out_counts = _counts([s.output_token_ids for s in sub], vocab, logits.device)
+    seen = out_counts > 0
+    seen |= _counts([s.token_ids[:s.num_prompt_tokens] for s in sub], vocab, logits.device) > 0
+
+    def column(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(s.params, name) for s in sub], dtype=x.dtype,
+                            device=x.device)[:, None]
+
+    rep = column("repetition_penalty")
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x -= column("frequency_penalty") * out_counts + column("presence_penalty") * (out_counts > 0)
+    logits[idx] = x
+
+
+def _counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[rows, vocab] occurrence counts, built with one scatter_add."""
+    width = max(1, max(len(t) for t in token_lists))
+    ids = torch.full((len(token_lists), width), vocab, dtype=torch.long)
+    for r, toks in enumerate(token_lists):
+        if toks:
+            ids[r, :len(toks)] = torch.tensor(toks)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
+    return counts[:, :vocab]
+
+
+def mask_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Forbid EOS and stop tokens until a sequence has its ``min_tokens``."""
+    for i, s in enumerate(seqs):
+        p = s.params
+        if p.min_tokens and s.num_generated < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(s.request.eos_token_ids))
+            banned = [t for t in banned if t < logits.shape[1]]
+            if banned:
+                logits[i, banned] = float("-inf")
+
+
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor, min_p: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Probabilities after temperature, top-k, top-p (on the top-k renormalised) and min-p.
+
+    Returns (probs, order): when ``order`` is not None, ``probs`` is sorted descending and
+    ``order`` maps its columns back to token ids. Rows need not be renormalised.
+    """
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    vocab = probs.shape[1]
+    need_sort = bool((top_p < 1.0).any()) or bool(((top_k > 0) & (top_k < vocab)).any())
+    order = None
+    if need_sort:
+        probs, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=probs.device)[None, :]
+        k = torch.where(top_k > 0, top_k, vocab)[:, None]
+        probs = probs.masked_fill(rank >= k, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+        before = probs.cumsum(-1) - probs  # mass strictly before each token
+        probs = probs.masked_fill(before > top_p[:, None], 0.0)
+    if bool((min_p > 0).any()):
+        top = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < min_p[:, None] * top, 0.0)
+    return probs, order
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Column index per row with P(col) proportional to probs[row, col]; u uniform in [0, 1)."""
+    cdf = probs.cumsum(-1)
+    target = (u * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[1] - 1)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)  # for unseeded requests
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        """One token per row of ``logits`` [rows, vocab] (fp32); row i belongs to seqs[i]."""
+        want_lp = any(s.params.logprobs is not None for s in seqs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
+        apply_penalties(logits, seqs)
+        mask_min_tokens(logits, seqs)
+        tokens = logits.argmax(dim=-1)
+        rand_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if rand_rows:
+            tokens[rand_rows] = self._sample_rows(logits[rand_rows], [seqs[i] for i in rand_rows])
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return SampleResult(token_list, None, None)
+        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        tops: list[dict[int, float] | None] = []
+        for i, s in enumerate(seqs):
+            k = s.params.logprobs
+            if k is None:
+                tops.append(None)
+                continue
+            top = {}
+            if k:
+                vals, ids = raw_logprobs[i].topk(k)
+                top = dict(zip(ids.tolist(), vals.tolist(), strict=True))
+            top[token_list[i]] = chosen[i]
+            tops.append(top)
+        return SampleResult(token_list, chosen, tops)
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        def col(name: str, dtype=torch.float32) -> torch.Tensor:
+            return torch.tensor([getattr(s.params, name) for s in seqs], dtype=dtype)
+
+        probs, order = filtered_probs(logits, col("temperature"), col("top_k", torch.long),
+                                      col("top_p"), col("min_p"))
+        u = torch.rand(len(seqs), generator=self.generator, dtype=torch.float64)
+        for r, s in enumerate(seqs):
+            if s.params.seed is not None:
+                u[r] = seeded_uniform(s.params.seed, s.index, s.num_generated)
+        idx = sample_inverse_cdf(probs.double(), u.to(probs.device))
+        return idx if order is None else order.gather(1, idx[:, None]).squeeze(1)

@@ -1,0 +1,147 @@
+"""The scheduler: vLLM V1's rule, with no separate prefill and decode phases.
+
+Every step hands out at most ``max_num_batched_tokens`` tokens. Each scheduled sequence gets
+``num_tokens - num_computed_tokens`` of them (capped by the budget and the long-prefill
+threshold): 1 for a decode, a chunk for a prompt. Running sequences go first, so a long prompt
+arriving never stalls the decodes; waiting ones are admitted in priority then FCFS order while
+budget, sequence slots and KV blocks last. When blocks run out the lowest-priority, most
+recently admitted running sequence is preempted: its blocks are freed and it is recomputed later
+(it keeps its generated tokens, so its output does not change).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from pagedq.worker.engine.config import EngineConfig
+from pagedq.worker.engine.kv_cache_manager import KVCacheManager
+from pagedq.worker.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: which sequences compute how many tokens, and block copies to apply."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+def _wait_key(seq: Sequence) -> tuple[int, int, int]:
+    return (*seq.request.sort_key, seq.index)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Sequence] = []  # sorted by _wait_key
+        self.running: list[Sequence] = []  # admission order
+        self.num_preemptions = 0
+        self._admissions = 0
+
+    # -- queue management -----------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        keys = [_wait_key(s) for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, _wait_key(seq)), seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A fork of a running sequence joins the running set directly."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- the step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.copies = self.kv.take_copies()
+        return out
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        limit = self.config.long_prefill_token_threshold
+        return min(remaining, budget, limit) if limit else min(remaining, budget)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this step
+                continue
+            num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate(seq, num_new):
+                victim = self._pick_victim()
+                budget += self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, num_new))
+                budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bs = self.kv.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hit = self.kv.match_prefix(seq)
+            hit_tokens = len(hit[0]) * bs
+            remaining = seq.num_tokens - max(hit_tokens, seq.num_computed_tokens)
+            num_new = self._chunk(remaining, budget)
+            if num_new < remaining and not self.config.enable_chunked_prefill:
+                break
+            if not self.kv.allocate(seq, num_new, hit):
+                break
+            if self.kv.enable_prefix_caching:
+                self.kv.record_prefix_query(seq.num_tokens, hit_tokens)
+            if seq.request.num_cached_tokens == 0 and seq.num_preemptions == 0:
+                seq.request.num_cached_tokens = hit_tokens
+            self.waiting.pop(0)
+            seq.status = SeqStatus.RUNNING
+            seq.admitted_at = self._admissions
+            self._admissions += 1
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+
+    def _pick_victim(self) -> Sequence:
+        """Lowest priority first, then the most recently admitted."""
+        return max(self.running, key=lambda s: (-s.request.priority, s.admitted_at))
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Free ``seq``'s blocks and queue it for recompute; returns budget handed back."""
+        refund = 0
+        for k, (s, n) in enumerate(out.scheduled):
+            if s is seq:
+                refund = n
+                del out.scheduled[k]
+                break
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)
+        return refund

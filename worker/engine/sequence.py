@@ -1,0 +1,119 @@
+"""Requests and their sequences: the scheduler's unit of work.
+
+A ``Request`` is what a user asked for (a prompt, params, n samples). Each sample is a
+``Sequence``: its own token list and block table. With n > 1 the request starts as one sequence
+that prefills the prompt once and then forks into n sequences sharing the prompt's blocks.
+
+The scheduling rule (vLLM V1) needs only two counters per sequence: ``num_tokens`` (tokens
+known: prompt + generated) and ``num_computed_tokens`` (tokens whose KV is in the cache). Each
+step moves the second towards the first; when they meet, the model's last logits yield a token.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedq.client.params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One user request; owns its n sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival: int = 0  # admission order tie-breaker (monotonic counter, not a clock)
+    deadline: float | None = None  # unix time
+    eos_token_ids: frozenset[int] = frozenset()
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False  # n > 1: whether the first sequence has forked into n
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    beam: Any = None  # beam-search state when this is a beam request
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is SeqStatus.FINISHED for s in self.seqs) and (
+            self.forked or self.params.n == 1
+        )
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Waiting-queue order: higher priority first, then first come first served."""
+        return (-self.priority, self.arrival)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample's tokens, KV bookkeeping and output state."""
+
+    request: Request
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    admitted_at: int = -1  # scheduler step counter at (re)admission: newest is preempted first
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    cum_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+    detok: Any = None  # IncrementalDetokenizer when the engine has a tokenizer
+    text: str = ""  # output text, trimmed at a stop string
+    num_emitted_tokens: int = 0  # generated tokens already handed out in StepOutputs
+    num_emitted_chars: int = 0  # characters of ``text`` already handed out
+    num_resumed_tokens: int = 0  # generated tokens inherited from a previous owner of the job
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    def fork(self, index: int) -> Sequence:
+        """A sibling sharing everything computed so far (the caller shares the blocks)."""
+        return Sequence(
+            request=self.request,
+            index=index,
+            token_ids=list(self.token_ids),
+            num_prompt_tokens=self.num_prompt_tokens,
+            status=self.status,
+            num_computed_tokens=self.num_computed_tokens,
+            block_table=list(self.block_table),
+            block_hashes=list(self.block_hashes),
+            admitted_at=self.admitted_at,
+            cum_logprob=self.cum_logprob,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+        )

@@ -1,0 +1,237 @@
+"""Our forward pass for the Llama family over the paged KV cache.
+
+Llama, Mistral, Qwen2 and Qwen3 differ by a few flags: q/k/v bias (Qwen2), per-head q/k RMSNorm
+(Qwen3), tied embeddings. Parameter names follow the Hugging Face checkpoints so weights load
+by name; q/k/v and gate/up are fused at load time so each layer is four matmuls.
+
+Every forward handles a packed batch of tokens from many sequences (prefill chunks and decodes
+alike): positions say where each token sits, and the attention context says where its KV goes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedq.kernels import paged_attention, write_kv
+from pagedq.worker.engine.errors import EngineError
+
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
+UNSUPPORTED_ROPE = {"dynamic", "longrope"}  # depend on the running length: no static table
+
+
+class UnsupportedModelError(EngineError):
+    """The checkpoint's architecture or options are outside what this forward pass implements."""
+
+
+@dataclass
+class AttentionContext:
+    """Per-step attention inputs shared by every layer."""
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    plan: Any = None  # kernels' per-step plan (indices built once, used by every layer)
+    backend: str | None = None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm: normalise in fp32, scale in the model dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_tables(config, max_positions: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """cos/sin for every position, from transformers' own RoPE initialisation for this family.
+
+    Returns [max_positions, 2, head_dim] (cos, sin), computed in fp32 as transformers does.
+    """
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in UNSUPPORTED_ROPE:
+        raise UnsupportedModelError(
+            f"RoPE type {rope_type!r} rescales with the running length; use a model with static "
+            "RoPE scaling (default, linear, llama3, yarn)"
+        )
+    module = importlib.import_module(
+        f"transformers.models.{config.model_type}.modeling_{config.model_type}"
+    )
+    rotary_cls = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))
+    rotary = rotary_cls(config)
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = positions[:, None] * rotary.inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scale = rotary.attention_scaling
+    return torch.stack([emb.cos() * scale, emb.sin() * scale], dim=1).to(dtype=dtype, device=device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/sin: [T, 1, D] (rotate-half convention, as in transformers)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, dtype,
+                 device) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        h, d = config.hidden_size, self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.sizes = (q_size, kv_size, kv_size)
+
+        def param(*shape):
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), False)
+
+        self.qkv_proj = param(q_size + 2 * kv_size, h)
+        self.qkv_bias = param(q_size + 2 * kv_size) if qkv_bias else None
+        self.o_proj = param(h, q_size)
+        self.o_bias = param(h) if o_bias else None
+        self.q_norm = param(d) if qk_norm else None
+        self.k_norm = param(d) if qk_norm else None
+        self.gate_up_proj = param(2 * config.intermediate_size, h)
+        self.down_proj = param(h, config.intermediate_size)
+        self.input_layernorm = param(h)
+        self.post_attention_layernorm = param(h)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, layer: int,
+                ctx: AttentionContext) -> torch.Tensor:
+        t = x.shape[0]
+        h = rms_norm(x, self.input_layernorm, self.eps)
+        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split(self.sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
+        cos, sin = rope[:, 0:1], rope[:, 1:2]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = ctx.kv_caches[layer]
+        write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.cu_seqlens_q,
+                            scale=self.scale, backend=ctx.backend, plan=ctx.plan)
+        x = x + F.linear(o.reshape(t, -1), self.o_proj, self.o_bias)
+        h = rms_norm(x, self.post_attention_layernorm, self.eps)
+        gate, up = F.linear(h, self.gate_up_proj).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class CausalLM(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head for one Llama-family checkpoint."""
+
+    def __init__(self, config, dtype: torch.dtype, device, max_positions: int) -> None:
+        super().__init__()
+        family = config.model_type
+        if family not in SUPPORTED:
+            raise UnsupportedModelError(
+                f"model_type {family!r} is not supported; pagedq runs {sorted(SUPPORTED)}"
+            )
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {config.hidden_act!r}: only silu is supported")
+        if getattr(config, "use_sliding_window", False):
+            raise UnsupportedModelError("sliding-window attention is not supported")
+        o_bias = bool(getattr(config, "attention_bias", False)) and family != "qwen2"
+        qkv_bias = family == "qwen2" or o_bias
+        qk_norm = family == "qwen3"
+        self.config = config
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.eps = config.rms_norm_eps
+        self.embed_tokens = nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), False
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, qkv_bias, o_bias, qk_norm, dtype, device)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype, device=device), False)
+        self.lm_head = None if self.tied else nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), False
+        )
+        self.register_buffer("rope", rope_tables(config, max_positions, dtype, device), False)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.layers[0].num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers[0].head_dim
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: AttentionContext) -> torch.Tensor:
+        """Hidden states after the final norm for every packed token: [T, hidden]."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        rope = self.rope[positions]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, i, ctx)
+        return rms_norm(x, self.norm, self.eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens if self.tied else self.lm_head
+        return F.linear(hidden, head).float()
+
+    # -- weights --------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; fail loudly on gaps."""
+        parts: dict[str, torch.Tensor] = {}
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            parts[name.removeprefix("model.")] = tensor
+        if self.tied:
+            parts.pop("lm_head.weight", None)
+
+        def take(key: str) -> torch.Tensor:
+            if key not in parts:
+                raise UnsupportedModelError(f"checkpoint is missing weight {key!r}")
+            return parts.pop(key)
+
+        def put(dst: torch.Tensor, *srcs: torch.Tensor) -> None:
+            src = torch.cat(srcs, dim=0) if len(srcs) > 1 else srcs[0]
+            if src.shape != dst.shape:
+                raise UnsupportedModelError(f"weight shape {tuple(src.shape)} != {tuple(dst.shape)}")
+            dst.copy_(src)
+
+        with torch.no_grad():
+            put(self.embed_tokens, take("embed_tokens.weight"))
+            put(self.norm, take("norm.weight"))
+            if not self.tied:
+                put(self.lm_head, take("lm_head.weight"))
+            for i, layer in enumerate(self.layers):
+                p = f"layers.{i}."
+                a = p + "self_attn."
+                put(layer.qkv_proj, *(take(f"{a}{n}_proj.weight") for n in "qkv"))
+                if layer.qkv_bias is not None:
+                    put(layer.qkv_bias, *(take(f"{a}{n}_proj.bias") for n in "qkv"))
+                put(layer.o_proj, take(a + "o_proj.weight"))
+                if layer.o_bias is not None:
+                    put(layer.o_bias, take(a + "o_proj.bias"))
+                if layer.q_norm is not None:
+                    put(layer.q_norm, take(a + "q_norm.weight"))
+                    put(layer.k_norm, take(a + "k_norm.weight"))
+                m = p + "mlp."
+                put(layer.gate_up_proj, take(m + "gate_proj.weight"), take(m + "up_proj.weight"))
+                put(layer.down_proj, take(m + "down_proj.weight"))
+                put(layer.input_layernorm, take(p + "input_layernorm.weight"))
+                put(layer.post_attention_layernorm, take(p + "post_attention_layernorm.weight"))
+        if parts:
+            raise UnsupportedModelError(f"checkpoint has weights this model does not use: "
+                                        f"{sorted(parts)[:5]}")

@@ -1,0 +1,363 @@
+"""Find a model's files on local disk and read them: config, weights, tokenizer.
+
+Nothing here downloads from a model hub. A model is named by a local directory in Hugging Face
+layout, a ``.gguf`` file (converted once to such a directory and cached), a repo id already in
+the local Hugging Face cache, or nothing at all (the bundled default model). The engine only ever
+sees a directory with ``config.json`` + weights, so our own forward pass (``llama.py``) never has
+to know where the files came from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from pagedq.worker.engine.errors import ModelNotFoundError
+from pagedq.worker.logging import get_logger
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+__all__ = [
+    "cache_dir",
+    "resolve_model",
+    "load_config",
+    "iter_weights",
+    "load_tokenizer",
+    "convert_gguf",
+    "hf_hub_cache_dir",
+    "gguf_cache_path",
+    "is_converted",
+    "weight_files",
+]
+
+log = get_logger(__name__)
+
+# Any one of these makes ``AutoTokenizer.from_pretrained`` able to build a tokenizer.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+
+
+def cache_dir() -> Path:
+    """pagedq's own cache ($PAGEDQ_CACHE or ~/.cache/pagedq): converted GGUF and default models."""
+    root = Path(os.environ.get("PAGEDQ_CACHE") or Path.home() / ".cache" / "pagedq").expanduser()
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def hf_hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment at call time.
+
+    huggingface_hub freezes its constants at import; reading the variables here means a worker
+    (or a test) that sets HF_HUB_CACHE / HF_HOME later is still honoured.
+    """
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "huggingface" / "hub"
+
+
+# --------------------------------------------------------------------------- resolution
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """Turn what the user passed into a local directory holding config.json + weights.
+
+    Raises ModelNotFoundError naming every place that was looked at.
+    """
+    if model is None or (isinstance(model, str) and not model.strip()):
+        from pagedq.worker.models.default_model import ensure_default_model
+
+        return ensure_default_model()
+    text = os.fspath(model)
+    path = Path(text).expanduser()
+    if path.exists():
+        return _resolve_local(path)
+    tried = [f"local path {str(path.absolute())!r}: does not exist"]
+    repo_id, revision = _split_revision(text)
+    if _looks_like_repo_id(repo_id):
+        snapshot, why = _hf_cache_snapshot(repo_id, revision)
+        if snapshot is not None:
+            return snapshot
+        tried.append(why)
+    else:
+        tried.append(f"{text!r} is not a Hugging Face repo id (org/name): HF cache not searched")
+    raise ModelNotFoundError(_not_found_message(text, tried))
+
+
+def _resolve_local(path: Path) -> Path:
+    path = path.resolve()
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return convert_gguf(path, gguf_cache_path(path))
+        raise ModelNotFoundError(
+            _not_found_message(str(path), [f"{path} is a file but not a .gguf file"])
+        )
+    if (path / "config.json").is_file():
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return convert_gguf(ggufs[0], gguf_cache_path(ggufs[0]))
+    why = f"directory {path} has no config.json"
+    if ggufs:
+        names = ", ".join(g.name for g in ggufs)
+        why += f" and {len(ggufs)} .gguf files ({names}): pass one of them"
+    raise ModelNotFoundError(_not_found_message(str(path), [why]))
+
+
+def _split_revision(text: str) -> tuple[str, str | None]:
+    """'org/name@rev' -> ('org/name', 'rev'); the revision must already be in the local cache."""
+    if "@" in text:
+        repo_id, _, revision = text.partition("@")
+        return repo_id, revision or None
+    return text, None
+
+
+def _looks_like_repo_id(text: str) -> bool:
+    from huggingface_hub.utils import validate_repo_id
+
+    if text.count("/") > 1 or text.startswith((".", "/", "~")):
+        return False
+    try:
+        validate_repo_id(text)
+    except Exception:
+        return False
+    return True
+
+
+def _hf_cache_snapshot(repo_id: str, revision: str | None) -> tuple[Path | None, str]:
+    """The cached snapshot directory of ``repo_id``, offline only; (None, why) when absent."""
+    from huggingface_hub import snapshot_download
+
+    hub = hf_hub_cache_dir()
+    where = f"Hugging Face cache {str(hub)!r} (offline) for {repo_id!r}"
+    if revision:
+        where += f" at revision {revision!r}"
+    try:
+        snapshot = Path(
+            snapshot_download(
+                repo_id, revision=revision, cache_dir=hub, local_files_only=True
+            )
+        )
+    except Exception as exc:  # LocalEntryNotFoundError and friends: all mean "not cached"
+        return None, f"{where}: not cached ({type(exc).__name__})"
+    if not (snapshot / "config.json").is_file():
+        return None, f"{where}: snapshot {snapshot} has no config.json"
+    return snapshot, ""
+
+
+def _not_found_message(model: str, tried: list[str]) -> str:
+    lines = [f"Could not find model {model!r} on local disk (pagedq never downloads from a hub)."]
+    lines += ["Tried:"] + [f"  - {t}" for t in tried]
+    lines += [
+        "Pass one of: a directory with config.json and *.safetensors / pytorch_model*.bin; "
+        "a .gguf file; a repo id already in the Hugging Face cache (fetch it first with "
+        "`huggingface-cli download ORG/NAME`, and set HF_HUB_CACHE or HF_HOME if the cache "
+        "lives elsewhere); or no model at all for the bundled default (SmolLM2-135M-Instruct)."
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def load_config(path: Path) -> PretrainedConfig:
+    """The model's transformers config (architecture flags the forward pass reads)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(Path(path))
+
+
+def weight_files(path: Path) -> list[Path]:
+    """Checkpoint files in load order: safetensors if any (as transformers prefers), else .bin."""
+    path = Path(path)
+    for index_name, pattern in (
+        ("model.safetensors.index.json", "*.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model*.bin"),
+    ):
+        index = path / index_name
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [path / name for name in sorted(set(weight_map.values()))]
+        files = sorted(path.glob(pattern))
+        if files:
+            return files
+    raise ModelNotFoundError(
+        f"No weights in {path}: expected model*.safetensors (optionally sharded with "
+        f"model.safetensors.index.json) or pytorch_model*.bin. Re-save the model with "
+        f"save_pretrained, or pass a .gguf file instead."
+    )
+
+
+def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (checkpoint name, tensor) one at a time, so peak memory stays ~one tensor.
+
+    safetensors are opened lazily (each tensor is read on demand); .bin files are memory-mapped.
+    Names are exactly the checkpoint's (Hugging Face names); dtypes are the checkpoint's too.
+    """
+    from safetensors import safe_open
+
+    for file in weight_files(path):
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            yield from state.items()
+            del state
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+    """The model's tokenizer, or None for a token-id-only model directory."""
+    path = Path(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        log.info("no tokenizer files; token ids only", model=str(path))
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+# --------------------------------------------------------------------------- GGUF
+
+
+def gguf_cache_path(gguf_file: Path) -> Path:
+    """Where a GGUF file's conversion lives: keyed by path, size and mtime so edits re-convert."""
+    gguf_file = Path(gguf_file).resolve()
+    st = gguf_file.stat()
+    key = hashlib.sha256(f"{gguf_file}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "gguf" / f"{gguf_file.stem}-{key}"
+
+
+def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF checkpoint to an fp32 Hugging Face directory at ``out_dir`` (once).
+
+    transformers reads GGUF but refuses to ``save_pretrained`` what it read, so the state dict is
+    written with safetensors directly. The result appears atomically (temp dir + rename) and a
+    file lock serialises concurrent converters, so a crash or a race never leaves a half cache.
+    Returns ``out_dir``; if it already exists nothing is done.
+    """
+    gguf_file, out_dir = Path(gguf_file).resolve(), Path(out_dir)
+    if is_converted(out_dir):
+        return out_dir
+    if not gguf_file.is_file():
+        raise ModelNotFoundError(f"GGUF file {gguf_file} does not exist; pass an existing .gguf.")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(out_dir.with_name(out_dir.name + ".lock")):
+        if is_converted(out_dir):  # another process finished while we waited
+            return out_dir
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        try:
+            t0 = time.perf_counter()
+            log.info("converting gguf", gguf=str(gguf_file), out=str(out_dir))
+            _write_converted(gguf_file, tmp)
+            _make_shareable(tmp)
+            _make_room(out_dir)
+            os.rename(tmp, out_dir)
+            log.info("converted gguf", out=str(out_dir), seconds=round(time.perf_counter() - t0, 1))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+_DONE_MARKER = "pagedq_converted.json"
+
+
+def is_converted(out_dir: Path) -> bool:
+    return (out_dir / _DONE_MARKER).is_file()
+
+
+def _make_shareable(directory: Path) -> None:
+    """mkdtemp and safetensors create owner-only files; a model cache is meant to be shared."""
+    directory.chmod(0o755)
+    for file in directory.iterdir():
+        file.chmod(0o644)
+
+
+def _make_room(out_dir: Path) -> None:
+    """Clear the way for the rename; never delete a non-empty directory we did not write."""
+    if not out_dir.exists():
+        return
+    if out_dir.is_dir() and not any(out_dir.iterdir()):
+        out_dir.rmdir()
+        return
+    raise ModelNotFoundError(
+        f"Cannot write the converted model to {out_dir}: it exists and is not a pagedq "
+        f"conversion (no {_DONE_MARKER}). Remove it or choose another output directory."
+    )
+
+
+@contextlib.contextmanager
+def _file_lock(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars() -> Iterator[None]:
+    """transformers' GGUF loader draws tqdm bars; they would garble JSON logs."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _write_converted(gguf_file: Path, out: Path) -> None:
+    """Load ``gguf_file`` with transformers (dequantized to fp32) and save it in HF layout."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, name = gguf_file.parent, gguf_file.name
+    with _quiet_progress_bars():
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    config = model.config
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    state = {
+        k: v.detach().contiguous()
+        for k, v in model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del state
+    # The loaded config says "quantized with gguf"; the saved weights are plain fp32.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+    del model
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    tokenizer.save_pretrained(out)
+    (out / _DONE_MARKER).write_text(
+        json.dumps({"source": str(gguf_file), "size": gguf_file.stat().st_size}) + "\n"
+    )

