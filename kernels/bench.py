@@ -75,8 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--batches", default="1,8,32,64,128")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     print(f"{'case':<34}{'ms/call':>10}{'ms/plan':>10}")
     for batch in [int(b) for b in args.batches.split(",")]:

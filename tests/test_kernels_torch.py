@@ -32,6 +32,7 @@ def scenarios(bs: int) -> dict[str, tuple[list[int], list[int]]]:
     return {
         "decode_on_boundary": ([1, 1, 1], [bs - 1, 2 * bs - 1, 3 * bs - 1]),
         "decode_past_boundary": ([1, 1, 1], [bs, 2 * bs, 0]),
+        "decode_one_group": ([1] * 5, [3 * bs, 3 * bs + 2, 4 * bs - 2, 3 * bs + bs // 2, 4 * bs]),
         "prefill_one_block": ([bs], [0]),
         "prefill_past_boundary": ([2 * bs + 1], [0]),
         "chunk_mid_block": ([bs + 3], [bs // 2 + bs]),

@@ -74,3 +74,44 @@ def tiny_model_dir(tmp_path_factory):
 def tiny_family_dir(request, tiny_model_dir):
     """Each family in turn: (family, saved directory)."""
     return request.param, tiny_model_dir(request.param)
+
+
+TOKENIZER_CORPUS = (
+    "The capital of France is Paris. The capital of Italy is Rome. Hello world! "
+    "Queues, workers and paged attention: blocks of sixteen tokens. Ünïcödé — 東京 🙂 ok. "
+) * 20
+
+
+def build_tiny_tokenizer(path: Path, vocab_size: int = 384) -> Path:
+    """A byte-level BPE tokenizer trained on a fixed corpus (deterministic), saved to ``path``.
+
+    Byte-level so every string (emoji, CJK) round-trips, and multi-byte characters split across
+    tokens exercise the incremental detokenizer. Ids 0-2 are <pad>, <s>, </s>.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator([TOKENIZER_CORPUS], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    fast.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model_dir(tmp_path_factory) -> Path:
+    """A tiny Llama with a real (tiny, byte-level BPE) tokenizer: text prompts and stop strings."""
+    path = tmp_path_factory.mktemp("tiny-text")
+    build_tiny_model("llama", path, seed=1)
+    return build_tiny_tokenizer(path)

