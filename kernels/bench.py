@@ -8,7 +8,6 @@ for every layer after the first) and the one-off plan-building time per step.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -25,7 +24,10 @@ def _sync(device: torch.device) -> None:
 
 
 def time_call(fn, device: torch.device, repeats: int) -> float:
-    """Median wall time of ``fn()`` in seconds, after one warm-up call."""
+    """Fastest wall time of ``fn()`` in seconds over ``repeats`` calls, after one warm-up call.
+
+    The minimum, not the median: on a shared machine other processes only ever add time.
+    """
     fn()
     _sync(device)
     samples = []
@@ -34,7 +36,7 @@ def time_call(fn, device: torch.device, repeats: int) -> float:
         fn()
         _sync(device)
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def bench_case(q_lens, ctx, args, repeats: int) -> tuple[float, float]:

@@ -41,16 +41,14 @@ class DecodeGroup:
     """Sequences with exactly one new token and similar context lengths, padded to the longest.
 
     Block-table padding points at the sequence's first block (always written); the unwritten
-    tail of each sequence's last, partial block is zeroed after the gather (``tail_*``), so
+    tail of each sequence's last, partial block is zeroed after the gather (``stale``), so
     neither stale nor NaN cache contents can reach the output through ``0 * NaN``.
     """
 
     rows: torch.Tensor | None  # int64 [n]: packed query rows; None when rows == arange(n)
     blocks: torch.Tensor  # int64 [n, num_blocks]
     mask: torch.Tensor  # bool [n, 1, 1, num_blocks * block_size], True = visible
-    tail_rows: torch.Tensor  # int64 [m]: group rows whose last block is partial
-    tail_blocks: torch.Tensor  # int64 [m]: index of that block along the gathered block axis
-    tail_keep: torch.Tensor  # bool [m, block_size, 1, 1]: written positions of that block
+    stale: torch.Tensor | None  # int64: flat gathered positions past seq_len in a used block
 
 
 @dataclass
@@ -87,19 +85,16 @@ def _decode_group(plan: AttentionPlan, ids: list[int]) -> DecodeGroup:
     used = torch.arange(num_blocks, device=device)[None, :] * bs < seq_lens[:, None]
     table = plan.block_table.long()[idx, :num_blocks]
     blocks = torch.where(used, table, table[:, :1])
-    mask = torch.arange(num_blocks * bs, device=device)[None, :] < seq_lens[:, None]
-    partial = seq_lens % bs != 0
-    tail_rows = partial.nonzero().flatten()
-    tail_blocks = (seq_lens[tail_rows] - 1) // bs
-    tail_keep = torch.arange(bs, device=device)[None, :] < (seq_lens[tail_rows] % bs)[:, None]
+    pos = torch.arange(num_blocks * bs, device=device)[None, :]
+    mask = pos < seq_lens[:, None]
+    in_used_block = pos < (seq_lens[:, None] + bs - 1) // bs * bs
+    stale = (~mask & in_used_block).flatten().nonzero().flatten()
     identity = ids == list(range(plan.num_seqs)) and len(ids) == plan.num_tokens
     return DecodeGroup(
         rows=None if identity else plan.cu_seqlens_q.long()[idx],
         blocks=blocks,
         mask=mask[:, None, None, :],
-        tail_rows=tail_rows,
-        tail_blocks=tail_blocks,
-        tail_keep=tail_keep[:, :, None, None],
+        stale=stale if stale.numel() else None,
     )
 
 
@@ -147,10 +142,9 @@ def _decode(
     q = query if group.rows is None else query[group.rows]
     kv = []
     for cache in (k_cache, v_cache):
-        gathered = _gather_blocks(cache, group.blocks)  # [n, nb, bs, Hkv, D]
-        if group.tail_rows.numel():
-            tail = gathered[group.tail_rows, group.tail_blocks]
-            gathered[group.tail_rows, group.tail_blocks] = tail.masked_fill(~group.tail_keep, 0)
+        gathered = _gather_blocks(cache, group.blocks).view(n * num_blocks * cache.shape[1], -1)
+        if group.stale is not None:
+            gathered.index_fill_(0, group.stale, 0)
         kv.append(gathered.view(n, -1, *cache.shape[2:]).transpose(1, 2))  # [n, Hkv, L, D]
     out = F.scaled_dot_product_attention(
         q[:, :, None],

@@ -81,7 +81,7 @@ def run_command(args: argparse.Namespace) -> int:
           f"{machine['torch_threads']} torch threads; peak RSS "
           f"{report._fmt(doc['peak_rss_mb']['pagedq'])} MB (pagedq), "
           f"{report._fmt(doc['peak_rss_mb']['with_hf_baseline'])} MB (with HF); "
-          f"total {sum(v for k, v in doc['elapsed_s'].items() if '_' not in k):.0f} s")
+          f"total {doc['elapsed_s'].get('total', 0):.0f} s")
     if args.json:
         print(f"JSON: {args.json}")
     for path in plots:

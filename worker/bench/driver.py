@@ -144,7 +144,7 @@ def serve(engine: Any, requests: list[BenchRequest], **kwargs: Any) -> EngineRun
 
 
 def warm_up(engine: Any, space_low: int, prompt_len: int = 16, max_tokens: int = 4) -> None:
-    """One throwaway request so first-call costs (allocations, kernel builds) stay out of timings."""
+    """A throwaway request: first-call costs (allocations, kernel builds) stay out of timings."""
     ids = (np.arange(prompt_len) + space_low).tolist()
     req = BenchRequest("warmup", ids, max_tokens)
     serve(engine, [req], record_kv=False)

@@ -46,7 +46,8 @@ class HFModel:
     special_ids: list[int | None] = field(default_factory=list)
 
 
-def load_hf_model(model_dir: str | Path, dtype: str = "float32", device: str | None = None) -> HFModel:
+def load_hf_model(model_dir: str | Path, dtype: str = "float32",
+                  device: str | None = None) -> HFModel:
     """Load the same files the engine serves; EOS is switched off in its generation config."""
     from transformers import AutoModelForCausalLM
 

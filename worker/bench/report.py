@@ -468,6 +468,7 @@ def _plot_decode(plt: Any, run: BenchRun, doc: dict[str, Any]) -> Any:
             xs = sorted(int(b) for b in values)
             ax.plot(xs, [values[str(b)] for b in xs], style, label=label)
     ax.set_xscale("log", base=2)
+    ax.set_xticks(list(run.config.decode_batches), [str(b) for b in run.config.decode_batches])
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("decode tokens/s")
     ax.set_title(f"decode throughput vs concurrency ({run.config.decode_prompt_tokens}-token "

@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from pagedq.worker.logging import get_logger
 
 from . import contiguous, driver, hf_baseline
@@ -83,6 +82,7 @@ class BenchRun:
     # -- set-up -----------------------------------------------------------------------------
     def setup(self) -> None:
         """Resolve the model once (both systems load the same directory) and set threads."""
+        import pagedq.worker.engine  # noqa: F401 - first: importing the loader alone is circular
         from pagedq.worker.models.loader import load_config, load_tokenizer, resolve_model
 
         if self.config.threads:
@@ -155,6 +155,7 @@ class BenchRun:
         """Run the selected scenarios (pagedq first, then Redis, then HF) and keep going on
         failure."""
         wanted = set(self.config.scenarios)
+        began = time.perf_counter()
         self._timed("setup", self.setup)
         if self.model_dir is None:
             return
@@ -167,6 +168,7 @@ class BenchRun:
             engine_parts.append(("itl", self.itl))
         for name, part in engine_parts:
             self._timed(name, part)
+            gc.collect()  # the part's engine (and its KV cache) is gone before the next one
         self.results["peak_rss_mb_pagedq"] = peak_rss_mb()
         if "queue" in wanted:
             self._timed("queue", self.queue)
@@ -177,6 +179,7 @@ class BenchRun:
         self._hf = None
         gc.collect()
         self.results["peak_rss_mb_total"] = peak_rss_mb()
+        self.elapsed_s["total"] = round(time.perf_counter() - began, 3)
 
     def _timed(self, name: str, fn: Callable[[], None]) -> None:
         began = time.perf_counter()
@@ -191,7 +194,6 @@ class BenchRun:
             log.exception("bench scenario failed", scenario=name)
         finally:
             self.elapsed_s[name] = round(time.perf_counter() - began, 3)
-            gc.collect()
 
     # -- pagedq on the serving engine ----------------------------------------------------------
     def serving_scenarios(self, wanted: set[str]) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
 from pagedq.client.params import SamplingParams
 
 
@@ -25,7 +24,8 @@ class TokenSpace:
 
     def __post_init__(self) -> None:
         if not 0 <= self.low < self.high:
-            raise ValueError(f"empty token space [{self.low}, {self.high}): check the model's vocab")
+            raise ValueError(
+                f"empty token space [{self.low}, {self.high}): check the model's vocab_size")
 
     @classmethod
     def for_model(cls, vocab_size: int, special_ids: list[int | None]) -> TokenSpace:

@@ -65,14 +65,21 @@ class IncrementalDetokenizer:
         self._window, self._read, self._prefix_text = context, len(context), prefix_text
 
     def append(self, token_ids: Sequence[int]) -> str:
-        """Add generated tokens; return the newly stable text ("" while a character is partial)."""
+        """Add generated tokens; return the newly stable text ("" while a character is partial).
+
+        When several tokens arrive at once, text up to the last token boundary that ends a whole
+        character is emitted; ends that an earlier call already found unstable are not retried,
+        so one token per step costs one decode (two when text is emitted).
+        """
         if self.tokenizer is None or not token_ids:
             return ""
+        tried = max(len(self._window), self._read)
         self._window.extend(token_ids)
-        full_text = self._decode(self._window)
-        if full_text.endswith(REPLACEMENT_CHAR) or len(full_text) <= len(self._prefix_text):
-            return ""  # incomplete character, or only skipped special tokens so far: hold
-        return self._emit(full_text)
+        for end in range(len(self._window), tried, -1):
+            full_text = self._decode(self._window[:end])
+            if not full_text.endswith(REPLACEMENT_CHAR) and len(full_text) > len(self._prefix_text):
+                return self._emit(full_text, end)
+        return ""  # incomplete character, or only skipped special tokens so far: hold
 
     def flush(self) -> str:
         """Emit whatever is held back (an incomplete character decodes to U+FFFD, as decode does).
@@ -84,14 +91,14 @@ class IncrementalDetokenizer:
         full_text = self._decode(self._window)
         if len(full_text) <= len(self._prefix_text):
             return ""
-        return self._emit(full_text)
+        return self._emit(full_text, len(self._window))
 
-    def _emit(self, full_text: str) -> str:
+    def _emit(self, full_text: str, end: int) -> str:
+        """Emit decode(window[:end]) past the prefix text; slide the window to start at read."""
         delta = full_text[len(self._prefix_text) :]
-        # Slide: the new prefix window is what was just read.
         self._window = self._window[self._read :]
-        self._read = len(self._window)
-        self._prefix_text = self._decode(self._window)
+        self._read = end - self._read
+        self._prefix_text = self._decode(self._window[: self._read])
         self.text += delta
         return delta
 

@@ -249,6 +249,7 @@ class Engine:
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """Run one engine iteration; returns the stream deltas it produced."""
         outputs, self._pending = self._pending, []

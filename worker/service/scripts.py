@@ -40,27 +40,35 @@ local cancel = tonumber(redis.call('HGET', st, 'cancel') or '0')
 return {epoch, deliveries, seq, 0, cancel}
 """
 
-# KEYS: state, out, jobs stream.  ARGV: epoch, ttl, group, entry id, terminal (0/1), events...
-# -> {1, cancel} written; {0, 0} fenced (not the owner any more, or already done).
+# KEYS: state, out, jobs stream.  ARGV: epoch, ttl, group, entry id, terminal (0/1), base seq,
+# events...  The events get seq base+1, base+2, ...; those already written (seq <= the stored
+# seq) are skipped, so a publish retried after a dropped connection never duplicates events.
+# -> {1, cancel} written; {0, 0} fenced (no longer the owner, or already done); {-1, 0} the
+# stream is behind base (a bug: the caller gives the job up rather than leave a gap).
 # A terminal publish also acks and deletes the job entry: acked only once its end is written.
 PUBLISH = """
 local st = KEYS[1]
 if redis.call('HGET', st, 'epoch') ~= ARGV[1] or redis.call('HGET', st, 'done') == '1' then
   return {0, 0}
 end
-local seq = tonumber(redis.call('HGET', st, 'seq') or '0')
-for i = 6, #ARGV do
-  seq = seq + 1
-  redis.call('XADD', KEYS[2], '*', 'seq', seq, 'e', ARGV[i])
+local cur = tonumber(redis.call('HGET', st, 'seq') or '0')
+local base = tonumber(ARGV[6])
+if base > cur then return {-1, 0} end
+for i = 7, #ARGV do
+  local s = base + i - 6
+  if s > cur then
+    redis.call('XADD', KEYS[2], '*', 'seq', s, 'e', ARGV[i])
+    cur = s
+  end
 end
-redis.call('HSET', st, 'seq', seq)
+redis.call('HSET', st, 'seq', cur)
 if ARGV[5] == '1' then
   redis.call('HSET', st, 'done', '1')
   redis.call('XACK', KEYS[3], ARGV[3], ARGV[4])
   redis.call('XDEL', KEYS[3], ARGV[4])
 end
 redis.call('EXPIRE', st, ARGV[2])
-if seq > 0 then redis.call('EXPIRE', KEYS[2], ARGV[2]) end
+if cur > 0 then redis.call('EXPIRE', KEYS[2], ARGV[2]) end
 return {1, tonumber(redis.call('HGET', st, 'cancel') or '0')}
 """
 

@@ -1,0 +1,164 @@
+"""Pulling jobs: the consumer group reads, highest priority first, only what the engine can admit.
+
+``read`` takes at most ``capacity`` new entries (XREADGROUP COUNT), so jobs this worker could
+not start stay in the stream for other workers. ``reclaim`` takes over jobs whose owner stopped
+renewing them (XAUTOCLAIM), and ``own_pending`` re-reads this consumer's own unacked entries
+after a restart under the same (stable) consumer name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagedq.client.protocol import GROUP, LEVELS, Keys
+from pagedq.worker.logging import get_logger
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+log = get_logger("pagedq.worker.consumer")
+
+
+@dataclass
+class Entry:
+    """One job stream entry as delivered to this worker."""
+
+    stream: str
+    entry_id: str
+    fields: dict[bytes, bytes] | None  # None: the entry was deleted while pending
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _fields(raw: Any) -> dict[bytes, bytes] | None:
+    if raw is None:
+        return None
+    if isinstance(raw, dict):
+        return raw
+    return {raw[i]: raw[i + 1] for i in range(0, len(raw) - 1, 2)}
+
+
+def parse_autoclaim(reply: list[Any]) -> tuple[str, list[tuple[str, dict | None]], list[str]]:
+    """Parse a raw XAUTOCLAIM reply: Redis 6.2 answers ``[cursor, entries]``, 7.0+ adds a third
+    element listing ids that were pending but deleted (6.2 returns those as nil entries).
+
+    Returns (next cursor, [(entry id, fields or None)], deleted ids).
+    """
+    cursor = _s(reply[0])
+    entries: list[tuple[str, dict | None]] = []
+    deleted: list[str] = [_s(x) for x in reply[2]] if len(reply) > 2 and reply[2] else []
+    for item in reply[1] or []:
+        if item is None:
+            continue
+        entry_id, raw = item[0], item[1] if len(item) > 1 else None
+        if entry_id is None:
+            continue
+        fields = _fields(raw)
+        if fields is None:
+            deleted.append(_s(entry_id))
+        else:
+            entries.append((_s(entry_id), fields))
+    return cursor, entries, deleted
+
+
+class Consumer:
+    """Reads one queue's job streams as one stable consumer of the group."""
+
+    def __init__(self, r: Redis, keys: Keys, name: str):
+        self.r = r
+        self.keys = keys
+        self.name = name
+        self.streams = keys.all_jobs()
+        # redis-py's XAUTOCLAIM parser assumes every entry has fields, but Redis 6.2 returns
+        # deleted-while-pending entries with nil fields: take the raw reply and parse it here.
+        r.response_callbacks.pop("XAUTOCLAIM", None)
+
+    async def ensure_groups(self) -> None:
+        """Create the streams and the group (id 0: jobs enqueued before any worker count)."""
+        for stream in self.streams:
+            try:
+                await self.r.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def read(self, capacity: int, block_ms: int) -> list[Entry]:
+        """Up to ``capacity`` new entries, higher levels first; blocks only when all are empty."""
+        out: list[Entry] = []
+        for stream in self.streams:
+            if len(out) >= capacity:
+                break
+            out += await self._read({stream: ">"}, capacity - len(out), None)
+        if out or block_ms <= 0:
+            return out
+        # Nothing anywhere: wait for the first new entry on any level (COUNT 1 so a burst is
+        # then taken in priority order by the next call).
+        return await self._read({s: ">" for s in self.streams}, 1, block_ms)
+
+    async def own_pending(self) -> list[Entry]:
+        """Entries delivered to this consumer name and never acked (a restart after a crash)."""
+        out: list[Entry] = []
+        for stream in self.streams:
+            out += await self._read({stream: "0"}, 10_000, None)
+        return out
+
+    async def _read(self, streams: dict[str, str], count: int, block: int | None) -> list[Entry]:
+        try:
+            reply = await self.r.xreadgroup(GROUP, self.name, streams, count=count, block=block)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            log.warning("consumer group missing (Redis restarted or flushed?); recreating it")
+            await self.ensure_groups()
+            return []
+        entries = []
+        for stream, items in reply or []:
+            for entry_id, fields in items:
+                entries.append(Entry(_s(stream), _s(entry_id), _fields(fields) or None))
+        return entries
+
+    async def reclaim(self, capacity: int, min_idle_ms: int) -> list[Entry]:
+        """Take over up to ``capacity`` entries idle for ``min_idle_ms`` (their owner is gone)."""
+        out: list[Entry] = []
+        for stream in self.streams:
+            cursor = "0-0"
+            while len(out) < capacity:
+                try:
+                    reply = await self.r.execute_command(
+                        "XAUTOCLAIM", stream, GROUP, self.name, min_idle_ms, cursor,
+                        "COUNT", capacity - len(out))
+                except ResponseError as exc:
+                    if "NOGROUP" not in str(exc):
+                        raise
+                    await self.ensure_groups()
+                    break
+                cursor, entries, deleted = parse_autoclaim(reply)
+                out += [Entry(stream, eid, f) for eid, f in entries]
+                out += [Entry(stream, eid, None) for eid in deleted]
+                if cursor == "0-0":
+                    break
+        return out
+
+    async def ack_delete(self, stream: str, entry_id: str) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xack(stream, GROUP, entry_id)
+        pipe.xdel(stream, entry_id)
+        await pipe.execute()
+
+    async def dead_letter(self, entry: Entry, reason: str, maxlen: int = 10_000) -> None:
+        """Move an entry to the dead-letter stream (with why) and drop it from the queue."""
+        fields: dict[Any, Any] = {b"stream": entry.stream, b"entry_id": entry.entry_id,
+                                  b"reason": reason[:2000], b"consumer": self.name}
+        for k, v in (entry.fields or {}).items():
+            if k not in fields:
+                fields[k] = v
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xadd(self.keys.dead, fields, maxlen=maxlen, approximate=True)
+        pipe.xack(entry.stream, GROUP, entry.entry_id)
+        pipe.xdel(entry.stream, entry.entry_id)
+        await pipe.execute()
+
+
+__all__ = ["Consumer", "Entry", "LEVELS", "parse_autoclaim"]
