@@ -20,11 +20,11 @@ from pagedq.worker.engine.config import EngineConfig
 from pagedq.worker.engine.errors import InvalidRequestError, RequestTooLongError
 from pagedq.worker.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedq.worker.engine.model_runner import ModelRunner, kv_bytes_per_token
-from pagedq.worker.engine.outputs import CompletionOutput, RequestOutput, StepOutput
 from pagedq.worker.engine.output_processor import OutputProcessor
+from pagedq.worker.engine.outputs import CompletionOutput, RequestOutput, StepOutput
 from pagedq.worker.engine.sampler import Sampler
 from pagedq.worker.engine.scheduler import Scheduler
-from pagedq.worker.engine.sequence import Request, Sequence, SeqStatus
+from pagedq.worker.engine.sequence import Request, SeqStatus, Sequence
 from pagedq.worker.logging import get_logger
 from pagedq.worker.models.llama import CausalLM
 from pagedq.worker.models.loader import iter_weights, load_config, load_tokenizer, resolve_model

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pagedq.worker.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
 from pagedq.worker.engine.outputs import StepOutput
-from pagedq.worker.engine.sequence import Sequence, SeqStatus
+from pagedq.worker.engine.sequence import SeqStatus, Sequence
 
 
 class OutputProcessor:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from pagedq.worker.engine.config import EngineConfig
 from pagedq.worker.engine.kv_cache_manager import KVCacheManager
-from pagedq.worker.engine.sequence import Sequence, SeqStatus
+from pagedq.worker.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass
