@@ -1,0 +1,35 @@
+"""Runs tests/test_kernels_triton_cases.py in Triton's CPU interpreter, in a subprocess.
+
+Why a subprocess: ``TRITON_INTERPRET=1`` only takes effect if it is set before triton is first
+imported, and it would slow down or change every other Triton user in this pytest session.
+On a CUDA machine the cases run natively in this session instead, so this wrapper skips.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+CASES = Path(__file__).with_name("test_kernels_triton_cases.py")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: the cases run natively")
+def test_triton_kernels_in_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=CASES.parent.parent,
+    )
+    summary = result.stdout.strip().splitlines()[-1:] or [result.stderr[-2000:]]
+    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
+    assert "passed" in summary[0] and "skipped" not in summary[0], summary[0]
