@@ -12,6 +12,7 @@ import os
 from functools import cache
 
 import torch
+
 from pagedq.kernels.plan import AttentionPlan, KernelArgumentError, plan_attention
 from pagedq.kernels.torch_attention import torch_paged_attention
 from pagedq.kernels.torch_cache import torch_write_kv
@@ -46,8 +47,7 @@ def resolve_backend(backend: str | None, tensor: torch.Tensor) -> str:
     if backend == "triton":
         if not triton_available():
             raise BackendUnavailableError(
-                "backend='triton' needs the triton package (pip install triton); "
-                "use backend='torch' or None"
+                "backend='triton' needs the triton package (pip install triton); use backend='torch' or None"
             )
         if not tensor.is_cuda and not _interpreting():
             raise BackendUnavailableError(
@@ -104,9 +104,7 @@ def paged_attention(
     arguments are then ignored. Returns [num_tokens, num_heads, head_dim] in query's dtype.
     """
     if plan is None:
-        plan = plan_attention(
-            block_table, seq_lens, cu_seqlens_q, k_cache.shape[1], device=query.device
-        )
+        plan = plan_attention(block_table, seq_lens, cu_seqlens_q, k_cache.shape[1], device=query.device)
     _check_attention_args(query, k_cache, v_cache, plan)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     if resolve_backend(backend, query) == "triton":

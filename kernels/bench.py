@@ -11,6 +11,7 @@ import argparse
 import time
 
 import torch
+
 from pagedq.kernels.attention import paged_attention
 from pagedq.kernels.cases import make_case
 from pagedq.kernels.plan import plan_attention
@@ -52,9 +53,7 @@ def bench_case(q_lens, ctx, args, repeats: int) -> tuple[float, float]:
         dtype=DTYPES[args.dtype],
         device=device,
     )
-    build = lambda: plan_attention(
-        case.block_table, case.seq_lens, case.cu_seqlens_q, args.block_size
-    )
+    build = lambda: plan_attention(case.block_table, case.seq_lens, case.cu_seqlens_q, args.block_size)
     plan = build()
     call = lambda: paged_attention(*case.attention_args(), backend=args.backend, plan=plan)
     plan_time = time_call(lambda: build().derived("torch", _torch_plan), device, repeats)

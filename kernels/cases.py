@@ -108,9 +108,7 @@ def make_case(
     for i, n in enumerate(blocks_per_seq):
         block_table[i, :n] = physical[start : start + n].int()
         start += n
-    k_cache, v_cache = empty_cache(
-        num_blocks, block_size, num_kv_heads, head_dim, dtype, device, layout
-    )
+    k_cache, v_cache = empty_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, layout)
     slot_rows, new_rows = [], []
     for i, (ctx, seq_len) in enumerate(zip(context_lens, seq_lens, strict=True)):
         pos = torch.arange(seq_len)
@@ -143,9 +141,7 @@ def make_case(
         block_table=block_table.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         cu_seqlens_q=cu.to(device),
-        slot_mapping=(torch.cat(new_rows) if new_rows else torch.zeros(0, dtype=torch.long)).to(
-            device
-        ),
+        slot_mapping=(torch.cat(new_rows) if new_rows else torch.zeros(0, dtype=torch.long)).to(device),
         new_keys=keys[is_new],
         new_values=values[is_new],
     )

@@ -108,9 +108,7 @@ def plan_attention(
         raise KernelArgumentError(f"cu_seqlens_q must start at 0, got {cu[0]}")
     num_tokens = total if num_tokens is None else int(num_tokens)
     if num_tokens < total:
-        raise KernelArgumentError(
-            f"num_tokens={num_tokens} is smaller than cu_seqlens_q[-1]={total}"
-        )
+        raise KernelArgumentError(f"num_tokens={num_tokens} is smaller than cu_seqlens_q[-1]={total}")
     return AttentionPlan(
         block_table=block_table,
         seq_lens=seq_lens,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from pagedq.kernels.plan import AttentionPlan
 
 MAX_DECODE_GROUPS = 4

@@ -11,6 +11,9 @@ Split-KV: with few sequences and long contexts a decode batch has too few progra
 GPU, so the key range is cut into ``num_splits`` parts run in parallel; each writes a partial
 output and its log-sum-exp, merged by a second small kernel.
 
+Triton 3.9's CPU interpreter computes ``tl.dot`` on bf16 operands wrongly (numpy has no bf16),
+so off CUDA bf16 tiles are upcast to fp32 before the dot (``DOT_IN_FP32``); on CUDA they are not.
+
 Safety: every offset is int64 (caches of more than 2^31 elements); K/V lanes past ``seq_len``
 are masked at load time (``other=0``), so uninitialised, even NaN, slots are never read; and a
 row that sees no key in its split (causal mask, empty split) yields weight 0 and lse -inf
@@ -24,9 +27,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from pagedq.kernels.plan import AttentionPlan
 
 BLOCK_N = 32  # keys per tile
+MAX_BLOCK_M = 64  # query rows (token x head) per program when there are prefill chunks
 MIN_TILES_PER_SPLIT = 4  # below this, splitting costs more (merge) than it wins
 
 
@@ -70,6 +75,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     IEEE_FP32: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
 ):
     qb = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -92,6 +98,8 @@ def _paged_attention_kernel(
 
     q_off = token_idx[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
 
     # Keys this block's last query can see, and this split's share of their tiles.
     last_tok = tl.minimum(q_block_start + BLOCK_Q, q_len)
@@ -113,6 +121,8 @@ def _paged_attention_kernel(
         kv_mask = k_ok[:, None] & dim_ok[None, :]
         k_off = page[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
         k = tl.load(k_cache_ptr + k_off + dims[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        if DOT_IN_FP32:
+            k = k.to(tl.float32)
         if IEEE_FP32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -126,6 +136,8 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_off = page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
         v = tl.load(v_cache_ptr + v_off + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if DOT_IN_FP32:
+            v = v.to(tl.float32)
         if IEEE_FP32:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -137,9 +149,7 @@ def _paged_attention_kernel(
     out = acc / l_safe[:, None]
     o_off = token_idx[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od
     o_off += split.to(tl.int64) * stride_osplit
-    tl.store(
-        out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :]
-    )
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     if NUM_SPLITS > 1:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
         lse_off = (split * num_tokens + token_idx) * num_heads + head
@@ -194,9 +204,16 @@ class TritonPlan:
     num_splits: int
 
 
-def _tile_rows(group: int) -> tuple[int, int]:
-    """(BLOCK_Q tokens, BLOCK_M rows) so that BLOCK_Q * group <= BLOCK_M, BLOCK_M >= 16."""
+def _tile_rows(group: int, max_q_len: int) -> tuple[int, int]:
+    """(BLOCK_Q tokens, BLOCK_M rows) per program, BLOCK_Q * group <= BLOCK_M.
+
+    Decode-only steps use the smallest tile tl.dot allows (16 rows): a decode program has just
+    ``group`` useful rows. Steps with prefill chunks use up to 64 rows, so each K/V tile loaded
+    from memory serves more query tokens.
+    """
     block_m = max(16, triton.next_power_of_2(group))
+    if max_q_len > 1:
+        block_m = max(block_m, min(MAX_BLOCK_M, triton.next_power_of_2(max_q_len * group)))
     return block_m // group, block_m
 
 
@@ -214,7 +231,7 @@ def choose_num_splits(plan: AttentionPlan, num_kv_heads: int, device: torch.devi
 def build_triton_plan(
     plan: AttentionPlan, group: int, num_kv_heads: int, num_splits: int | None
 ) -> TritonPlan:
-    block_q, block_m = _tile_rows(group)
+    block_q, block_m = _tile_rows(group, plan.max_q_len)
     qb_seq, qb_start = [], []
     for seq, q_len in enumerate(plan.q_lens):
         for start in range(0, q_len, block_q):
@@ -284,6 +301,7 @@ def triton_paged_attention(
         BLOCK_D=block_d,
         NUM_SPLITS=splits,
         IEEE_FP32=query.dtype == torch.float32,
+        DOT_IN_FP32=query.dtype == torch.bfloat16 and not query.is_cuda,
     )
     if splits > 1:
         _merge_splits_kernel[(covered, num_heads)](

@@ -13,6 +13,7 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from pagedq.worker.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
 
 MULTI_BYTE_TEXTS = [

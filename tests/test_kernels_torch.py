@@ -104,9 +104,7 @@ def test_plan_reused_across_layers_and_padding_rows():
     """One plan serves every layer; query rows past cu_seqlens_q[-1] come back as zeros."""
     q_lens, ctx = scenarios(8)["mixed"]
     first = make_case(q_lens, ctx, block_size=8)
-    second = replace(
-        first, query=first.query * 2, k_cache=first.k_cache * 0.5 + 1, v_cache=-first.v_cache
-    )
+    second = replace(first, query=first.query * 2, k_cache=first.k_cache * 0.5 + 1, v_cache=-first.v_cache)
     layers = [first, second]
     plan = plan_attention(first.block_table, first.seq_lens, first.cu_seqlens_q, 8)
     for case in layers:
@@ -179,9 +177,7 @@ def test_chunked_prefill_equals_whole_prefill(prompt_len, cuts, block_size, seed
         cu = torch.tensor([0, end - start], dtype=torch.int32)
         seq_lens = torch.tensor([end], dtype=torch.int32)
         pieces.append(
-            paged_attention(
-                case.query[sl], case.k_cache, case.v_cache, case.block_table, seq_lens, cu
-            )
+            paged_attention(case.query[sl], case.k_cache, case.v_cache, case.block_table, seq_lens, cu)
         )
     torch.testing.assert_close(torch.cat(pieces), whole, atol=1e-5, rtol=1e-5)
 

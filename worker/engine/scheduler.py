@@ -92,6 +92,8 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this step
                 continue
             num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:  # a beam waiting for its siblings' logits
+                continue
             while not self.kv.allocate(seq, num_new):
                 victim = self._pick_victim()
                 budget += self._preempt(victim, out)

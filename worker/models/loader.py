@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from pagedq.worker.engine.errors import ModelNotFoundError
+
 from pagedq.worker.logging import get_logger
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 __all__ = [
+    "model_not_found",
     "cache_dir",
     "resolve_model",
     "load_config",
@@ -76,6 +77,14 @@ def hf_hub_cache_dir() -> Path:
     return base / "huggingface" / "hub"
 
 
+def model_not_found(message: str) -> Exception:
+    """A ModelNotFoundError, imported late: importing pagedq.worker.engine at module load would
+    run the engine package, which imports this module (a cycle when the loader comes first)."""
+    from pagedq.worker.engine.errors import ModelNotFoundError
+
+    return ModelNotFoundError(message)
+
+
 # --------------------------------------------------------------------------- resolution
 
 
@@ -101,7 +110,7 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
         tried.append(why)
     else:
         tried.append(f"{text!r} is not a Hugging Face repo id (org/name): HF cache not searched")
-    raise ModelNotFoundError(_not_found_message(text, tried))
+    raise model_not_found(_not_found_message(text, tried))
 
 
 def _resolve_local(path: Path) -> Path:
@@ -109,7 +118,7 @@ def _resolve_local(path: Path) -> Path:
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             return convert_gguf(path, gguf_cache_path(path))
-        raise ModelNotFoundError(
+        raise model_not_found(
             _not_found_message(str(path), [f"{path} is a file but not a .gguf file"])
         )
     if (path / "config.json").is_file():
@@ -121,7 +130,7 @@ def _resolve_local(path: Path) -> Path:
     if ggufs:
         names = ", ".join(g.name for g in ggufs)
         why += f" and {len(ggufs)} .gguf files ({names}): pass one of them"
-    raise ModelNotFoundError(_not_found_message(str(path), [why]))
+    raise model_not_found(_not_found_message(str(path), [why]))
 
 
 def _split_revision(text: str) -> tuple[str, str | None]:
@@ -198,10 +207,11 @@ def weight_files(path: Path) -> list[Path]:
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
             return [path / name for name in sorted(set(weight_map.values()))]
-        files = sorted(path.glob(pattern))
+        # Mistral repos also ship consolidated.safetensors (same weights, other names): skip it.
+        files = sorted(f for f in path.glob(pattern) if not f.name.startswith("consolidated"))
         if files:
             return files
-    raise ModelNotFoundError(
+    raise model_not_found(
         f"No weights in {path}: expected model*.safetensors (optionally sharded with "
         f"model.safetensors.index.json) or pytorch_model*.bin. Re-save the model with "
         f"save_pretrained, or pass a .gguf file instead."
@@ -261,7 +271,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     if is_converted(out_dir):
         return out_dir
     if not gguf_file.is_file():
-        raise ModelNotFoundError(f"GGUF file {gguf_file} does not exist; pass an existing .gguf.")
+        raise model_not_found(f"GGUF file {gguf_file} does not exist; pass an existing .gguf.")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(out_dir.with_name(out_dir.name + ".lock")):
         if is_converted(out_dir):  # another process finished while we waited
@@ -301,7 +311,7 @@ def _make_room(out_dir: Path) -> None:
     if out_dir.is_dir() and not any(out_dir.iterdir()):
         out_dir.rmdir()
         return
-    raise ModelNotFoundError(
+    raise model_not_found(
         f"Cannot write the converted model to {out_dir}: it exists and is not a pagedq "
         f"conversion (no {_DONE_MARKER}). Remove it or choose another output directory."
     )
@@ -356,8 +366,13 @@ def _write_converted(gguf_file: Path, out: Path) -> None:
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out)
     del model
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
-    tokenizer.save_pretrained(out)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    except (ValueError, KeyError) as exc:  # a GGUF without tokenizer metadata is legal
+        log.warning("gguf has no usable tokenizer; the model will take token ids only",
+                    gguf=str(gguf_file), error=str(exc))
+    else:
+        tokenizer.save_pretrained(out)
     (out / _DONE_MARKER).write_text(
         json.dumps({"source": str(gguf_file), "size": gguf_file.stat().st_size}) + "\n"
     )

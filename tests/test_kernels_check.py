@@ -1,0 +1,39 @@
+"""The CPU-safe parts of ``python -m pagedq.kernels.check``: arguments and the no-CUDA exit.
+
+Its correctness checks run in tests/test_kernels_triton_cases.py on tiny shapes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagedq.kernels import check
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_without_cuda_it_says_so_and_exits_2():
+    result = subprocess.run(
+        [sys.executable, "-m", "pagedq.kernels.check", "--quick"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == check.NO_CUDA_EXIT
+    assert "No CUDA device" in result.stderr and "test_kernels_triton.py" in result.stderr
+
+
+def test_arguments():
+    args = check.parse_args(["--dtypes", "fp16", "--quick", "--engine-model", "/m"])
+    assert (args.dtypes, args.quick, args.engine_model) == ("fp16", True, "/m")
+    with pytest.raises(SystemExit):
+        check.parse_args(["--dtypes", "fp8"])
+
+
+def test_peak_table_and_case_list():
+    assert check.PEAK_TBPS["H200"] == 4.8 and check.PEAK_TBPS["A100"] < 2.1
+    names = [name for name, *_ in check.correctness_cases(quick=False)]
+    assert len(names) == len(set(names)) and any("split" in n for n in names)
+    for _, q_lens, ctx, _ in check.correctness_cases(quick=False):
+        assert len(q_lens) == len(ctx) and max(c + q for c, q in zip(ctx, q_lens)) <= 32768
