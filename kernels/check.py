@@ -86,7 +86,7 @@ def correctness_cases(quick: bool) -> list[tuple[str, list[int], list[int], int 
         ("decode b=1 ctx=1k", [1], [1024], None),
         ("decode b=8 ctx=4k-8k", [1] * 8, rand(8, 4096, 8192), None),
         ("decode b=256 ctx=1k-2k", [1] * 256, rand(256, 1000, 2048), None),
-        ("decode b=1 ctx=32k split=8", [1], [32768], 8),
+        ("decode b=1 ctx=32k split=8", [1], [32767], 8),
         ("prefill 2048 at ctx=0", [2048], [0], None),
         ("chunk 1000 at ctx=7000 + 32 decodes", [1000] + [1] * 32, [7000] + rand(32, 1, 4096), None),
     ]

@@ -221,3 +221,10 @@ def test_cli_parses_quick_and_scenarios():
     assert full.throughput_requests == 64 and full.decode_batches == (1, 8, 32, 64)
     with pytest.raises(SystemExit):
         config_from_args(parser.parse_args(["bench", "--scenarios", "nope"]))
+    tuned = config_from_args(parser.parse_args(
+        ["bench", "--quick", "--set", "decode_batches=1,8", "--set", "prompt_dist=50,0.5,8,99",
+         "--set", "redis_url=redis://h:1/0", "--set", "device=none"]))
+    assert tuned.decode_batches == (1, 8) and tuned.prompt_dist == LengthDist(50, 0.5, 8, 99)
+    assert tuned.redis_url == "redis://h:1/0" and tuned.device is None
+    with pytest.raises(SystemExit):
+        config_from_args(parser.parse_args(["bench", "--set", "no_such_field=1"]))

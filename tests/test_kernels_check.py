@@ -36,4 +36,4 @@ def test_peak_table_and_case_list():
     names = [name for name, *_ in check.correctness_cases(quick=False)]
     assert len(names) == len(set(names)) and any("split" in n for n in names)
     for _, q_lens, ctx, _ in check.correctness_cases(quick=False):
-        assert len(q_lens) == len(ctx) and max(c + q for c, q in zip(ctx, q_lens)) <= 32768
+        assert len(q_lens) == len(ctx) and max(c + q for c, q in zip(ctx, q_lens, strict=True)) <= 32768

@@ -328,11 +328,24 @@ def write_tiny_gguf(src: Path, out: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="session", params=[False, True], ids=["untied", "tied"])
-def tiny_gguf(request, tiny_model_dir, tmp_path_factory):
-    """(original HF dir, GGUF file written from it)."""
-    src = tiny_model_dir("llama", tie_word_embeddings=request.param)
-    return src, write_tiny_gguf(src, tmp_path_factory.mktemp("gguf") / "tiny-llama.F32.gguf")
+@pytest.fixture(scope="session")
+def tiny_gguf_factory(tiny_model_dir, tmp_path_factory):
+    """tied -> (original HF dir, GGUF file written from it), cached per session."""
+    made: dict[bool, tuple[Path, Path]] = {}
+
+    def make(tied: bool) -> tuple[Path, Path]:
+        if tied not in made:
+            src = tiny_model_dir("llama", tie_word_embeddings=tied)
+            out = tmp_path_factory.mktemp("gguf") / "tiny-llama.F32.gguf"
+            made[tied] = src, write_tiny_gguf(src, out)
+        return made[tied]
+
+    return make
+
+
+@pytest.fixture(params=[False, True], ids=["untied", "tied"])
+def tiny_gguf(request, tiny_gguf_factory):
+    return tiny_gguf_factory(request.param)
 
 
 def _logits(model_dir: Path, ids: list[int], **kwargs) -> torch.Tensor:
@@ -387,9 +400,9 @@ def test_dir_with_one_gguf_resolves_to_its_conversion(tiny_gguf, isolated_env):
     assert resolve_model(gguf.parent) == gguf_cache_path(gguf)
 
 
-def test_concurrent_conversions_do_not_clash(tiny_gguf, isolated_env):
+def test_concurrent_conversions_do_not_clash(tiny_gguf_factory, isolated_env):
     """Two processes resolving the same new GGUF at once: one converts, the other waits for it."""
-    _, gguf = tiny_gguf
+    _, gguf = tiny_gguf_factory(False)
     code = (
         "import sys; from pagedq.worker.models.loader import resolve_model; "
         "print(resolve_model(sys.argv[1]))"

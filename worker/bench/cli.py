@@ -32,6 +32,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--requests", type=int, default=None,
                    help="requests in the throughput trace (default: 16 quick, 64 full)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override any BenchConfig field (see worker/bench/config.py), e.g. "
+                        "--set decode_new_tokens=32 --set decode_batches=1,8 "
+                        "--set prompt_dist=160,0.9,32,512 (median,sigma,low,high)")
     p.add_argument("--redis-url", default=None,
                    help="Redis for the queue scenario (default: a private redis-server)")
     p.set_defaults(func=run_command)
@@ -49,7 +53,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                 "max_num_batched_tokens": args.max_num_batched_tokens,
                 "max_model_len": args.max_model_len, "throughput_requests": args.requests}
     overrides.update({k: v for k, v in optional.items() if v is not None})
-    return quick(**overrides) if args.quick else full(**overrides)
+    config = quick(**overrides) if args.quick else full(**overrides)
+    try:
+        return config.with_settings(args.set)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
 
 
 def run_bench(config: BenchConfig, json_path: str | None = None,

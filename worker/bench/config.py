@@ -33,6 +33,7 @@ class BenchConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
+    long_prefill_token_threshold: int = 0  # every engine: cap on one prompt's chunk per step
 
     # throughput: a ShareGPT-like mixed trace, pagedq vs HF generate in static batches
     throughput_requests: int = 64
@@ -74,6 +75,40 @@ class BenchConfig:
 
     def with_(self, **changes: Any) -> BenchConfig:
         return replace(self, **changes)
+
+    def with_settings(self, settings: list[str]) -> BenchConfig:
+        """Apply ``FIELD=VALUE`` strings (the CLI's ``--set``), typed like the field's default:
+        ints, floats, bools, comma-separated int tuples, or ``none``."""
+        changes: dict[str, Any] = {}
+        for item in settings:
+            name, sep, raw = item.partition("=")
+            name = name.strip().replace("-", "_")
+            if not sep or name not in self.__dataclass_fields__ or name == "extra":
+                raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of "
+                                 f"{sorted(k for k in self.__dataclass_fields__ if k != 'extra')}")
+            changes[name] = _parse_like(getattr(self, name), raw.strip(), name)
+        return replace(self, **changes)
+
+
+def _parse_like(current: Any, raw: str, name: str) -> Any:
+    if raw.lower() == "none":
+        return None
+    try:
+        if isinstance(current, bool):
+            return raw.lower() in ("1", "true", "yes", "on")
+        if isinstance(current, tuple):
+            return tuple(int(v) if v.strip().lstrip("-").isdigit() else v.strip()
+                         for v in raw.split(",") if v.strip())
+        if isinstance(current, LengthDist):
+            median, sigma, low, high = (float(v) for v in raw.split(","))
+            return LengthDist(median, sigma, int(low), int(high))
+        if isinstance(current, int):
+            return int(raw)
+        if isinstance(current, float):
+            return float(raw)
+    except ValueError as exc:
+        raise ValueError(f"--set {name}={raw!r}: {exc}") from exc
+    return raw
 
 
 def full(**overrides: Any) -> BenchConfig:

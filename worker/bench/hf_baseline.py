@@ -50,7 +50,9 @@ def load_hf_model(model_dir: str | Path, dtype: str = "float32",
                   device: str | None = None) -> HFModel:
     """Load the same files the engine serves; EOS is switched off in its generation config."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the bench's own output is the table, not load bars
     path = Path(model_dir)
     kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype)}
     if path.suffix == ".gguf":

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from pagedq.worker.logging import get_logger
 
 from . import contiguous, driver, hf_baseline
@@ -111,6 +112,7 @@ class BenchRun:
         kwargs: dict[str, Any] = dict(
             block_size=c.block_size, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
+            long_prefill_token_threshold=c.long_prefill_token_threshold,
             dtype=c.dtype, device=c.device, num_threads=c.threads,
         )
         kwargs.update(overrides)

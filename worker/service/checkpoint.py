@@ -18,8 +18,9 @@ import socket
 import time
 from typing import Any
 
-from pagedq.client.protocol import GROUP, LEVELS, Keys
 from redis.asyncio import Redis
+
+from pagedq.client.protocol import GROUP, LEVELS, Keys
 
 ENGINE_FIELDS = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage",
                  "kv_tokens_live", "preemptions", "prefix_cache_queries", "prefix_cache_hits",

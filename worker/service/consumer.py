@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagedq.client.protocol import GROUP, LEVELS, Keys
-from pagedq.worker.logging import get_logger
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
+
+from pagedq.client.protocol import GROUP, LEVELS, Keys
+from pagedq.worker.logging import get_logger
 
 log = get_logger("pagedq.worker.consumer")
 
@@ -40,27 +41,26 @@ def _fields(raw: Any) -> dict[bytes, bytes] | None:
     return {raw[i]: raw[i + 1] for i in range(0, len(raw) - 1, 2)}
 
 
-def parse_autoclaim(reply: list[Any]) -> tuple[str, list[tuple[str, dict | None]], list[str]]:
-    """Parse a raw XAUTOCLAIM reply: Redis 6.2 answers ``[cursor, entries]``, 7.0+ adds a third
-    element listing ids that were pending but deleted (6.2 returns those as nil entries).
+def parse_autoclaim(reply: list[Any]) -> tuple[str, list[tuple[str, dict]], list[str], int]:
+    """Parse a raw XAUTOCLAIM reply. Redis 7.0+ answers ``[cursor, entries, deleted ids]`` and
+    drops deleted-while-pending ids from the pending list itself; 6.2 answers
+    ``[cursor, entries]`` with a bare nil per deleted entry, which stays pending.
 
-    Returns (next cursor, [(entry id, fields or None)], deleted ids).
+    Returns (next cursor, [(entry id, fields)], deleted ids, count of nil entries).
     """
     cursor = _s(reply[0])
-    entries: list[tuple[str, dict | None]] = []
+    entries: list[tuple[str, dict]] = []
     deleted: list[str] = [_s(x) for x in reply[2]] if len(reply) > 2 and reply[2] else []
+    nils = 0
     for item in reply[1] or []:
-        if item is None:
-            continue
-        entry_id, raw = item[0], item[1] if len(item) > 1 else None
-        if entry_id is None:
-            continue
-        fields = _fields(raw)
-        if fields is None:
-            deleted.append(_s(entry_id))
+        fields = _fields(item[1]) if item is not None and len(item) > 1 else None
+        if item is None or item[0] is None:
+            nils += 1
+        elif fields is None:
+            deleted.append(_s(item[0]))
         else:
-            entries.append((_s(entry_id), fields))
-    return cursor, entries, deleted
+            entries.append((_s(item[0]), fields))
+    return cursor, entries, deleted, nils
 
 
 class Consumer:
@@ -134,11 +134,23 @@ class Consumer:
                         raise
                     await self.ensure_groups()
                     break
-                cursor, entries, deleted = parse_autoclaim(reply)
+                cursor, entries, deleted, nils = parse_autoclaim(reply)
                 out += [Entry(stream, eid, f) for eid, f in entries]
                 out += [Entry(stream, eid, None) for eid in deleted]
+                if nils:
+                    out += await self._deleted_pending(stream, {e.entry_id for e in out})
                 if cursor == "0-0":
                     break
+        return out
+
+    async def _deleted_pending(self, stream: str, known: set[str]) -> list[Entry]:
+        """Redis 6.2: find the ids of entries we just claimed that no longer exist."""
+        pending = await self.r.xpending_range(stream, GROUP, "-", "+", 1000, self.name)
+        out = []
+        for p in pending:
+            entry_id = _s(p["message_id"])
+            if entry_id not in known and not await self.r.xrange(stream, entry_id, entry_id):
+                out.append(Entry(stream, entry_id, None))
         return out
 
     async def ack_delete(self, stream: str, entry_id: str) -> None:

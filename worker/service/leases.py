@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from redis.asyncio import Redis
+
 from pagedq.client.protocol import GROUP, Keys
 from pagedq.worker.service.job import LiveJob
 from pagedq.worker.service.scripts import CLAIM, HANDBACK, RENEW, LuaScript
-from redis.asyncio import Redis
 
 
 @dataclass

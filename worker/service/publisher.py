@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.asyncio import Redis
+
 from pagedq.client.protocol import (
     ERROR,
     FINISHED,
@@ -23,7 +25,6 @@ from pagedq.client.protocol import (
 from pagedq.worker.logging import get_logger
 from pagedq.worker.service.job import LiveJob
 from pagedq.worker.service.scripts import PUBLISH, LuaScript, run_calls
-from redis.asyncio import Redis
 
 log = get_logger("pagedq.worker.publisher")
 

@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.asyncio import Redis
+
 from pagedq.client.protocol import (
     CANCELLED,
     DEFAULT_PREFIX,
@@ -57,7 +59,6 @@ from pagedq.worker.service.publisher import (
     publication,
     token_events,
 )
-from redis.asyncio import Redis
 
 log = get_logger("pagedq.worker")
 

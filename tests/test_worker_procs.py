@@ -1,0 +1,159 @@
+"""Workers as real processes (``python -m pagedq.worker``): SIGKILL mid-generation and SIGTERM.
+
+Oracles: the in-process Engine for every token, and the raw output streams for seamlessness
+(seq 1..N without a gap, positions contiguous, exactly one terminal event).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+from pagedq.client import Client, SamplingParams
+from pagedq.client.protocol import GROUP, Keys, decode_event
+
+ENGINE_ARGS = ["--num-kv-blocks", "160", "--max-num-seqs", "2", "--max-model-len", "512"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return str(tiny_model_dir("llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    from pagedq.worker import Engine
+
+    engine = Engine(model, num_kv_blocks=160, max_num_seqs=2, max_model_len=512)
+    return lambda prompt, params: engine.generate([prompt], params)[0].outputs[0].token_ids
+
+
+def spawn(redis_url, model, name, tmp_path, *extra):
+    log = open(tmp_path / f"{name}.log", "wb")
+    cmd = [sys.executable, "-m", "pagedq.worker", "--model", model, "--redis-url", redis_url,
+           "--consumer-name", name, "--reclaim-after", "1", "--checkpoint-interval", "0.2",
+           "--log-format", "json", *ENGINE_ARGS, *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def wait_until(cond, timeout=90.0, proc=None):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        if proc is not None:
+            assert proc.poll() is None, f"worker exited early with {proc.returncode}"
+        time.sleep(0.02)
+
+
+def wait_serving(r, *names_procs):
+    for name, proc in names_procs:
+        wait_until(lambda n=name: r.exists(Keys().worker(n)), proc=proc)
+
+
+def events(r, rid):
+    return [decode_event(f, i) for i, f in r.xrange(Keys().out(rid))]
+
+
+def assert_seamless(evs, expected_tokens):
+    assert [e.seq for e in evs] == list(range(1, len(evs) + 1))
+    assert [e.type for e in evs].count("finished") == 1 and evs[-1].type == "finished"
+    pos = 0
+    for e in evs[:-1]:
+        assert e.position - len(e.token_ids) == pos
+        pos = e.position
+    assert [t for e in evs for t in e.token_ids] == expected_tokens
+
+
+def stop(proc):
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(30)
+
+
+def test_sigkill_mid_generation_another_worker_continues_seamlessly(redis_db, model, reference,
+                                                                    tmp_path):
+    r = redis.Redis.from_url(redis_db)
+    a = spawn(redis_db, model, "A", tmp_path)
+    b = spawn(redis_db, model, "B", tmp_path)
+    try:
+        wait_serving(r, ("A", a), ("B", b))
+        jobs = [([3 + i, 9, 4], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+                if i % 2 == 0 else
+                ([5, i, 8], SamplingParams(temperature=0.9, seed=1000 + i, max_tokens=300,
+                                           ignore_eos=True))
+                for i in range(6)]
+        with Client(redis_db) as client:
+            handles = [client.submit(p, sp) for p, sp in jobs]
+
+            def a_mid_job():
+                for h in handles:
+                    evs = events(r, h.id)
+                    if evs and evs[-1].type == "tokens" and evs[-1].worker == "A" \
+                            and evs[-1].position >= 5:
+                        return True
+                return False
+
+            wait_until(a_mid_job, proc=a)
+            a.send_signal(signal.SIGKILL)
+            a.wait(30)
+            results = [h.result(timeout=120) for h in handles]
+        for (prompt, params), h, res in zip(jobs, handles, results, strict=True):
+            expected = reference(prompt, params)
+            assert res.token_ids == expected
+            assert_seamless(events(r, h.id), expected)
+        writers = [{e.worker for e in events(r, h.id)} for h in handles]
+        assert {"A", "B"} in writers  # at least one job was continued by B after the kill
+        assert r.xpending(Keys().jobs("normal"), GROUP)["pending"] == 0
+        wait_until(lambda: not r.exists(Keys().worker("A")), timeout=20)  # dead worker vanishes
+        assert r.exists(Keys().worker("B"))
+    finally:
+        stop(a)
+        stop(b)
+        r.close()
+
+
+def test_sigterm_drains_hands_back_and_exits_zero(redis_db, model, reference, tmp_path):
+    r = redis.Redis.from_url(redis_db)
+    keys = Keys()
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    a = spawn(redis_db, model, "A", tmp_path, "--drain-timeout", "0.5")
+    b = None
+    try:
+        wait_serving(r, ("A", a))
+        with Client(redis_db) as client:
+            prompts = [[2, 4 + i, 6] for i in range(4)]
+            handles = [client.submit(p, long) for p in prompts]
+
+            def both_running():
+                return sum(bool(events(r, h.id)) for h in handles) >= 2
+
+            wait_until(both_running, proc=a)
+            a.send_signal(signal.SIGTERM)
+            assert a.wait(60) == 0
+            assert not r.exists(keys.worker("A"))  # a clean stop removes its checkpoint now
+            assert r.xpending(keys.jobs("normal"), GROUP)["pending"] == 0  # nothing held
+            assert r.xlen(keys.jobs("normal")) == 4  # 2 handed back + 2 never read
+            started = [h for h in handles if events(r, h.id)]
+            assert all(not events(r, h.id)[-1].terminal for h in started)
+            b = spawn(redis_db, model, "B", tmp_path)
+            results = [h.result(timeout=120) for h in handles]
+        for prompt, h, res in zip(prompts, handles, results, strict=True):
+            expected = reference(prompt, long)
+            assert res.token_ids == expected
+            assert_seamless(events(r, h.id), expected)
+        for h in started:
+            assert {e.worker for e in events(r, h.id)} == {"A", "B"}
+            deliveries = int(r.hget(keys.state(h.id), "deliveries"))
+            assert deliveries == 1  # a hand-back is not a failed delivery
+    finally:
+        stop(a)
+        if b is not None:
+            stop(b)
+        r.close()
