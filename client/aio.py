@@ -9,7 +9,10 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import redis.asyncio as aredis
+from redis.exceptions import ResponseError
+
 from pagedq.client.client import (
+    BLOCK_MS,
     DEFAULT_REDIS_URL,
     READ_COUNT,
     Result,
@@ -36,7 +39,6 @@ from pagedq.client.protocol import (
     encode_event,
     job_fields,
 )
-from redis.exceptions import ResponseError
 
 
 class AsyncRequestHandle:
@@ -60,7 +62,7 @@ class AsyncRequestHandle:
                     f"no terminal event for request {self.id} within {timeout}s; the job may "
                     "still be queued or running: call result()/stream() again to keep waiting"
                 )
-            block = 0 if end is None else int(max(1, (end - time.monotonic()) * 1000))
+            block = BLOCK_MS if end is None else int(min(BLOCK_MS, max(1, (end - time.monotonic()) * 1000)))
             reply = await self.client.redis.xread({key: self.cursor}, count=READ_COUNT,
                                                   block=block)
             for entry_id, fields in parse_entries(reply):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+
 from pagedq.client.errors import (
     DeadLetteredError,
     RequestCancelledError,
@@ -44,6 +45,9 @@ from pagedq.client.protocol import (
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 READ_COUNT = 512
+# XREAD blocks in slices: redis-py 8 defaults to a 5 s socket timeout, and a short block also
+# lets a stream() with a timeout return on time.
+BLOCK_MS = 1000
 
 
 @dataclass
@@ -230,7 +234,7 @@ class RequestHandle:
         end = None if timeout is None else time.monotonic() + timeout
         key = self.client.keys.out(self.id)
         while not self.builder.done:
-            block = 0 if end is None else int(max(1, (end - time.monotonic()) * 1000))
+            block = BLOCK_MS if end is None else int(min(BLOCK_MS, max(1, (end - time.monotonic()) * 1000)))
             if end is not None and time.monotonic() >= end:
                 raise ResultTimeoutError(
                     f"no terminal event for request {self.id} within {timeout}s; the job may "

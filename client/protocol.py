@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+
 from pagedq.client.params import InvalidParamsError, SamplingParams
 
 PROTOCOL_VERSION = 1

@@ -66,6 +66,13 @@ def _check_attention_args(
             f"[num_blocks, block_size, num_kv_heads, head_dim]; got {tuple(query.shape)}, "
             f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
         )
+    if not (query.dtype == k_cache.dtype == v_cache.dtype) or not (
+        query.device == k_cache.device == v_cache.device
+    ):
+        raise KernelArgumentError(
+            f"query ({query.dtype}, {query.device}), k_cache ({k_cache.dtype}, {k_cache.device}) "
+            f"and v_cache ({v_cache.dtype}, {v_cache.device}) must share one dtype and device"
+        )
     num_heads, head_dim = query.shape[1:]
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or num_heads % num_kv_heads:

@@ -9,12 +9,16 @@
    peak (from a table by device name, else a measured device-to-device copy).
 3. With ``--engine-model PATH``: decode steps/s of the whole engine (``pagedq.worker.Engine``).
 
-Exit status: 0 all checks passed, 1 a check failed, 2 no CUDA device.
+``--compile-only 90`` needs no GPU: it compiles the Triton kernels to a CUDA binary for that
+compute capability (Triton ships ptxas), which catches GPU lowering errors on a CPU machine.
+
+Exit status: 0 all checks passed, 1 a check failed, 2 no CUDA device (and no --compile-only).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
 from collections.abc import Callable
@@ -71,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine-model", default=None, help="model path: measure engine steps/s")
     parser.add_argument("--engine-batch", type=int, default=64)
     parser.add_argument("--engine-tokens", type=int, default=128)
+    parser.add_argument("--compile-only", type=int, default=None, metavar="CC",
+                        help="compile the kernels for compute capability CC (e.g. 90), no GPU")  # fmt: skip
     args = parser.parse_args(argv)
     for name in args.dtypes.split(","):
         if name not in DTYPES:
@@ -245,8 +251,68 @@ def check_engine(args: argparse.Namespace, dtype_name: str) -> None:
           "(prefill included)")  # fmt: skip
 
 
+def _signature(kernel, pointer_type: Callable[[str], str], constexprs: dict) -> dict[str, str]:
+    """Triton signature: pointers by name, ``scale`` fp32, other runtime arguments i32."""
+    sig = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = pointer_type(name)
+        else:
+            sig[name] = "fp32" if name == "scale" else "i32"
+    return sig
+
+
+def compile_kernels(capability: int, dtypes: list[str]) -> list[str]:
+    """Compile every kernel variant the engine launches for ``sm_<capability>``; no GPU needed.
+
+    Returns one line per variant. Raises Triton's compilation error on the first failure.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pagedq.kernels import triton_attention as ta
+    from pagedq.kernels import triton_cache as tc
+
+    target = GPUTarget("cuda", capability, 32)
+    shape = Shape()
+    group = shape.num_heads // shape.num_kv_heads
+    lines = []
+    for name in dtypes:
+        ty = {"bf16": "bf16", "fp16": "fp16"}[name]
+        for splits, max_q_len in ((1, 1), (4, 1), (1, 512)):
+            block_q, block_m = ta._tile_rows(group, max_q_len)
+            consts = dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=ta.BLOCK_N,
+                          BLOCK_D=shape.head_dim, NUM_SPLITS=splits, IEEE_FP32=False,
+                          DOT_IN_FP32=False)  # fmt: skip
+            out_ty = "*fp32" if splits > 1 else f"*{ty}"
+            pointer = lambda n, out_ty=out_ty, ty=ty: {
+                "out_ptr": out_ty, "lse_ptr": "*fp32", "q_ptr": f"*{ty}",
+                "k_cache_ptr": f"*{ty}", "v_cache_ptr": f"*{ty}",
+            }.get(n, "*i32")  # fmt: skip
+            sig = _signature(ta._paged_attention_kernel, pointer, consts)
+            triton.compile(ASTSource(ta._paged_attention_kernel, sig, consts), target=target)
+            lines.append(f"sm_{capability} {name} attention BLOCK_M={block_m} splits={splits}")
+        consts = dict(NUM_SPLITS=4, BLOCK_D=shape.head_dim)
+        pointer = lambda n, ty=ty: f"*{ty}" if n == "out_ptr" else "*fp32"
+        sig = _signature(ta._merge_splits_kernel, pointer, consts)
+        triton.compile(ASTSource(ta._merge_splits_kernel, sig, consts), target=target)
+        consts = dict(BLOCK_H=shape.num_kv_heads, BLOCK_D=shape.head_dim)
+        pointer = lambda n, ty=ty: "*i64" if n == "slot_ptr" else f"*{ty}"
+        sig = _signature(tc._write_kv_kernel, pointer, consts)
+        triton.compile(ASTSource(tc._write_kv_kernel, sig, consts), target=target)
+        lines.append(f"sm_{capability} {name} merge_splits, write_kv")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.compile_only is not None:
+        for line in compile_kernels(args.compile_only, args.dtypes.split(",")):
+            print(f"  ok   compiled {line}")
+        return 0
     if not torch.cuda.is_available():
         print(
             "No CUDA device: this check runs the Triton kernels on a GPU and measures bandwidth, "

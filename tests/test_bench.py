@@ -141,6 +141,17 @@ def test_queue_path_gives_the_same_tokens(bench):
     assert q["outputs_equal_inprocess"]["requests_identical"] == 1.0
 
 
+def test_table_and_markdown_render_from_the_saved_json(bench):
+    from pagedq.worker.bench import report
+
+    _, _, _, out = bench
+    doc = json.loads((out / "bench.json").read_text())
+    md = report.markdown(doc)
+    assert md.startswith("| Figure | Baseline |")
+    assert f"| {report._fmt(doc['kv_utilization'])} |" in md
+    assert "KV utilization" in report.table(doc)
+
+
 def test_plots_are_pngs(bench):
     _, _, plots, _ = bench
     names = {p.rsplit("/", 1)[-1] for p in plots}
@@ -177,6 +188,7 @@ def test_reservation_simulation_by_hand():
 def test_workload_is_seeded_bounded_and_special_free():
     space = TokenSpace.for_model(384, [0, 1, 2, None])
     assert space.low == 3
+    assert TokenSpace.for_model(1000, [0, 990, 995]) == TokenSpace(1, 990)  # specials at the end
     dist = LengthDist(50, 1.0, 10, 80)
     a = sharegpt_like(40, space, seed=3, prompt=dist, output=dist)
     b = sharegpt_like(40, space, seed=3, prompt=dist, output=dist)

@@ -33,6 +33,7 @@ def scenarios(bs: int) -> dict[str, tuple[list[int], list[int]]]:
     return {
         "decode_on_boundary": ([1, 1, 1], [bs - 1, 2 * bs - 1, 3 * bs - 1]),
         "decode_past_boundary": ([1, 1, 1], [bs, 2 * bs, 0]),
+        "decode_short_and_long": ([1, 1, 1], [bs - 2, bs, 25 * bs]),
         "decode_one_group": ([1] * 5, [3 * bs, 3 * bs + 2, 4 * bs - 2, 3 * bs + bs // 2, 4 * bs]),
         "prefill_one_block": ([bs], [0]),
         "prefill_past_boundary": ([2 * bs + 1], [0]),
@@ -144,6 +145,8 @@ def test_errors_tell_the_caller_what_to_do():
         paged_attention(*case.attention_args(), backend="cuda")
     with pytest.raises(KernelArgumentError, match="multiple of num_kv_heads"):
         paged_attention(case.query[:, :3], *case.attention_args()[1:])
+    with pytest.raises(KernelArgumentError, match="share one dtype"):
+        paged_attention(case.query.half(), *case.attention_args()[1:])
     with pytest.raises(KernelArgumentError, match="q_len"):
         plan_attention(case.block_table, case.seq_lens - 4, case.cu_seqlens_q * 9, 8)
     with pytest.raises(KernelArgumentError, match="slot_mapping"):
@@ -197,3 +200,20 @@ def test_permuting_physical_blocks_changes_nothing(q_lens, ctx, seed):
     table = torch.where(case.block_table >= 0, perm[case.block_table.long()], -1).int()
     moved = paged_attention(case.query, k_moved, v_moved, table, case.seq_lens, case.cu_seqlens_q)
     torch.testing.assert_close(moved, out, atol=1e-6, rtol=1e-6)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seqs=st.lists(
+        st.tuples(st.sampled_from([1, 1, 1, 2, 5, 17]), st.integers(0, 90)), min_size=1, max_size=7
+    ),
+    block_size=st.sampled_from([4, 8, 16]),
+    group=st.sampled_from([1, 3]),
+    seed=st.integers(0, 1000),
+)
+def test_random_batches_match_reference(seqs, block_size, group, seed):
+    """Any mix of decodes and chunks, lengths and groupings, in a NaN-filled cache."""
+    q_lens, ctx = [q for q, _ in seqs], [c for _, c in seqs]
+    case = make_case(q_lens, ctx, num_heads=2 * group, num_kv_heads=2, head_dim=16,
+                     block_size=block_size, seed=seed)  # fmt: skip
+    assert_matches_reference(case, paged_attention(*case.attention_args()))

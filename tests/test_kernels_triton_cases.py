@@ -25,10 +25,11 @@ from pagedq.kernels import (
 from pagedq.kernels.cases import empty_cache, make_case
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() or INTERPRETING),
-    reason="needs CUDA, or TRITON_INTERPRET=1 (tests/test_kernels_triton.py runs it so)",
-)
+if not (torch.cuda.is_available() or INTERPRETING):
+    pytest.skip(
+        "needs CUDA or TRITON_INTERPRET=1; tests/test_kernels_triton.py runs it in the interpreter",
+        allow_module_level=True,
+    )
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETING else "cpu"
 TOL = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),
@@ -42,6 +43,7 @@ def scenarios(bs: int) -> dict[str, tuple[list[int], list[int]]]:
     return {
         "decode_on_boundary": ([1, 1], [bs - 1, 3 * bs - 1]),
         "decode_past_boundary": ([1, 1], [2 * bs, 0]),
+        "decode_short_and_long": ([1, 1, 1], [bs - 2, bs, 25 * bs]),
         "prefill_past_boundary": ([2 * bs + 1], [0]),
         "chunk_mid_block": ([bs + 3], [bs // 2 + bs]),
         "mixed": ([5, 1, bs + 3, 1], [0, 3 * bs, 2 * bs + 2, bs - 1]),

@@ -206,6 +206,23 @@ def test_repo_id_resolves_from_hf_hub_cache(tiny_model_dir, isolated_env):
         resolve_model("tiny-org/tiny-llama@not-a-cached-revision")
 
 
+def test_gguf_only_repo_in_hf_cache_converts(tiny_gguf_factory, isolated_env, tmp_path):
+    """A GGUF repo in the HF cache: the file is a symlink to a blob named by its hash."""
+    src, gguf = tiny_gguf_factory(False)
+    repo_files = tmp_path / "repo-files"
+    repo_files.mkdir()
+    shutil.copy(gguf, repo_files / gguf.name)
+    commit = "fedcba9876543210fedcba9876543210fedcba98"
+    snapshot = _fake_hf_cache(isolated_env / "hf-hub", "tiny-org/tiny-llama-GGUF", repo_files,
+                              commit)
+    path = resolve_model("tiny-org/tiny-llama-GGUF")
+    assert path == gguf_cache_path(snapshot / gguf.name)
+    assert path.name.startswith("tiny-llama.F32-")
+    assert load_config(path).architectures == ["LlamaForCausalLM"]
+    names = {name for name, _ in iter_weights(path)}
+    assert names == {name for name, _ in iter_weights(src)}
+
+
 def test_repo_id_resolves_from_hf_home(tiny_model_dir, isolated_env, monkeypatch):
     monkeypatch.delenv("HF_HUB_CACHE")
     monkeypatch.setenv("HF_HOME", str(isolated_env / "hf-home"))
@@ -451,6 +468,13 @@ def test_default_model_second_use_is_cached(default_model_dir, monkeypatch):
     assert default_model.ensure_default_model() == path
     assert resolve_model(None) == path
     assert weights.stat().st_mtime_ns == stamp
+
+
+def test_default_model_cli_prints_the_path(default_model_dir):
+    proc = subprocess.run([sys.executable, "-m", "pagedq.worker.models.default_model"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(default_model_dir)
 
 
 def test_default_model_config_and_tokenizer(default_model_dir):

@@ -17,6 +17,7 @@ import redis
 
 from pagedq.client import Client, SamplingParams
 from pagedq.client.protocol import GROUP, Keys, decode_event
+from tests.test_worker import running_worker
 
 ENGINE_ARGS = ["--num-kv-blocks", "160", "--max-num-seqs", "2", "--max-model-len", "512"]
 
@@ -34,13 +35,28 @@ def reference(model):
     return lambda prompt, params: engine.generate([prompt], params)[0].outputs[0].token_ids
 
 
-def spawn(redis_url, model, name, tmp_path, *extra):
-    log = open(tmp_path / f"{name}.log", "wb")
+def spawn(redis_url, model, name, queue, log_dir, *extra):
+    log = open(log_dir / f"{queue}-{name}.log", "wb")
     cmd = [sys.executable, "-m", "pagedq.worker", "--model", model, "--redis-url", redis_url,
-           "--consumer-name", name, "--reclaim-after", "1", "--checkpoint-interval", "0.2",
-           "--log-format", "json", *ENGINE_ARGS, *extra]
+           "--queue", queue, "--consumer-name", name, "--reclaim-after", "1",
+           "--checkpoint-interval", "0.2", "--log-format", "json", *ENGINE_ARGS, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+@pytest.fixture(scope="module")
+def procs(redis_url, model, tmp_path_factory):
+    """One worker process per test, started together (start-up is mostly importing torch)."""
+    log_dir = tmp_path_factory.mktemp("worker-logs")
+    r = redis.Redis.from_url(redis_url)
+    for key in r.scan_iter("pagedq:*"):
+        r.delete(key)
+    started = {"kill": spawn(redis_url, model, "A", "kill", log_dir),
+               "term": spawn(redis_url, model, "A", "term", log_dir, "--drain-timeout", "0.5")}
+    yield started
+    for proc in started.values():
+        stop(proc)
+    r.close()
 
 
 def wait_until(cond, timeout=90.0, proc=None):
@@ -52,13 +68,12 @@ def wait_until(cond, timeout=90.0, proc=None):
         time.sleep(0.02)
 
 
-def wait_serving(r, *names_procs):
-    for name, proc in names_procs:
-        wait_until(lambda n=name: r.exists(Keys().worker(n)), proc=proc)
+def wait_serving(r, keys, name, proc):
+    wait_until(lambda: r.exists(keys.worker(name)), proc=proc)
 
 
 def events(r, rid):
-    return [decode_event(f, i) for i, f in r.xrange(Keys().out(rid))]
+    return [decode_event(f, i) for i, f in r.xrange(Keys().out(rid))]  # the prefix is shared
 
 
 def assert_seamless(evs, expected_tokens):
@@ -77,20 +92,20 @@ def stop(proc):
     proc.wait(30)
 
 
-def test_sigkill_mid_generation_another_worker_continues_seamlessly(redis_db, model, reference,
-                                                                    tmp_path):
-    r = redis.Redis.from_url(redis_db)
-    a = spawn(redis_db, model, "A", tmp_path)
-    b = spawn(redis_db, model, "B", tmp_path)
+def test_sigkill_mid_generation_another_worker_continues_seamlessly(redis_url, procs, model,
+                                                                    reference):
+    r = redis.Redis.from_url(redis_url)
+    keys, a = Keys("kill"), procs["kill"]
     try:
-        wait_serving(r, ("A", a), ("B", b))
-        jobs = [([3 + i, 9, 4], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+        wait_serving(r, keys, "A", a)
+        jobs = [([3 + i, 9, 4], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
                 if i % 2 == 0 else
-                ([5, i, 8], SamplingParams(temperature=0.9, seed=1000 + i, max_tokens=300,
+                ([5, i, 8], SamplingParams(temperature=0.9, seed=1000 + i, max_tokens=200,
                                            ignore_eos=True))
                 for i in range(6)]
-        with Client(redis_db) as client:
+        with Client(redis_url, "kill") as client:
             handles = [client.submit(p, sp) for p, sp in jobs]
+            wait_until(lambda: any(events(r, h.id) for h in handles), proc=a)
 
             def a_mid_job():
                 for h in handles:
@@ -100,34 +115,33 @@ def test_sigkill_mid_generation_another_worker_continues_seamlessly(redis_db, mo
                         return True
                 return False
 
-            wait_until(a_mid_job, proc=a)
-            a.send_signal(signal.SIGKILL)
-            a.wait(30)
-            results = [h.result(timeout=120) for h in handles]
-        for (prompt, params), h, res in zip(jobs, handles, results, strict=True):
-            expected = reference(prompt, params)
-            assert res.token_ids == expected
-            assert_seamless(events(r, h.id), expected)
-        writers = [{e.worker for e in events(r, h.id)} for h in handles]
-        assert {"A", "B"} in writers  # at least one job was continued by B after the kill
-        assert r.xpending(Keys().jobs("normal"), GROUP)["pending"] == 0
-        wait_until(lambda: not r.exists(Keys().worker("A")), timeout=20)  # dead worker vanishes
-        assert r.exists(Keys().worker("B"))
+            with running_worker(redis_url, model, "B", queue="kill",
+                                engine=dict(num_kv_blocks=160, max_num_seqs=2,
+                                            max_model_len=512)):
+                wait_until(a_mid_job, proc=a)
+                a.send_signal(signal.SIGKILL)
+                a.wait(30)
+                results = [h.result(timeout=120) for h in handles]
+                for (prompt, params), h, res in zip(jobs, handles, results, strict=True):
+                    expected = reference(prompt, params)
+                    assert res.token_ids == expected
+                    assert_seamless(events(r, h.id), expected)
+                writers = [{e.worker for e in events(r, h.id)} for h in handles]
+                assert {"A", "B"} in writers  # a job A was generating was finished by B
+                assert r.xpending(keys.jobs("normal"), GROUP)["pending"] == 0
+                wait_until(lambda: not r.exists(keys.worker("A")), timeout=20)  # A vanishes
+                assert r.exists(keys.worker("B"))
     finally:
-        stop(a)
-        stop(b)
         r.close()
 
 
-def test_sigterm_drains_hands_back_and_exits_zero(redis_db, model, reference, tmp_path):
-    r = redis.Redis.from_url(redis_db)
-    keys = Keys()
-    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-    a = spawn(redis_db, model, "A", tmp_path, "--drain-timeout", "0.5")
-    b = None
+def test_sigterm_drains_hands_back_and_exits_zero(redis_url, procs, model, reference):
+    r = redis.Redis.from_url(redis_url)
+    keys, a = Keys("term"), procs["term"]
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     try:
-        wait_serving(r, ("A", a))
-        with Client(redis_db) as client:
+        wait_serving(r, keys, "A", a)
+        with Client(redis_url, "term") as client:
             prompts = [[2, 4 + i, 6] for i in range(4)]
             handles = [client.submit(p, long) for p in prompts]
 
@@ -141,19 +155,18 @@ def test_sigterm_drains_hands_back_and_exits_zero(redis_db, model, reference, tm
             assert r.xpending(keys.jobs("normal"), GROUP)["pending"] == 0  # nothing held
             assert r.xlen(keys.jobs("normal")) == 4  # 2 handed back + 2 never read
             started = [h for h in handles if events(r, h.id)]
+            assert len(started) == 2
             assert all(not events(r, h.id)[-1].terminal for h in started)
-            b = spawn(redis_db, model, "B", tmp_path)
-            results = [h.result(timeout=120) for h in handles]
+            with running_worker(redis_url, model, "B", queue="term",
+                                engine=dict(num_kv_blocks=160, max_num_seqs=2,
+                                            max_model_len=512)):
+                results = [h.result(timeout=120) for h in handles]
         for prompt, h, res in zip(prompts, handles, results, strict=True):
             expected = reference(prompt, long)
             assert res.token_ids == expected
             assert_seamless(events(r, h.id), expected)
         for h in started:
             assert {e.worker for e in events(r, h.id)} == {"A", "B"}
-            deliveries = int(r.hget(keys.state(h.id), "deliveries"))
-            assert deliveries == 1  # a hand-back is not a failed delivery
+            assert int(r.hget(keys.state(h.id), "deliveries")) == 1  # hand-back: no failure
     finally:
-        stop(a)
-        if b is not None:
-            stop(b)
         r.close()

@@ -11,25 +11,34 @@ from .config import SCENARIOS, BenchConfig, full, quick
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "bench", help="benchmark pagedq against HF generate and a max-length reservation",
-        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description="Measure the seed's claims for pagedq against its baselines (HF generate "
+                    "with static batches, max-length KV reservation, unchunked prefill, cold "
+                    "prefix, in-process engine) in one run. See docs/bench.md.")
     p.add_argument("--quick", action="store_true",
                    help="small traces and short decodes (target: < 3 minutes on 2 CPU cores)")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON here")
     p.add_argument("--plot", metavar="DIR", help="write PNG charts here (needs matplotlib)")
+    p.add_argument("--markdown", metavar="PATH",
+                   help="write the README's traditional-vs-paged table (Markdown) here")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="measure nothing: re-print the table (and --markdown) from a saved JSON")
     p.add_argument("--model", default=None,
                    help="model directory, .gguf file or cached org/name (default: SmolLM2-135M)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if present)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="for pagedq and the HF baseline alike (default: float32)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for pagedq and the HF baseline alike (default: torch's)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic traces")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic traces (default: 0)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
-                   help=f"comma-separated subset of: {', '.join(SCENARIOS)}")
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
+                   help=f"comma-separated subset of: {', '.join(SCENARIOS)} (default: all)")
+    p.add_argument("--block-size", type=int, default=None, help="KV block size (default: 16)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="serving engine's sequence cap (default: 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="per-step token budget (also the chunk size in the ITL scenario)")
-    p.add_argument("--max-model-len", type=int, default=None)
+                   help="per-step token budget, the chunk size in the ITL scenario (default: 512)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="serving engine's max_model_len (default: 2048)")
     p.add_argument("--requests", type=int, default=None,
                    help="requests in the throughput trace (default: 16 quick, 64 full)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -79,10 +88,18 @@ def run_bench(config: BenchConfig, json_path: str | None = None,
 
 
 def run_command(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
     from . import report
 
-    config = config_from_args(args)
-    doc, plots = run_bench(config, args.json, args.plot)
+    if args.from_json:
+        doc, plots = json.loads(Path(args.from_json).read_text()), []
+    else:
+        doc, plots = run_bench(config_from_args(args), args.json, args.plot)
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(report.markdown(doc))
     print(report.table(doc))
     machine = doc["machine"]
     print(f"\n{machine['device']}, {machine['cpu_affinity_cores']} cores, "
@@ -90,8 +107,10 @@ def run_command(args: argparse.Namespace) -> int:
           f"{report._fmt(doc['peak_rss_mb']['pagedq'])} MB (pagedq), "
           f"{report._fmt(doc['peak_rss_mb']['with_hf_baseline'])} MB (with HF); "
           f"total {doc['elapsed_s'].get('total', 0):.0f} s")
-    if args.json:
+    if args.json and not args.from_json:
         print(f"JSON: {args.json}")
+    if args.markdown:
+        print(f"Markdown: {args.markdown}")
     for path in plots:
         print(f"plot: {path}")
     return 1 if doc["errors"] else 0

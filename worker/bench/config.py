@@ -55,7 +55,8 @@ class BenchConfig:
     # ITL: decodes running while one long prompt arrives
     itl_decodes: int = 8
     itl_decode_prompt_tokens: int = 64
-    itl_decode_new_tokens: int = 128
+    # 63 gaps per stream: one stall per stream is 1.6% of the gaps, so p99 can see it
+    itl_decode_new_tokens: int = 64
     itl_long_prompt_tokens: int = 2048
     itl_inject_after_tokens: int = 16
 

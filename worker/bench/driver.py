@@ -113,9 +113,8 @@ class EngineDriver:
             self._sample(ended, ended - began)
 
     def run_until(self, done: Callable[[], bool] | None = None) -> EngineRun:
-        """Step until ``done()`` holds, or by default until nothing is left unfinished."""
-        finished = done or (lambda: not self.engine.has_unfinished_requests())
-        while not finished():
+        """Step until ``done()`` holds or nothing is left unfinished, whichever comes first."""
+        while self.engine.has_unfinished_requests() and not (done and done()):
             self.step()
         self.run.timeline.end = perf_counter()
         self.run.stats_after = dict(self.engine.stats())

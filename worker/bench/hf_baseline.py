@@ -31,6 +31,8 @@ class StepClock:
         self.times: list[float] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.is_cuda:  # the step's kernels are queued, not done: wait like pagedq does
+            torch.cuda.synchronize(scores.device)
         self.times.append(perf_counter())
         return scores
 
@@ -59,7 +61,8 @@ def load_hf_model(model_dir: str | Path, dtype: str = "float32",
         kwargs["gguf_file"] = path.name
         path = path.parent
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    dev = torch.device(device or "cpu")
+    # The engine's rule for device=None, so both sides always run on the same device.
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(dev).eval()
     cfg = model.config
     gen = model.generation_config

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .scenarios import BenchRun
 
 READY_TIMEOUT_S = 600.0
+POLL_S = 1.0
 
 
 def _unavailable(why: str) -> Exception:
@@ -94,6 +95,7 @@ def worker_process(bench: BenchRun, url: str, queue: str, log_path: Path) -> Ite
     if helped.returncode != 0:
         raise _unavailable(f"`python -m pagedq.worker --help` failed: {helped.stderr[-300:]}")
     flags = worker_flags(helped.stdout, bench, url, queue)
+    bench.results["queue_worker_flags"] = flags
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen([*cmd, *flags], stdout=log_file, stderr=subprocess.STDOUT,
                                 env=env)
@@ -108,23 +110,33 @@ def worker_process(bench: BenchRun, url: str, queue: str, log_path: Path) -> Ite
                 proc.wait()
 
 
-def _wait_ready(client: Any, proc: Any, warmup: BenchRequest, log_path: Path) -> float:
-    """Submit one job and wait for it, polling for a dead worker; returns seconds waited."""
+def _result(handle: Any, timeout: float, proc: Any, log_path: Path) -> Any:
+    """Wait for one result in short polls (the handle keeps its cursor between them).
+
+    Short polls because redis-py 8 gives connections a 5 s socket timeout by default, which a
+    longer blocking XREAD on a quiet stream would trip; and because each poll checks that the
+    worker is still alive, so a crashed worker fails the scenario at once with its log.
+    """
     from pagedq.client.errors import ResultTimeoutError
 
-    began = time.monotonic()
-    handle = client.submit(warmup.prompt_token_ids, warmup.params())
+    end = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
             tail = log_path.read_text(errors="replace")[-1500:]
             raise RuntimeError(f"the worker exited with code {proc.returncode}:\n{tail}")
         try:
-            handle.result(timeout=5)
-            return time.monotonic() - began
+            return handle.result(timeout=POLL_S)
         except ResultTimeoutError:
-            if time.monotonic() - began > READY_TIMEOUT_S:
+            if time.monotonic() > end:
                 raise
-            continue
+
+
+def _wait_ready(client: Any, proc: Any, warmup: BenchRequest, log_path: Path) -> float:
+    """Submit one job and wait for it (this covers the worker's model load)."""
+    began = time.monotonic()
+    _result(client.submit(warmup.prompt_token_ids, warmup.params()), READY_TIMEOUT_S, proc,
+            log_path)
+    return time.monotonic() - began
 
 
 def serve_through_redis(bench: BenchRun, trace: list[BenchRequest]) -> dict[str, Any]:
@@ -141,9 +153,12 @@ def serve_through_redis(bench: BenchRun, trace: list[BenchRequest]) -> dict[str,
             ready_s = _wait_ready(cl, proc, warmup, log_path)
             began = perf_counter()
             handles = [cl.submit(r.prompt_token_ids, r.params()) for r in trace]
-            results = [h.result(timeout=bench.config.queue_timeout_s) for h in handles]
+            results = [_result(h, bench.config.queue_timeout_s, proc, log_path)
+                       for h in handles]
             elapsed = perf_counter() - began
     tokens = sum(len(r.token_ids) for r in results)
     outputs = {req.request_id: list(res.token_ids) for req, res in zip(trace, results, strict=True)}
     return {"tokens_per_s": tokens / elapsed, "output_tokens": tokens, "elapsed_s": elapsed,
-            "worker_ready_s": ready_s, "outputs": outputs}
+            "worker_ready_s": ready_s, "outputs": outputs,
+            "worker_command": ["python", "-m", "pagedq.worker",
+                               *bench.results.get("queue_worker_flags", [])]}

@@ -85,6 +85,7 @@ def machine_info(run: BenchRun) -> dict[str, Any]:
     }
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_peak_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
     return info
 
 
@@ -172,7 +173,9 @@ def _itl(res: dict[str, Any], out: dict[str, Any]) -> None:
     for mode in ("chunked", "unchunked"):
         r = res["itl"][mode]
         out[f"itl_p99_over_p50_{mode}"] = p99_over_p50(r["itls"])
+        stall_share = len(res["itl"][mode]["streams"]) / max(r["itls"].size, 1)
         detail[mode] = {"itl_s": summarize(r["itls"]),
+                        "one_stall_per_stream_share": stall_share,
                         "max_itl_s": float(r["itls"].max()) if r["itls"].size else None,
                         "long_prompt_ttft_s": r["long_ttft_s"],
                         "max_num_batched_tokens": r["max_num_batched_tokens"]}
@@ -192,7 +195,7 @@ def _queue(res: dict[str, Any], out: dict[str, Any]) -> None:
     out["queue_throughput_vs_inprocess"] = _ratio(q["tokens_per_s"], paged.timeline.tokens_per_s)
     out["details"]["queue"] = {
         "elapsed_s": q["elapsed_s"], "output_tokens": q["output_tokens"],
-        "worker_ready_s": q["worker_ready_s"],
+        "worker_ready_s": q["worker_ready_s"], "worker_command": q["worker_command"],
         "outputs_equal_inprocess": _agreement(q["outputs"], paged.outputs),
     }
 
@@ -226,7 +229,7 @@ def _targets(out: dict[str, Any]) -> dict[str, Any]:
         "concurrency_vs_contiguous": check(
             out["concurrency_vs_contiguous"],
             lambda v: conc_target is not None and v >= conc_target,
-            f">= 0.9 x max_model_len / mean sequence length = {conc_target}"),
+            f">= 0.9 x max_model_len / mean sequence length = {_fmt(conc_target)}"),
         "throughput_vs_hf_static": check(out["throughput_vs_hf_static"], lambda v: v >= 4, ">= 4"),
         "decode_64_streams_tok_s": check(dec.get("64"), lambda v: v >= 1.2 * 204,
                                          ">= 1.2 x llama.cpp (204) = 244.8 (default model, CPU)"),
@@ -359,7 +362,7 @@ def table(doc: dict[str, Any]) -> str:
     dec = doc.get("decode_tok_s_by_batch") or {}
     for b in (dec.get("pagedq") or {}):
         hf = (dec.get("hf_static") or {}).get(b)
-        rows.append((f"decode tok/s, {b} streams vs HF", dec["pagedq"][b], hf,
+        rows.append((f"decode tok/s, batch {b} vs HF", dec["pagedq"][b], hf,
                      _ratio(dec["pagedq"][b], hf), f"llama.cpp ref {LLAMA_CPP_BATCHED_TG.get(b)}"))
     head = f"{'figure':36} {'pagedq':>10} {'baseline':>10} {'ratio':>8}  target"
     lines = [head, "-" * len(head)]
@@ -375,6 +378,66 @@ def table(doc: dict[str, Any]) -> str:
     for key, why in doc["errors"].items():
         lines.append(f"ERROR in {key}: {why}")
     return "\n".join(lines)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The README's "traditional vs paged" table, filled from a run's JSON."""
+    det = doc["details"]
+    cap, pfx = det.get("capacity", {}), det.get("prefix", {})
+    itl = det.get("itl", {})
+    tps = doc["tokens_per_s"]
+    tg = doc["targets"]
+
+    def met(key: str) -> str:
+        flag = tg[key]["met"]
+        return "n/a" if flag is None else ("yes" if flag else "**no**")
+
+    def itl_ms(mode: str) -> str:
+        s = itl.get(mode, {}).get("itl_s", {})
+        if not s or s.get("p50") is None:
+            return "n/a"
+        return f"p50 {_fmt(s['p50'] * 1000)} ms, p99 {_fmt(s['p99'] * 1000)} ms"
+
+    rows = [
+        ("KV utilization (live / allocated slots)", "max-length reservation",
+         _fmt(doc["kv_utilization_contiguous"]), _fmt(doc["kv_utilization"]), "",
+         tg["kv_utilization"]["target"], met("kv_utilization")),
+        ("Concurrent sequences at equal KV memory", "max-length reservation",
+         _fmt(cap.get("reserved_peak_running")), _fmt(cap.get("paged_peak_running")),
+         _fmt(doc["concurrency_vs_contiguous"]), ">= " + _fmt(cap.get("concurrency_target")),
+         met("concurrency_vs_contiguous")),
+        ("Output tokens/s, mixed trace", "HF generate, static batches",
+         _fmt(tps.get("hf_static")), _fmt(tps.get("pagedq")), _fmt(doc["throughput_vs_hf_static"]),
+         ">= 4", met("throughput_vs_hf_static")),
+        ("ITL p99/p50 while a long prompt arrives", "unchunked prefill",
+         f"{_fmt(doc['itl_p99_over_p50_unchunked'])} ({itl_ms('unchunked')})",
+         f"{_fmt(doc['itl_p99_over_p50_chunked'])} ({itl_ms('chunked')})", "", "<= 2",
+         met("itl_p99_over_p50_chunked")),
+        ("TTFT with a 1k-token prefix cached (s)", "cold",
+         _fmt(pfx.get("ttft_cold_median_s")), _fmt(pfx.get("ttft_cached_median_s")),
+         _fmt(doc["prefix_ttft_ratio"]), "<= 0.2", met("prefix_ttft_ratio")),
+        ("Output tokens/s through Redis", "in-process engine", _fmt(tps.get("pagedq")),
+         _fmt(tps.get("pagedq_via_redis")), _fmt(doc["queue_throughput_vs_inprocess"]),
+         ">= 0.95", met("queue_throughput_vs_inprocess")),
+    ]
+    dec = doc.get("decode_tok_s_by_batch") or {}
+    for b in dec.get("pagedq") or {}:
+        hf = (dec.get("hf_static") or {}).get(b)
+        rows.append((f"Decode tokens/s, batch of {b}", "HF generate", _fmt(hf),
+                     _fmt(dec["pagedq"][b]), _fmt(_ratio(dec["pagedq"][b], hf)),
+                     f"llama.cpp: {_fmt(LLAMA_CPP_BATCHED_TG.get(b))}", ""))
+    lines = ["| Figure | Baseline | Baseline value | pagedq | Ratio | Target | Met |",
+             "|---|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    m = doc["machine"]
+    lines.append("")
+    lines.append(f"Measured on {m.get('cpu_model')} ({m.get('cpu_affinity_cores')} cores, "
+                 f"{m.get('torch_threads')} torch threads, {m.get('device')}), model "
+                 f"{(doc.get('model') or {}).get('architecture')} {doc['config'].get('dtype')}, "
+                 f"profile {doc['config'].get('profile')}, torch {m.get('torch')}.")
+    for key, why in doc["unavailable"].items():
+        lines.append(f"- `{key}`: {why}")
+    return "\n".join(lines) + "\n"
 
 
 # -- plots --------------------------------------------------------------------------------------

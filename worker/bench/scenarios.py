@@ -275,6 +275,9 @@ class BenchRun:
 
     def _itl_run(self, chunked: bool) -> dict[str, Any]:
         c = self.config
+        if not 0 < c.itl_inject_after_tokens < c.itl_decode_new_tokens:
+            raise ValueError("itl_inject_after_tokens must be in (0, itl_decode_new_tokens): the "
+                             "long prompt has to arrive while the decodes are still running")
         long_new = 4
         long_len = c.itl_long_prompt_tokens + long_new
         per_decode = c.itl_decode_prompt_tokens + c.itl_decode_new_tokens
@@ -298,7 +301,11 @@ class BenchRun:
         drv.add(long)
         run = drv.run_until()
         ids = [r.request_id for r in decodes]
-        return {"itls": run.timeline.itls(ids), "injected_at_s": injected_at,
+        itls = run.timeline.itls(ids)
+        if len(ids) < 0.01 * itls.size:
+            log.warning("itl: one stall per stream is under 1% of the gaps, so p99 may not see "
+                        "it; use fewer itl_decode_new_tokens", gaps=int(itls.size), streams=len(ids))
+        return {"itls": itls, "streams": ids, "injected_at_s": injected_at,
                 "long_ttft_s": run.timeline.requests[long[0].request_id].ttft,
                 "max_num_batched_tokens": budget}
 

@@ -30,11 +30,16 @@ class TokenSpace:
 
     @classmethod
     def for_model(cls, vocab_size: int, special_ids: list[int | None]) -> TokenSpace:
-        """Skip every id up to the highest special token (they sit at the start of the vocab
-        for the model families pagedq serves), so no prompt contains an EOS or a BOS."""
+        """The ordinary ids between the special tokens, so no prompt contains an EOS or a BOS.
+
+        Special tokens sit at the start of the vocabulary (SmolLM2, the tiny test models) or at
+        its end (Llama 3, Qwen2): ids up to the highest special in the lower half and from the
+        lowest special in the upper half are skipped.
+        """
         specials = [i for i in special_ids if i is not None and 0 <= i < vocab_size]
-        low = max(specials) + 1 if specials and max(specials) < vocab_size // 2 else 0
-        return cls(low=low, high=vocab_size)
+        lower = [i for i in specials if i < vocab_size // 2]
+        upper = [i for i in specials if i >= vocab_size // 2]
+        return cls(low=max(lower) + 1 if lower else 0, high=min(upper) if upper else vocab_size)
 
     def sample(self, rng: np.random.Generator, n: int) -> list[int]:
         return rng.integers(self.low, self.high, size=n).tolist()

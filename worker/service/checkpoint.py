@@ -53,7 +53,7 @@ class Checkpointer:
         fields.update(heartbeat=now, state=state, jobs=jobs, generated_tokens=generated_tokens,
                       tokens_per_s=round(self.tokens_per_s(generated_tokens), 2))
         queue = await self._queue_stats()
-        pipe = self.r.pipeline(transaction=False)
+        pipe = self.r.pipeline(transaction=True)  # readers never see a half-written hash
         key = self.keys.worker(self.name)
         pipe.delete(key)
         pipe.hset(key, mapping={k: str(v) for k, v in fields.items()})

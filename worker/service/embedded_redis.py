@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -73,7 +75,7 @@ class EmbeddedRedis:
                 [binary, "--port", str(p), "--bind", "127.0.0.1", "--save", "",
                  "--appendonly", "yes" if appendonly else "no", "--dir", str(wd),
                  "--daemonize", "no", "--loglevel", "warning", "--maxmemory-policy", "noeviction"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_detach,
             )
             if _wait_ping(p, proc, timeout):
                 return cls(p, proc, wd, own)
@@ -102,6 +104,20 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _detach() -> None:
+    """In the child: its own session, so a Ctrl-C (SIGINT to the terminal's process group) does
+    not kill Redis while the worker still drains into it; and on Linux, die with the parent so
+    a SIGKILLed worker leaves no stray server behind."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
 
 
 def _wait_ping(port: int, proc: subprocess.Popen, timeout: float) -> bool:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from pagedq.client.protocol import (
     CANCELLED,
@@ -86,7 +87,7 @@ class WorkerConfig:
     engine: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def lease_ttl(self) -> float:
+    def checkpoint_ttl_s(self) -> float:
         return self.checkpoint_ttl or max(5.0, 3 * self.checkpoint_interval)
 
 
@@ -119,6 +120,7 @@ class Worker:
         self._outbox: asyncio.Queue[Report | Publication] = asyncio.Queue()
         self._engine_stats: dict[str, Any] = {}
         self._generated_tokens = 0
+        self._publishing = False
         self._embedded: EmbeddedRedis | None = None
 
     # -- life cycle -----------------------------------------------------------------------
@@ -130,16 +132,26 @@ class Worker:
     async def run(self) -> int:
         self._loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
-        await self._connect()
+        try:
+            await self._connect()
+        except (RedisError, OSError, RuntimeError) as exc:
+            log.error("cannot reach Redis: check --redis-url / REDIS_URL", error=str(exc))
+            return 1
         if self.engine is None:
             log.info("loading model", model=self.config.model or "default")
-            self.engine = await self._loop.run_in_executor(None, build_engine, self.config)
+            try:
+                self.engine = await self._loop.run_in_executor(None, build_engine, self.config)
+            except Exception as exc:
+                log.error("cannot load the model", model=self.config.model, error=str(exc))
+                await self._close_redis()
+                return 2
         self.name = await self._pick_name()
         model = str(getattr(self.engine, "model_path", None) or self.config.model or "default")
         self.consumer = Consumer(self.r, self.keys, self.name)
         self.leases = Leases(self.r, self.keys, self.name, self.config.ttl)
         self.publisher = Publisher(self.r, self.keys, self.config.ttl, self.name)
-        self.checkpointer = Checkpointer(self.r, self.keys, self.name, self.config.lease_ttl, model)
+        self.checkpointer = Checkpointer(self.r, self.keys, self.name, self.config.checkpoint_ttl_s,
+                                         model)
         self.metrics = Metrics(model)
         await self.consumer.ensure_groups()
         self._capacity = self.engine.free_capacity(self.config.prompt_len_hint)
@@ -187,7 +199,7 @@ class Worker:
         while another live worker holds it, so a restarted worker resumes its own pending jobs."""
         base = (self.config.consumer_name or os.environ.get("PAGEDQ_CONSUMER_NAME")
                 or socket.gethostname())
-        ttl_ms = int(self.config.lease_ttl * 1000)
+        ttl_ms = int(self.config.checkpoint_ttl_s * 1000)
         for i in range(1000):
             name = base if i == 0 else f"{base}-{i + 1}"
             if await self.r.set(self._lock_key(name), name, nx=True, px=ttl_ms):
@@ -222,7 +234,8 @@ class Worker:
             if not job.closing:
                 await self._hand_back(job)
         end = time.monotonic() + 5
-        while (self.jobs or not self._outbox.empty()) and time.monotonic() < end:
+        while (self.jobs or self._publishing or not self._outbox.empty()) \
+                and time.monotonic() < end:
             await asyncio.sleep(0.02)
 
     async def _shutdown(self, metrics_server: MetricsServer | None) -> None:
@@ -233,10 +246,14 @@ class Worker:
             log.exception("could not remove the checkpoint keys (they expire on their own)")
         if metrics_server is not None:
             await metrics_server.stop()
-        await self.r.aclose()
+        await self._close_redis()
+        log.info("worker stopped", worker=self.name)
+
+    async def _close_redis(self) -> None:
+        if getattr(self, "r", None) is not None:
+            await self.r.aclose()
         if self._embedded is not None:
             self._embedded.stop()
-        log.info("worker stopped", worker=self.name)
 
     async def _forever(self, name: str, once: Callable[[], Awaitable[None]]) -> None:
         """Run ``once`` in a loop; a failure (Redis blip, bug) is logged and retried."""
@@ -411,8 +428,9 @@ class Worker:
         reason = (f"delivered {deliveries} times (max {self.config.max_deliveries}): the "
                   "workers running it kept dying")
         log.error("dead-lettering a job", request_id=job.id, deliveries=deliveries)
-        await self.r.xadd(self.keys.dead, {b"stream": entry.stream, b"entry_id": entry.entry_id,
-                                           b"reason": reason, **entry.fields},
+        await self.r.xadd(self.keys.dead, {**entry.fields, b"stream": entry.stream,
+                                           b"entry_id": entry.entry_id, b"reason": reason,
+                                           b"consumer": self.name},
                           maxlen=10_000, approximate=True)
         self.metrics.inc("pagedq:jobs_dead_lettered_total")
         await self._end_now(job, error_event(job.id, E_DEAD_LETTER,
@@ -426,31 +444,34 @@ class Worker:
     # -- engine outputs -> Redis ------------------------------------------------------------
     async def _publish_once(self) -> None:
         items = [await self._outbox.get()]
-        while not self._outbox.empty():
-            items.append(self._outbox.get_nowait())
+        self._publishing = True
+        try:
+            while not self._outbox.empty():
+                items.append(self._outbox.get_nowait())
+            await self._publish(items)
+        finally:
+            self._publishing = False
+
+    async def _publish(self, items: list[Report | Publication]) -> None:
         pubs: list[Publication] = []
-        touched: dict[str, LiveJob] = {}
         for item in items:
-            if isinstance(item, Publication):
-                pubs.append(item)
-            else:
-                pubs += self._publications(item, touched)
+            pubs += [item] if isinstance(item, Publication) else self._publications(item)
         pubs = merge(pubs)
         if not pubs:
             return
-        for attempt in range(100):
+        backoff = 0.05
+        while True:  # Redis away: keep the events (the engine keeps going) and retry
             try:
                 outcomes = await self.publisher.send(pubs)
                 break
-            except Exception:
-                if attempt == 99:
-                    raise
+            except RedisError:
                 log.exception("publishing failed; retrying (publishes are idempotent)")
-                await asyncio.sleep(min(0.05 * 2 ** attempt, 2.0))
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
         for pub, outcome in zip(pubs, outcomes, strict=True):
             self._settle(pub, outcome.status, outcome.cancel)
 
-    def _publications(self, report: Report, touched: dict[str, LiveJob]) -> list[Publication]:
+    def _publications(self, report: Report) -> list[Publication]:
         pubs = []
         by_job: dict[str, list[Any]] = {}
         for out in report.outputs:

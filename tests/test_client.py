@@ -1,0 +1,164 @@
+"""The client SDK against a real Redis: what submit writes, how streams are read, the async
+twin, stats, and text/chat prompts end to end (the default model, when it is available)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pagedq.client import (
+    AsyncClient,
+    Client,
+    InvalidParamsError,
+    ProtocolError,
+    RequestCancelledError,
+    ResultTimeoutError,
+    SamplingParams,
+    StreamGapError,
+)
+from pagedq.client.protocol import (
+    F_EVENT,
+    F_ID,
+    F_PAYLOAD,
+    F_SEQ,
+    FINISHED,
+    GROUP,
+    TOKENS,
+    Event,
+    Keys,
+    decode_request,
+    encode_event,
+)
+from pagedq.worker.service.commands import render_stats
+from tests.test_worker import running_worker
+
+
+def write_events(r, rid, events, first_seq=1):
+    """Play a worker: append events to the request's output stream as the protocol says."""
+    for k, ev in enumerate(events):
+        r.xadd(Keys().out(rid), {F_SEQ: first_seq + k, F_EVENT: encode_event(ev)})
+
+
+def test_submit_writes_a_decodable_job_on_its_priority_stream(redis_client, redis_db):
+    keys = Keys()
+    with Client(redis_db) as client:
+        h = client.submit([1, 2, 3], SamplingParams(max_tokens=5, seed=3), priority=2,
+                          metadata={"user": "u1"}, deadline=time.time() + 60)
+        handles = client.submit_many(["a", "b"], SamplingParams(), priority=-1)
+    (eid, fields), = redis_client.xrange(keys.jobs("high"))
+    req = decode_request(fields[F_PAYLOAD])
+    assert fields[F_ID] == h.id.encode() == req.id.encode()
+    assert req.prompt_token_ids == [1, 2, 3] and req.params.seed == 3
+    assert req.metadata == {"user": "u1"} and req.priority == 2
+    low = [decode_request(f[F_PAYLOAD]).prompt for _, f in redis_client.xrange(keys.jobs("low"))]
+    assert low == ["a", "b"] and len(handles) == 2
+    groups = {g["name"] for g in redis_client.xinfo_groups(keys.jobs("normal"))}
+    assert groups == {GROUP.encode()}
+
+
+def test_submit_rejects_bad_input_before_enqueueing(redis_client, redis_db):
+    with Client(redis_db) as client:
+        with pytest.raises(ProtocolError):
+            client.submit([], SamplingParams())
+        with pytest.raises(ProtocolError):
+            client.submit(42, SamplingParams())
+        with pytest.raises(ProtocolError):
+            client.submit("x", request_id="has space")
+        with pytest.raises(InvalidParamsError):
+            client.submit("x", SamplingParams(top_p=3))
+    assert redis_client.xlen(Keys().jobs("normal")) == 0
+
+
+def test_stream_result_gap_and_timeout(redis_client, redis_db):
+    with Client(redis_db) as client:
+        h = client.handle("r1")
+        with pytest.raises(ResultTimeoutError):
+            h.result(timeout=0.2)
+        write_events(redis_client, "r1", [
+            Event(TOKENS, "r1", token_ids=[5, 6], text="ab", position=2),
+            Event(TOKENS, "r1", token_ids=[7], text="c", position=3, finish_reason="length"),
+            Event(FINISHED, "r1", finish_reasons=["length"],
+                  usage={"prompt_tokens": 4, "completion_tokens": 3}),
+        ])
+        res = h.result(timeout=5)  # the same handle continues after its timeout
+        assert (res.token_ids, res.text, res.finish_reason) == ([5, 6, 7], "abc", "length")
+        assert res.usage == {"prompt_tokens": 4, "completion_tokens": 3}
+
+        write_events(redis_client, "r2", [Event(TOKENS, "r2", token_ids=[1], position=1)])
+        write_events(redis_client, "r2", [Event(TOKENS, "r2", token_ids=[2], position=2)],
+                     first_seq=3)
+        with pytest.raises(StreamGapError):
+            client.handle("r2").result(timeout=5)
+        write_events(redis_client, "r3", [Event(TOKENS, "r3", token_ids=[1], position=1),
+                                          Event(TOKENS, "r3", token_ids=[2], position=3)])
+        with pytest.raises(StreamGapError):
+            client.handle("r3").result(timeout=5)
+
+
+def test_cancel_of_a_queued_job_ends_it_at_once(redis_db):
+    with Client(redis_db) as client:
+        h = client.submit([1, 2], SamplingParams())
+        assert h.cancel() is True
+        with pytest.raises(RequestCancelledError):
+            h.result(timeout=5)
+        assert h.cancel() is False
+
+
+def test_async_client_end_to_end(redis_db, tiny_model_dir):
+    model = str(tiny_model_dir("llama"))
+    params = SamplingParams(temperature=0, max_tokens=6)
+
+    async def scenario():
+        async with AsyncClient(redis_db) as client:
+            h = await client.submit([1, 4, 9], params)
+            streamed = [e async for e in h.stream(timeout=60)]
+            res = await h.result(timeout=5)
+            many = await client.generate([[2, 3], [4, 5, 6]], params, timeout=60)
+            long = await client.submit([3, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+            async for _ in long.stream(timeout=60):
+                break
+            assert await long.cancel()
+            with pytest.raises(RequestCancelledError):
+                await long.result(timeout=30)
+            stats = await client.stats()
+            return streamed, res, many, stats
+
+    with running_worker(redis_db, model, "aw"):
+        streamed, res, many, stats = asyncio.run(scenario())
+    assert [t for e in streamed for t in e.token_ids] == res.token_ids and len(res.token_ids) == 6
+    assert [len(r.token_ids) for r in many] == [6, 6]
+    assert stats["workers"][0]["name"] == "aw"
+    table = render_stats(stats)
+    assert "aw" in table and "normal" in table
+
+
+def _default_model_or_skip() -> str:
+    try:
+        from pagedq.worker.models.default_model import default_model_dir
+        from pagedq.worker.models.loader import is_converted
+
+        path = default_model_dir()
+        if is_converted(path):
+            return str(path)
+    except Exception as exc:  # not prepared on this machine
+        pytest.skip(f"default model unavailable: {exc}")
+    pytest.skip("default model not prepared: run `python -m pagedq.worker.models.default_model`")
+
+
+def test_text_and_chat_prompts_with_the_default_model(redis_db):
+    model = _default_model_or_skip()
+    from pagedq.worker import Engine
+
+    params = SamplingParams(temperature=0, max_tokens=8)
+    chat = [{"role": "user", "content": "Say hi."}]
+    ref = Engine(model, num_kv_blocks=64, max_num_seqs=2, max_model_len=512)
+    want_text = ref.generate(["The capital of France is"], params)[0].outputs[0]
+    want_chat = ref.chat(chat, params)[0].outputs[0]
+    with running_worker(redis_db, model, "smol", engine=dict(max_model_len=512)), \
+            Client(redis_db) as client:
+        text = client.submit("The capital of France is", params).result(timeout=120)
+        chatted = client.submit(chat, params).result(timeout=120)
+    assert (text.token_ids, text.text) == (want_text.token_ids, want_text.text)
+    assert (chatted.token_ids, chatted.text) == (want_chat.token_ids, want_chat.text)
