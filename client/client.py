@@ -153,12 +153,21 @@ class ResultBuilder:
         return res
 
 
-def parse_entries(reply: Any) -> list[tuple[str, dict[bytes, bytes]]]:
-    """XREAD's reply for one stream -> [(entry id, fields)]."""
+def stream_replies(reply: Any) -> list[tuple[Any, list[Any]]]:
+    """XREAD/XREADGROUP reply -> [(stream, entries)] under RESP2 (a list of pairs) and RESP3
+    (a map of stream -> [entries]), so a ``?protocol=3`` URL works too."""
     if not reply:
         return []
+    if isinstance(reply, dict):
+        return [(stream, value[0] if value and isinstance(value[0], list) else value)
+                for stream, value in reply.items()]
+    return [(stream, entries) for stream, entries in reply]
+
+
+def parse_entries(reply: Any) -> list[tuple[str, dict[bytes, bytes]]]:
+    """XREAD's reply -> [(entry id, fields)]."""
     out = []
-    for _stream, entries in reply:
+    for _stream, entries in stream_replies(reply):
         for entry_id, fields in entries:
             if isinstance(entry_id, bytes):
                 entry_id = entry_id.decode()

@@ -32,7 +32,7 @@ def reference(model):
     from pagedq.worker import Engine
 
     engine = Engine(model, num_kv_blocks=160, max_num_seqs=2, max_model_len=512)
-    return lambda prompt, params: engine.generate([prompt], params)[0].outputs[0].token_ids
+    return lambda prompt, params: [o.token_ids for o in engine.generate([prompt], params)[0].outputs]
 
 
 def spawn(redis_url, model, name, queue, log_dir, *extra):
@@ -76,14 +76,18 @@ def events(r, rid):
     return [decode_event(f, i) for i, f in r.xrange(Keys().out(rid))]  # the prefix is shared
 
 
-def assert_seamless(evs, expected_tokens):
+def assert_seamless(evs, expected):
+    """seq 1..N, one terminal event last, each sample's positions contiguous and its tokens
+    equal to the engine's (``expected``: tokens per sample)."""
     assert [e.seq for e in evs] == list(range(1, len(evs) + 1))
     assert [e.type for e in evs].count("finished") == 1 and evs[-1].type == "finished"
-    pos = 0
-    for e in evs[:-1]:
-        assert e.position - len(e.token_ids) == pos
-        pos = e.position
-    assert [t for e in evs for t in e.token_ids] == expected_tokens
+    for index, want in enumerate(expected):
+        mine = [e for e in evs[:-1] if e.index == index]
+        pos = 0
+        for e in mine:
+            assert e.position - len(e.token_ids) == pos
+            pos = e.position
+        assert [t for e in mine for t in e.token_ids] == want
 
 
 def stop(proc):
@@ -124,7 +128,7 @@ def test_sigkill_mid_generation_another_worker_continues_seamlessly(redis_url, p
                 results = [h.result(timeout=120) for h in handles]
                 for (prompt, params), h, res in zip(jobs, handles, results, strict=True):
                     expected = reference(prompt, params)
-                    assert res.token_ids == expected
+                    assert [o.token_ids for o in res.outputs] == expected
                     assert_seamless(events(r, h.id), expected)
                 writers = [{e.worker for e in events(r, h.id)} for h in handles]
                 assert {"A", "B"} in writers  # a job A was generating was finished by B
@@ -143,7 +147,9 @@ def test_sigterm_drains_hands_back_and_exits_zero(redis_url, procs, model, refer
         wait_serving(r, keys, "A", a)
         with Client(redis_url, "term") as client:
             prompts = [[2, 4 + i, 6] for i in range(4)]
-            handles = [client.submit(p, long) for p in prompts]
+            params = [long, SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=200,
+                                           ignore_eos=True), long, long]
+            handles = [client.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
 
             def both_running():
                 return sum(bool(events(r, h.id)) for h in handles) >= 2
@@ -161,9 +167,9 @@ def test_sigterm_drains_hands_back_and_exits_zero(redis_url, procs, model, refer
                                 engine=dict(num_kv_blocks=160, max_num_seqs=2,
                                             max_model_len=512)):
                 results = [h.result(timeout=120) for h in handles]
-        for prompt, h, res in zip(prompts, handles, results, strict=True):
-            expected = reference(prompt, long)
-            assert res.token_ids == expected
+        for prompt, sp, h, res in zip(prompts, params, handles, results, strict=True):
+            expected = reference(prompt, sp)
+            assert [o.token_ids for o in res.outputs] == expected
             assert_seamless(events(r, h.id), expected)
         for h in started:
             assert {e.worker for e in events(r, h.id)} == {"A", "B"}

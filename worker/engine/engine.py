@@ -398,16 +398,8 @@ class Engine:
                     ignore_eos: bool = False) -> list[BeamSearchOutput]:
         """Beam search per prompt; each result's ``beams`` are best first."""
         beam = BeamParams(beam_width, max_tokens, length_penalty, ignore_eos)
-        ids = [f"beam-{next(self._arrivals)}" for _ in prompts]
-        reqs = []
-        try:
-            for rid, prompt in zip(ids, prompts, strict=True):
-                reqs.append(self.add_beam_request(rid, prompt, beam))
-        except Exception:
-            for rid in ids:
-                self.abort_request(rid)
-            raise
-        self.run_until_done(ids)
+        reqs = self._run_all("beam", [
+            lambda rid, prompt=prompt: self.add_beam_request(rid, prompt, beam) for prompt in prompts])
         return [BeamSearchOutput(r.request_id, r.prompt, r.prompt_token_ids,
                                  self._beam_completions(r)) for r in reqs]
 
@@ -439,17 +431,24 @@ class Engine:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise InvalidRequestError(f"{len(plist)} params for {len(prompts)} prompts")
-        ids = [f"offline-{next(self._arrivals)}" for _ in prompts]
+        reqs = self._run_all("offline", [
+            lambda rid, prompt=prompt, p=p: self.add_request(rid, prompt, p)
+            for prompt, p in zip(prompts, plist, strict=True)])
+        return [self.request_output(r) for r in reqs]
+
+    def _run_all(self, kind: str, adders: list) -> list[Request]:
+        """Add every request (all or none: a bad one aborts the rest), then run them to the end."""
+        ids = [f"{kind}-{next(self._arrivals)}" for _ in adders]
         reqs: list[Request] = []
         try:
-            for rid, prompt, p in zip(ids, prompts, plist, strict=True):
-                reqs.append(self.add_request(rid, prompt, p))
+            for rid, add in zip(ids, adders, strict=True):
+                reqs.append(add(rid))
         except Exception:
             for rid in ids:
                 self.abort_request(rid)
             raise
         self.run_until_done(ids)
-        return [self.request_output(r) for r in reqs]
+        return reqs
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -14,6 +14,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from pagedq.client.client import stream_replies
 from pagedq.client.protocol import GROUP, LEVELS, Keys
 from pagedq.worker.logging import get_logger
 
@@ -114,7 +115,7 @@ class Consumer:
             await self.ensure_groups()
             return []
         entries = []
-        for stream, items in reply or []:
+        for stream, items in stream_replies(reply):
             for entry_id, fields in items:
                 entries.append(Entry(_s(stream), _s(entry_id), _fields(fields) or None))
         return entries

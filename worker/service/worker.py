@@ -130,8 +130,34 @@ class Worker:
             self._loop.call_soon_threadsafe(self._stop_event.set)
 
     async def run(self) -> int:
+        """Serve until stop()/SIGTERM, then drain. Exit code: 0 ok, 1 no Redis, 2 no model."""
         self._loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
+        code = await self._setup()
+        if code:
+            return code
+        metrics_server = await self._start_metrics()
+        await self._checkpoint()
+        tasks = [asyncio.create_task(self._forever(name, fn), name=name) for name, fn in [
+            ("publisher", self._publish_once), ("renewer", self._renew_once),
+            ("poller", self._poll_once), ("checkpointer", self._checkpoint_tick)]]
+        pullers = [asyncio.create_task(self._reader(), name="reader"),
+                   asyncio.create_task(self._reclaimer(), name="reclaimer")]
+        self.healthy = True
+        self.ready.set()
+        log.info("worker serving", worker=self.name, queue=self.config.queue,
+                 redis=self.redis_url, reclaim_after=self.config.reclaim_after,
+                 model=self.model_name)
+        await self._stop_event.wait()
+        await self._drain(pullers)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._shutdown(metrics_server)
+        return 0
+
+    async def _setup(self) -> int:
+        """Connect, load the model, claim a consumer name, start the engine thread."""
         try:
             await self._connect()
         except (RedisError, OSError, RuntimeError) as exc:
@@ -146,13 +172,14 @@ class Worker:
                 await self._close_redis()
                 return 2
         self.name = await self._pick_name()
-        model = str(getattr(self.engine, "model_path", None) or self.config.model or "default")
+        self.model_name = str(getattr(self.engine, "model_path", None) or self.config.model
+                              or "default")
         self.consumer = Consumer(self.r, self.keys, self.name)
         self.leases = Leases(self.r, self.keys, self.name, self.config.ttl)
         self.publisher = Publisher(self.r, self.keys, self.config.ttl, self.name)
-        self.checkpointer = Checkpointer(self.r, self.keys, self.name, self.config.checkpoint_ttl_s,
-                                         model)
-        self.metrics = Metrics(model)
+        self.checkpointer = Checkpointer(self.r, self.keys, self.name,
+                                         self.config.checkpoint_ttl_s, self.model_name)
+        self.metrics = Metrics(self.model_name)
         await self.consumer.ensure_groups()
         self._capacity = self.engine.free_capacity(self.config.prompt_len_hint)
         self._engine_stats = self.engine.stats()
@@ -160,28 +187,15 @@ class Worker:
                                       self.config.prompt_len_hint)
         self.engine_loop.start()
         self._install_signals()
-        metrics_server = None
-        if self.config.metrics_port is not None:
-            metrics_server = MetricsServer(self.metrics, lambda: self.healthy,
-                                           self.config.metrics_host, self.config.metrics_port)
-            self.metrics_port = await metrics_server.start()
-        await self._checkpoint()
-        tasks = {name: asyncio.create_task(self._forever(name, fn), name=name) for name, fn in [
-            ("publisher", self._publish_once), ("renewer", self._renew_once),
-            ("poller", self._poll_once), ("checkpointer", self._checkpoint_tick)]}
-        pullers = [asyncio.create_task(self._reader(), name="reader"),
-                   asyncio.create_task(self._reclaimer(), name="reclaimer")]
-        self.healthy = True
-        self.ready.set()
-        log.info("worker serving", worker=self.name, queue=self.config.queue,
-                 redis=self.redis_url, reclaim_after=self.config.reclaim_after, model=model)
-        await self._stop_event.wait()
-        await self._drain(pullers)
-        for task in tasks.values():
-            task.cancel()
-        await asyncio.gather(*tasks.values(), return_exceptions=True)
-        await self._shutdown(metrics_server)
         return 0
+
+    async def _start_metrics(self) -> MetricsServer | None:
+        if self.config.metrics_port is None:
+            return None
+        server = MetricsServer(self.metrics, lambda: self.healthy, self.config.metrics_host,
+                               self.config.metrics_port)
+        self.metrics_port = await server.start()
+        return server
 
     async def _connect(self) -> None:
         url = resolve_redis_url(self.config.redis_url)
@@ -584,7 +598,8 @@ class Worker:
 
     async def _renew_once(self) -> None:
         await asyncio.sleep(max(0.05, self.config.reclaim_after / 3))
-        for job in await self.leases.renew(self._owned()):
+        # closing jobs too: their terminal event is queued, and they stay ours until it is out
+        for job in await self.leases.renew(list(self.jobs.values())):
             if self.jobs.get(job.engine_id) is job and not job.closing:
                 log.warning("lease lost; dropping the job", request_id=job.id)
                 self.metrics.inc("pagedq:jobs_fenced_total")
