@@ -75,7 +75,9 @@ def running_worker(redis_url, model, name, **overrides):
 
     def target():
         try:
-            asyncio.run(worker.run())
+            code = asyncio.run(worker.run())
+            if code:
+                errors.append(f"worker exited with code {code} (see its log)")
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
@@ -87,8 +89,14 @@ def running_worker(redis_url, model, name, **overrides):
         yield worker
     finally:
         worker.stop()
-        thread.join(60)
-        assert not thread.is_alive() and not errors, errors
+        thread.join(90)
+        if thread.is_alive():  # show where it hangs rather than a bare "still alive"
+            import faulthandler
+            import sys
+
+            faulthandler.dump_traceback(sys.stderr)
+    assert not thread.is_alive(), "the worker did not stop within 90 s (stacks dumped above)"
+    assert not errors, errors
 
 
 def raw_events(r, request_id):
@@ -408,3 +416,24 @@ def test_reclaim_acks_entries_deleted_while_pending(redis_db, redis_client):
     entries, pending, gone, kept = asyncio.run(scenario())
     assert {(e.entry_id, e.fields is None) for e in entries} == {(gone, True), (kept, False)}
     assert pending["pending"] == 1
+
+
+def test_stable_name_resumes_own_pending_jobs_and_names_are_unique(redis_db, redis_client,
+                                                                   model, reference):
+    """A worker restarted under its old name takes its own unacked jobs back at once (not after
+    --reclaim-after); a second live worker asking for the same name gets a suffix."""
+    from pagedq.worker.service.scripts import CLAIM
+
+    keys = Keys()
+    params = SamplingParams(temperature=0, max_tokens=9)
+    with Client(redis_db) as client:
+        h = client.submit([4, 4, 2], params)
+        # "w1" took the job and crashed before writing anything
+        redis_client.xreadgroup(GROUP, "w1", {keys.jobs("normal"): ">"})
+        redis_client.register_script(CLAIM)(keys=[keys.state(h.id)], args=["w1", 60])
+        with running_worker(redis_db, model, "w1", reclaim_after=600) as first, \
+                running_worker(redis_db, model, "w1", reclaim_after=600) as second:
+            res = h.result(timeout=30)  # far sooner than the 600 s reclaim
+            assert (first.name, second.name) == ("w1", "w1-2")
+    assert res.token_ids == reference([4, 4, 2], params)[0]
+    assert {e.worker for e in raw_events(redis_client, h.id)} == {"w1"}

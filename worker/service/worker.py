@@ -121,6 +121,7 @@ class Worker:
         self._engine_stats: dict[str, Any] = {}
         self._generated_tokens = 0
         self._publishing = False
+        self._closing = False  # set after the drain: background loops end
         self._embedded: EmbeddedRedis | None = None
 
     # -- life cycle -----------------------------------------------------------------------
@@ -150,9 +151,12 @@ class Worker:
                  model=self.model_name)
         await self._stop_event.wait()
         await self._drain(pullers)
+        self._closing = True
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        _, stuck = await asyncio.wait(tasks, timeout=10)
+        if stuck:
+            log.warning("background tasks did not stop", tasks=[t.get_name() for t in stuck])
         await self._shutdown(metrics_server)
         return 0
 
@@ -272,13 +276,18 @@ class Worker:
     async def _forever(self, name: str, once: Callable[[], Awaitable[None]]) -> None:
         """Run ``once`` in a loop; a failure (Redis blip, bug) is logged and retried."""
         backoff = 0.1
-        while True:
+        while not self._closing:
             try:
                 await once()
                 backoff = 0.1
             except asyncio.CancelledError:
                 raise
             except Exception:
+                task = asyncio.current_task()
+                if self._closing or (task is not None and task.cancelling()):
+                    # a library turned our cancellation into another error (e.g. a timeout
+                    # racing the cancel): honour the cancellation
+                    raise asyncio.CancelledError from None
                 log.exception("task iteration failed; retrying", task=name)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
