@@ -51,14 +51,13 @@ def reference_probs(logits: list[float], temperature: float, top_k: int, top_p: 
 )
 def test_filtered_probs_match_reference(seed, temperature, top_k, top_p, min_p):
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
-    probs, order = filtered_probs(logits.clone(), torch.tensor([temperature] * 2),
-                                  torch.tensor([top_k] * 2), torch.tensor([top_p] * 2),
-                                  torch.tensor([min_p] * 2))
-    if order is not None:
-        probs = torch.zeros_like(probs).scatter_(1, order, probs)
+    probs = filtered_probs(logits.clone(), torch.tensor([temperature, 1.0]),
+                           torch.tensor([top_k, 0]), torch.tensor([top_p, 1.0]),
+                           torch.tensor([min_p, 0.0]))
     probs = probs / probs.sum(-1, keepdim=True)
-    for r in range(2):
-        ref = reference_probs(logits[r].tolist(), temperature, top_k, top_p, min_p)
+    refs = [reference_probs(logits[0].tolist(), temperature, top_k, top_p, min_p),
+            reference_probs(logits[1].tolist(), 1.0, 0, 1.0, 0.0)]  # an unfiltered batch mate
+    for r, ref in enumerate(refs):
         assert torch.allclose(probs[r], torch.tensor(ref), atol=1e-5)
 
 
@@ -110,10 +109,17 @@ def test_seeded_output_independent_of_batch_mates(engine):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
     alone = engine.generate([prompt], params)[0].outputs[0].token_ids
     others = [[20 + i] * (3 + i) for i in range(6)]
+    mates = [SamplingParams(temperature=1.0, max_tokens=16, top_k=20),
+             SamplingParams(temperature=0.0, max_tokens=5, repetition_penalty=1.2),
+             SamplingParams(temperature=1.0, max_tokens=16, min_p=0.1)]
     mixed = engine.generate(others[:3] + [prompt] + others[3:],
-                            [SamplingParams(temperature=1.0, max_tokens=16)] * 3 + [params]
-                            + [SamplingParams(temperature=0.7, max_tokens=9)] * 3)
+                            mates + [params] + [SamplingParams(temperature=0.7, max_tokens=9,
+                                                               top_p=0.5)] * 3)
     assert mixed[3].outputs[0].token_ids == alone
+    plain = SamplingParams(temperature=1.0, seed=14, max_tokens=8, ignore_eos=True)  # no filters
+    alone = engine.generate([[3, 7, 13, 3]], plain)[0].outputs[0].token_ids
+    mixed = engine.generate([[3, 7, 13, 3], [5, 5]], [plain, SamplingParams(top_k=20)])
+    assert mixed[0].outputs[0].token_ids == alone
     different = engine.generate([prompt], SamplingParams(
         temperature=1.0, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True))
     assert different[0].outputs[0].token_ids != alone

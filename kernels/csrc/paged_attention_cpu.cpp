@@ -32,6 +32,9 @@
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T0
 #endif
+#ifndef PF_SUB
+#define PF_SUB 8
+#endif
 #ifndef PF_DIST
 #define PF_DIST 1
 #endif
@@ -206,16 +209,17 @@ inline void pv_group(const T* v, int64_t v_stride, int64_t n, const float* p, in
   }
 }
 
-// Software prefetch of n rows (heads h0..h1 of each) of the next block: the block table makes
-// every block a jump the hardware prefetchers cannot predict.
+// Software prefetch of rows [o0, o1) (heads h0..h1 of each) of a block further down the block
+// table: every block is a jump the hardware prefetchers cannot predict. Issued a few rows at a
+// time, interleaved with the compute, so the misses overlap it without flooding the fill buffers.
 template <typename T>
-inline void prefetch_block(const T* block, int64_t n, int64_t row_stride, int64_t head_stride,
-                           int64_t h0, int64_t h1, int64_t D) {
+inline void prefetch_rows(const T* block, int64_t o0, int64_t o1, int64_t row_stride,
+                          int64_t head_stride, int64_t h0, int64_t h1, int64_t D) {
 #ifdef PAGEDQ_NO_PREFETCH
   return;
 #endif
   const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
-  for (int64_t o = 0; o < n; ++o)
+  for (int64_t o = o0; o < o1; ++o)
     for (int64_t h = h0; h < h1; ++h) {
       const char* p = reinterpret_cast<const char*>(block + o * row_stride + h * head_stride);
       for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, PF_HINT);
@@ -272,18 +276,18 @@ void attend(const Geometry& geo, const T* query, const T* k_cache, const T* v_ca
   const int64_t num_blocks = (len + bs - 1) / bs;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t t0 = b * bs, n = std::min(bs, len - t0);
-    if (b == 0)
-      for (int64_t a = 1; a < PF_DIST && a < num_blocks; ++a)
-        prefetch_block(k_cache + static_cast<int64_t>(table[a]) * geo.k_stride0,
-                       std::min(bs, len - a * bs), geo.k_stride1, geo.k_stride2, h0, h1, D);
-    if (b + PF_DIST < num_blocks)
-      prefetch_block(k_cache + static_cast<int64_t>(table[b + PF_DIST]) * geo.k_stride0,
-                     std::min(bs, len - (b + PF_DIST) * bs), geo.k_stride1, geo.k_stride2, h0, h1, D);
     const T* block = k_cache + static_cast<int64_t>(table[b]) * geo.k_stride0;
-    for (int64_t h = h0; h < h1; ++h) {
-      const int64_t r = (h - h0) * G;
-      qk_group(block + h * geo.k_stride2, geo.k_stride1, n, q + r * D, G, D,
-               scores + r * len + t0, len);
+    const int64_t ahead = b + PF_DIST;
+    const T* next = ahead < num_blocks ? k_cache + static_cast<int64_t>(table[ahead]) * geo.k_stride0 : nullptr;
+    const int64_t next_n = next ? std::min(bs, len - ahead * bs) : 0;
+    for (int64_t o0 = 0; o0 < n; o0 += PF_SUB) {
+      const int64_t o1 = std::min(n, o0 + PF_SUB);
+      if (next) prefetch_rows(next, o0, std::min(o1, next_n), geo.k_stride1, geo.k_stride2, h0, h1, D);
+      for (int64_t h = h0; h < h1; ++h) {
+        const int64_t r = (h - h0) * G;
+        qk_group(block + o0 * geo.k_stride1 + h * geo.k_stride2, geo.k_stride1, o1 - o0, q + r * D,
+                 G, D, scores + r * len + t0 + o0, len);
+      }
     }
   }
   // Softmax numerators and denominators, fp32.
@@ -297,18 +301,18 @@ void attend(const Geometry& geo, const T* query, const T* k_cache, const T* v_ca
   std::fill(acc, acc + rows * D, 0.0f);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t t0 = b * bs, n = std::min(bs, len - t0);
-    if (b == 0)
-      for (int64_t a = 1; a < PF_DIST && a < num_blocks; ++a)
-        prefetch_block(v_cache + static_cast<int64_t>(table[a]) * geo.v_stride0,
-                       std::min(bs, len - a * bs), geo.v_stride1, geo.v_stride2, h0, h1, D);
-    if (b + PF_DIST < num_blocks)
-      prefetch_block(v_cache + static_cast<int64_t>(table[b + PF_DIST]) * geo.v_stride0,
-                     std::min(bs, len - (b + PF_DIST) * bs), geo.v_stride1, geo.v_stride2, h0, h1, D);
     const T* block = v_cache + static_cast<int64_t>(table[b]) * geo.v_stride0;
-    for (int64_t h = h0; h < h1; ++h) {
-      const int64_t r = (h - h0) * G;
-      pv_group(block + h * geo.v_stride2, geo.v_stride1, n, scores + r * len + t0, len, G, D,
-               acc + r * D);
+    const int64_t ahead = b + PF_DIST;
+    const T* next = ahead < num_blocks ? v_cache + static_cast<int64_t>(table[ahead]) * geo.v_stride0 : nullptr;
+    const int64_t next_n = next ? std::min(bs, len - ahead * bs) : 0;
+    for (int64_t o0 = 0; o0 < n; o0 += PF_SUB) {
+      const int64_t o1 = std::min(n, o0 + PF_SUB);
+      if (next) prefetch_rows(next, o0, std::min(o1, next_n), geo.v_stride1, geo.v_stride2, h0, h1, D);
+      for (int64_t h = h0; h < h1; ++h) {
+        const int64_t r = (h - h0) * G;
+        pv_group(block + o0 * geo.v_stride1 + h * geo.v_stride2, geo.v_stride1, o1 - o0,
+                 scores + r * len + t0 + o0, len, G, D, acc + r * D);
+      }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {

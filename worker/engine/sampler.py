@@ -86,29 +86,29 @@ def mask_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor, min_p: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p (on the top-k renormalised) and min-p.
 
-    Returns (probs, order): when ``order`` is not None, ``probs`` is sorted descending and
-    ``order`` maps its columns back to token ids. Rows need not be renormalised.
+    Always in vocabulary order, and each row is filtered on its own (only rows with top-k or
+    top-p are sorted): a row's draw never depends on what its batch mates asked for. Rows need
+    not be renormalised.
     """
     probs = torch.softmax(logits / temperature[:, None], dim=-1)
     vocab = probs.shape[1]
-    need_sort = bool((top_p < 1.0).any()) or bool(((top_k > 0) & (top_k < vocab)).any())
-    order = None
-    if need_sort:
-        probs, order = probs.sort(dim=-1, descending=True)
+    rows = ((top_p < 1.0) | ((top_k > 0) & (top_k < vocab))).nonzero().flatten()
+    if rows.numel():
+        sub, order = probs[rows].sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=probs.device)[None, :]
-        k = torch.where(top_k > 0, top_k, vocab)[:, None]
-        probs = probs.masked_fill(rank >= k, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-        before = probs.cumsum(-1) - probs  # mass strictly before each token
-        probs = probs.masked_fill(before > top_p[:, None], 0.0)
+        k = torch.where(top_k[rows] > 0, top_k[rows], vocab)[:, None]
+        sub = sub.masked_fill(rank >= k, 0.0)
+        sub = sub / sub.sum(-1, keepdim=True)
+        before = sub.cumsum(-1) - sub  # mass strictly before each token
+        keep = (rank < k) & (before <= top_p[rows][:, None])
+        probs[rows] = probs[rows] * torch.zeros_like(keep).scatter_(1, order, keep)
     if bool((min_p > 0).any()):
         top = probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < min_p[:, None] * top, 0.0)
-    return probs, order
+    return probs
 
 
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -155,11 +155,10 @@ class Sampler:
         def col(name: str, dtype=torch.float32) -> torch.Tensor:
             return torch.tensor([getattr(s.params, name) for s in seqs], dtype=dtype)
 
-        probs, order = filtered_probs(logits, col("temperature"), col("top_k", torch.long),
-                                      col("top_p"), col("min_p"))
+        probs = filtered_probs(logits, col("temperature"), col("top_k", torch.long),
+                               col("top_p"), col("min_p"))
         u = torch.rand(len(seqs), generator=self.generator, dtype=torch.float64)
         for r, s in enumerate(seqs):
             if s.params.seed is not None:
                 u[r] = seeded_uniform(s.params.seed, s.index, s.num_generated)
-        idx = sample_inverse_cdf(probs.double(), u.to(probs.device))
-        return idx if order is None else order.gather(1, idx[:, None]).squeeze(1)
+        return sample_inverse_cdf(probs.double(), u.to(probs.device))
