@@ -9,10 +9,10 @@ import sys
 from pagedq.client.params import InvalidParamsError, SamplingParams
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """Engine flags shared by every command that builds an Engine."""
+def add_engine_arguments(p: argparse.ArgumentParser, model_default: str | None = None) -> None:
+    """Engine flags shared by every command that builds an Engine (generate, chat, worker)."""
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
+    g.add_argument("--model", default=model_default,
                    help="local dir, .gguf file or cached HF name (default: bundled SmolLM2-135M)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -23,6 +23,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="cap on one prompt's chunk per step (0: the whole budget)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
@@ -33,7 +35,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory=args.kv_cache_memory,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+                max_model_len=args.max_model_len,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                enable_prefix_caching=not args.no_prefix_caching,
                 num_threads=args.threads)
 
 

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from pagedq.client.protocol import DEFAULT_PREFIX, DEFAULT_QUEUE, DEFAULT_TTL_S
+from pagedq.worker.generate_cmd import add_engine_arguments, engine_kwargs
 
 DEMO_PROMPTS = [
     "Write one sentence about the sea.",
@@ -85,25 +86,14 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-host", default="0.0.0.0")
     g.add_argument("--log-format", choices=["json", "console"], default="json")
     g.add_argument("--log-level", default="INFO")
-    e = p.add_argument_group("engine")
-    e.add_argument("--model", default=env("PAGEDQ_MODEL"),
-                   help="HF directory, .gguf file or org/name in the local HF cache")
-    e.add_argument("--num-kv-blocks", type=int, default=None)
-    e.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--max-num-seqs", type=int, default=64)
-    e.add_argument("--max-num-batched-tokens", type=int, default=512)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--dtype", default="float32")
-    e.add_argument("--device", default=None)
+    add_engine_arguments(p, model_default=env("PAGEDQ_MODEL"))
 
 
 def worker_config(args: argparse.Namespace) -> Any:
     from pagedq.worker.service.worker import WorkerConfig
 
-    engine = {k: getattr(args, k) for k in (
-        "num_kv_blocks", "kv_cache_memory", "block_size", "max_num_seqs",
-        "max_num_batched_tokens", "max_model_len", "dtype", "device")}
+    engine = engine_kwargs(args)
+    engine.pop("model")
     return WorkerConfig(
         model=args.model, redis_url=args.redis_url, queue=args.queue, prefix=args.prefix,
         consumer_name=args.consumer_name, reclaim_after=args.reclaim_after,
