@@ -16,9 +16,9 @@
 // is exact two-pass in fp32: scores of all visible keys into a per-thread buffer, then exp and
 // sum, then out = sum_t p_t * V_t / sum. fp16/bf16 caches are converted to fp32 on load.
 
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
@@ -350,7 +350,7 @@ void run(const Geometry& geo, const at::Tensor& query, const at::Tensor& k_cache
 }
 
 // out[token] = softmax(q K^T * scale) V for every row (token, sequence, visible length).
-void paged_attention_rows(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
+void paged_attention_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& block_table,
                           const at::Tensor& rows, double scale, int64_t heads_per_item,
                           int64_t grain) {
@@ -402,10 +402,14 @@ void paged_attention_rows(at::Tensor out, const at::Tensor& query, const at::Ten
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention_rows", &paged_attention_rows,
-        "Paged attention of query rows (token, sequence, visible length) over a paged KV cache",
-        py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("block_table"), py::arg("rows"), py::arg("scale"), py::arg("heads_per_item"),
-        py::arg("grain"));
+// Registered as torch.ops.pagedq_cpu.paged_attention_rows (no pybind: the light headers keep
+// the one-off compile short).
+TORCH_LIBRARY(pagedq_cpu, m) {
+  m.def(
+      "paged_attention_rows(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_table, Tensor rows, float scale, int heads_per_item, int grain) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedq_cpu, CPU, m) {
+  m.impl("paged_attention_rows", &paged_attention_rows);
 }

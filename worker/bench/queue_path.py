@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -61,8 +60,8 @@ def redis_url(configured: str | None) -> Iterator[str]:
         yield server.url
 
 
-def worker_flags(help_text: str, bench: BenchRun, url: str, queue: str) -> list[str]:
-    """Flags for the worker: the serving engine's knobs, each only if the worker has it."""
+def worker_flags(bench: BenchRun, url: str, queue: str) -> list[str]:
+    """Flags for the worker subprocess: exactly the serving engine's knobs."""
     c = bench.config
     kv = bench.serving_engine_kwargs()
     wanted = {
@@ -70,31 +69,18 @@ def worker_flags(help_text: str, bench: BenchRun, url: str, queue: str) -> list[
         "--num-kv-blocks": kv["num_kv_blocks"], "--block-size": c.block_size,
         "--max-num-seqs": kv["max_num_seqs"],
         "--max-num-batched-tokens": c.max_num_batched_tokens, "--max-model-len": c.max_model_len,
+        "--long-prefill-token-threshold": c.long_prefill_token_threshold,
         "--dtype": c.dtype, "--device": c.device, "--threads": c.threads,
-        "--num-threads": c.threads,
     }
-    flags: list[str] = []
-    for flag, value in wanted.items():
-        if value is not None and re.search(rf"(?<![\w-]){re.escape(flag)}\b", help_text):
-            flags += [flag, str(value)]
-    for required in ("--model", "--redis-url", "--queue"):
-        if required not in flags:
-            raise _unavailable(f"`python -m pagedq.worker` has no {required} flag")
-    return flags
+    return [x for flag, value in wanted.items() if value is not None for x in (flag, str(value))]
 
 
 @contextmanager
 def worker_process(bench: BenchRun, url: str, queue: str, log_path: Path) -> Iterator[Any]:
     """A worker subprocess on the run's model; SIGTERM (then SIGKILL) on the way out."""
     env = dict(os.environ)
-    if bench.config.threads:
-        env["OMP_NUM_THREADS"] = str(bench.config.threads)
     cmd = [sys.executable, "-m", "pagedq.worker"]
-    helped = subprocess.run([*cmd, "--help"], capture_output=True, text=True, env=env,
-                            timeout=120)
-    if helped.returncode != 0:
-        raise _unavailable(f"`python -m pagedq.worker --help` failed: {helped.stderr[-300:]}")
-    flags = worker_flags(helped.stdout, bench, url, queue)
+    flags = worker_flags(bench, url, queue)
     bench.results["queue_worker_flags"] = flags
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen([*cmd, *flags], stdout=log_file, stderr=subprocess.STDOUT,
