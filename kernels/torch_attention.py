@@ -9,6 +9,10 @@ Layout of the work, chosen for a 2-core CPU:
 * Prefill chunks (``q_len > 1``) are few per step and long, so each one runs on its own through
   ``scaled_dot_product_attention`` (fused, memory-efficient) with an offset-causal mask.
 
+On x86-64 CPUs with AVX2 the decode rows and short chunks instead go to the C++ kernel of
+:mod:`pagedq.kernels.cpu_attention`, which reads K/V in place through the block table (no gather
+copy); ``PAGEDQ_CPU_KERNEL=0`` forces the pure-torch layout above.
+
 Uninitialised (even NaN) cache slots never leak through ``0 * NaN``: see :class:`DecodeGroup`.
 Gather indices and masks live in a :class:`TorchPlan` built once per step.
 """
@@ -16,10 +20,19 @@ Gather indices and masks live in a :class:`TorchPlan` built once per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+from pagedq.kernels.cpu_attention import (
+    MAX_KERNEL_CHUNK,
+    KernelRows,
+    cpu_kernel,
+    kernel_fits,
+    kernel_rows,
+    run_kernel,
+)
 from pagedq.kernels.plan import AttentionPlan
 
 MAX_DECODE_GROUPS = 4
@@ -57,6 +70,7 @@ class DecodeGroup:
 class TorchPlan:
     decodes: list[DecodeGroup]
     chunks: list[PrefillChunk]
+    kernel: KernelRows | None = None  # rows for the C++ CPU kernel (decodes and short chunks)
 
 
 def _length_groups(ids: list[int], lengths: list[int]) -> list[list[int]]:
@@ -102,16 +116,23 @@ def _decode_group(plan: AttentionPlan, ids: list[int]) -> DecodeGroup:
     )
 
 
-def build_torch_plan(plan: AttentionPlan) -> TorchPlan:
-    """Split the step into length-grouped batched decodes and per-sequence prefill chunks."""
+def build_torch_plan(plan: AttentionPlan, kernel_kv_heads: int = 0) -> TorchPlan:
+    """Split the step into length-grouped batched decodes and per-sequence prefill chunks.
+
+    With ``kernel_kv_heads`` (the cache's KV heads, when the C++ CPU kernel runs this step),
+    decodes and chunks of at most MAX_KERNEL_CHUNK tokens become kernel rows instead.
+    """
     device, bs = plan.device, plan.block_size
-    decode_ids = [i for i, q in enumerate(plan.q_lens) if q == 1]
+    limit = MAX_KERNEL_CHUNK if kernel_kv_heads else 0
+    kernel_ids = [i for i, q in enumerate(plan.q_lens) if 0 < q <= limit]
+    kernel = kernel_rows(plan, kernel_ids, kernel_kv_heads) if kernel_ids else None
+    decode_ids = [i for i, q in enumerate(plan.q_lens) if q == 1 and not kernel_kv_heads]
     groups = _length_groups(decode_ids, plan.seq_lens_host) if decode_ids else []
     decodes = [_decode_group(plan, sorted(g)) for g in groups]
     chunks = []
     cu = plan.cu_seqlens_q.tolist()
     for i, q_len in enumerate(plan.q_lens):
-        if q_len <= 1:
+        if q_len <= max(1, limit):
             continue
         seq_len = plan.seq_lens_host[i]
         blocks = plan.block_table[i, : -(-seq_len // bs)].long()
@@ -120,7 +141,7 @@ def build_torch_plan(plan: AttentionPlan) -> TorchPlan:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
             mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
         chunks.append(PrefillChunk(cu[i], cu[i + 1], seq_len, blocks, mask))
-    return TorchPlan(decodes=decodes, chunks=chunks)
+    return TorchPlan(decodes=decodes, chunks=chunks, kernel=kernel)
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -193,12 +214,18 @@ def torch_paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Paged attention for a packed batch of prefill chunks and decodes (see module docstring)."""
-    tplan = plan.derived("torch", build_torch_plan)
+    op = cpu_kernel() if kernel_fits(query, k_cache, v_cache) else None
+    if op is None:
+        tplan = plan.derived("torch", build_torch_plan)
+    else:
+        tplan = plan.derived("torch+cpu", partial(build_torch_plan, kernel_kv_heads=k_cache.shape[2]))
     decodes = tplan.decodes
     if len(decodes) == 1 and decodes[0].rows is None and query.shape[0] == plan.num_tokens:
         return _decode(query, k_cache, v_cache, decodes[0], scale)
     covered = sum(plan.q_lens)
     out = torch.zeros_like(query) if covered < query.shape[0] else torch.empty_like(query)
+    if tplan.kernel is not None:
+        run_kernel(op, out, query, k_cache, v_cache, tplan.kernel, scale)
     for group in decodes:
         rows = group.rows if group.rows is not None else slice(0, plan.num_tokens)
         out[rows] = _decode(query[: plan.num_tokens], k_cache, v_cache, group, scale)

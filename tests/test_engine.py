@@ -202,3 +202,23 @@ def test_stats_track_live_tokens(tiny_model_dir):
     engine.step()
     s = engine.stats()
     assert s["kv_tokens_live"] == 10 and s["kv_blocks_used"] == 3 and s["running"] == 1
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_dtypes(tiny_model_dir, dtype):
+    """bf16/fp16 run end to end; tokens are transformers' greedy choice in the same dtype
+    (half precision makes near-ties common, so the tie tolerance is wider)."""
+    import transformers
+
+    path = tiny_model_dir("llama")
+    p = prompts([17], seed=4)[0]
+    out = make_engine(path, dtype=dtype).generate([p], GREEDY)[0].outputs[0].token_ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    with torch.inference_mode():
+        logits = hf(torch.tensor([p + out])).logits[0].float()
+    for i, token in enumerate(out):
+        row = logits[len(p) - 1 + i]
+        gap = float(row.max() - row[token])
+        assert gap < 0.1, f"token {i}: {token} is {gap} below transformers' best"
+        if gap > 0:
+            break
