@@ -71,6 +71,7 @@ class Engine:
         positions = max_model_len or self.hf_config.max_position_embeddings
         self.model = CausalLM(self.hf_config, self.dtype, self.device, positions)
         self.model.load_weights(iter_weights(self.model_path))
+        self.model.pack_for_cpu()
         self.model.eval()
         num_blocks = self._num_blocks()
         self.max_model_len = min(positions, num_blocks * block_size)

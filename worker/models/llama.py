@@ -11,6 +11,7 @@ alike): positions say where each token sits, and the attention context says wher
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,19 @@ class AttentionContext:
     cu_seqlens_q: torch.Tensor
     plan: Any = None  # kernels' per-step plan (indices built once, used by every layer)
     backend: str | None = None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``; a weight prepacked for oneDNN (see ``pack_for_cpu``) goes there."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """oneDNN prepacking pays on CPU fp32: 2-3x the GEMM throughput of MKL at small batches."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and torch.backends.mkldnn.is_available() and os.environ.get("PAGEDQ_ONEDNN", "1") != "0")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -119,7 +133,7 @@ class DecoderLayer(nn.Module):
                 ctx: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
         h = rms_norm(x, self.input_layernorm, self.eps)
-        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
+        qkv = linear(h, self.qkv_proj, self.qkv_bias)
         q_size, kv_size, _ = self.sizes
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, :q_size + kv_size].view(t, heads, self.head_dim)
@@ -133,10 +147,10 @@ class DecoderLayer(nn.Module):
         write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.cu_seqlens_q,
                             scale=self.scale, backend=ctx.backend, plan=ctx.plan)
-        x = x + F.linear(o.reshape(t, -1), self.o_proj, self.o_bias)
+        x = x + linear(o.reshape(t, -1), self.o_proj, self.o_bias)
         h = rms_norm(x, self.post_attention_layernorm, self.eps)
-        gate, up = F.linear(h, self.gate_up_proj).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate).mul_(up), self.down_proj)
+        gate, up = linear(h, self.gate_up_proj).chunk(2, dim=-1)
+        return x + linear(F.silu(gate).mul_(up), self.down_proj)
 
 
 class CausalLM(nn.Module):
@@ -192,8 +206,25 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.embed_tokens if self.tied else self.lm_head
-        return F.linear(hidden, head).float()
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens
+        return linear(hidden, head).float()
+
+    PACKED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+    def pack_for_cpu(self, batch_hint: int = 64) -> None:
+        """Reorder every projection (and the LM head) into oneDNN's blocked layout, once.
+
+        The packed copy replaces the plain weight, so memory does not grow (except a tied LM
+        head, which the embedding lookup still needs in plain form).
+        """
+        if not can_pack(self.embed_tokens):
+            return
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        for layer in self.layers:
+            for name in self.PACKED:
+                setattr(layer, name, nn.Parameter(pack(getattr(layer, name).data, batch_hint), False))
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens
+        self.lm_head = nn.Parameter(pack(head.data, batch_hint), False)
 
     # -- weights --------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
