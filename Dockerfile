@@ -13,7 +13,11 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG BAKE_DEFAULT_MODEL=1
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
-    PAGEDQ_CACHE=/var/cache/pagedq
+    PAGEDQ_CACHE=/var/cache/pagedq TORCH_EXTENSIONS_DIR=/var/cache/pagedq/torch_extensions
+
+# g++ builds the C++ CPU attention kernel (without it the worker falls back to a slower path)
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 
 RUN useradd --create-home --uid 10001 pagedq \
     && mkdir -p /var/cache/pagedq && chown pagedq /var/cache/pagedq
@@ -29,7 +33,9 @@ COPY kernels ./kernels
 RUN pip install . \
     && if [ "$BAKE_DEFAULT_MODEL" = "1" ]; then \
          su pagedq -c "PAGEDQ_CACHE=$PAGEDQ_CACHE python -m pagedq.worker.models.default_model"; \
-       fi
+       fi \
+    && su pagedq -c "TORCH_EXTENSIONS_DIR=$TORCH_EXTENSIONS_DIR python -c \
+         'from pagedq.kernels.cpu_attention import cpu_kernel; cpu_kernel()'"
 
 USER pagedq
 EXPOSE 9400

@@ -1,20 +1,27 @@
 """Micro-benchmark of paged attention per call (one layer) on SmolLM2-like shapes.
 
-``python -m pagedq.kernels.bench [--backend torch] [--device cpu] [--dtype float32]``
-prints the median time of one ``paged_attention`` call with a prebuilt plan (as the engine does
-for every layer after the first) and the one-off plan-building time per step.
+``python -m pagedq.kernels.bench [--backend torch] [--device cpu] [--dtype float32] [--threads 1]``
+prints the best time of one ``paged_attention`` call with a prebuilt plan (as the engine does
+for every layer after the first) and the one-off plan-building time per step. On CPU it times
+both torch-backend paths side by side: the C++ kernel reading the paged cache in place
+(``kernel``) and the pure-torch gather + SDPA (``gather``, what ``PAGEDQ_CPU_KERNEL=0`` forces).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from contextlib import contextmanager
+from functools import partial
 
 import torch
 
 from pagedq.kernels.attention import paged_attention
 from pagedq.kernels.cases import make_case
+from pagedq.kernels.cpu_attention import ENV_SWITCH, cpu_kernel
 from pagedq.kernels.plan import plan_attention
+from pagedq.kernels.torch_attention import derive_torch_plan
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -40,8 +47,22 @@ def time_call(fn, device: torch.device, repeats: int) -> float:
     return min(samples)
 
 
-def bench_case(q_lens, ctx, args, repeats: int) -> tuple[float, float]:
-    """(seconds per attention call with a plan, seconds to build the plan)."""
+@contextmanager
+def cpu_path(path: str):
+    """Run the torch backend with the C++ kernel (``kernel``) or the pure-torch path (``gather``)."""
+    before = os.environ.get(ENV_SWITCH)
+    os.environ[ENV_SWITCH] = "1" if path == "kernel" else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV_SWITCH, None)
+        else:
+            os.environ[ENV_SWITCH] = before
+
+
+def bench_case(q_lens, ctx, args, repeats: int, paths: list[str]) -> tuple[list[float], float]:
+    """([seconds per attention call with a plan, per path], seconds to build the first path's plan)."""
     device = torch.device(args.device)
     case = make_case(
         q_lens,
@@ -54,16 +75,23 @@ def bench_case(q_lens, ctx, args, repeats: int) -> tuple[float, float]:
         device=device,
     )
     build = lambda: plan_attention(case.block_table, case.seq_lens, case.cu_seqlens_q, args.block_size)
-    plan = build()
-    call = lambda: paged_attention(*case.attention_args(), backend=args.backend, plan=plan)
-    plan_time = time_call(lambda: build().derived("torch", _torch_plan), device, repeats)
-    return time_call(call, device, repeats), plan_time
+    per_call = []
+    for path in paths:
+        with cpu_path(path):
+            plan = build()
+            call = partial(paged_attention, *case.attention_args(), backend=args.backend, plan=plan)
+            per_call.append(time_call(call, device, repeats))
+    kv_heads = args.kv_heads if paths[0] == "kernel" else 0
+    plan_time = time_call(lambda: derive_torch_plan(build(), kv_heads), device, repeats)
+    return per_call, plan_time
 
 
-def _torch_plan(plan):
-    from pagedq.kernels.torch_attention import build_torch_plan
-
-    return build_torch_plan(plan)
+def _paths(args) -> list[str]:
+    if args.device != "cpu" or args.backend == "triton":
+        return ["default"]
+    if args.paths == "both":
+        return ["kernel", "gather"] if cpu_kernel() is not None else ["gather"]
+    return [args.paths]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,24 +106,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--batches", default="1,8,32,64,128")
+    parser.add_argument("--paths", default="both", choices=["both", "kernel", "gather"],
+                        help="CPU torch-backend paths to time (default: both)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    paths = _paths(args)
     gen = torch.Generator().manual_seed(0)
-    print(f"{'case':<34}{'ms/call':>10}{'ms/plan':>10}")
+    print(f"{'case':<34}" + "".join(f"{'ms ' + p:>12}" for p in paths) + f"{'ms/plan':>10}")
+
+    def report(name: str, q_lens: list[int], ctx: list[int], repeats: int) -> None:
+        per_call, per_plan = bench_case(q_lens, ctx, args, repeats, paths)
+        print(f"{name:<34}" + "".join(f"{t * 1e3:>12.3f}" for t in per_call) + f"{per_plan * 1e3:>10.3f}")
+
     for batch in [int(b) for b in args.batches.split(",")]:
         ctx = torch.randint(128, 513, (batch,), generator=gen).tolist()
-        per_call, per_plan = bench_case([1] * batch, ctx, args, args.repeats)
-        name = f"decode b={batch} ctx 128-512"
-        print(f"{name:<34}{per_call * 1e3:>10.3f}{per_plan * 1e3:>10.3f}")
-    for q_len, ctx in ((512, 0), (256, 256)):
-        per_call, per_plan = bench_case([q_len], [ctx], args, max(3, args.repeats // 4))
-        name = f"prefill q={q_len} ctx={ctx}"
-        print(f"{name:<34}{per_call * 1e3:>10.3f}{per_plan * 1e3:>10.3f}")
-    mixed_q = [256] + [1] * 32
+        report(f"decode b={batch} ctx 128-512", [1] * batch, ctx, args.repeats)
+    for q_len, ctx in ((512, 0), (256, 256), (16, 300)):
+        report(f"prefill q={q_len} ctx={ctx}", [q_len], [ctx], max(3, args.repeats // 4))
     mixed_ctx = [0] + torch.randint(128, 513, (32,), generator=gen).tolist()
-    per_call, per_plan = bench_case(mixed_q, mixed_ctx, args, args.repeats)
-    print(f"{'mixed 256-chunk + 32 decodes':<34}{per_call * 1e3:>10.3f}{per_plan * 1e3:>10.3f}")
+    report("mixed 256-chunk + 32 decodes", [256] + [1] * 32, mixed_ctx, args.repeats)
 
 
 if __name__ == "__main__":

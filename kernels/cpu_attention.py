@@ -41,7 +41,8 @@ _SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 _NAME = "pagedq_cpu_attention"
 _log = get_logger("pagedq.kernels.cpu")
 _lock = threading.Lock()
-_state: dict[str, Callable | None] = {}
+_state: dict[str, Callable | None] = {}  # "op": the loaded op, or None once loading failed
+_why_unavailable: list[str] = []
 
 
 @dataclass
@@ -80,13 +81,13 @@ def _cpu_supports_kernel() -> tuple[bool, str]:
     return not missing, f"CPU lacks {', '.join(sorted(missing))}"
 
 
-def _build_directory() -> Path:
+def _build_directory(name: str) -> Path:
     """Per torch/Python version, under TORCH_EXTENSIONS_DIR or torch's default extensions root."""
     from torch.utils.cpp_extension import get_default_build_root
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     tag = f"torch{torch.__version__.split('+')[0]}_py{platform.python_version()}"
-    return Path(root) / f"{_NAME}_{tag}"
+    return Path(root) / f"{name}_{tag}"
 
 
 def _clear_stale_lock(build_dir: Path) -> None:
@@ -101,16 +102,17 @@ def _clear_stale_lock(build_dir: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-def _build() -> Callable:
+def _build(source: Path = _SOURCE, name: str = _NAME) -> Callable:
+    """Compile (or load the cached) ``source`` and return its op."""
     from torch.utils.cpp_extension import load
 
-    build_dir = _build_directory()
+    build_dir = _build_directory(name)
     build_dir.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(build_dir)
     start = time.perf_counter()
     load(
-        name=_NAME,
-        sources=[str(_SOURCE)],
+        name=name,
+        sources=[str(source)],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
@@ -136,25 +138,31 @@ def cpu_kernel() -> Callable | None:
     return _state["op"]
 
 
-def _load_once() -> Callable | None:
+def unavailable_reason() -> str | None:
+    """Why :func:`cpu_kernel` returned None in this process (None if it loaded or was not tried)."""
+    if not kernel_switched_on():
+        return f"switched off by {ENV_SWITCH}=0"
+    return _why_unavailable[-1] if _why_unavailable else None
+
+
+def _load_once(source: Path = _SOURCE, name: str = _NAME) -> Callable | None:
     supported, why = _cpu_supports_kernel()
-    if not supported:
-        _log.warning("cpu_kernel_unavailable", reason=why, fallback="torch gather + SDPA")
-        return None
-    if not _SOURCE.is_file():
-        _log.warning("cpu_kernel_unavailable", reason=f"{_SOURCE} is not installed",
-                     fallback="torch gather + SDPA")  # fmt: skip
-        return None
-    try:
-        return _build()
-    except Exception as exc:  # any build failure (no compiler, no ninja, ...): use the torch path
-        _log.warning(
-            "cpu_kernel_unavailable",
-            reason=f"build failed: {type(exc).__name__}: {str(exc)[-2000:]}",
-            fallback="torch gather + SDPA",
-            hint="install ninja and a C++ compiler (g++), or set PAGEDQ_CPU_KERNEL=0",
-        )
-        return None
+    if supported and not source.is_file():
+        why = f"{source} is not installed"
+    elif supported:
+        try:
+            return _build(source, name)
+        except Exception as exc:  # any build failure (no compiler, no ninja, ...): use the torch path
+            why = f"build failed: {type(exc).__name__}: {str(exc)[-2000:]}"
+    _why_unavailable.append(why)
+    _log.warning(
+        "cpu_kernel_unavailable",
+        reason=why,
+        fallback="torch gather + SDPA",
+        hint="the C++ kernel needs an x86-64 CPU with AVX2, ninja and g++; PAGEDQ_CPU_KERNEL=0 "
+        "silences this",
+    )
+    return None
 
 
 def kernel_fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

@@ -144,6 +144,13 @@ def build_torch_plan(plan: AttentionPlan, kernel_kv_heads: int = 0) -> TorchPlan
     return TorchPlan(decodes=decodes, chunks=chunks, kernel=kernel)
 
 
+def derive_torch_plan(plan: AttentionPlan, kernel_kv_heads: int = 0) -> TorchPlan:
+    """The step's TorchPlan for one path (C++ kernel or not), built once per step and reused."""
+    if kernel_kv_heads:
+        return plan.derived("torch+cpu", partial(build_torch_plan, kernel_kv_heads=kernel_kv_heads))
+    return plan.derived("torch", build_torch_plan)
+
+
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """Copy whole blocks ``cache[blocks]`` -> ``[*blocks.shape, block_size, H, D]``.
 
@@ -215,10 +222,7 @@ def torch_paged_attention(
 ) -> torch.Tensor:
     """Paged attention for a packed batch of prefill chunks and decodes (see module docstring)."""
     op = cpu_kernel() if kernel_fits(query, k_cache, v_cache) else None
-    if op is None:
-        tplan = plan.derived("torch", build_torch_plan)
-    else:
-        tplan = plan.derived("torch+cpu", partial(build_torch_plan, kernel_kv_heads=k_cache.shape[2]))
+    tplan = derive_torch_plan(plan, k_cache.shape[2] if op is not None else 0)
     decodes = tplan.decodes
     if len(decodes) == 1 and decodes[0].rows is None and query.shape[0] == plan.num_tokens:
         return _decode(query, k_cache, v_cache, decodes[0], scale)

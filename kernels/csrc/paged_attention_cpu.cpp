@@ -29,20 +29,14 @@
 #include <limits>
 #include <vector>
 
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
-#endif
-#ifndef PF_SUB
-#define PF_SUB 8
-#endif
-#ifndef PF_DIST
-#define PF_DIST 1
-#endif
-
 namespace {
 
 constexpr int64_t kLanes = 8;  // floats per __m256
 constexpr int kMaxRowsPerDot = 4;
+// Tokens per step of the block loop; each step also prefetches the same rows of the block
+// kPrefetchAhead entries further down the block table.
+constexpr int64_t kStepRows = 8;
+constexpr int64_t kPrefetchAhead = 1;
 
 // ---- fp32 loads of 8 cache elements ------------------------------------------------------
 
@@ -215,14 +209,11 @@ inline void pv_group(const T* v, int64_t v_stride, int64_t n, const float* p, in
 template <typename T>
 inline void prefetch_rows(const T* block, int64_t o0, int64_t o1, int64_t row_stride,
                           int64_t head_stride, int64_t h0, int64_t h1, int64_t D) {
-#ifdef PAGEDQ_NO_PREFETCH
-  return;
-#endif
   const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
   for (int64_t o = o0; o < o1; ++o)
     for (int64_t h = h0; h < h1; ++h) {
       const char* p = reinterpret_cast<const char*>(block + o * row_stride + h * head_stride);
-      for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, PF_HINT);
+      for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
     }
 }
 
@@ -277,11 +268,11 @@ void attend(const Geometry& geo, const T* query, const T* k_cache, const T* v_ca
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t t0 = b * bs, n = std::min(bs, len - t0);
     const T* block = k_cache + static_cast<int64_t>(table[b]) * geo.k_stride0;
-    const int64_t ahead = b + PF_DIST;
+    const int64_t ahead = b + kPrefetchAhead;
     const T* next = ahead < num_blocks ? k_cache + static_cast<int64_t>(table[ahead]) * geo.k_stride0 : nullptr;
     const int64_t next_n = next ? std::min(bs, len - ahead * bs) : 0;
-    for (int64_t o0 = 0; o0 < n; o0 += PF_SUB) {
-      const int64_t o1 = std::min(n, o0 + PF_SUB);
+    for (int64_t o0 = 0; o0 < n; o0 += kStepRows) {
+      const int64_t o1 = std::min(n, o0 + kStepRows);
       if (next) prefetch_rows(next, o0, std::min(o1, next_n), geo.k_stride1, geo.k_stride2, h0, h1, D);
       for (int64_t h = h0; h < h1; ++h) {
         const int64_t r = (h - h0) * G;
@@ -302,11 +293,11 @@ void attend(const Geometry& geo, const T* query, const T* k_cache, const T* v_ca
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t t0 = b * bs, n = std::min(bs, len - t0);
     const T* block = v_cache + static_cast<int64_t>(table[b]) * geo.v_stride0;
-    const int64_t ahead = b + PF_DIST;
+    const int64_t ahead = b + kPrefetchAhead;
     const T* next = ahead < num_blocks ? v_cache + static_cast<int64_t>(table[ahead]) * geo.v_stride0 : nullptr;
     const int64_t next_n = next ? std::min(bs, len - ahead * bs) : 0;
-    for (int64_t o0 = 0; o0 < n; o0 += PF_SUB) {
-      const int64_t o1 = std::min(n, o0 + PF_SUB);
+    for (int64_t o0 = 0; o0 < n; o0 += kStepRows) {
+      const int64_t o1 = std::min(n, o0 + kStepRows);
       if (next) prefetch_rows(next, o0, std::min(o1, next_n), geo.v_stride1, geo.v_stride2, h0, h1, D);
       for (int64_t h = h0; h < h1; ++h) {
         const int64_t r = (h - h0) * G;

@@ -73,6 +73,10 @@ class Engine:
         self.model.load_weights(iter_weights(self.model_path))
         self.model.pack_for_cpu()
         self.model.eval()
+        if self.device.type == "cpu":
+            from pagedq.kernels.cpu_attention import cpu_kernel
+
+            cpu_kernel()  # build/load the C++ attention kernel now, not on the first step
         num_blocks = self._num_blocks()
         self.max_model_len = min(positions, num_blocks * block_size)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)

@@ -1,0 +1,186 @@
+"""The C++ CPU paged-attention kernel (kernels/csrc) against the plain reference (reference.py).
+
+The kernel is called directly with rows for *every* query token (decodes and whole prefill
+chunks, whatever their length), so it is checked on its own; then through ``paged_attention``,
+where the torch backend sends decodes and short chunks to it. Every case scatters K/V over
+shuffled physical blocks of a NaN-filled cache: a read of an unused slot shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagedq.kernels import paged_attention, plan_attention, reference_paged_attention
+from pagedq.kernels.cases import make_case
+from pagedq.kernels.cpu_attention import (
+    ENV_SWITCH,
+    MAX_KERNEL_CHUNK,
+    STALE_LOCK_SECONDS,
+    _clear_stale_lock,
+    _load_once,
+    cpu_kernel,
+    kernel_rows,
+    unavailable_reason,
+)
+from tests.test_kernels_torch import scenarios
+
+TOL = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=2e-3, rtol=1e-2),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+
+@pytest.fixture(scope="module")
+def op():
+    kernel = cpu_kernel()
+    if kernel is None:
+        pytest.skip(f"C++ CPU kernel unavailable on this machine: {unavailable_reason()}")
+    return kernel
+
+
+def run_all_rows(op, case, heads_per_item: int | None = None, grain: int = 1) -> torch.Tensor:
+    """The kernel over every query token of ``case``; rows of q_len-0 sequences stay zero."""
+    plan = plan_attention(case.block_table, case.seq_lens, case.cu_seqlens_q, case.block_size)
+    ids = [i for i, q in enumerate(plan.q_lens) if q > 0]
+    num_kv_heads = case.k_cache.shape[2]
+    rows = kernel_rows(plan, ids, num_kv_heads)
+    out = torch.zeros_like(case.query)
+    scale = case.query.shape[-1] ** -0.5
+    hpi = rows.heads_per_item if heads_per_item is None else heads_per_item
+    op(out, case.query, case.k_cache, case.v_cache, rows.block_table, rows.rows, scale, hpi, grain)
+    return out
+
+
+def assert_matches_reference(case, out: torch.Tensor) -> None:
+    ref = reference_paged_attention(*case.attention_args())
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[case.query.dtype])
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("scenario", list(scenarios(8)))
+def test_kernel_matches_reference(op, block_size, group, scenario):
+    q_lens, ctx = scenarios(block_size)[scenario]
+    case = make_case(q_lens, ctx, num_heads=2 * group, num_kv_heads=2, head_dim=32,
+                     block_size=block_size, seed=block_size * group)  # fmt: skip
+    assert_matches_reference(case, run_all_rows(op, case))
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("head_dim", [8, 24, 64, 128])
+def test_every_group_size_and_head_dim(op, group, head_dim):
+    """All register tilings: 1-4 query rows per tile, D not a multiple of the 32-wide V tile."""
+    case = make_case([1, 1, 7, 1], [5, 40, 19, 3], num_heads=2 * group, num_kv_heads=2,
+                     head_dim=head_dim, block_size=16, seed=group + head_dim)  # fmt: skip
+    assert_matches_reference(case, run_all_rows(op, case))
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 32])
+def test_unusual_block_sizes_and_long_contexts(op, block_size):
+    """Blocks shorter than a token tile or the prefetch step; contexts of hundreds of blocks."""
+    case = make_case([1, 3, 1], [700 // block_size * block_size - 1, 50, 301], num_heads=9,
+                     num_kv_heads=3, head_dim=64, block_size=block_size, seed=block_size)  # fmt: skip
+    assert_matches_reference(case, run_all_rows(op, case))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_caches(op, dtype):
+    q_lens, ctx = scenarios(16)["mixed"]
+    case = make_case(q_lens, ctx, num_heads=8, num_kv_heads=2, block_size=16, dtype=dtype)
+    out = run_all_rows(op, case)
+    assert out.dtype == dtype
+    assert_matches_reference(case, out)
+
+
+@pytest.mark.parametrize("layout", ["joint", "interleaved"])
+def test_cache_views_of_one_kv_tensor(op, layout):
+    """kv[0] and the non-flattenable kv[:, 0] are read through their strides, in place."""
+    q_lens, ctx = scenarios(8)["mixed"]
+    case = make_case(q_lens, ctx, block_size=8, layout=layout)
+    assert case.k_cache._base is case.v_cache._base is not None  # views of one kv tensor
+    assert case.k_cache.is_contiguous() == (layout == "joint")
+    assert_matches_reference(case, run_all_rows(op, case))
+
+
+def test_query_view_with_row_stride(op):
+    """Queries sliced out of a fused qkv projection (row stride > heads * head_dim) work."""
+    case = make_case([1, 4, 1], [30, 9, 0], num_heads=8, num_kv_heads=2, block_size=8)
+    fused = torch.cat([case.query, torch.full_like(case.query[:, :3], float("nan"))], dim=1)
+    case.query = fused[:, :8]
+    assert not case.query.is_contiguous()
+    assert_matches_reference(case, run_all_rows(op, case))
+
+
+def test_thread_split_is_deterministic(op):
+    """Items split over threads, per row or per KV head, give bit-identical results."""
+    case = make_case([1] * 12 + [9], list(range(3, 120, 10)) + [33], num_heads=9, num_kv_heads=3,
+                     head_dim=64, block_size=16)  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = run_all_rows(op, case, heads_per_item=3, grain=10**6)
+        torch.set_num_threads(2)
+        outs = [run_all_rows(op, case, heads_per_item=h, grain=1) for h in (1, 2, 3)]
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs:
+        torch.testing.assert_close(out, single, atol=0, rtol=0)
+    assert_matches_reference(case, single)
+
+
+def test_paged_attention_routes_decodes_and_short_chunks_to_the_kernel(op):
+    """The torch backend: kernel rows for decodes and chunks <= MAX_KERNEL_CHUNK, SDPA beyond."""
+    q_lens = [1, MAX_KERNEL_CHUNK, 1, MAX_KERNEL_CHUNK + 1, 0, 5]
+    ctx = [40, 3, 0, 17, 9, 16]
+    case = make_case(q_lens, ctx, num_heads=6, num_kv_heads=2, head_dim=32, block_size=16)
+    plan = plan_attention(case.block_table, case.seq_lens, case.cu_seqlens_q, 16)
+    out = paged_attention(*case.attention_args(), backend="torch", plan=plan)
+    assert_matches_reference(case, out)
+    tplan = plan._derived["torch+cpu"]
+    assert tplan.decodes == []
+    assert [(c.q_start, c.q_end) for c in tplan.chunks] == [(34, 34 + MAX_KERNEL_CHUNK + 1)]
+    assert tplan.kernel.rows.shape[0] == 1 + MAX_KERNEL_CHUNK + 1 + 5
+    assert sorted(tplan.kernel.rows[:, 0].tolist()) == [
+        t for t in range(case.query.shape[0]) if not 34 <= t < 34 + MAX_KERNEL_CHUNK + 1
+    ]
+
+
+def test_switch_off_uses_the_torch_path(op, monkeypatch):
+    q_lens, ctx = scenarios(8)["mixed"]
+    case = make_case(q_lens, ctx, block_size=8)
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    assert cpu_kernel() is None and "PAGEDQ_CPU_KERNEL=0" in unavailable_reason()
+    plan = plan_attention(case.block_table, case.seq_lens, case.cu_seqlens_q, 8)
+    assert_matches_reference(case, paged_attention(*case.attention_args(), plan=plan))
+    assert "torch" in plan._derived and "torch+cpu" not in plan._derived
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    assert cpu_kernel() is op
+
+
+def test_build_failure_returns_none_with_a_reason(op, tmp_path, monkeypatch):
+    """A source that does not compile yields None and a reason, never an exception."""
+    broken = tmp_path / "broken.cpp"
+    broken.write_text('#error "deliberately broken"\n')
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    assert _load_once(broken, "pagedq_cpu_attention_broken_test") is None
+    assert "deliberately broken" in unavailable_reason()
+    assert _load_once(tmp_path / "missing.cpp", "pagedq_missing") is None
+    assert "is not installed" in unavailable_reason()
+
+
+def test_stale_build_lock_is_removed(tmp_path):
+    """cpp_extension would wait forever on the lock of a build killed mid-compile."""
+    fresh, stale = tmp_path / "fresh", tmp_path / "stale"
+    for d in (fresh, stale):
+        d.mkdir()
+        (d / "lock").touch()
+    old = (stale / "lock").stat().st_mtime - STALE_LOCK_SECONDS - 60
+    os.utime(stale / "lock", (old, old))
+    _clear_stale_lock(fresh)
+    _clear_stale_lock(stale)
+    assert (fresh / "lock").exists() and not (stale / "lock").exists()
