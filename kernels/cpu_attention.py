@@ -138,6 +138,12 @@ def cpu_kernel() -> Callable | None:
     return _state["op"]
 
 
+def skinny_linear_op() -> Callable | None:
+    """``torch.ops.pagedq_cpu.skinny_linear`` (1-4 row fp32 GEMV at memory bandwidth), built
+    with the attention kernel; None when the kernel library is unavailable."""
+    return torch.ops.pagedq_cpu.skinny_linear if cpu_kernel() is not None else None
+
+
 def unavailable_reason() -> str | None:
     """Why :func:`cpu_kernel` returned None in this process (None if it loaded or was not tried)."""
     if not kernel_switched_on():

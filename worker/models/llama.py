@@ -44,11 +44,25 @@ class AttentionContext:
     backend: str | None = None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``; a weight prepacked for oneDNN (see ``pack_for_cpu``) goes there."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` by the fastest CPU route for this many rows.
+
+    1-4 rows (decode at small batch): the C++ skinny GEMV, which streams each weight row once
+    at memory bandwidth. More rows: the oneDNN-prepacked copy when there is one (see
+    ``pack_for_cpu``). Otherwise torch's own linear.
+    """
+    if packed is not None:
+        if x.shape[0] <= SKINNY_MAX_ROWS and _SKINNY["op"] is not None:
+            out = x.new_empty((x.shape[0], weight.shape[0]))
+            _SKINNY["op"](out, x.contiguous(), weight, bias)
+            return out
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+SKINNY_MAX_ROWS = 4
+_SKINNY: dict[str, Any] = {"op": None}
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -126,6 +140,7 @@ class DecoderLayer(nn.Module):
         self.k_norm = param(d) if qk_norm else None
         self.gate_up_proj = param(2 * config.intermediate_size, h)
         self.down_proj = param(h, config.intermediate_size)
+        self.packed: dict[str, torch.Tensor] = {}  # oneDNN copies of the projections (CPU)
         self.input_layernorm = param(h)
         self.post_attention_layernorm = param(h)
 
@@ -133,7 +148,7 @@ class DecoderLayer(nn.Module):
                 ctx: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
         h = rms_norm(x, self.input_layernorm, self.eps)
-        qkv = linear(h, self.qkv_proj, self.qkv_bias)
+        qkv = linear(h, self.qkv_proj, self.qkv_bias, self.packed.get("qkv_proj"))
         q_size, kv_size, _ = self.sizes
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, :q_size + kv_size].view(t, heads, self.head_dim)
@@ -147,10 +162,10 @@ class DecoderLayer(nn.Module):
         write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.cu_seqlens_q,
                             scale=self.scale, backend=ctx.backend, plan=ctx.plan)
-        x = x + linear(o.reshape(t, -1), self.o_proj, self.o_bias)
+        x = x + linear(o.reshape(t, -1), self.o_proj, self.o_bias, self.packed.get("o_proj"))
         h = rms_norm(x, self.post_attention_layernorm, self.eps)
-        gate, up = linear(h, self.gate_up_proj).chunk(2, dim=-1)
-        return x + linear(F.silu(gate).mul_(up), self.down_proj)
+        gate, up = linear(h, self.gate_up_proj, None, self.packed.get("gate_up_proj")).chunk(2, dim=-1)
+        return x + linear(F.silu(gate).mul_(up), self.down_proj, None, self.packed.get("down_proj"))
 
 
 class CausalLM(nn.Module):
@@ -184,6 +199,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if self.tied else nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), False
         )
+        self.packed_head: torch.Tensor | None = None
         self.register_buffer("rope", rope_tables(config, max_positions, dtype, device), False)
 
     @property
@@ -207,24 +223,23 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
-        return linear(hidden, head).float()
+        return linear(hidden, head, None, self.packed_head).float()
 
     PACKED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
     def pack_for_cpu(self, batch_hint: int = 64) -> None:
-        """Reorder every projection (and the LM head) into oneDNN's blocked layout, once.
-
-        The packed copy replaces the plain weight, so memory does not grow (except a tied LM
-        head, which the embedding lookup still needs in plain form).
-        """
+        """Prepare the CPU fast paths once: a oneDNN-blocked copy of every projection and the
+        LM head (for batched steps) beside the plain weights (for the skinny decode GEMV)."""
         if not can_pack(self.embed_tokens):
             return
+        from pagedq.kernels.cpu_attention import skinny_linear_op
+
+        _SKINNY["op"] = skinny_linear_op()
         pack = torch.ops.mkldnn._reorder_linear_weight
         for layer in self.layers:
-            for name in self.PACKED:
-                setattr(layer, name, nn.Parameter(pack(getattr(layer, name).data, batch_hint), False))
+            layer.packed = {name: pack(getattr(layer, name).data, batch_hint) for name in self.PACKED}
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
-        self.lm_head = nn.Parameter(pack(head.data, batch_hint), False)
+        self.packed_head = pack(head.data, batch_hint)
 
     # -- weights --------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
