@@ -59,6 +59,9 @@ class BenchConfig:
     itl_decode_new_tokens: int = 64
     itl_long_prompt_tokens: int = 2048
     itl_inject_after_tokens: int = 16
+    # chunked run: cap on the long prompt's chunk per step (long_prefill_token_threshold), so a
+    # step stays within ~2 decode steps on a CPU where one prompt token costs ~1 ms of compute
+    itl_prefill_chunk: int = 32
 
     # prefix: TTFT with a cached prefix vs cold
     prefix_tokens: int = 1024

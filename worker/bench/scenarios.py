@@ -287,7 +287,8 @@ class BenchRun:
         engine = self.engine(num_kv_blocks=blocks, max_num_seqs=c.itl_decodes + 1,
                              max_model_len=max(long_len, per_decode),
                              max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
-                             enable_prefix_caching=False)
+                             enable_prefix_caching=False,
+                             long_prefill_token_threshold=c.itl_prefill_chunk if chunked else 0)
         decodes = fixed_shape(c.itl_decodes, c.itl_decode_prompt_tokens,
                               c.itl_decode_new_tokens, self.space, seed=c.seed + 11, prefix="itl")
         long = fixed_shape(1, c.itl_long_prompt_tokens, long_new, self.space, seed=c.seed + 12,
