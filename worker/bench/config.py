@@ -12,7 +12,7 @@ from typing import Any
 
 from .workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT, LengthDist
 
-SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "queue")
+SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue")
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,10 @@ class BenchConfig:
     prefix_tokens: int = 1024
     prefix_suffix_tokens: int = 32
     prefix_repeats: int = 3
+
+    # sharing: KV blocks of n=4 sampling and beam width 4 vs four unshared copies
+    sharing_prompt_tokens: int = 512
+    sharing_new_tokens: int = 64
 
     # queue: the throughput trace through Redis (worker subprocess + client)
     redis_url: str | None = None  # None: start a private redis-server for the run
@@ -136,6 +140,7 @@ def quick(**overrides: Any) -> BenchConfig:
         itl_decode_new_tokens=48,
         itl_inject_after_tokens=8,
         prefix_repeats=2,
+        sharing_new_tokens=32,
     )
     base.update(overrides)
     return BenchConfig(**base)

@@ -30,6 +30,8 @@ FIGURE_KEYS = (
     "prefix_ttft_ratio",
     "queue_throughput_vs_inprocess",
     "decode_tok_s_by_batch",
+    "kv_blocks_n4_vs_unshared",
+    "kv_blocks_beam4_vs_unshared",
 )
 
 # Which scenarios each figure needs (their failure or absence explains a missing figure).
@@ -43,6 +45,8 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "prefix_ttft_ratio": ("serving", "prefix"),
     "queue_throughput_vs_inprocess": ("serving", "throughput_pagedq", "queue"),
     "decode_tok_s_by_batch": ("serving", "decode_pagedq", "decode_hf"),
+    "kv_blocks_n4_vs_unshared": ("serving", "sharing"),
+    "kv_blocks_beam4_vs_unshared": ("serving", "sharing"),
 }
 SCENARIO_OF = {
     "kv_utilization": "capacity", "kv_utilization_contiguous": "capacity",
@@ -50,6 +54,7 @@ SCENARIO_OF = {
     "itl_p99_over_p50_chunked": "itl", "itl_p99_over_p50_unchunked": "itl",
     "prefix_ttft_ratio": "prefix", "queue_throughput_vs_inprocess": "queue",
     "decode_tok_s_by_batch": "decode",
+    "kv_blocks_n4_vs_unshared": "sharing", "kv_blocks_beam4_vs_unshared": "sharing",
 }
 
 # The reference numbers: SmolLM2-135M-Instruct, f32, on its 2-core CPU. They are
@@ -189,6 +194,13 @@ def _prefix(res: dict[str, Any], out: dict[str, Any]) -> None:
     out["details"]["prefix"] = {**p, "ttft_cold_median_s": cold, "ttft_cached_median_s": warm}
 
 
+def _sharing(res: dict[str, Any], out: dict[str, Any]) -> None:
+    sh = res["sharing"]
+    out["kv_blocks_n4_vs_unshared"] = _ratio(sh["n4_peak_blocks"], sh["unshared_blocks"])
+    out["kv_blocks_beam4_vs_unshared"] = _ratio(sh["beam4_peak_blocks"], sh["unshared_blocks"])
+    out["details"]["sharing"] = sh
+
+
 def _queue(res: dict[str, Any], out: dict[str, Any]) -> None:
     q, paged = res["queue"], res["throughput_pagedq"]
     out["tokens_per_s"]["pagedq_via_redis"] = q["tokens_per_s"]
@@ -252,7 +264,7 @@ def assemble(run: BenchRun) -> dict[str, Any]:
     out: dict[str, Any] = {key: None for key in FIGURE_KEYS}
     out.update(tokens_per_s={}, ttft_s={}, itl_s={}, details={}, unavailable={})
     builders = [("capacity", _capacity), ("itl", _itl), ("prefix", _prefix),
-                ("queue", _queue)]
+                ("sharing", _sharing), ("queue", _queue)]
     for key, build in builders:
         if key in res:
             build(res, out)

@@ -149,7 +149,9 @@ class BenchRun:
         sweep_blocks = max(c.decode_batches) * self.blocks_for(
             c.decode_prompt_tokens + c.decode_new_tokens)
         prefix_blocks = 4 * self.blocks_for(c.prefix_tokens + c.prefix_suffix_tokens + 1)
-        return dict(num_kv_blocks=max(trace_blocks, sweep_blocks, prefix_blocks) + 16,
+        sharing_blocks = 4 * self.blocks_for(c.sharing_prompt_tokens + c.sharing_new_tokens)
+        return dict(num_kv_blocks=max(trace_blocks, sweep_blocks, prefix_blocks,
+                                      sharing_blocks) + 16,
                     max_num_seqs=max(c.max_num_seqs, max(c.decode_batches)))
 
     # -- orchestration ----------------------------------------------------------------------
@@ -162,7 +164,7 @@ class BenchRun:
         if self.model_dir is None:
             return
         engine_parts: list[tuple[str, Callable[[], None]]] = []
-        if wanted & {"throughput", "decode", "prefix", "queue"}:
+        if wanted & {"throughput", "decode", "prefix", "sharing", "queue"}:
             engine_parts.append(("serving", lambda: self.serving_scenarios(wanted)))
         if "capacity" in wanted:
             engine_parts.append(("capacity", self.capacity))
@@ -211,6 +213,36 @@ class BenchRun:
             self._timed("decode_pagedq", lambda: self.decode_pagedq(engine))
         if "prefix" in wanted:
             self._timed("prefix", lambda: self.prefix(engine))
+        if "sharing" in wanted:
+            self._timed("sharing", lambda: self.sharing(engine))
+
+    def sharing(self, engine: Any) -> None:
+        """Peak KV blocks of one n=4 request and one beam-width-4 search on a long prompt, next
+        to what four unshared copies of the same sequences would hold."""
+        from pagedq.client import SamplingParams
+        from pagedq.worker.engine.beam_search import BeamParams
+
+        c = self.config
+        new = min(c.sharing_new_tokens, engine.max_model_len // 4)
+        plen = min(c.sharing_prompt_tokens, engine.max_model_len - new)  # fits the engine
+        prompt = self.space.sample(np.random.default_rng(c.seed + 9), plen)
+        unshared = 4 * self.blocks_for(plen + new)
+        out: dict[str, Any] = {"prompt_tokens": plen, "new_tokens": new,
+                               "unshared_blocks": unshared}
+        cases = {
+            "n4": lambda rid: engine.add_request(rid, prompt, SamplingParams(
+                n=4, temperature=1.0, seed=c.seed, max_tokens=new, ignore_eos=True)),
+            "beam4": lambda rid: engine.add_beam_request(rid, prompt, BeamParams(4, new)),
+        }
+        for name, add in cases.items():
+            base = engine.stats()["kv_blocks_used"]
+            add(f"share-{name}")
+            peak = 0
+            while engine.has_unfinished_requests():
+                engine.step()
+                peak = max(peak, engine.stats()["kv_blocks_used"] - base)
+            out[f"{name}_peak_blocks"] = peak
+        self.results["sharing"] = out
 
     def throughput_pagedq(self, engine: Any) -> None:
         trace = self.throughput_trace()
