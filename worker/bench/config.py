@@ -132,13 +132,15 @@ def quick(**overrides: Any) -> BenchConfig:
         prompt_dist=LengthDist(median=96.0, sigma=0.8, low=32, high=256),
         output_dist=LengthDist(median=40.0, sigma=0.6, low=16, high=64),
         hf_batch_size=16,
+        decode_prompt_tokens=32,  # the full profile keeps llama-batched-bench's 128/128 shape
         decode_new_tokens=32,
-        capacity_requests=32,
+        capacity_requests=24,
         capacity_reserved_slots=2,
         capacity_max_model_len=1024,
         itl_decodes=8,
         itl_decode_new_tokens=48,
         itl_inject_after_tokens=8,
+        itl_long_prompt_tokens=1024,
         prefix_repeats=2,
         sharing_new_tokens=32,
     )
