@@ -184,3 +184,34 @@ def test_stale_build_lock_is_removed(tmp_path):
     _clear_stale_lock(fresh)
     _clear_stale_lock(stale)
     assert (fresh / "lock").exists() and not (stale / "lock").exists()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_matches_torch(rows, bias):
+    """The 1-4 row GEMV the engine uses at small decode batches, against F.linear."""
+    from pagedq.kernels.cpu_attention import skinny_linear_op
+
+    op = skinny_linear_op()
+    if op is None:
+        pytest.skip("the C++ CPU kernels are unavailable on this machine")
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 200, generator=g), torch.randn(77, 200, generator=g)
+    b = torch.randn(77, generator=g) if bias else None
+    out = torch.empty(rows, 77)
+    op(out, x, w, b)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (5, 64), (33, 100)])
+def test_cpu_rms_norm_matches_torch(shape):
+    from pagedq.kernels.cpu_attention import cpu_kernel
+
+    if cpu_kernel() is None:
+        pytest.skip("the C++ CPU kernels are unavailable on this machine")
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
+    out = torch.empty_like(x)
+    torch.ops.pagedq_cpu.rms_norm(out, x, w, 1e-6)
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -454,6 +454,33 @@ void skinny_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
   }
 }
 
+
+// rms_norm: out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, one pass per row (fp32). The
+// composite ATen version is six kernel launches; at decode batch sizes launches dominate.
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+              "rms_norm: fp32 [rows, hidden]");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(),
+              "rms_norm: contiguous tensors only");
+  const int64_t rows = x.size(0), H = x.size(1);
+  TORCH_CHECK(w.numel() == H && out.size(0) == rows && out.size(1) == H, "rms_norm: shapes");
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * H;
+      float* orow = op + r * H;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) orow[i] = wp[i] * (xr[i] * inv);
+    }
+  });
+}
+
 }  // namespace
 
 // Registered as torch.ops.pagedq_cpu.paged_attention_rows (no pybind: the light headers keep
@@ -463,9 +490,11 @@ TORCH_LIBRARY(pagedq_cpu, m) {
       "paged_attention_rows(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
       "Tensor block_table, Tensor rows, float scale, int heads_per_item, int grain) -> ()");
   m.def("skinny_linear(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor w, float eps) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedq_cpu, CPU, m) {
   m.impl("paged_attention_rows", &paged_attention_rows);
   m.impl("skinny_linear", &skinny_linear);
+  m.impl("rms_norm", &rms_norm);
 }
