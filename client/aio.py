@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -13,13 +12,13 @@ from redis.exceptions import ResponseError
 
 from pagedq.client.client import (
     BLOCK_MS,
-    DEFAULT_REDIS_URL,
     READ_COUNT,
     Result,
     ResultBuilder,
     parse_entries,
     parse_worker_hash,
     queue_stats,
+    resolve_redis_url,
     to_deadline,
 )
 from pagedq.client.errors import ResultTimeoutError
@@ -88,9 +87,7 @@ class AsyncClient:
     def __init__(self, redis_url: str | None = None, queue: str = DEFAULT_QUEUE, *,
                  prefix: str = DEFAULT_PREFIX, ttl: int = DEFAULT_TTL_S,
                  connection: aredis.Redis | None = None):
-        self.redis = connection or aredis.Redis.from_url(
-            redis_url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
-        )
+        self.redis = connection or aredis.Redis.from_url(resolve_redis_url(redis_url))
         self.keys = Keys(queue, prefix)
         self.ttl = ttl
         self._groups_ready = False

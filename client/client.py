@@ -44,6 +44,13 @@ from pagedq.client.protocol import (
 )
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
+
+def resolve_redis_url(redis_url: str | None) -> str:
+    """The URL given, else $REDIS_URL, else a local Redis (shared by Client and AsyncClient)."""
+    import os
+
+    return redis_url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
 READ_COUNT = 512
 # XREAD blocks in slices: redis-py 8 defaults to a 5 s socket timeout, and a short block also
 # lets a stream() with a timeout return on time.
@@ -278,11 +285,7 @@ class Client:
     def __init__(self, redis_url: str | None = None, queue: str = DEFAULT_QUEUE, *,
                  prefix: str = DEFAULT_PREFIX, ttl: int = DEFAULT_TTL_S,
                  connection: redis.Redis | None = None):
-        import os
-
-        self.redis = connection or redis.Redis.from_url(
-            redis_url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
-        )
+        self.redis = connection or redis.Redis.from_url(resolve_redis_url(redis_url))
         self.keys = Keys(queue, prefix)
         self.ttl = ttl
         self._groups_ready = False

@@ -83,7 +83,6 @@ class BenchRun:
     # -- set-up -----------------------------------------------------------------------------
     def setup(self) -> None:
         """Resolve the model once (both systems load the same directory) and set threads."""
-        import pagedq.worker.engine  # noqa: F401 - first: importing the loader alone is circular
         from pagedq.worker.models.loader import load_config, load_tokenizer, resolve_model
 
         if self.config.threads:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from typing import Any
 
 import psutil
@@ -29,7 +30,7 @@ from pagedq.worker.engine.outputs import (
     StepOutput,
 )
 from pagedq.worker.engine.sampler import Sampler
-from pagedq.worker.engine.scheduler import Scheduler
+from pagedq.worker.engine.scheduler import Scheduler, SchedulerOutput
 from pagedq.worker.engine.sequence import Request, SeqStatus, Sequence
 from pagedq.worker.logging import get_logger
 from pagedq.worker.models.llama import CausalLM
@@ -129,8 +130,6 @@ class Engine:
                              self.dtype, self.device)
         req = Request("profile", None, [0] * tokens, SamplingParams(max_tokens=1))
         seq = Sequence(req, 0, [0] * tokens, tokens, block_table=list(range(runner.kv_cache.shape[2])))
-        from pagedq.worker.engine.scheduler import SchedulerOutput
-
         runner.execute(SchedulerOutput(scheduled=[(seq, tokens)]))
         del runner
         torch.cuda.empty_cache()
@@ -187,7 +186,7 @@ class Engine:
             self.outputs.start(seq, resumed=list(done))
             req.seqs.append(seq)
             if seq.is_finished:
-                self._pending.append(self.outputs.final(seq))
+                self._pending.append(self.outputs.delta(seq))
             else:
                 self.scheduler.add(seq)
         req.forked = bool(resume) or params.n == 1
@@ -232,8 +231,6 @@ class Engine:
                 f"prompt has {len(ids)} tokens; this engine fits at most {limit} tokens per "
                 "sequence (prompt + output): shorten the prompt")
         if params.max_tokens is None:
-            from dataclasses import replace
-
             return replace(params, max_tokens=limit - len(ids))
         if len(ids) + params.max_tokens > limit:
             raise RequestTooLongError(
@@ -421,7 +418,7 @@ class Engine:
                 if not seq.is_finished:
                     seq.status, seq.finish_reason = SeqStatus.FINISHED, "deadline"
                     self.scheduler.remove(seq)
-                    outputs.append(self.outputs.final(seq))
+                    outputs.append(self.outputs.delta(seq))
             if not req.forked:  # deadline hit before the fork: the missing samples end too
                 req.forked = True
             self.requests.pop(req.request_id, None)

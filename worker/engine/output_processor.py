@@ -46,11 +46,8 @@ class OutputProcessor:
         self._accept(seq, token)
         return self.delta(seq)
 
-    def final(self, seq: Sequence) -> StepOutput:
-        """The last delta of a sequence finished outside sampling (deadline, resumed done)."""
-        return self.delta(seq)
-
     def delta(self, seq: Sequence) -> StepOutput:
+        """What the sequence produced since its last delta (also its last one, once finished)."""
         new_tokens = seq.output_token_ids[seq.num_emitted_tokens:]
         visible = self._visible_chars(seq)
         new_text = seq.text[seq.num_emitted_chars:visible]
