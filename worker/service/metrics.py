@@ -96,9 +96,9 @@ class Metrics:
         metric("vllm:num_preemptions_total", "counter", e.get("preemptions"),
                "Cumulative number of preemptions.")
         metric("vllm:prefix_cache_queries_total", "counter", e.get("prefix_cache_queries"),
-               "Prefix cache queries (blocks looked up).")
+               "Prefix cache queries, in prompt tokens looked up.")
         metric("vllm:prefix_cache_hits_total", "counter", e.get("prefix_cache_hits"),
-               "Prefix cache hits (blocks found).")
+               "Prefix cache hits, in prompt tokens found cached.")
         metric("vllm:generation_tokens_total", "counter", self.generation_tokens,
                "Number of generation tokens published.")
         for name, value in self.counters.items():
