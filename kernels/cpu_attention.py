@@ -37,7 +37,9 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 STALE_LOCK_SECONDS = 600  # a build lock this old was left by a process killed mid-compile
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+# the attention kernel, skinny GEMV and RMSNorm; the fused decoder layer (cpu_ops.h is shared)
+_SOURCES = (_CSRC / "paged_attention_cpu.cpp", _CSRC / "decoder_layer_cpu.cpp")
 _NAME = "pagedq_cpu_attention"
 _log = get_logger("pagedq.kernels.cpu")
 _lock = threading.Lock()
@@ -102,8 +104,8 @@ def _clear_stale_lock(build_dir: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-def _build(source: Path = _SOURCE, name: str = _NAME) -> Callable:
-    """Compile (or load the cached) ``source`` and return its op."""
+def _build(sources: tuple[Path, ...] = _SOURCES, name: str = _NAME) -> Callable:
+    """Compile (or load the cached) ``sources`` into one library and return its attention op."""
     from torch.utils.cpp_extension import load
 
     build_dir = _build_directory(name)
@@ -112,7 +114,7 @@ def _build(source: Path = _SOURCE, name: str = _NAME) -> Callable:
     start = time.perf_counter()
     load(
         name=name,
-        sources=[str(source)],
+        sources=[str(s) for s in sources],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
@@ -151,13 +153,15 @@ def unavailable_reason() -> str | None:
     return _why_unavailable[-1] if _why_unavailable else None
 
 
-def _load_once(source: Path = _SOURCE, name: str = _NAME) -> Callable | None:
+def _load_once(*sources: Path, name: str = _NAME) -> Callable | None:
+    sources = sources or _SOURCES
     supported, why = _cpu_supports_kernel()
-    if supported and not source.is_file():
-        why = f"{source} is not installed"
+    missing = [s for s in sources if not s.is_file()]
+    if supported and missing:
+        why = f"{missing[0]} is not installed"
     elif supported:
         try:
-            return _build(source, name)
+            return _build(sources, name)
         except Exception as exc:  # any build failure (no compiler, no ninja, ...): use the torch path
             why = f"build failed: {type(exc).__name__}: {str(exc)[-2000:]}"
     _why_unavailable.append(why)

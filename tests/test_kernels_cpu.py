@@ -167,9 +167,9 @@ def test_build_failure_returns_none_with_a_reason(op, tmp_path, monkeypatch):
     broken = tmp_path / "broken.cpp"
     broken.write_text('#error "deliberately broken"\n')
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    assert _load_once(broken, "pagedq_cpu_attention_broken_test") is None
+    assert _load_once(broken, name="pagedq_cpu_attention_broken_test") is None
     assert "deliberately broken" in unavailable_reason()
-    assert _load_once(tmp_path / "missing.cpp", "pagedq_missing") is None
+    assert _load_once(tmp_path / "missing.cpp", name="pagedq_missing") is None
     assert "is not installed" in unavailable_reason()
 
 

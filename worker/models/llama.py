@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedq.kernels import paged_attention, write_kv
+from pagedq.kernels.cpu_attention import MAX_KERNEL_CHUNK, KernelRows, kernel_fits, kernel_rows
 from pagedq.worker.engine.errors import EngineError
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
@@ -62,7 +63,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 SKINNY_MAX_ROWS = 4
-_SKINNY: dict[str, Any] = {"op": None, "rms_norm": None}  # C++ CPU ops, set by pack_for_cpu
+# C++ CPU ops (pagedq.kernels.cpu_attention), set by pack_for_cpu when the library loads
+_SKINNY: dict[str, Any] = {"op": None, "rms_norm": None, "layer": None}
+FUSED_SWITCH = "PAGEDQ_FUSED_LAYER"  # "0": keep the per-op Python layer (A/B runs, tests)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -121,6 +124,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
+def fused_layer_op(x: torch.Tensor, ctx: AttentionContext):
+    """The C++ whole-layer op when this step can use it, else None.
+
+    It needs CPU fp32 activations and caches, and every sequence's query rows in the paged
+    kernel (decodes and chunks of up to MAX_KERNEL_CHUNK tokens); steps with a long prefill
+    chunk keep the Python layer, whose attention uses SDPA for it.
+    """
+    op = _SKINNY["layer"]
+    if op is None or x.dtype != torch.float32 or x.device.type != "cpu" or ctx.plan is None:
+        return None
+    if os.environ.get(FUSED_SWITCH, "1") == "0" or ctx.backend not in (None, "torch"):
+        return None
+    k_cache = ctx.kv_caches[0][0]
+    if k_cache.dtype != torch.float32 or not kernel_fits(k_cache[0], k_cache, ctx.kv_caches[0][1]):
+        return None
+    q_lens = ctx.plan.q_lens
+    return op if q_lens and 0 < min(q_lens) and max(q_lens) <= MAX_KERNEL_CHUNK else None
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, dtype,
                  device) -> None:
@@ -148,6 +170,18 @@ class DecoderLayer(nn.Module):
         self.packed: dict[str, torch.Tensor] = {}  # oneDNN copies of the projections (CPU)
         self.input_layernorm = param(h)
         self.post_attention_layernorm = param(h)
+
+    def fused(self, op, x: torch.Tensor, rope: torch.Tensor, layer: int, ctx: AttentionContext,
+              rows: KernelRows) -> torch.Tensor:
+        """This layer as one C++ op (see ``fused_layer_op``); same numerics as ``forward``."""
+        k_cache, v_cache = ctx.kv_caches[layer]
+        p = self.packed
+        return op(x, rope, self.input_layernorm, self.qkv_proj, p.get("qkv_proj"), self.qkv_bias,
+                  self.q_norm, self.k_norm, self.o_proj, p.get("o_proj"), self.o_bias,
+                  self.post_attention_layernorm, self.gate_up_proj, p.get("gate_up_proj"),
+                  self.down_proj, p.get("down_proj"), k_cache, v_cache, ctx.slot_mapping,
+                  rows.block_table, rows.rows, self.num_heads, rows.heads_per_item, rows.grain,
+                  SKINNY_MAX_ROWS if _SKINNY["op"] is not None else 0, self.eps, self.scale)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, layer: int,
                 ctx: AttentionContext) -> torch.Tensor:
@@ -221,8 +255,19 @@ class CausalLM(nn.Module):
         """Hidden states after the final norm for every packed token: [T, hidden]."""
         x = F.embedding(input_ids, self.embed_tokens)
         rope = self.rope[positions]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, i, ctx)
+        op = fused_layer_op(x, ctx)
+        if op is not None:
+            kv_heads = self.num_kv_heads
+            rows = ctx.plan.derived(
+                "cpu_layer_rows", lambda plan: kernel_rows(plan, list(range(plan.num_seqs)), kv_heads)
+            )
+            slots = ctx.slot_mapping.long().contiguous()
+            ctx = replace(ctx, slot_mapping=slots)
+            for i, layer in enumerate(self.layers):
+                x = layer.fused(op, x, rope, i, ctx, rows)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, rope, i, ctx)
         return rms_norm(x, self.norm, self.eps)
 
     @torch.inference_mode()
@@ -240,7 +285,9 @@ class CausalLM(nn.Module):
         from pagedq.kernels.cpu_attention import skinny_linear_op
 
         _SKINNY["op"] = skinny_linear_op()
-        _SKINNY["rms_norm"] = torch.ops.pagedq_cpu.rms_norm if _SKINNY["op"] is not None else None
+        loaded = _SKINNY["op"] is not None
+        _SKINNY["rms_norm"] = torch.ops.pagedq_cpu.rms_norm if loaded else None
+        _SKINNY["layer"] = torch.ops.pagedq_cpu.decoder_layer if loaded else None
         pack = torch.ops.mkldnn._reorder_linear_weight
         for layer in self.layers:
             layer.packed = {name: pack(getattr(layer, name).data, batch_hint) for name in self.PACKED}

@@ -1,0 +1,49 @@
+// Shared declarations of the pagedq_cpu library: the entry points other translation units call
+// directly (no dispatcher round trip) and the small AVX2 helpers they share.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace pagedq_cpu {
+
+// Horizontal sum of 8 floats.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for x <= 0 (scores minus their max), Cephes-style polynomial, rel. error ~1e-7.
+// Inputs below -87.3 are clamped (exp ~ 1e-38 instead of a denormal or 0).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x);
+  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+  const __m256i pow2 = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+}
+
+void paged_attention_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& block_table,
+                          const at::Tensor& rows, double scale, int64_t heads_per_item,
+                          int64_t grain);
+void skinny_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
+                   const c10::optional<at::Tensor>& bias);
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps);
+
+}  // namespace pagedq_cpu
