@@ -141,7 +141,7 @@ def cpu_kernel() -> Callable | None:
 
 
 def skinny_linear_op() -> Callable | None:
-    """``torch.ops.pagedq_cpu.skinny_linear`` (1-4 row fp32 GEMV at memory bandwidth), built
+    """``torch.ops.pagedq_cpu.skinny_linear`` (1-16 row fp32 GEMV, one pass over the weights), built
     with the attention kernel; None when the kernel library is unavailable."""
     return torch.ops.pagedq_cpu.skinny_linear if cpu_kernel() is not None else None
 

@@ -186,10 +186,11 @@ def test_stale_build_lock_is_removed(tmp_path):
     assert (fresh / "lock").exists() and not (stale / "lock").exists()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_linear_matches_torch(rows, bias):
-    """The 1-4 row GEMV the engine uses at small decode batches, against F.linear."""
+    """The 1-16 row GEMV the engine uses at small decode batches, against F.linear: K=200 has
+    a tail past the vector loop, N=77 a ragged last column tile."""
     from pagedq.kernels.cpu_attention import skinny_linear_op
 
     op = skinny_linear_op()
@@ -201,6 +202,9 @@ def test_skinny_linear_matches_torch(rows, bias):
     out = torch.empty(rows, 77)
     op(out, x, w, b)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    if rows == 16:
+        with pytest.raises(RuntimeError, match="1 to 16 rows"):
+            op(torch.empty(17, 77), torch.randn(17, 200), w, b)
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (5, 64), (33, 100)])

@@ -42,6 +42,8 @@ void paged_attention_rows(at::Tensor& out, const at::Tensor& query, const at::Te
                           const at::Tensor& v_cache, const at::Tensor& block_table,
                           const at::Tensor& rows, double scale, int64_t heads_per_item,
                           int64_t grain);
+// Rows of x skinny_linear takes (streams each weight row once for all of them).
+constexpr int64_t kMaxSkinnyRows = 16;
 void skinny_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
                    const c10::optional<at::Tensor>& bias);
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps);

@@ -370,9 +370,14 @@ void paged_attention_rows(at::Tensor& out, const at::Tensor& query, const at::Te
 
 
 // ---------------------------------------------------------------------------------------------
-// skinny_linear: out[b, n] = sum_k x[b, k] * w[n, k] (+ bias[n]) for 1-4 rows of x. Decode at
-// small batch is bound by streaming the weights; BLAS GEMM kernels tuned for big tiles reach
-// about half the memory bandwidth there. Here each weight row is read once, for all rows of x.
+namespace {
+
+// skinny_linear: out[b, n] = sum_k x[b, k] * w[n, k] (+ bias[n]) for a few rows of x (decode
+// at small batch). Such steps are bound by streaming the weights; BLAS GEMM kernels tuned for
+// big tiles reach about half the memory bandwidth there. Here each weight row is read once,
+// for all rows of x.
+//
+// 1-4 rows: one weight row at a time against every row of x (two accumulators per x row).
 template <int B>
 void skinny_rows(const float* x, const float* w, const float* bias, float* out, int64_t N,
                  int64_t K) {
@@ -393,17 +398,66 @@ void skinny_rows(const float* x, const float* w, const float* bias, float* out, 
         }
       }
       for (int b = 0; b < B; ++b) {
-        const __m256 a = _mm256_add_ps(acc0[b], acc1[b]);
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-        s = _mm_hadd_ps(s, s);
-        s = _mm_hadd_ps(s, s);
-        float v = _mm_cvtss_f32(s);
+        float v = hsum(_mm256_add_ps(acc0[b], acc1[b]));
         for (int64_t kk = k; kk < K; ++kk) v += wr[kk] * x[b * K + kk];
         out[b * N + n] = v + (bias ? bias[n] : 0.f);
       }
     }
   });
 }
+
+// out[i, j] for MR rows of x and NR rows of w: MR * NR accumulators stay in registers while
+// the loop streams K; the NR weight rows stay in L1 across the row groups of x.
+template <int MR, int NR>
+inline void dot_tile(const float* x, const float* w, int64_t K, float* out, int64_t N,
+                     const float* bias) {
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      float v = hsum(acc[i][j]);
+      for (int64_t kk = k; kk < K; ++kk) v += x[i * K + kk] * w[j * K + kk];
+      out[i * N + j] = v + (bias ? bias[j] : 0.f);
+    }
+}
+
+// 5-16 rows: 3 x rows by 4 weight rows per register tile (12 accumulators). Measured on the
+// 2-core AVX2 dev box over SmolLM2's projections: 8 rows 51 ms vs oneDNN's 62, 16 rows 68 vs 76.
+constexpr int kTileRows = 3, kTileCols = 4;
+
+void tiled_rows(const float* x, const float* w, const float* bias, float* out, int64_t M, int64_t N,
+                int64_t K) {
+  const int64_t col_blocks = (N + kTileCols - 1) / kTileCols;
+  at::parallel_for(0, col_blocks, 4, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n = c * kTileCols;
+      const float* bn = bias ? bias + n : nullptr;
+      if (n + kTileCols > N) {  // ragged last columns: one dot product each
+        for (int64_t nn = n; nn < N; ++nn)
+          for (int64_t m = 0; m < M; ++m)
+            dot_tile<1, 1>(x + m * K, w + nn * K, K, out + m * N + nn, N, bias ? bias + nn : nullptr);
+        continue;
+      }
+      int64_t m = 0;
+      for (; m + kTileRows <= M; m += kTileRows)
+        dot_tile<kTileRows, kTileCols>(x + m * K, w + n * K, K, out + m * N + n, N, bn);
+      if (M - m == 2) dot_tile<2, kTileCols>(x + m * K, w + n * K, K, out + m * N + n, N, bn);
+      if (M - m == 1) dot_tile<1, kTileCols>(x + m * K, w + n * K, K, out + m * N + n, N, bn);
+    }
+  });
+}
+
+}  // namespace
 
 void skinny_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
                    const c10::optional<at::Tensor>& bias) {
@@ -413,8 +467,8 @@ void skinny_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(),
               "skinny_linear: contiguous tensors only");
   const int64_t rows = x.size(0), N = w.size(0), K = w.size(1);
-  TORCH_CHECK(rows >= 1 && rows <= 4 && out.size(0) == rows && out.size(1) == N,
-              "skinny_linear: 1 to 4 rows, out [rows, N]");
+  TORCH_CHECK(rows >= 1 && rows <= kMaxSkinnyRows && out.size(0) == rows && out.size(1) == N,
+              "skinny_linear: 1 to 16 rows, out [rows, N]");
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N, "skinny_linear: bias [N]");
@@ -427,7 +481,8 @@ void skinny_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
     case 1: skinny_rows<1>(xp, wp, bp, op, N, K); break;
     case 2: skinny_rows<2>(xp, wp, bp, op, N, K); break;
     case 3: skinny_rows<3>(xp, wp, bp, op, N, K); break;
-    default: skinny_rows<4>(xp, wp, bp, op, N, K); break;
+    case 4: skinny_rows<4>(xp, wp, bp, op, N, K); break;
+    default: tiled_rows(xp, wp, bp, op, rows, N, K); break;
   }
 }
 

@@ -49,7 +49,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` by the fastest CPU route for this many rows.
 
-    1-4 rows (decode at small batch): the C++ skinny GEMV, which streams each weight row once
+    1-16 rows (decode at small batch): the C++ skinny GEMV, which streams each weight row once
     at memory bandwidth. More rows: the oneDNN-prepacked copy when there is one (see
     ``pack_for_cpu``). Otherwise torch's own linear.
     """
@@ -62,7 +62,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-SKINNY_MAX_ROWS = 4
+SKINNY_MAX_ROWS = 16  # kMaxSkinnyRows in kernels/csrc/cpu_ops.h
 # C++ CPU ops (pagedq.kernels.cpu_attention), set by pack_for_cpu when the library loads
 _SKINNY: dict[str, Any] = {"op": None, "rms_norm": None, "layer": None}
 FUSED_SWITCH = "PAGEDQ_FUSED_LAYER"  # "0": keep the per-op Python layer (A/B runs, tests)
