@@ -16,7 +16,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_default: str | None =
                    help="local dir, .gguf file or cached HF name (default: bundled SmolLM2-135M)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: 8 on CPU, 16 on CUDA)")
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV bytes on CPU")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)

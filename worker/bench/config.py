@@ -29,7 +29,7 @@ class BenchConfig:
     profile: str = "full"
 
     # the serving engine (throughput, decode sweep, prefix and queue scenarios)
-    block_size: int = 16
+    block_size: int | None = None  # None: the engine's default for the device (8 CPU, 16 CUDA)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
@@ -114,6 +114,8 @@ def _parse_like(current: Any, raw: str, name: str) -> Any:
             return int(raw)
         if isinstance(current, float):
             return float(raw)
+        if current is None and raw.lstrip("-").isdigit():  # an optional int such as block_size
+            return int(raw)
     except ValueError as exc:
         raise ValueError(f"--set {name}={raw!r}: {exc}") from exc
     return raw

@@ -80,6 +80,14 @@ class BenchRun:
     space: TokenSpace | None = None
     _hf: hf_baseline.HFModel | None = None
 
+    def __post_init__(self) -> None:
+        if self.config.block_size is None:  # the engine's own default for the run's device
+            from pagedq.worker.engine.engine import DEFAULT_BLOCK_SIZE
+
+            device = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            kind = torch.device(device).type
+            self.config = self.config.with_(block_size=DEFAULT_BLOCK_SIZE.get(kind, 16))
+
     # -- set-up -----------------------------------------------------------------------------
     def setup(self) -> None:
         """Resolve the model once (both systems load the same directory) and set threads."""

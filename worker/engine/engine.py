@@ -39,13 +39,17 @@ from pagedq.worker.models.loader import iter_weights, load_config, load_tokenize
 log = get_logger("pagedq.engine")
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
+# Tokens per KV block when the caller does not say. A sequence wastes half a block on average:
+# with 8 on the CPU, ~4 slots per sequence (KV utilization 0.97 on the bench's short trace, 0.95
+# with 16) at no measurable cost to the C++ attention kernel; 16 on CUDA, the Triton tile.
+DEFAULT_BLOCK_SIZE = {"cpu": 8, "cuda": 16}
 TYPICAL_SEQ_LEN = 512  # for the "concurrency at a typical length" line in the start-up log
 
 
 class Engine:
     """A paged-KV, continuously batched LLM engine for one model on one device."""
 
-    def __init__(self, model: str | None = None, *, block_size: int = 16,
+    def __init__(self, model: str | None = None, *, block_size: int | None = None,
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
@@ -53,6 +57,8 @@ class Engine:
                  enable_prefix_caching: bool = True, dtype: str = "float32",
                  device: str | None = None, num_threads: int | None = None,
                  seed: int = 0) -> None:
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        block_size = block_size or DEFAULT_BLOCK_SIZE.get(self.device.type, 16)
         self.config = EngineConfig(
             model=model, block_size=block_size, num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
@@ -63,7 +69,6 @@ class Engine:
             num_threads=num_threads)
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = getattr(torch, dtype)
         started = time.perf_counter()
         self.model_path = resolve_model(model)
