@@ -135,7 +135,7 @@ def quick(**overrides: Any) -> BenchConfig:
         output_dist=LengthDist(median=40.0, sigma=0.6, low=16, high=64),
         hf_batch_size=16,
         decode_prompt_tokens=32,  # the full profile keeps llama-batched-bench's 128/128 shape
-        decode_new_tokens=32,
+        decode_new_tokens=24,  # 24 decode steps per batch size keep the run under 3 minutes
         capacity_requests=24,
         capacity_reserved_slots=2,
         capacity_max_model_len=1024,
