@@ -182,9 +182,62 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& rope, const at::
   return out.add_(x1);
 }
 
+namespace {
+
+c10::optional<at::Tensor> item(const c10::List<c10::optional<at::Tensor>>& list, size_t i) {
+  return list.size() > i ? list.get(i) : c10::nullopt;
+}
+
+}  // namespace
+
+// Every decoder layer of a step in one call: the engine thread releases the GIL once per step
+// for all of them instead of once per layer. In the queue worker the asyncio thread takes the
+// GIL whenever it is free, and each hand-back costs the engine thread up to Python's switch
+// interval: with one call per layer that idled the engine thread ~12% of a busy minute.
+// Lists hold one entry per layer (optional lists may be empty when no layer has the tensor).
+at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& rope, at::TensorList in_norm,
+                          at::TensorList qkv_w, const c10::List<c10::optional<at::Tensor>>& qkv_packed,
+                          const c10::List<c10::optional<at::Tensor>>& qkv_bias,
+                          const c10::List<c10::optional<at::Tensor>>& q_norm,
+                          const c10::List<c10::optional<at::Tensor>>& k_norm, at::TensorList o_w,
+                          const c10::List<c10::optional<at::Tensor>>& o_packed,
+                          const c10::List<c10::optional<at::Tensor>>& o_bias,
+                          at::TensorList post_norm, at::TensorList gate_up_w,
+                          const c10::List<c10::optional<at::Tensor>>& gate_up_packed,
+                          at::TensorList down_w,
+                          const c10::List<c10::optional<at::Tensor>>& down_packed,
+                          at::TensorList k_caches, at::TensorList v_caches,
+                          const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                          const at::Tensor& rows, int64_t num_heads, int64_t heads_per_item,
+                          int64_t grain, int64_t skinny_max_rows, double eps, double scale) {
+  const size_t layers = qkv_w.size();
+  TORCH_CHECK(in_norm.size() == layers && o_w.size() == layers && post_norm.size() == layers &&
+                  gate_up_w.size() == layers && down_w.size() == layers &&
+                  k_caches.size() == layers && v_caches.size() == layers,
+              "decoder_layers: one entry per layer in every weight and cache list");
+  at::Tensor h = x;
+  for (size_t i = 0; i < layers; ++i) {
+    at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
+    h = decoder_layer(h, rope, in_norm[i], qkv_w[i], item(qkv_packed, i), item(qkv_bias, i),
+                      item(q_norm, i), item(k_norm, i), o_w[i], item(o_packed, i), item(o_bias, i),
+                      post_norm[i], gate_up_w[i], item(gate_up_packed, i), down_w[i],
+                      item(down_packed, i), k_cache, v_cache, slot_mapping, block_table, rows,
+                      num_heads, heads_per_item, grain, skinny_max_rows, eps, scale);
+  }
+  return h;
+}
+
 }  // namespace pagedq_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagedq_cpu, m) {
+  m.def(
+      "decoder_layers(Tensor x, Tensor rope, Tensor[] in_norm, Tensor[] qkv_w, "
+      "Tensor?[] qkv_packed, Tensor?[] qkv_bias, Tensor?[] q_norm, Tensor?[] k_norm, "
+      "Tensor[] o_w, Tensor?[] o_packed, Tensor?[] o_bias, Tensor[] post_norm, "
+      "Tensor[] gate_up_w, Tensor?[] gate_up_packed, Tensor[] down_w, Tensor?[] down_packed, "
+      "Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, Tensor block_table, "
+      "Tensor rows, int num_heads, int heads_per_item, int grain, int skinny_max_rows, "
+      "float eps, float scale) -> Tensor");
   m.def(
       "decoder_layer(Tensor x, Tensor rope, Tensor in_norm, Tensor qkv_w, Tensor? qkv_packed, "
       "Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, Tensor o_w, Tensor? o_packed, "
@@ -196,9 +249,11 @@ TORCH_LIBRARY_FRAGMENT(pagedq_cpu, m) {
 
 TORCH_LIBRARY_IMPL(pagedq_cpu, CPU, m) {
   m.impl("decoder_layer", &pagedq_cpu::decoder_layer);
+  m.impl("decoder_layers", &pagedq_cpu::decoder_layers);
 }
 
 // The oneDNN-packed weights are MkldnnCPU tensors, so the dispatcher picks that key.
 TORCH_LIBRARY_IMPL(pagedq_cpu, MkldnnCPU, m) {
   m.impl("decoder_layer", &pagedq_cpu::decoder_layer);
+  m.impl("decoder_layers", &pagedq_cpu::decoder_layers);
 }

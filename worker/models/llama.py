@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedq.kernels import paged_attention, write_kv
-from pagedq.kernels.cpu_attention import MAX_KERNEL_CHUNK, KernelRows, kernel_fits, kernel_rows
+from pagedq.kernels.cpu_attention import MAX_KERNEL_CHUNK, kernel_fits, kernel_rows
 from pagedq.worker.engine.errors import EngineError
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
@@ -125,7 +125,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 def fused_layer_op(x: torch.Tensor, ctx: AttentionContext):
-    """The C++ whole-layer op when this step can use it, else None.
+    """The C++ all-layers op (``decoder_layers``) when this step can use it, else None.
 
     It needs CPU fp32 activations and caches, and every sequence's query rows in the paged
     kernel (decodes and chunks of up to MAX_KERNEL_CHUNK tokens); steps with a long prefill
@@ -170,18 +170,6 @@ class DecoderLayer(nn.Module):
         self.packed: dict[str, torch.Tensor] = {}  # oneDNN copies of the projections (CPU)
         self.input_layernorm = param(h)
         self.post_attention_layernorm = param(h)
-
-    def fused(self, op, x: torch.Tensor, rope: torch.Tensor, layer: int, ctx: AttentionContext,
-              rows: KernelRows) -> torch.Tensor:
-        """This layer as one C++ op (see ``fused_layer_op``); same numerics as ``forward``."""
-        k_cache, v_cache = ctx.kv_caches[layer]
-        p = self.packed
-        return op(x, rope, self.input_layernorm, self.qkv_proj, p.get("qkv_proj"), self.qkv_bias,
-                  self.q_norm, self.k_norm, self.o_proj, p.get("o_proj"), self.o_bias,
-                  self.post_attention_layernorm, self.gate_up_proj, p.get("gate_up_proj"),
-                  self.down_proj, p.get("down_proj"), k_cache, v_cache, ctx.slot_mapping,
-                  rows.block_table, rows.rows, self.num_heads, rows.heads_per_item, rows.grain,
-                  SKINNY_MAX_ROWS if _SKINNY["op"] is not None else 0, self.eps, self.scale)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, layer: int,
                 ctx: AttentionContext) -> torch.Tensor:
@@ -239,6 +227,7 @@ class CausalLM(nn.Module):
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), False
         )
         self.packed_head: torch.Tensor | None = None
+        self._fused_weights: tuple[list, ...] | None = None  # see fused_weights()
         self.register_buffer("rope", rope_tables(config, max_positions, dtype, device), False)
 
     @property
@@ -261,10 +250,12 @@ class CausalLM(nn.Module):
             rows = ctx.plan.derived(
                 "cpu_layer_rows", lambda plan: kernel_rows(plan, list(range(plan.num_seqs)), kv_heads)
             )
-            slots = ctx.slot_mapping.long().contiguous()
-            ctx = replace(ctx, slot_mapping=slots)
-            for i, layer in enumerate(self.layers):
-                x = layer.fused(op, x, rope, i, ctx, rows)
+            first = self.layers[0]
+            x = op(x, rope, *self.fused_weights(),
+                   [k for k, _ in ctx.kv_caches], [v for _, v in ctx.kv_caches],
+                   ctx.slot_mapping.long().contiguous(), rows.block_table, rows.rows,
+                   first.num_heads, rows.heads_per_item, rows.grain,
+                   SKINNY_MAX_ROWS if _SKINNY["op"] is not None else 0, first.eps, first.scale)
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, rope, i, ctx)
@@ -277,6 +268,25 @@ class CausalLM(nn.Module):
 
     PACKED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
+    def fused_weights(self) -> tuple[list, ...]:
+        """Per-layer weight lists in ``decoder_layers``' argument order, built once."""
+        if self._fused_weights is None:
+            ls = self.layers
+
+            def opt(tensors: list) -> list:  # an optional list is empty when no layer has one
+                return [] if all(t is None for t in tensors) else tensors
+
+            self._fused_weights = (
+                [layer.input_layernorm for layer in ls], [layer.qkv_proj for layer in ls],
+                opt([layer.packed.get("qkv_proj") for layer in ls]), opt([layer.qkv_bias for layer in ls]),
+                opt([layer.q_norm for layer in ls]), opt([layer.k_norm for layer in ls]),
+                [layer.o_proj for layer in ls], opt([layer.packed.get("o_proj") for layer in ls]),
+                opt([layer.o_bias for layer in ls]), [layer.post_attention_layernorm for layer in ls],
+                [layer.gate_up_proj for layer in ls], opt([layer.packed.get("gate_up_proj") for layer in ls]),
+                [layer.down_proj for layer in ls], opt([layer.packed.get("down_proj") for layer in ls]),
+            )
+        return self._fused_weights
+
     def pack_for_cpu(self, batch_hint: int = 64) -> None:
         """Prepare the CPU fast paths once: a oneDNN-blocked copy of every projection and the
         LM head (for batched steps) beside the plain weights (for the skinny decode GEMV)."""
@@ -287,10 +297,11 @@ class CausalLM(nn.Module):
         _SKINNY["op"] = skinny_linear_op()
         loaded = _SKINNY["op"] is not None
         _SKINNY["rms_norm"] = torch.ops.pagedq_cpu.rms_norm if loaded else None
-        _SKINNY["layer"] = torch.ops.pagedq_cpu.decoder_layer if loaded else None
+        _SKINNY["layer"] = torch.ops.pagedq_cpu.decoder_layers if loaded else None
         pack = torch.ops.mkldnn._reorder_linear_weight
         for layer in self.layers:
             layer.packed = {name: pack(getattr(layer, name).data, batch_hint) for name in self.PACKED}
+        self._fused_weights = None
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
         self.packed_head = pack(head.data, batch_hint)
 
