@@ -191,9 +191,9 @@ c10::optional<at::Tensor> item(const c10::List<c10::optional<at::Tensor>>& list,
 }  // namespace
 
 // Every decoder layer of a step in one call: the engine thread releases the GIL once per step
-// for all of them instead of once per layer. In the queue worker the asyncio thread takes the
-// GIL whenever it is free, and each hand-back costs the engine thread up to Python's switch
-// interval: with one call per layer that idled the engine thread ~12% of a busy minute.
+// for all of them instead of once per layer, so in the queue worker the asyncio thread cannot
+// make it wait for the GIL between layers. (Measured: the worker's engine thread is off-CPU
+// ~8 s of a busy minute on 2 cores either way; that is CPU contention, not the GIL.)
 // Lists hold one entry per layer (optional lists may be empty when no layer has the tensor).
 at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& rope, at::TensorList in_norm,
                           at::TensorList qkv_w, const c10::List<c10::optional<at::Tensor>>& qkv_packed,
