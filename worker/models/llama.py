@@ -254,8 +254,8 @@ class CausalLM(nn.Module):
             x = op(x, rope, *self.fused_weights(),
                    [k for k, _ in ctx.kv_caches], [v for _, v in ctx.kv_caches],
                    ctx.slot_mapping.long().contiguous(), rows.block_table, rows.rows,
-                   first.num_heads, rows.heads_per_item, rows.grain,
-                   SKINNY_MAX_ROWS if _SKINNY["op"] is not None else 0, first.eps, first.scale)
+                   first.num_heads, rows.heads_per_item, rows.grain, SKINNY_MAX_ROWS, first.eps,
+                   first.scale)
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, rope, i, ctx)
@@ -268,23 +268,21 @@ class CausalLM(nn.Module):
 
     PACKED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
+    # decoder_layers' weight arguments in order; "+" names the layer's oneDNN-packed copy
+    FUSED_WEIGHTS = ("input_layernorm", "qkv_proj", "qkv_proj+", "qkv_bias", "q_norm", "k_norm",
+                     "o_proj", "o_proj+", "o_bias", "post_attention_layernorm", "gate_up_proj",
+                     "gate_up_proj+", "down_proj", "down_proj+")
+
     def fused_weights(self) -> tuple[list, ...]:
-        """Per-layer weight lists in ``decoder_layers``' argument order, built once."""
+        """One list per FUSED_WEIGHTS entry, one tensor per layer, built once. A list whose
+        tensor no layer has (no bias, no q/k norm, no packing) is empty, as the op expects."""
         if self._fused_weights is None:
-            ls = self.layers
+            def per_layer(name: str) -> list:
+                got = [layer.packed.get(name[:-1]) if name.endswith("+") else getattr(layer, name)
+                       for layer in self.layers]
+                return [] if all(t is None for t in got) else got
 
-            def opt(tensors: list) -> list:  # an optional list is empty when no layer has one
-                return [] if all(t is None for t in tensors) else tensors
-
-            self._fused_weights = (
-                [layer.input_layernorm for layer in ls], [layer.qkv_proj for layer in ls],
-                opt([layer.packed.get("qkv_proj") for layer in ls]), opt([layer.qkv_bias for layer in ls]),
-                opt([layer.q_norm for layer in ls]), opt([layer.k_norm for layer in ls]),
-                [layer.o_proj for layer in ls], opt([layer.packed.get("o_proj") for layer in ls]),
-                opt([layer.o_bias for layer in ls]), [layer.post_attention_layernorm for layer in ls],
-                [layer.gate_up_proj for layer in ls], opt([layer.packed.get("gate_up_proj") for layer in ls]),
-                [layer.down_proj for layer in ls], opt([layer.packed.get("down_proj") for layer in ls]),
-            )
+            self._fused_weights = tuple(per_layer(name) for name in self.FUSED_WEIGHTS)
         return self._fused_weights
 
     def pack_for_cpu(self, batch_hint: int = 64) -> None:
