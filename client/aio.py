@@ -148,7 +148,10 @@ class AsyncClient:
     async def _cancel(self, request_id: str) -> int:
         ev = encode_event(Event(type=CANCELLED, request_id=request_id))
         keys = [self.keys.state(request_id), self.keys.out(request_id)]
-        return int(await self._cancel_script(keys=keys, args=[self.ttl, ev]))
+        status = int(await self._cancel_script(keys=keys, args=[self.ttl, ev]))
+        if status == 1:  # a worker holds it: the hint makes it look now, not at its next sweep
+            await self.redis.incr(self.keys.cancels)
+        return status
 
     async def stats(self) -> dict[str, Any]:
         await self._ensure_groups()

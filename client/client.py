@@ -355,7 +355,10 @@ class Client:
     def _cancel(self, request_id: str) -> int:
         ev = encode_event(Event(type=CANCELLED, request_id=request_id))
         keys = [self.keys.state(request_id), self.keys.out(request_id)]
-        return int(self._cancel_script(keys=keys, args=[self.ttl, ev]))
+        status = int(self._cancel_script(keys=keys, args=[self.ttl, ev]))
+        if status == 1:  # a worker holds it: the hint makes it look now, not at its next sweep
+            self.redis.incr(self.keys.cancels)
+        return status
 
     def stats(self) -> dict[str, Any]:
         """Queue depth per priority level, dead letters, and each live worker's checkpoint."""

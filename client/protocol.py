@@ -1,8 +1,9 @@
 """The wire protocol between clients and workers: key names, msgpack payloads, versions.
 
 Everything another language needs to enqueue a job or read its output is defined here (and
-documented in docs/queue.md). Payloads are msgpack maps carrying ``"v": PROTOCOL_VERSION``;
-nothing is ever pickled, so a hostile payload can at worst be rejected.
+documented in the README's wire protocol section). Payloads are msgpack maps carrying
+``"v": PROTOCOL_VERSION``; nothing is ever pickled, so a hostile payload can at worst be
+rejected.
 
 Key schema (``P`` = prefix, default ``pagedq``; ``Q`` = queue name; ``ID`` = request id)::
 
@@ -12,6 +13,8 @@ Key schema (``P`` = prefix, default ``pagedq``; ``Q`` = queue name; ``ID`` = req
     P:Q:stats                                         hash: queue depth per level (checkpoint)
     P:Q:workers                                       zset: worker name -> last heartbeat
     P:Q:worker:NAME                                   hash: that worker's checkpoint (TTL)
+    P:Q:cancels                                       counter: bumped after each cancel of a
+                                                     running job, so workers re-check at once
     P:req:{ID}:out                                    the request's output stream (TTL)
     P:req:{ID}:state                                  hash: epoch, owner, seq, done, cancel (TTL)
 
@@ -112,6 +115,10 @@ class Keys:
 
     def worker(self, name: str) -> str:
         return f"{self.prefix}:{self.queue}:worker:{name}"
+
+    @property
+    def cancels(self) -> str:
+        return f"{self.prefix}:{self.queue}:cancels"
 
     def out(self, request_id: str) -> str:
         return f"{self.prefix}:req:{{{request_id}}}:out"

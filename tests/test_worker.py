@@ -39,7 +39,7 @@ from pagedq.client.protocol import (
     decode_event,
     job_fields,
 )
-from pagedq.worker.service.worker import Worker, WorkerConfig
+from pagedq.worker.service.worker import Worker, WorkerConfig, in_own_thread
 
 ENGINE = dict(num_kv_blocks=64, max_num_seqs=4, max_model_len=256)
 
@@ -63,14 +63,14 @@ def reference(model):
 
 
 @contextmanager
-def running_worker(redis_url, model, name, **overrides):
+def running_worker(redis_url, model, name, engine_instance=None, **overrides):
     engine = dict(ENGINE, **overrides.pop("engine", {}))
     cfg = WorkerConfig(model=model, redis_url=redis_url, consumer_name=name, reclaim_after=1.0,
                        checkpoint_interval=0.2, poll_interval=0.05, read_block_ms=200,
                        drain_timeout=5, engine=engine)
     for k, v in overrides.items():
         setattr(cfg, k, v)
-    worker = Worker(cfg)
+    worker = Worker(cfg, engine_instance)
     errors = []
 
     def target():
@@ -167,6 +167,51 @@ def test_cancel_running_and_queued_jobs(redis_db, redis_client, model):
         assert not running.cancel()  # already ended
         evs = raw_events(redis_client, queued.id)
         assert [e.type for e in evs] == ["cancelled"]
+
+
+class GatedEngine:
+    """A real engine whose steps wait at a gate: its jobs stay owned but publish nothing,
+    so only the poller can notice that they were cancelled."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.gate = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def step(self):
+        self.gate.wait()
+        return self._engine.step()
+
+
+@pytest.mark.parametrize("via", ["client", "raw_flag"])
+def test_cancel_of_a_job_that_publishes_nothing(redis_db, redis_client, model, via):
+    """client.cancel() bumps the queue's cancel hint, so the worker checks at its next tick
+    (the sweep is 60 s here); a bare cancel flag (a client that died before the hint) is
+    caught by the ownership sweep instead (0.3 s here)."""
+    from pagedq.worker import Engine
+
+    gated = GatedEngine(Engine(model, **ENGINE))
+    sweep = 60.0 if via == "client" else 0.3
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    with Client(redis_db) as client, running_worker(redis_db, model, "w1", gated,
+                                                    ownership_check_interval=sweep) as worker:
+        try:
+            handle = client.submit([4, 5, 6], params)
+            wait_until(lambda: redis_client.hexists(Keys().state(handle.id), "owner"))
+            wait_until(lambda: any(j.id == handle.id for j in list(worker.jobs.values())))
+            if via == "client":
+                assert handle.cancel()
+            else:
+                redis_client.hset(Keys().state(handle.id), "cancel", "1")
+            began = time.monotonic()
+            with pytest.raises(RequestCancelledError):
+                handle.result(timeout=30)
+            assert time.monotonic() - began < 20  # the client case's sweep would take 60 s
+        finally:
+            gated.gate.set()
+        assert [e.type for e in raw_events(redis_client, handle.id)] == ["cancelled"]
 
 
 def test_deadlines(redis_db, model):
@@ -437,3 +482,22 @@ def test_stable_name_resumes_own_pending_jobs_and_names_are_unique(redis_db, red
             assert (first.name, second.name) == ("w1", "w1-2")
     assert res.token_ids == reference([4, 4, 2], params)[0]
     assert {e.worker for e in raw_events(redis_client, h.id)} == {"w1"}
+
+
+def test_model_loading_thread_ends_with_the_load():
+    """The engine is built on a thread that exits afterwards (an idle OpenMP pool left on a
+    long-lived thread would stop libgomp spin-waiting for the engine thread)."""
+    seen = []
+
+    def work(x):
+        seen.append(threading.current_thread())
+        return x * 2
+
+    async def main():
+        assert await in_own_thread(work, 21) == 42
+        with pytest.raises(ValueError):
+            await in_own_thread(int, "not a number")
+
+    asyncio.run(main())
+    seen[0].join(5)
+    assert seen[0] is not threading.main_thread() and not seen[0].is_alive()

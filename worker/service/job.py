@@ -30,6 +30,9 @@ class LiveJob:
     admitted: float = field(default_factory=time.time)
     first_token: float | None = None
     last_token: float | None = None
+    # monotonic time ownership and the cancel flag were last read from Redis: every successful
+    # publish reads both, so the poller only asks about jobs that have not published lately
+    checked: float = field(default_factory=time.monotonic)
 
     @property
     def id(self) -> str:
