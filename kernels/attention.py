@@ -57,6 +57,13 @@ def resolve_backend(backend: str | None, tensor: torch.Tensor) -> str:
     return backend
 
 
+def mixed_ok(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """A cache may hold the query's dtype, or fp16/bf16 under fp32 queries (half the bytes)."""
+    return cache_dtype == query_dtype or (
+        query_dtype == torch.float32 and cache_dtype in (torch.float16, torch.bfloat16)
+    )
+
+
 def _check_attention_args(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan
 ) -> None:
@@ -66,12 +73,13 @@ def _check_attention_args(
             f"[num_blocks, block_size, num_kv_heads, head_dim]; got {tuple(query.shape)}, "
             f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
         )
-    if not (query.dtype == k_cache.dtype == v_cache.dtype) or not (
+    if not (k_cache.dtype == v_cache.dtype and mixed_ok(query.dtype, k_cache.dtype)) or not (
         query.device == k_cache.device == v_cache.device
     ):
         raise KernelArgumentError(
             f"query ({query.dtype}, {query.device}), k_cache ({k_cache.dtype}, {k_cache.device}) "
-            f"and v_cache ({v_cache.dtype}, {v_cache.device}) must share one dtype and device"
+            f"and v_cache ({v_cache.dtype}, {v_cache.device}) must share one device, and the "
+            "caches the query's dtype (or float16/bfloat16 under a float32 query)"
         )
     num_heads, head_dim = query.shape[1:]
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -116,6 +124,12 @@ def paged_attention(
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     if resolve_backend(backend, query) == "triton":
         from pagedq.kernels.triton_attention import triton_paged_attention
+
+        if k_cache.dtype != query.dtype:
+            raise KernelArgumentError(
+                f"the Triton kernel needs the cache in the query's dtype ({query.dtype}), got "
+                f"{k_cache.dtype}: use kv_cache_dtype='auto' on CUDA"
+            )
 
         return triton_paged_attention(query, k_cache, v_cache, plan, scale)
     return torch_paged_attention(query, k_cache, v_cache, plan, scale)

@@ -176,10 +176,14 @@ def _load_once(*sources: Path, name: str = _NAME) -> Callable | None:
 
 
 def kernel_fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the kernel handles these tensors (CPU, fp32/fp16/bf16, head_dim % 8, unit strides)."""
+    """Whether the kernel handles these tensors (CPU, fp32/fp16/bf16, an fp16/bf16 cache under
+    fp32 queries, head_dim % 8, unit strides)."""
     return (
         query.device.type == "cpu"
         and query.dtype in KERNEL_DTYPES
+        and k_cache.dtype == v_cache.dtype
+        and (k_cache.dtype == query.dtype or query.dtype == torch.float32)
+        and k_cache.dtype in KERNEL_DTYPES
         and query.shape[-1] % 8 == 0
         and query.stride(-1) == 1
         and k_cache.stride(-1) == 1

@@ -174,7 +174,8 @@ def _decode(
     q = query if group.rows is None else query[group.rows]
     kv = []
     for cache in (k_cache, v_cache):
-        gathered = _gather_blocks(cache, group.blocks).view(n * num_blocks * cache.shape[1], -1)
+        gathered = _gather_blocks(cache, group.blocks).to(query.dtype)  # fp16 cache: fp32 math
+        gathered = gathered.view(n * num_blocks * cache.shape[1], -1)
         if group.stale is not None:
             gathered.index_fill_(0, group.stale, 0)
         kv.append(gathered.view(n, -1, *cache.shape[2:]).transpose(1, 2))  # [n, Hkv, L, D]
@@ -198,7 +199,7 @@ def _prefill(
     """One sequence's chunk through fused SDPA; returns ``[q_len, num_heads, head_dim]``."""
     q = query[chunk.q_start : chunk.q_end].transpose(0, 1)  # [H, q, D]
     k, v = (
-        _gather_blocks(cache, chunk.blocks).flatten(0, 1)[: chunk.seq_len].transpose(0, 1)
+        _gather_blocks(cache, chunk.blocks).flatten(0, 1)[: chunk.seq_len].to(q.dtype).transpose(0, 1)
         for cache in (k_cache, v_cache)
     )  # [Hkv, L, D]
     out = F.scaled_dot_product_attention(

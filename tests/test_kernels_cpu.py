@@ -8,6 +8,7 @@ shuffled physical blocks of a NaN-filled cache: a read of an unused slot shows u
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -95,6 +96,21 @@ def test_half_precision_caches(op, dtype):
     out = run_all_rows(op, case)
     assert out.dtype == dtype
     assert_matches_reference(case, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_caches_under_fp32_queries(op, dtype):
+    """kv_cache_dtype=float16/bfloat16 with a float32 model: the kernel reads the rounded cache
+    and computes in fp32, so it equals fp32 attention over the same rounded K/V."""
+    q_lens, ctx = scenarios(8)["mixed"]
+    case = make_case(q_lens, ctx, num_heads=9, num_kv_heads=3, head_dim=64, block_size=8)
+    low = dataclasses.replace(case, k_cache=case.k_cache.to(dtype), v_cache=case.v_cache.to(dtype))
+    out = run_all_rows(op, low)
+    assert out.dtype == torch.float32
+    rounded = dataclasses.replace(case, k_cache=low.k_cache.float(), v_cache=low.v_cache.float())
+    assert_matches_reference(rounded, out)
+    # and the engine-facing entry point takes the same mix (kernel rows and SDPA chunks alike)
+    torch.testing.assert_close(paged_attention(*low.attention_args()), out, **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("layout", ["joint", "interleaved"])

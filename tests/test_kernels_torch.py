@@ -145,7 +145,7 @@ def test_errors_tell_the_caller_what_to_do():
         paged_attention(*case.attention_args(), backend="cuda")
     with pytest.raises(KernelArgumentError, match="multiple of num_kv_heads"):
         paged_attention(case.query[:, :3], *case.attention_args()[1:])
-    with pytest.raises(KernelArgumentError, match="share one dtype"):
+    with pytest.raises(KernelArgumentError, match="share one device, and the caches"):
         paged_attention(case.query.half(), *case.attention_args()[1:])
     with pytest.raises(KernelArgumentError, match="q_len"):
         plan_attention(case.block_table, case.seq_lens - 4, case.cu_seqlens_q * 9, 8)

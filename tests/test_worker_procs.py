@@ -52,7 +52,7 @@ def procs(redis_url, model, tmp_path_factory):
     for key in r.scan_iter("pagedq:*"):
         r.delete(key)
     started = {"kill": spawn(redis_url, model, "A", "kill", log_dir),
-               "term": spawn(redis_url, model, "A", "term", log_dir, "--drain-timeout", "0.5")}
+               "term": spawn(redis_url, model, "A", "term", log_dir, "--drain-timeout", "0.1")}
     yield started
     for proc in started.values():
         stop(proc)
@@ -142,12 +142,13 @@ def test_sigkill_mid_generation_another_worker_continues_seamlessly(redis_url, p
 def test_sigterm_drains_hands_back_and_exits_zero(redis_url, procs, model, reference):
     r = redis.Redis.from_url(redis_url)
     keys, a = Keys("term"), procs["term"]
-    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    # far longer than the 0.1 s drain timeout even for a fast tiny model: they get handed back
+    long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
     try:
         wait_serving(r, keys, "A", a)
         with Client(redis_url, "term") as client:
             prompts = [[2, 4 + i, 6] for i in range(4)]
-            params = [long, SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=200,
+            params = [long, SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=480,
                                            ignore_eos=True), long, long]
             handles = [client.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
 

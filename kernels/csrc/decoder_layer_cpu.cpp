@@ -24,6 +24,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include "cpu_ops.h"
 
@@ -70,7 +73,9 @@ inline void norm_rope(const float* src, const float* norm_w, float eps, const fl
 }
 
 // Rotates q into q_out [T, NH, D] and k into its cache slot; copies v into its slot. Tokens with
-// slot < 0 (padding) write nothing to the cache.
+// slot < 0 (padding) write nothing to the cache. CT is the cache dtype: float, or float16/bfloat16
+// (rounded from the fp32 values on the way in).
+template <typename CT>
 void rope_and_cache(const at::Tensor& qkv, const at::Tensor& rope, const float* q_norm,
                     const float* k_norm, float eps, int64_t num_heads, int64_t num_kv_heads,
                     at::Tensor& q_out, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -81,13 +86,13 @@ void rope_and_cache(const at::Tensor& qkv, const at::Tensor& rope, const float* 
   const float* table = rope.data_ptr<float>();  // [T, 2, D]
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   float* q = q_out.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  CT* kc = k_cache.data_ptr<CT>();
+  CT* vc = v_cache.data_ptr<CT>();
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
   const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
   const int64_t heads = num_heads + num_kv_heads;
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    std::vector<float> tmp(D);
+    std::vector<float> tmp(D), kbuf(D);
     for (int64_t t = t0; t < t1; ++t) {
       const float* row = src + t * width;
       const float* cos = table + t * 2 * D;
@@ -98,10 +103,19 @@ void rope_and_cache(const at::Tensor& qkv, const at::Tensor& rope, const float* 
       if (slot < 0) continue;
       const int64_t blk = slot / bs, off = slot % bs;
       for (int64_t j = 0; j < num_kv_heads; ++j) {
-        norm_rope(row + (num_heads + j) * D, k_norm, eps, cos, ssin, D,
-                  kc + blk * ks0 + off * ks1 + j * ks2, tmp.data());
+        CT* kdst = kc + blk * ks0 + off * ks1 + j * ks2;
+        CT* vdst = vc + blk * vs0 + off * vs1 + j * vs2;
         const float* v = row + (heads + j) * D;
-        std::copy(v, v + D, vc + blk * vs0 + off * vs1 + j * vs2);
+        if constexpr (std::is_same_v<CT, float>) {
+          norm_rope(row + (num_heads + j) * D, k_norm, eps, cos, ssin, D, kdst, tmp.data());
+          std::copy(v, v + D, vdst);
+        } else {
+          norm_rope(row + (num_heads + j) * D, k_norm, eps, cos, ssin, D, kbuf.data(), tmp.data());
+          for (int64_t d = 0; d < D; ++d) {
+            kdst[d] = static_cast<CT>(kbuf[d]);
+            vdst[d] = static_cast<CT>(v[d]);
+          }
+        }
       }
     }
   });
@@ -155,8 +169,12 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& rope, const at::
                          double scale) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "decoder_layer: x must be contiguous CPU fp32 [T, hidden]");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-              "decoder_layer: fp32 caches with a contiguous head_dim");
+  const auto cache_dtype = k_cache.scalar_type();
+  TORCH_CHECK((cache_dtype == at::kFloat || cache_dtype == at::kHalf ||
+               cache_dtype == at::kBFloat16) &&
+                  v_cache.scalar_type() == cache_dtype && k_cache.stride(3) == 1 &&
+                  v_cache.stride(3) == 1,
+              "decoder_layer: float32, float16 or bfloat16 caches with a contiguous head_dim");
   const int64_t T = x.size(0), num_kv_heads = k_cache.size(2), D = k_cache.size(3);
   TORCH_CHECK(rope.is_contiguous() && rope.size(0) == T && rope.size(1) == 2 && rope.size(2) == D,
               "decoder_layer: rope must be contiguous [T, 2, head_dim]");
@@ -170,8 +188,17 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& rope, const at::
   const at::Tensor qkv = project(h, qkv_w, qkv_packed, qkv_bias, skinny_max_rows);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "decoder_layer: qkv width");
   at::Tensor q = at::empty({T, num_heads, D}, x.options());
-  rope_and_cache(qkv, rope, data_or_null(q_norm), data_or_null(k_norm), feps, num_heads,
-                 num_kv_heads, q, k_cache, v_cache, slot_mapping);
+  const float* qn = data_or_null(q_norm);
+  const float* kn = data_or_null(k_norm);
+  if (cache_dtype == at::kHalf)
+    rope_and_cache<c10::Half>(qkv, rope, qn, kn, feps, num_heads, num_kv_heads, q, k_cache,
+                              v_cache, slot_mapping);
+  else if (cache_dtype == at::kBFloat16)
+    rope_and_cache<c10::BFloat16>(qkv, rope, qn, kn, feps, num_heads, num_kv_heads, q, k_cache,
+                                  v_cache, slot_mapping);
+  else
+    rope_and_cache<float>(qkv, rope, qn, kn, feps, num_heads, num_kv_heads, q, k_cache, v_cache,
+                          slot_mapping);
   at::Tensor o = at::empty({T, num_heads, D}, x.options());
   paged_attention_rows(o, q, k_cache, v_cache, block_table, rows, scale, heads_per_item, grain);
   at::Tensor x1 = project(o.view({T, num_heads * D}), o_w, o_packed, o_bias, skinny_max_rows);

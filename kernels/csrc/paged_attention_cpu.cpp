@@ -228,17 +228,19 @@ struct Scratch {
       : q(heads * head_dim), scores(heads * max_len), acc(heads * head_dim), sums(heads) {}
 };
 
-template <typename T>
-void attend(const Geometry& geo, const T* query, const T* k_cache, const T* v_cache,
+// QT: query/out dtype; T: cache dtype (the same, or fp16/bf16 under fp32 queries: a cache in
+// half the bytes, which is what bounds attention over long contexts).
+template <typename QT, typename T>
+void attend(const Geometry& geo, const QT* query, const T* k_cache, const T* v_cache,
             const int32_t* table, int64_t token, int64_t len, int64_t h0, int64_t h1, float scale,
-            T* out, Scratch& buf) {
+            QT* out, Scratch& buf) {
   const int64_t G = geo.group, D = geo.head_dim, bs = geo.block_size;
   const int64_t rows = (h1 - h0) * G;  // query heads of this item, as rows h0 * G ...
   float* q = buf.q.data();
   float* scores = buf.scores.data();  // [rows][len]
   float* acc = buf.acc.data();        // [rows][D]
   for (int64_t r = 0; r < rows; ++r) {
-    const T* src = query + token * geo.q_stride0 + (h0 * G + r) * geo.q_stride1;
+    const QT* src = query + token * geo.q_stride0 + (h0 * G + r) * geo.q_stride1;
     for (int64_t d = 0; d < D; ++d) q[r * D + d] = static_cast<float>(src[d]) * scale;
   }
   // Pass 1: scores of every visible key, block by block through the block table.
@@ -285,13 +287,13 @@ void attend(const Geometry& geo, const T* query, const T* k_cache, const T* v_ca
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    T* dst = out + token * geo.o_stride0 + (h0 * G + r) * geo.o_stride1;
+    QT* dst = out + token * geo.o_stride0 + (h0 * G + r) * geo.o_stride1;
     const float inv = 1.0f / buf.sums[r];
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] * inv);
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<QT>(acc[r * D + d] * inv);
   }
 }
 
-template <typename T>
+template <typename QT, typename T>
 void run(const Geometry& geo, const at::Tensor& query, const at::Tensor& k_cache,
          const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& rows,
          int64_t heads_per_item, double scale, int64_t grain, at::Tensor& out) {
@@ -300,11 +302,11 @@ void run(const Geometry& geo, const at::Tensor& query, const at::Tensor& k_cache
   int64_t max_len = 0;
   for (int64_t i = 0; i < num_rows; ++i) max_len = std::max(max_len, row[3 * i + 2]);
   const int64_t splits = (geo.num_kv_heads + heads_per_item - 1) / heads_per_item;
-  const T* q = query.data_ptr<T>();
+  const QT* q = query.data_ptr<QT>();
   const T* k = k_cache.data_ptr<T>();
   const T* v = v_cache.data_ptr<T>();
   const int32_t* table = block_table.data_ptr<int32_t>();
-  T* o = out.data_ptr<T>();
+  QT* o = out.data_ptr<QT>();
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, num_rows * splits, grain, [&](int64_t begin, int64_t end) {
     Scratch buf(heads_per_item * geo.group, geo.head_dim, std::max<int64_t>(max_len, 1));
@@ -313,7 +315,7 @@ void run(const Geometry& geo, const at::Tensor& query, const at::Tensor& k_cache
       const int64_t h0 = (item % splits) * heads_per_item;
       const int64_t h1 = std::min(geo.num_kv_heads, h0 + heads_per_item);
       if (r[2] == 0) continue;  // nothing visible (the caller zero-fills such rows)
-      attend<T>(geo, q, k, v, table + r[1] * geo.table_stride, r[0], r[2], h0, h1, fscale, o, buf);
+      attend<QT, T>(geo, q, k, v, table + r[1] * geo.table_stride, r[0], r[2], h0, h1, fscale, o, buf);
     }
   });
 }
@@ -330,10 +332,12 @@ void paged_attention_rows(at::Tensor& out, const at::Tensor& query, const at::Te
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes() && k_cache.dim() == 4 &&
                   v_cache.sizes() == k_cache.sizes(),
               "expected query/out [T, H, D] and k_cache/v_cache [N, B, Hkv, D]");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() &&
-                  query.scalar_type() == v_cache.scalar_type() &&
-                  query.scalar_type() == out.scalar_type(),
-              "query, out and the caches must share one dtype");
+  TORCH_CHECK(query.scalar_type() == out.scalar_type() &&
+                  k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == query.scalar_type() ||
+                   query.scalar_type() == at::kFloat),
+              "query and out share one dtype, the caches another: the same, or a float16/"
+              "bfloat16 cache under float32 queries");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 &&
                   v_cache.stride(3) == 1,
               "the head_dim axis of query, out and the caches must be contiguous");
@@ -353,21 +357,31 @@ void paged_attention_rows(at::Tensor& out, const at::Tensor& query, const at::Te
                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                      block_table.stride(0)};
-  switch (query.scalar_type()) {
+  const bool fp32_query = query.scalar_type() == at::kFloat;
+  switch (k_cache.scalar_type()) {
     case at::kFloat:
-      run<float>(geo, query, k_cache, v_cache, block_table, rows, heads_per_item, scale, grain, out);
+      run<float, float>(geo, query, k_cache, v_cache, block_table, rows, heads_per_item, scale,
+                        grain, out);
       break;
     case at::kHalf:
-      run<c10::Half>(geo, query, k_cache, v_cache, block_table, rows, heads_per_item, scale, grain,
-                     out);
+      if (fp32_query)
+        run<float, c10::Half>(geo, query, k_cache, v_cache, block_table, rows, heads_per_item,
+                              scale, grain, out);
+      else
+        run<c10::Half, c10::Half>(geo, query, k_cache, v_cache, block_table, rows,
+                                  heads_per_item, scale, grain, out);
       break;
     case at::kBFloat16:
-      run<c10::BFloat16>(geo, query, k_cache, v_cache, block_table, rows, heads_per_item, scale,
-                         grain, out);
+      if (fp32_query)
+        run<float, c10::BFloat16>(geo, query, k_cache, v_cache, block_table, rows,
+                                  heads_per_item, scale, grain, out);
+      else
+        run<c10::BFloat16, c10::BFloat16>(geo, query, k_cache, v_cache, block_table, rows,
+                                          heads_per_item, scale, grain, out);
       break;
     default:
       TORCH_CHECK(false, "paged_attention_rows supports float32, float16 and bfloat16, got ",
-                  query.scalar_type());
+                  k_cache.scalar_type());
   }
 }
 

@@ -32,7 +32,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic traces (default: 0)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help=f"comma-separated subset of: {', '.join(SCENARIOS)} (default: all)")
-    p.add_argument("--block-size", type=int, default=None, help="KV block size (default: 16)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="KV block size (default: the engine's, 8 on CPU and 16 on CUDA)")
+    p.add_argument("--kv-cache-dtype", default=None,
+                   choices=("auto", "float32", "bfloat16", "float16"),
+                   help="KV cache dtype of every pagedq engine (default: auto, the model's); "
+                   "the decode sweep also runs once with decode_kv_cache_dtype (float16)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="serving engine's sequence cap (default: 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -58,7 +63,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     overrides: dict[str, Any] = dict(model=args.model, device=args.device, dtype=args.dtype,
                                      threads=args.threads, seed=args.seed, scenarios=scenarios,
                                      redis_url=args.redis_url)
-    optional = {"block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
+    optional = {"block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype, "max_num_seqs": args.max_num_seqs,
                 "max_num_batched_tokens": args.max_num_batched_tokens,
                 "max_model_len": args.max_model_len, "throughput_requests": args.requests}
     overrides.update({k: v for k, v in optional.items() if v is not None})

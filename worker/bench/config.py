@@ -34,6 +34,7 @@ class BenchConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     long_prefill_token_threshold: int = 0  # every engine: cap on one prompt's chunk per step
+    kv_cache_dtype: str = "auto"  # every pagedq engine and the worker (auto: the model's dtype)
 
     # throughput: a ShareGPT-like mixed trace, pagedq vs HF generate in static batches
     throughput_requests: int = 64
@@ -45,6 +46,10 @@ class BenchConfig:
     decode_batches: tuple[int, ...] = (1, 8, 32, 64)
     decode_prompt_tokens: int = 128
     decode_new_tokens: int = 128
+    # a second pagedq sweep with this KV cache dtype (None: skip). float16 is llama.cpp's
+    # default cache type for f32 weights, so that row is the like-for-like comparison with
+    # its figures; a float32 model on the CPU only
+    decode_kv_cache_dtype: str | None = "float16"
 
     # capacity: KV budget = reserved_slots * capacity_max_model_len tokens, for both layouts
     capacity_requests: int = 128

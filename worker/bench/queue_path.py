@@ -70,7 +70,8 @@ def worker_flags(bench: BenchRun, url: str, queue: str) -> list[str]:
         "--max-num-seqs": kv["max_num_seqs"],
         "--max-num-batched-tokens": c.max_num_batched_tokens, "--max-model-len": c.max_model_len,
         "--long-prefill-token-threshold": c.long_prefill_token_threshold,
-        "--dtype": c.dtype, "--device": c.device, "--threads": c.threads,
+        "--dtype": c.dtype, "--kv-cache-dtype": c.kv_cache_dtype, "--device": c.device,
+        "--threads": c.threads,
     }
     return [x for flag, value in wanted.items() if value is not None for x in (flag, str(value))]
 

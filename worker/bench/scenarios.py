@@ -120,7 +120,8 @@ class BenchRun:
             block_size=c.block_size, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
             long_prefill_token_threshold=c.long_prefill_token_threshold,
-            dtype=c.dtype, device=c.device, num_threads=c.threads,
+            dtype=c.dtype, kv_cache_dtype=c.kv_cache_dtype, device=c.device,
+            num_threads=c.threads,
         )
         kwargs.update(overrides)
         engine = Engine(str(self.model_dir), **kwargs)
@@ -218,6 +219,9 @@ class BenchRun:
             self._timed("throughput_pagedq", lambda: self.throughput_pagedq(engine))
         if "decode" in wanted:
             self._timed("decode_pagedq", lambda: self.decode_pagedq(engine))
+            kv = self.config.decode_kv_cache_dtype
+            if kv and kv != self.config.kv_cache_dtype:
+                self._timed("decode_pagedq_kv", lambda: self.decode_pagedq_kv(kv))
         if "prefix" in wanted:
             self._timed("prefix", lambda: self.prefix(engine))
         if "sharing" in wanted:
@@ -258,11 +262,20 @@ class BenchRun:
         self.results["throughput_pagedq"] = run
 
     def decode_pagedq(self, engine: Any) -> None:
+        self.results["decode_pagedq"] = self.decode_rows(engine)
+
+    def decode_pagedq_kv(self, kv_cache_dtype: str) -> None:
+        """The same sweep on an engine whose KV cache is ``kv_cache_dtype``."""
+        engine = self.engine(**self.serving_engine_kwargs(), kv_cache_dtype=kv_cache_dtype)
+        self.results["decode_pagedq_kv"] = {"kv_cache_dtype": kv_cache_dtype,
+                                            "rows": self.decode_rows(engine)}
+
+    def decode_rows(self, engine: Any) -> list[dict[str, float]]:
         rows = []
         for batch in self.config.decode_batches:
             run = driver.serve(engine, self.decode_trace(batch), record_kv=False)
             rows.append(pagedq_batched_row(run.timeline, batch, self.config))
-        self.results["decode_pagedq"] = rows
+        return rows
 
     def prefix(self, engine: Any) -> None:
         """TTFT of prefix+suffix with the prefix cached (primed by another request sharing it)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pagedq.worker.engine.errors import InvalidRequestError
 
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: the model's dtype
 
 
 @dataclass
@@ -25,6 +26,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
     device: str | None = None
     num_threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
 
@@ -42,3 +44,5 @@ class EngineConfig:
         need(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0")
         need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")

@@ -55,7 +55,7 @@ class Engine:
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  long_prefill_token_threshold: int = 0, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, dtype: str = "float32",
-                 device: str | None = None, num_threads: int | None = None,
+                 kv_cache_dtype: str = "auto", device: str | None = None, num_threads: int | None = None,
                  seed: int = 0) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         block_size = block_size or DEFAULT_BLOCK_SIZE.get(self.device.type, 16)
@@ -65,11 +65,13 @@ class Engine:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
             enable_chunked_prefill=enable_chunked_prefill,
-            enable_prefix_caching=enable_prefix_caching, dtype=dtype, device=device,
+            enable_prefix_caching=enable_prefix_caching, dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype, device=device,
             num_threads=num_threads)
         if num_threads:
             torch.set_num_threads(num_threads)
         self.dtype = getattr(torch, dtype)
+        self.kv_dtype = self._kv_dtype(kv_cache_dtype)
         started = time.perf_counter()
         self.model_path = resolve_model(model)
         self.hf_config = load_config(self.model_path)
@@ -86,7 +88,7 @@ class Engine:
         num_blocks = self._num_blocks()
         self.max_model_len = min(positions, num_blocks * block_size)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-        self.runner = ModelRunner(self.model, num_blocks, block_size, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.kv_dtype, self.device)
         self.scheduler = Scheduler(self.config, self.kv)
         self.sampler = Sampler(seed)
         self.eos_token_ids = self._eos_token_ids()
@@ -100,11 +102,24 @@ class Engine:
         self._log_capacity(num_blocks, time.perf_counter() - started)
 
     # -- set-up ---------------------------------------------------------------------------
+    def _kv_dtype(self, name: str) -> torch.dtype:
+        """The cache's dtype. A float16/bfloat16 cache under a float32 model halves the bytes
+        attention streams per token (llama.cpp's default is an f16 cache for f32 weights too);
+        values are rounded on the way in and attention runs in float32. CPU only: the Triton
+        kernels take the cache in the model's dtype."""
+        kv = self.dtype if name == "auto" else getattr(torch, name)
+        if kv != self.dtype and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise InvalidRequestError(
+                f"kv_cache_dtype={name!r} with dtype={self.config.dtype!r} on "
+                f"{self.device.type}: a cache dtype other than the model's needs a float32 "
+                "model on the CPU; use kv_cache_dtype='auto'")
+        return kv
+
     def _num_blocks(self) -> int:
         cfg = self.config
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
-        per_block = kv_bytes_per_token(self.model, self.dtype) * cfg.block_size
+        per_block = kv_bytes_per_token(self.model, self.kv_dtype) * cfg.block_size
         if self.device.type == "cuda":
             budget = self._cuda_kv_budget()
         else:
@@ -158,9 +173,10 @@ class Engine:
 
     def _log_capacity(self, num_blocks: int, load_s: float) -> None:
         bs = self.config.block_size
-        per_token = kv_bytes_per_token(self.model, self.dtype)
+        per_token = kv_bytes_per_token(self.model, self.kv_dtype)
         log.info("engine ready", model=str(self.model_path), device=str(self.device),
-                 dtype=self.config.dtype, load_s=round(load_s, 2), kv_blocks=num_blocks,
+                 dtype=self.config.dtype, kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+                 load_s=round(load_s, 2), kv_blocks=num_blocks,
                  block_size=bs, kv_tokens=num_blocks * bs, kv_bytes_per_token=per_token,
                  kv_bytes=num_blocks * bs * per_token, max_model_len=self.max_model_len,
                  concurrency_at_max_len=round(num_blocks * bs / self.max_model_len, 2),
@@ -507,6 +523,7 @@ class Engine:
             "kv_tokens_live": self.kv.live_tokens(running),
             "kv_usage": pool.num_used / pool.num_blocks,
             "block_size": self.config.block_size,
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
             "running": len(running),
             "waiting": len(self.scheduler.waiting),
             "requests": len(self.requests),

@@ -127,9 +127,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 def fused_layer_op(x: torch.Tensor, ctx: AttentionContext):
     """The C++ all-layers op (``decoder_layers``) when this step can use it, else None.
 
-    It needs CPU fp32 activations and caches, and every sequence's query rows in the paged
-    kernel (decodes and chunks of up to MAX_KERNEL_CHUNK tokens); steps with a long prefill
-    chunk keep the Python layer, whose attention uses SDPA for it.
+    It needs CPU fp32 activations (the caches fp32, fp16 or bf16), and every sequence's query
+    rows in the paged kernel (decodes and chunks of up to MAX_KERNEL_CHUNK tokens); steps with a
+    long prefill chunk keep the Python layer, whose attention uses SDPA for it.
     """
     op = _SKINNY["layer"]
     if op is None or x.dtype != torch.float32 or x.device.type != "cpu" or ctx.plan is None:
@@ -137,7 +137,8 @@ def fused_layer_op(x: torch.Tensor, ctx: AttentionContext):
     if os.environ.get(FUSED_SWITCH, "1") == "0" or ctx.backend not in (None, "torch"):
         return None
     k_cache = ctx.kv_caches[0][0]
-    if k_cache.dtype != torch.float32 or not kernel_fits(k_cache[0], k_cache, ctx.kv_caches[0][1]):
+    query = x.new_empty(0, 1, k_cache.shape[-1])  # stands for the fp32 query rows
+    if not kernel_fits(query, k_cache, ctx.kv_caches[0][1]):
         return None
     q_lens = ctx.plan.q_lens
     return op if q_lens and 0 < min(q_lens) and max(q_lens) <= MAX_KERNEL_CHUNK else None
