@@ -37,7 +37,7 @@ def tiny_config(model_dir, redis_url):
         throughput_requests=6, prompt_dist=LengthDist(24, 0.5, 8, 64),
         output_dist=LengthDist(8, 0.5, 4, 16), hf_batch_size=4,
         decode_batches=(1, 4), decode_prompt_tokens=16, decode_new_tokens=8,
-        capacity_requests=12, capacity_reserved_slots=2, capacity_max_model_len=128,
+        decode_kv_cache_dtype="float16", capacity_requests=12, capacity_reserved_slots=2, capacity_max_model_len=128,
         capacity_max_num_seqs=64, itl_decodes=3, itl_decode_prompt_tokens=8,
         itl_decode_new_tokens=12, itl_long_prompt_tokens=200, itl_inject_after_tokens=3,
         prefix_tokens=64, prefix_suffix_tokens=8, prefix_repeats=2, redis_url=redis_url,
@@ -120,6 +120,16 @@ def test_decode_sweep_rows_have_the_batched_bench_shape(bench):
             assert r["n_kv"] == r["b"] * (r["pp"] + r["tg"])
             assert r["s_tg"] > 0 and r["t_tg"] > 0
         assert set(dec[side]) == {str(b) for b in config.decode_batches}
+
+
+def test_queue_baseline_brackets_the_redis_run(bench):
+    _, doc, _, _ = bench
+    q = doc["details"]["queue"]
+    assert q["inprocess_tok_s_before"] > 0 and q["inprocess_tok_s_after"] > 0
+    mean = (q["inprocess_tok_s_before"] + q["inprocess_tok_s_after"]) / 2
+    assert q["inprocess_tok_s_baseline"] == pytest.approx(mean)
+    assert doc["queue_throughput_vs_inprocess"] == pytest.approx(
+        doc["tokens_per_s"]["pagedq_via_redis"] / mean)
 
 
 def test_itl_and_prefix_ratios(bench):

@@ -63,7 +63,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     overrides: dict[str, Any] = dict(model=args.model, device=args.device, dtype=args.dtype,
                                      threads=args.threads, seed=args.seed, scenarios=scenarios,
                                      redis_url=args.redis_url)
-    optional = {"block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype, "max_num_seqs": args.max_num_seqs,
+    optional = {"block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
+                "max_num_seqs": args.max_num_seqs,
                 "max_num_batched_tokens": args.max_num_batched_tokens,
                 "max_model_len": args.max_model_len, "throughput_requests": args.requests}
     overrides.update({k: v for k, v in optional.items() if v is not None})

@@ -141,6 +141,7 @@ def quick(**overrides: Any) -> BenchConfig:
         hf_batch_size=16,
         decode_prompt_tokens=32,  # the full profile keeps llama-batched-bench's 128/128 shape
         decode_new_tokens=24,  # 24 decode steps per batch size keep the run under 3 minutes
+        decode_kv_cache_dtype=None,  # the fp16-cache sweep is the full run's (time)
         capacity_requests=24,
         capacity_reserved_slots=2,
         capacity_max_model_len=1024,

@@ -370,6 +370,12 @@ class BenchRun:
         if inproc is None:
             raise Unavailable("the in-process throughput run failed, so there is no baseline")
         self.results["queue"] = serve_through_redis(self, self.throughput_trace())
+        # the in-process run again, right after the Redis run, on a fresh engine (a warm one
+        # would hit its prefix cache): the baseline is the mean of the runs before and after,
+        # so a drift of the machine's speed during the run cancels to first order
+        engine = self.engine(**self.serving_engine_kwargs())
+        after = driver.serve(engine, self.throughput_trace(), record_kv=False)
+        self.results["queue_inprocess_after_tok_s"] = after.timeline.tokens_per_s
 
     # -- the Hugging Face baseline --------------------------------------------------------------
     def throughput_hf(self) -> None:
