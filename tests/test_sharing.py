@@ -86,6 +86,21 @@ def test_n4_shares_prompt_blocks(path):
     assert all(probs[v[0]] > 0 for v in outs.values())
 
 
+def test_reset_prefix_cache_forgets_prefixes_only_when_idle(path):
+    engine = Engine(path, block_size=4, num_kv_blocks=256)
+    prompt = toks(40, 30)
+    first = engine.generate([prompt], GREEDY)[0]
+    engine.add_request("busy", toks(9, 31), GREEDY)
+    assert engine.reset_prefix_cache() is False  # a request in flight: nothing is reset
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.reset_prefix_cache() is True
+    again = engine.generate([prompt], GREEDY)[0]
+    assert again.num_cached_tokens == 0 and engine.stats()["prefix_cache_hits"] == 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    check_invariants(engine)
+
+
 def test_n_greedy_samples_equal_transformers(path):
     p = toks(21, 8)
     out = Engine(path, block_size=4, num_kv_blocks=128).generate([p], SamplingParams(

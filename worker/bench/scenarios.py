@@ -182,8 +182,6 @@ class BenchRun:
             self._timed(name, part)
             gc.collect()  # the part's engine (and its KV cache) is gone before the next one
         self.results["peak_rss_mb_pagedq"] = peak_rss_mb()
-        if "queue" in wanted:
-            self._timed("queue", self.queue)
         if "throughput" in wanted:
             self._timed("throughput_hf", self.throughput_hf)
         if "decode" in wanted:
@@ -217,6 +215,8 @@ class BenchRun:
         }
         if wanted & {"throughput", "queue"}:
             self._timed("throughput_pagedq", lambda: self.throughput_pagedq(engine))
+        if "queue" in wanted:  # right after its in-process baseline, see queue()
+            self._timed("queue", lambda: self.queue(engine))
         if "decode" in wanted:
             self._timed("decode_pagedq", lambda: self.decode_pagedq(engine))
             kv = self.config.decode_kv_cache_dtype
@@ -363,17 +363,18 @@ class BenchRun:
                 "max_num_batched_tokens": budget}
 
     # -- the Redis path -----------------------------------------------------------------------
-    def queue(self) -> None:
+    def queue(self, engine: Any) -> None:
         from .queue_path import serve_through_redis
 
         inproc = self.results.get("throughput_pagedq")
         if inproc is None:
             raise Unavailable("the in-process throughput run failed, so there is no baseline")
         self.results["queue"] = serve_through_redis(self, self.throughput_trace())
-        # the in-process run again, right after the Redis run, on a fresh engine (a warm one
-        # would hit its prefix cache): the baseline is the mean of the runs before and after,
-        # so a drift of the machine's speed during the run cancels to first order
-        engine = self.engine(**self.serving_engine_kwargs())
+        # the in-process run again, right after the Redis run (its prefix cache reset, or the
+        # repeated prompts would hit it): the baseline is the mean of the two in-process runs
+        # that bracket the Redis run, so a drift of the machine's speed cancels to first order
+        if not engine.reset_prefix_cache():
+            raise RuntimeError("the serving engine still has requests; cannot rerun the trace")
         after = driver.serve(engine, self.throughput_trace(), record_kv=False)
         self.results["queue_inprocess_after_tok_s"] = after.timeline.tokens_per_s
 

@@ -272,6 +272,16 @@ class Engine:
         return True
 
     # -- the step -------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``): later requests compute
+        their prompts from scratch, e.g. to time a trace again or after changing weights.
+        Only while no request is in flight (their block hashes would dangle); returns whether
+        it reset."""
+        if self.has_unfinished_requests():
+            return False
+        self.kv.pool.reset_cache()
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending)
 
