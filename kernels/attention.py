@@ -13,7 +13,7 @@ from functools import cache
 
 import torch
 
-from pagedq.kernels.plan import AttentionPlan, KernelArgumentError, plan_attention
+from pagedq.kernels.plan import AttentionPlan, KernelArgumentError, mixed_ok, plan_attention
 from pagedq.kernels.torch_attention import torch_paged_attention
 from pagedq.kernels.torch_cache import torch_write_kv
 
@@ -55,13 +55,6 @@ def resolve_backend(backend: str | None, tensor: torch.Tensor) -> str:
                 "TRITON_INTERPRET=1 before importing triton, or use backend='torch' or None"
             )
     return backend
-
-
-def mixed_ok(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """A cache may hold the query's dtype, or fp16/bf16 under fp32 queries (half the bytes)."""
-    return cache_dtype == query_dtype or (
-        query_dtype == torch.float32 and cache_dtype in (torch.float16, torch.bfloat16)
-    )
 
 
 def _check_attention_args(

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from pagedq.kernels.plan import AttentionPlan
+from pagedq.kernels.plan import AttentionPlan, mixed_ok
 from pagedq.worker.logging import get_logger
 
 ENV_SWITCH = "PAGEDQ_CPU_KERNEL"
@@ -182,8 +182,7 @@ def kernel_fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         query.device.type == "cpu"
         and query.dtype in KERNEL_DTYPES
         and k_cache.dtype == v_cache.dtype
-        and (k_cache.dtype == query.dtype or query.dtype == torch.float32)
-        and k_cache.dtype in KERNEL_DTYPES
+        and mixed_ok(query.dtype, k_cache.dtype)
         and query.shape[-1] % 8 == 0
         and query.stride(-1) == 1
         and k_cache.stride(-1) == 1

@@ -62,6 +62,13 @@ class AttentionPlan:
         return self._derived[key]
 
 
+def mixed_ok(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """A cache may hold the query's dtype, or fp16/bf16 under fp32 queries (half the bytes)."""
+    return cache_dtype == query_dtype or (
+        query_dtype == torch.float32 and cache_dtype in (torch.float16, torch.bfloat16)
+    )
+
+
 def plan_attention(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
