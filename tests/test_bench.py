@@ -182,6 +182,19 @@ def test_unselected_scenarios_are_reported_unavailable(tiny_model_dir, tmp_path)
     assert "'throughput' was not selected" in doc["unavailable"]["throughput_vs_hf_static"]
 
 
+def test_fp16_cache_sweep_is_unavailable_not_an_error_where_the_engine_refuses_it(
+        tiny_model_dir, tmp_path):
+    """A bfloat16 model cannot take an fp16 cache: the extra sweep is skipped with the
+    engine's reason, the run has no error, and the targets fall back to the main sweep."""
+    config = tiny_config(tiny_model_dir("llama"), None).with_(scenarios=("decode",),
+                                                              dtype="bfloat16")
+    doc, _ = run_bench(config)
+    assert doc["errors"] == {}
+    dec = doc["decode_tok_s_by_batch"]
+    assert "pagedq_kv_float16" not in dec and set(dec["pagedq"]) == {"1", "4"}
+    assert "f16 KV cache" not in doc["targets"]["decode_64_streams_tok_s"]["target"]
+
+
 # -- pure parts ---------------------------------------------------------------------------------
 def test_reservation_simulation_by_hand():
     """Budget 2 x 10 slots; requests (prompt, output): A(3,2) B(4,1) C(2,3).

@@ -265,8 +265,14 @@ class BenchRun:
         self.results["decode_pagedq"] = self.decode_rows(engine)
 
     def decode_pagedq_kv(self, kv_cache_dtype: str) -> None:
-        """The same sweep on an engine whose KV cache is ``kv_cache_dtype``."""
-        engine = self.engine(**self.serving_engine_kwargs(), kv_cache_dtype=kv_cache_dtype)
+        """The same sweep on an engine whose KV cache is ``kv_cache_dtype``; unavailable (not an
+        error) where the engine refuses that cache, e.g. a bfloat16 model or CUDA."""
+        from pagedq.worker.engine.errors import InvalidRequestError
+
+        try:
+            engine = self.engine(**self.serving_engine_kwargs(), kv_cache_dtype=kv_cache_dtype)
+        except InvalidRequestError as exc:
+            raise Unavailable(str(exc)) from exc
         self.results["decode_pagedq_kv"] = {"kv_cache_dtype": kv_cache_dtype,
                                             "rows": self.decode_rows(engine)}
 
