@@ -222,6 +222,12 @@ def _queue_baseline(doc: dict[str, Any]) -> float | None:
     return q.get("inprocess_tok_s_baseline", (doc.get("tokens_per_s") or {}).get("pagedq"))
 
 
+def _pagedq_series(dec: dict[str, Any]) -> list[tuple[str, str]]:
+    """(key, label) of each measured pagedq decode sweep: "" for the main one, else its cache."""
+    return [(k, k.removeprefix("pagedq_")) if k != "pagedq" else (k, "") for k in dec
+            if k.startswith("pagedq") and dec[k]]
+
+
 def _decode(res: dict[str, Any], out: dict[str, Any]) -> None:
     paged, hf = res.get("decode_pagedq"), res.get("decode_hf")
     kv = res.get("decode_pagedq_kv") or {}
@@ -394,8 +400,8 @@ def table(doc: dict[str, Any]) -> str:
          doc["queue_throughput_vs_inprocess"], tg["queue_throughput_vs_inprocess"]["target"]),
     ]
     dec = doc.get("decode_tok_s_by_batch") or {}
-    for series in [k for k in dec if k.startswith("pagedq") and dec[k]]:
-        tag = "" if series == "pagedq" else f" ({series.removeprefix('pagedq_')})"
+    for series, label in _pagedq_series(dec):
+        tag = f" ({label})" if label else ""
         for b in dec[series]:
             hf = (dec.get("hf_static") or {}).get(b)
             rows.append((f"decode tok/s, batch {b}{tag}", dec[series][b], hf,
@@ -459,8 +465,8 @@ def markdown(doc: dict[str, Any]) -> str:
          ">= 0.95", met("queue_throughput_vs_inprocess")),
     ]
     dec = doc.get("decode_tok_s_by_batch") or {}
-    for series in [k for k in dec if k.startswith("pagedq") and dec[k]]:
-        tag = "" if series == "pagedq" else f", {series.removeprefix('pagedq_')}"
+    for series, label in _pagedq_series(dec):
+        tag = f", {label}" if label else ""
         for b in dec[series]:
             hf = (dec.get("hf_static") or {}).get(b)
             rows.append((f"Decode tokens/s, batch of {b}{tag}", "HF generate", _fmt(hf),
@@ -564,8 +570,8 @@ def _plot_decode(plt: Any, run: BenchRun, doc: dict[str, Any]) -> Any:
     fig, ax = plt.subplots(figsize=(7, 4))
     series = [("pagedq", dec.get("pagedq"), "o-"), ("HF generate (static batch)",
                                                     dec.get("hf_static"), "s-")]
-    series += [(f"pagedq, {k.removeprefix('pagedq_')} cache", dec[k], "o:") for k in dec
-               if k.startswith("pagedq_kv_") and dec[k]]
+    series += [(f"pagedq, {label} cache", dec[k], "o:") for k, label in _pagedq_series(dec)
+               if label]
     if run.config.model is None and run.config.device in (None, "cpu"):
         series.append(("llama.cpp (issue's reference)", dec.get("llama_cpp_reference"), "x--"))
     for label, values, style in series:

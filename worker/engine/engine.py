@@ -72,6 +72,7 @@ class Engine:
             torch.set_num_threads(num_threads)
         self.dtype = getattr(torch, dtype)
         self.kv_dtype = self._kv_dtype(kv_cache_dtype)
+        self.kv_dtype_name = str(self.kv_dtype).removeprefix("torch.")
         started = time.perf_counter()
         self.model_path = resolve_model(model)
         self.hf_config = load_config(self.model_path)
@@ -175,7 +176,7 @@ class Engine:
         bs = self.config.block_size
         per_token = kv_bytes_per_token(self.model, self.kv_dtype)
         log.info("engine ready", model=str(self.model_path), device=str(self.device),
-                 dtype=self.config.dtype, kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+                 dtype=self.config.dtype, kv_cache_dtype=self.kv_dtype_name,
                  load_s=round(load_s, 2), kv_blocks=num_blocks,
                  block_size=bs, kv_tokens=num_blocks * bs, kv_bytes_per_token=per_token,
                  kv_bytes=num_blocks * bs * per_token, max_model_len=self.max_model_len,
@@ -533,7 +534,7 @@ class Engine:
             "kv_tokens_live": self.kv.live_tokens(running),
             "kv_usage": pool.num_used / pool.num_blocks,
             "block_size": self.config.block_size,
-            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+            "kv_cache_dtype": self.kv_dtype_name,
             "running": len(running),
             "waiting": len(self.scheduler.waiting),
             "requests": len(self.requests),
