@@ -24,7 +24,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -106,15 +105,10 @@ void rope_and_cache(const at::Tensor& qkv, const at::Tensor& rope, const float* 
         CT* kdst = kc + blk * ks0 + off * ks1 + j * ks2;
         CT* vdst = vc + blk * vs0 + off * vs1 + j * vs2;
         const float* v = row + (heads + j) * D;
-        if constexpr (std::is_same_v<CT, float>) {
-          norm_rope(row + (num_heads + j) * D, k_norm, eps, cos, ssin, D, kdst, tmp.data());
-          std::copy(v, v + D, vdst);
-        } else {
-          norm_rope(row + (num_heads + j) * D, k_norm, eps, cos, ssin, D, kbuf.data(), tmp.data());
-          for (int64_t d = 0; d < D; ++d) {
-            kdst[d] = static_cast<CT>(kbuf[d]);
-            vdst[d] = static_cast<CT>(v[d]);
-          }
+        norm_rope(row + (num_heads + j) * D, k_norm, eps, cos, ssin, D, kbuf.data(), tmp.data());
+        for (int64_t d = 0; d < D; ++d) {  // identity for a float cache, rounding otherwise
+          kdst[d] = static_cast<CT>(kbuf[d]);
+          vdst[d] = static_cast<CT>(v[d]);
         }
       }
     }
