@@ -394,6 +394,18 @@ namespace {
 // big tiles reach about half the memory bandwidth there. Here each weight row is read once,
 // for all rows of x.
 //
+// Each thread streams one contiguous slice of w, and each loop step also prefetches the cache
+// line kPrefetchFloats ahead in that stream. The hardware prefetchers alone stop at every 4 KiB
+// page and ramp up again: measured on the 2-core dev box over SmolLM2's 540 MB of projections
+// and LM head, 33 ms per pass without, 26 ms 1 KiB ahead, 22 ms 4 KiB ahead (24-27 GB/s, the
+// bandwidth a plain two-thread sum reaches), 24 ms 8 KiB ahead. Prefetches past the end of w
+// are harmless (they never fault).
+constexpr int64_t kPrefetchFloats = 1024;
+
+inline void prefetch_ahead(const float* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchFloats), _MM_HINT_T0);
+}
+
 // 1-4 rows: one weight row at a time against every row of x (two accumulators per x row).
 template <int B>
 void skinny_rows(const float* x, const float* w, const float* bias, float* out, int64_t N,
@@ -408,6 +420,7 @@ void skinny_rows(const float* x, const float* w, const float* bias, float* out, 
       }
       int64_t k = 0;
       for (; k + 16 <= K; k += 16) {
+        prefetch_ahead(wr + k);  // 16 floats = one cache line per step
         const __m256 w0 = _mm256_loadu_ps(wr + k), w1 = _mm256_loadu_ps(wr + k + 8);
         for (int b = 0; b < B; ++b) {
           acc0[b] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + b * K + k), acc0[b]);
@@ -424,8 +437,11 @@ void skinny_rows(const float* x, const float* w, const float* bias, float* out, 
 }
 
 // out[i, j] for MR rows of x and NR rows of w: MR * NR accumulators stay in registers while
-// the loop streams K; the NR weight rows stay in L1 across the row groups of x.
-template <int MR, int NR>
+// the loop streams K; the NR weight rows stay in L1 across the row groups of x. With Prefetch
+// (the first row group) step k also prefetches the NR * 8 floats at w + NR * k, kPrefetchFloats
+// ahead: the tile's NR rows are contiguous, so that pointer walks the stream at the rate the
+// loop consumes it.
+template <int MR, int NR, bool Prefetch = false>
 inline void dot_tile(const float* x, const float* w, int64_t K, float* out, int64_t N,
                      const float* bias) {
   __m256 acc[MR][NR];
@@ -433,6 +449,8 @@ inline void dot_tile(const float* x, const float* w, int64_t K, float* out, int6
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
+    if constexpr (Prefetch)
+      for (int j = 0; j < NR * 8; j += 16) prefetch_ahead(w + NR * k + j);
     __m256 wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
     for (int i = 0; i < MR; ++i) {
@@ -465,7 +483,8 @@ void tiled_rows(const float* x, const float* w, const float* bias, float* out, i
             dot_tile<1, 1>(x + m * K, w + nn * K, K, out + m * N + nn, N, bias ? bias + nn : nullptr);
         continue;
       }
-      int64_t m = 0;
+      dot_tile<kTileRows, kTileCols, true>(x, w + n * K, K, out + n, N, bn);  // M >= 5
+      int64_t m = kTileRows;
       for (; m + kTileRows <= M; m += kTileRows)
         dot_tile<kTileRows, kTileCols>(x + m * K, w + n * K, K, out + m * N + n, N, bn);
       if (M - m == 2) dot_tile<2, kTileCols>(x + m * K, w + n * K, K, out + m * N + n, N, bn);
