@@ -66,6 +66,8 @@ def test_json_has_every_figure_or_a_reason(bench):
                 "config", "elapsed_s", "errors", "details"):
         assert key in on_disk
     assert on_disk["errors"] == {}
+    # no llama.cpp binaries for the tiny model: unavailable with the reason, never an error
+    assert on_disk["unavailable"]["llama_cpp"].startswith("unavailable: ")
     machine = on_disk["machine"]
     assert machine["torch_threads"] == 1 and machine["device"] == "cpu"
     assert machine["cpu_logical_cores"] >= 1

@@ -50,6 +50,10 @@ def register(subparsers: Any) -> None:
                    help="override any BenchConfig field (see worker/bench/config.py), e.g. "
                         "--set decode_new_tokens=32 --set decode_batches=1,8 "
                         "--set prompt_dist=160,0.9,32,512 (median,sigma,low,high)")
+    p.add_argument("--llama-cpp", default=None, metavar="DIR",
+                   help="directory of llama.cpp's llama-batched-bench, llama-server and "
+                        "llama-quantize: measure llama.cpp in the same run (default: "
+                        "$PAGEDQ_LLAMA_CPP; scripts/build-llama-cpp.sh builds them)")
     p.add_argument("--redis-url", default=None,
                    help="Redis for the queue scenario (default: a private redis-server)")
     p.set_defaults(func=run_command)
@@ -66,7 +70,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     optional = {"block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
                 "max_num_seqs": args.max_num_seqs,
                 "max_num_batched_tokens": args.max_num_batched_tokens,
-                "max_model_len": args.max_model_len, "throughput_requests": args.requests}
+                "max_model_len": args.max_model_len, "throughput_requests": args.requests,
+                "llama_cpp": args.llama_cpp}
     overrides.update({k: v for k, v in optional.items() if v is not None})
     config = quick(**overrides) if args.quick else full(**overrides)
     try:

@@ -12,7 +12,7 @@ from typing import Any
 
 from .workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT, LengthDist
 
-SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue")
+SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue", "llama_cpp")
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,12 @@ class BenchConfig:
     # queue: the throughput trace through Redis (worker subprocess + client)
     redis_url: str | None = None  # None: start a private redis-server for the run
     queue_timeout_s: float = 600.0
+
+    # llama_cpp: llama.cpp measured in the same run (llama-batched-bench on the decode shape,
+    # llama-server on the throughput trace); unavailable without its binaries
+    llama_cpp: str | None = None  # directory of the binaries (None: $PAGEDQ_LLAMA_CPP)
+    llama_cpp_model: str | None = None  # a GGUF of the same weights (None: the default model's)
+    llama_cpp_server_slots: int = 16  # llama-server's parallel sequences (-np)
 
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -188,6 +188,8 @@ class BenchRun:
             self._timed("decode_hf", self.decode_hf)
         self._hf = None
         gc.collect()
+        if "llama_cpp" in wanted and wanted & {"throughput", "decode"}:
+            self._timed("llama_cpp", lambda: self.llama_cpp(wanted))
         self.results["peak_rss_mb_total"] = peak_rss_mb()
         self.elapsed_s["total"] = round(time.perf_counter() - began, 3)
 
@@ -389,6 +391,42 @@ class BenchRun:
         timeline, outputs = hf_baseline.serve_static(self.hf(), self.throughput_trace(),
                                                      self.config.hf_batch_size)
         self.results["throughput_hf"] = {"timeline": timeline, "outputs": outputs}
+
+    # -- llama.cpp, the CPU peer ---------------------------------------------------------------
+    def llama_cpp(self, wanted: set[str]) -> None:
+        """The decode sweep through llama-batched-bench and the throughput trace through
+        llama-server, on an F32 GGUF of the same weights (see llama_cpp.py)."""
+        from pagedq.worker.models.default_model import default_gguf
+        from pagedq.worker.models.loader import cache_dir
+
+        from . import llama_cpp
+
+        c = self.config
+        if torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu")).type != "cpu":
+            raise Unavailable("llama.cpp is the CPU peer: its figures are measured on CPU runs")
+        if c.dtype != "float32":
+            raise Unavailable(f"llama.cpp runs the F32 GGUF; this run's dtype is {c.dtype}")
+        try:
+            cpp = llama_cpp.LlamaCpp.locate(c.llama_cpp)
+        except llama_cpp.LlamaCppUnavailable as exc:
+            raise Unavailable(str(exc)) from exc
+        if c.llama_cpp_model:
+            gguf = Path(c.llama_cpp_model).expanduser()
+        elif c.model is None:
+            gguf = llama_cpp.f32_gguf(cpp, default_gguf(), cache_dir() / "llama_cpp")
+        else:
+            raise Unavailable("llama.cpp needs a GGUF of this run's model: --set "
+                              "llama_cpp_model=PATH.gguf (f32, the same weights)")
+        threads = c.threads or torch.get_num_threads()
+        out: dict[str, Any] = {"version": cpp.version(), "gguf": str(gguf), "threads": threads}
+        if "decode" in wanted:
+            out["decode_rows"] = llama_cpp.batched_bench(
+                cpp, gguf, c.decode_prompt_tokens, c.decode_new_tokens, c.decode_batches, threads)
+        if "throughput" in wanted:
+            out["throughput"] = llama_cpp.serve_trace(
+                cpp, gguf, self.throughput_trace(), c.llama_cpp_server_slots, c.max_model_len,
+                threads, c.queue_timeout_s)
+        self.results["llama_cpp"] = out
 
     def decode_hf(self) -> None:
         rows = []

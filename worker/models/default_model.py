@@ -37,6 +37,7 @@ __all__ = [
     "GGUF_PACKAGE_VERSION",
     "GGUF_FILENAME",
     "GGUF_SHA256",
+    "default_gguf",
     "default_model_dir",
     "ensure_default_model",
 ]
@@ -75,6 +76,19 @@ def ensure_default_model() -> Path:
             convert_gguf(gguf, target)
     log.info("default model ready", path=str(target), seconds=round(time.perf_counter() - t0, 1))
     return target
+
+
+def default_gguf() -> Path:
+    """The default model's GGUF file itself (checksum-verified), for tools that read GGUF
+    directly (the bench's llama.cpp baseline). One taken out of a wheel stays in the cache."""
+    scratch = cache_dir() / "gguf"
+    kept = scratch / GGUF_FILENAME
+    if kept.is_file():
+        return kept
+    scratch.mkdir(parents=True, exist_ok=True)
+    gguf = _find_gguf(scratch)
+    _check_sha256(gguf)
+    return gguf
 
 
 def _find_gguf(scratch: Path) -> Path:

