@@ -204,9 +204,11 @@ def test_stale_build_lock_is_removed(tmp_path):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_skinny_linear_matches_torch(rows, bias):
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_skinny_linear_matches_torch(rows, bias, isa):
     """The 1-16 row GEMV the engine uses at small decode batches, against F.linear: K=200 has
-    a tail past the vector loop, N=77 a ragged last column tile."""
+    a tail past the vector loop, N=77 a ragged last column tile. "native" takes the AVX-512
+    tiles on a CPU that has them; "avx2" forces the AVX2 tiles every x86-64 CPU runs."""
     from pagedq.kernels.cpu_attention import skinny_linear_op
 
     op = skinny_linear_op()
@@ -216,7 +218,11 @@ def test_skinny_linear_matches_torch(rows, bias):
     x, w = torch.randn(rows, 200, generator=g), torch.randn(77, 200, generator=g)
     b = torch.randn(77, generator=g) if bias else None
     out = torch.empty(rows, 77)
-    op(out, x, w, b)
+    before = torch.ops.pagedq_cpu.set_skinny_avx512(isa == "native")
+    try:
+        op(out, x, w, b)
+    finally:
+        torch.ops.pagedq_cpu.set_skinny_avx512(before)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
     if rows == 16:
         with pytest.raises(RuntimeError, match="1 to 16 rows"):
