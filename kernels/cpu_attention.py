@@ -4,8 +4,9 @@ Why: the pure-torch CPU path gathers each sequence's K/V blocks into a padded co
 over it, so a decode step reads the cache, writes a copy and reads the copy again. Decode is
 memory-bound; ``csrc/paged_attention_cpu.cpp`` walks the block table in place and reads each
 K/V row once (about 3x faster for 32-128 decodes on the 2-core dev box). Short prefill chunks
-(``q_len <= MAX_KERNEL_CHUNK``) go through it as well; longer ones keep SDPA, whose matrix
-multiplies win once many query rows share each K/V row.
+(``q_len <= MAX_KERNEL_CHUNK`` over at most ``MAX_KERNEL_CHUNK_KEYS`` query-key pairs, see
+:func:`kernel_takes`) go through it as well; longer ones keep SDPA, whose matrix multiplies win
+once many query rows share each K/V row.
 
 The kernel compiles with ``torch.utils.cpp_extension`` (needs ``ninja`` and a C++ compiler) into
 the torch extensions directory (``TORCH_EXTENSIONS_DIR`` when set) the first time a process needs
@@ -32,6 +33,11 @@ from pagedq.worker.logging import get_logger
 
 ENV_SWITCH = "PAGEDQ_CPU_KERNEL"
 MAX_KERNEL_CHUNK = 32  # prefill chunks up to this many tokens beat gather + SDPA in the kernel
+# ... while their query rows x visible keys stay under this: the kernel reads every K/V row once
+# per query row, SDPA once per chunk. Measured (SmolLM2, 8 decodes + a 32-token chunk of a
+# 1k-token prompt, 2 threads): the kernel's step grew from 93 to 175-220 ms as the prompt's
+# context grew to 1k, SDPA's from 105 to 130-136 ms; they cross near 32 x 430 keys.
+MAX_KERNEL_CHUNK_KEYS = 16384
 MIN_WORK_PER_THREAD = 8192  # (key, KV head) pairs, ~0.2 ms: less than that is not worth a thread
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
@@ -173,6 +179,12 @@ def _load_once(*sources: Path, name: str = _NAME) -> Callable | None:
         "silences this",
     )
     return None
+
+
+def kernel_takes(q_len: int, seq_len: int) -> bool:
+    """Whether a sequence's ``q_len`` query rows (seeing up to ``seq_len`` keys) are cheaper in
+    the kernel than in gather + SDPA: every decode, and short chunks over short contexts."""
+    return q_len == 1 or (0 < q_len <= MAX_KERNEL_CHUNK and q_len * seq_len <= MAX_KERNEL_CHUNK_KEYS)
 
 
 def kernel_fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

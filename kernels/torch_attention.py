@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from pagedq.kernels.cpu_attention import (
-    MAX_KERNEL_CHUNK,
     KernelRows,
     cpu_kernel,
     kernel_fits,
     kernel_rows,
+    kernel_takes,
     run_kernel,
 )
 from pagedq.kernels.plan import AttentionPlan
@@ -120,19 +120,20 @@ def build_torch_plan(plan: AttentionPlan, kernel_kv_heads: int = 0) -> TorchPlan
     """Split the step into length-grouped batched decodes and per-sequence prefill chunks.
 
     With ``kernel_kv_heads`` (the cache's KV heads, when the C++ CPU kernel runs this step),
-    decodes and chunks of at most MAX_KERNEL_CHUNK tokens become kernel rows instead.
+    decodes and the short chunks :func:`kernel_takes` picks become kernel rows instead.
     """
     device, bs = plan.device, plan.block_size
-    limit = MAX_KERNEL_CHUNK if kernel_kv_heads else 0
-    kernel_ids = [i for i, q in enumerate(plan.q_lens) if 0 < q <= limit]
+    kernel_ids = ([i for i, q in enumerate(plan.q_lens) if kernel_takes(q, plan.seq_lens_host[i])]
+                  if kernel_kv_heads else [])
     kernel = kernel_rows(plan, kernel_ids, kernel_kv_heads) if kernel_ids else None
     decode_ids = [i for i, q in enumerate(plan.q_lens) if q == 1 and not kernel_kv_heads]
     groups = _length_groups(decode_ids, plan.seq_lens_host) if decode_ids else []
     decodes = [_decode_group(plan, sorted(g)) for g in groups]
     chunks = []
     cu = plan.cu_seqlens_q.tolist()
+    in_kernel = set(kernel_ids)
     for i, q_len in enumerate(plan.q_lens):
-        if q_len <= max(1, limit):
+        if q_len <= 1 or i in in_kernel:
             continue
         seq_len = plan.seq_lens_host[i]
         blocks = plan.block_table[i, : -(-seq_len // bs)].long()

@@ -19,11 +19,13 @@ from pagedq.kernels.cases import make_case
 from pagedq.kernels.cpu_attention import (
     ENV_SWITCH,
     MAX_KERNEL_CHUNK,
+    MAX_KERNEL_CHUNK_KEYS,
     STALE_LOCK_SECONDS,
     _clear_stale_lock,
     _load_once,
     cpu_kernel,
     kernel_rows,
+    kernel_takes,
     unavailable_reason,
 )
 from tests.test_kernels_torch import scenarios
@@ -164,6 +166,22 @@ def test_paged_attention_routes_decodes_and_short_chunks_to_the_kernel(op):
     assert sorted(tplan.kernel.rows[:, 0].tolist()) == [
         t for t in range(case.query.shape[0]) if not 34 <= t < 34 + MAX_KERNEL_CHUNK + 1
     ]
+
+
+def test_short_chunks_over_long_contexts_go_to_sdpa(op):
+    """A chunk whose query rows x keys pass MAX_KERNEL_CHUNK_KEYS (the kernel would re-read the
+    whole context once per query row) takes SDPA; decodes stay in the kernel at any length."""
+    assert kernel_takes(1, 100_000) and kernel_takes(MAX_KERNEL_CHUNK, 16)
+    assert not kernel_takes(MAX_KERNEL_CHUNK, MAX_KERNEL_CHUNK_KEYS // MAX_KERNEL_CHUNK + 1)
+    assert not kernel_takes(MAX_KERNEL_CHUNK + 1, MAX_KERNEL_CHUNK + 1) and not kernel_takes(0, 5)
+    q_lens, ctx = [1, 8, 8], [900, 2100, 10]  # 8 x 2108 keys > 16384: SDPA
+    case = make_case(q_lens, ctx, num_heads=6, num_kv_heads=2, head_dim=32, block_size=16)
+    plan = plan_attention(case.block_table, case.seq_lens, case.cu_seqlens_q, 16)
+    out = paged_attention(*case.attention_args(), backend="torch", plan=plan)
+    assert_matches_reference(case, out)
+    tplan = plan._derived["torch+cpu"]
+    assert [(c.q_start, c.q_end) for c in tplan.chunks] == [(1, 9)]
+    assert sorted(tplan.kernel.rows[:, 0].tolist()) == [0, *range(9, 17)]
 
 
 def test_switch_off_uses_the_torch_path(op, monkeypatch):

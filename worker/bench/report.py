@@ -528,7 +528,8 @@ def markdown(doc: dict[str, Any]) -> str:
         for b, key, factor in (("1", "decode_1_stream_tok_s", 0.9),
                                ("64", "decode_64_streams_tok_s", 1.2)):
             ours, theirs = (dec.get(like) or {}).get(b), dec["llama_cpp"].get(b)
-            rows.append((f"Decode tokens/s, batch of {b} ({like})", "llama-batched-bench",
+            tag = f", {like.removeprefix('pagedq_')}" if like != "pagedq" else ""
+            rows.append((f"Decode tokens/s, batch of {b}{tag}", "llama-batched-bench",
                          _fmt(theirs), _fmt(ours), _fmt(_ratio(ours, theirs)),
                          f">= {factor}x", met(key)))
     if tps.get("llama_cpp_server") is not None:

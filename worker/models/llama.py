@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedq.kernels import paged_attention, write_kv
-from pagedq.kernels.cpu_attention import MAX_KERNEL_CHUNK, kernel_fits, kernel_rows
+from pagedq.kernels.cpu_attention import kernel_fits, kernel_rows, kernel_takes
 from pagedq.worker.engine.errors import EngineError
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
@@ -128,8 +128,8 @@ def fused_layer_op(x: torch.Tensor, ctx: AttentionContext):
     """The C++ all-layers op (``decoder_layers``) when this step can use it, else None.
 
     It needs CPU fp32 activations (the caches fp32, fp16 or bf16), and every sequence's query
-    rows in the paged kernel (decodes and chunks of up to MAX_KERNEL_CHUNK tokens); steps with a
-    long prefill chunk keep the Python layer, whose attention uses SDPA for it.
+    rows in the paged kernel (decodes and the short chunks ``kernel_takes`` picks); steps with a
+    longer prefill chunk keep the Python layer, whose attention uses SDPA for it.
     """
     op = _SKINNY["layer"]
     if op is None or x.dtype != torch.float32 or x.device.type != "cpu" or ctx.plan is None:
@@ -140,8 +140,9 @@ def fused_layer_op(x: torch.Tensor, ctx: AttentionContext):
     query = x.new_empty(0, 1, k_cache.shape[-1])  # stands for the fp32 query rows
     if not kernel_fits(query, k_cache, ctx.kv_caches[0][1]):
         return None
-    q_lens = ctx.plan.q_lens
-    return op if q_lens and 0 < min(q_lens) and max(q_lens) <= MAX_KERNEL_CHUNK else None
+    q_lens, seq_lens = ctx.plan.q_lens, ctx.plan.seq_lens_host
+    fits = q_lens and all(kernel_takes(q, s) for q, s in zip(q_lens, seq_lens, strict=True))
+    return op if fits else None
 
 
 class DecoderLayer(nn.Module):
