@@ -165,12 +165,20 @@ class Server:
         self.cmd = [cpp.exe("llama-server"), "-m", str(gguf), "--host", "127.0.0.1",
                     "--port", str(self.port), "-np", str(slots), "-c", str(slots * ctx_per_slot),
                     "-t", str(threads), "-tb", str(threads), "--no-webui"]
-        self._log = tempfile.TemporaryFile(mode="w+")
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Server:
         log.info("llama-server", cmd=" ".join(self.cmd))
+        self._log = tempfile.TemporaryFile(mode="w+")  # the server's output, for error messages
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.__exit__()  # `with` calls __exit__ only after __enter__ returned: stop it here
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + SERVER_READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -178,7 +186,7 @@ class Server:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
                     if resp.status == 200:
-                        return self
+                        return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.5)
