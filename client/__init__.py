@@ -16,8 +16,9 @@ from pagedq.client.errors import (
     ResultTimeoutError,
     StreamGapError,
 )
-from pagedq.client.params import InvalidParamsError, SamplingParams
 from pagedq.client.protocol import PROTOCOL_VERSION, Event, Keys, Request
+from pagedq.errors import InvalidParamsError
+from pagedq.params import SamplingParams
 
 __all__ = [
     "PROTOCOL_VERSION",

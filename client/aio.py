@@ -22,7 +22,6 @@ from pagedq.client.client import (
     to_deadline,
 )
 from pagedq.client.errors import ResultTimeoutError
-from pagedq.client.params import SamplingParams
 from pagedq.client.protocol import (
     CANCEL_SCRIPT,
     CANCELLED,
@@ -38,6 +37,7 @@ from pagedq.client.protocol import (
     encode_event,
     job_fields,
 )
+from pagedq.params import SamplingParams
 
 
 class AsyncRequestHandle:

@@ -21,7 +21,6 @@ from pagedq.client.errors import (
     ResultTimeoutError,
     StreamGapError,
 )
-from pagedq.client.params import SamplingParams
 from pagedq.client.protocol import (
     CANCEL_SCRIPT,
     CANCELLED,
@@ -42,6 +41,7 @@ from pagedq.client.protocol import (
     encode_event,
     job_fields,
 )
+from pagedq.params import SamplingParams
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 

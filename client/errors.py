@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pagedq.client.params import InvalidParamsError
 from pagedq.client.protocol import ProtocolError
+from pagedq.errors import InvalidParamsError, PagedQError
 
 if TYPE_CHECKING:
     from pagedq.client.client import Result
@@ -21,10 +21,6 @@ __all__ = [
     "ResultTimeoutError",
     "StreamGapError",
 ]
-
-
-class PagedQError(Exception):
-    """Base class of the SDK's own errors."""
 
 
 class RequestError(PagedQError):

@@ -32,7 +32,8 @@ from typing import Any
 
 import msgpack
 
-from pagedq.client.params import InvalidParamsError, SamplingParams
+from pagedq.errors import InvalidParamsError
+from pagedq.params import SamplingParams
 
 PROTOCOL_VERSION = 1
 DEFAULT_PREFIX = "pagedq"

@@ -235,7 +235,7 @@ def check_bandwidth(dtype: torch.dtype, quick: bool, shape: Shape) -> None:
 
 def check_engine(args: argparse.Namespace, dtype_name: str) -> None:
     """Decode steps/s of the engine on ``--engine-batch`` prompts (imports the worker lazily)."""
-    from pagedq.client.params import SamplingParams
+    from pagedq.params import SamplingParams
     from pagedq.worker import Engine
 
     dtype = {"bf16": "bfloat16", "fp16": "float16"}[dtype_name]
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "No CUDA device: this check runs the Triton kernels on a GPU and measures bandwidth, "
             "so there is nothing to check here. On CPU the kernels are validated in Triton's "
-            "interpreter by `pytest tests/test_kernels_triton.py`, and `--compile-only 90` "
+            "interpreter by `pytest tests/kernels/test_triton_interpreter.py`, and `--compile-only 90` "
             "compiles them for a GPU without one.",
             file=sys.stderr,
         )

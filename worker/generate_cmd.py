@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from pagedq.client.params import InvalidParamsError, SamplingParams
+from pagedq.errors import EngineError, InvalidParamsError
+from pagedq.params import SamplingParams
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, model_default: str | None = None) -> None:
@@ -83,7 +84,6 @@ def register(sub) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     from pagedq.worker import Engine
-    from pagedq.worker.engine.errors import EngineError
     from pagedq.worker.logging import configure_logging
 
     configure_logging(level="WARNING")

@@ -269,7 +269,7 @@ class BenchRun:
     def decode_pagedq_kv(self, kv_cache_dtype: str) -> None:
         """The same sweep on an engine whose KV cache is ``kv_cache_dtype``; unavailable (not an
         error) where the engine refuses that cache, e.g. a bfloat16 model or CUDA."""
-        from pagedq.worker.engine.errors import InvalidRequestError
+        from pagedq.errors import InvalidRequestError
 
         try:
             engine = self.engine(**self.serving_engine_kwargs(), kv_cache_dtype=kv_cache_dtype)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedq.client.params import SamplingParams
+from pagedq.params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedq.worker.engine.errors import InvalidRequestError
+from pagedq.errors import InvalidRequestError
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedq.worker.engine.errors import InvalidRequestError
+from pagedq.errors import InvalidRequestError
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: the model's dtype

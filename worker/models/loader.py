@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedq.errors import ModelNotFoundError
 from pagedq.worker.logging import get_logger
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 __all__ = [
-    "model_not_found",
     "cache_dir",
     "resolve_model",
     "load_config",
@@ -78,14 +78,6 @@ def hf_hub_cache_dir() -> Path:
     return base / "huggingface" / "hub"
 
 
-def model_not_found(message: str) -> Exception:
-    """A ModelNotFoundError, imported late: importing pagedq.worker.engine at module load would
-    run the engine package, which imports this module (a cycle when the loader comes first)."""
-    from pagedq.worker.engine.errors import ModelNotFoundError
-
-    return ModelNotFoundError(message)
-
-
 # --------------------------------------------------------------------------- resolution
 
 
@@ -111,7 +103,7 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
         tried.append(why)
     else:
         tried.append(f"{text!r} is not a Hugging Face repo id (org/name): HF cache not searched")
-    raise model_not_found(_not_found_message(text, tried))
+    raise ModelNotFoundError(_not_found_message(text, tried))
 
 
 def _resolve_local(path: Path) -> Path:
@@ -120,7 +112,7 @@ def _resolve_local(path: Path) -> Path:
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             return convert_gguf(path, gguf_cache_path(path))
-        raise model_not_found(
+        raise ModelNotFoundError(
             _not_found_message(str(path), [f"{path} is a file but not a .gguf file"])
         )
     if (path / "config.json").is_file():
@@ -132,7 +124,7 @@ def _resolve_local(path: Path) -> Path:
     if ggufs:
         names = ", ".join(g.name for g in ggufs)
         why += f" and {len(ggufs)} .gguf files ({names}): pass one of them"
-    raise model_not_found(_not_found_message(str(path), [why]))
+    raise ModelNotFoundError(_not_found_message(str(path), [why]))
 
 
 def _split_revision(text: str) -> tuple[str, str | None]:
@@ -211,7 +203,7 @@ def weight_files(path: Path) -> list[Path]:
         files = sorted(f for f in path.glob(pattern) if not f.name.startswith("consolidated"))
         if files:
             return files
-    raise model_not_found(
+    raise ModelNotFoundError(
         f"No weights in {path}: expected model*.safetensors (optionally sharded with "
         f"model.safetensors.index.json) or pytorch_model*.bin. Re-save the model with "
         f"save_pretrained, or pass a .gguf file instead."
@@ -274,7 +266,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     if is_converted(out_dir):
         return out_dir
     if not gguf_file.is_file():
-        raise model_not_found(f"GGUF file {gguf_file} does not exist; pass an existing .gguf.")
+        raise ModelNotFoundError(f"GGUF file {gguf_file} does not exist; pass an existing .gguf.")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(out_dir.with_name(out_dir.name + ".lock")):
         if is_converted(out_dir):  # another process finished while we waited
@@ -315,7 +307,7 @@ def _make_room(out_dir: Path) -> None:
     if out_dir.is_dir() and not any(out_dir.iterdir()):
         out_dir.rmdir()
         return
-    raise model_not_found(
+    raise ModelNotFoundError(
         f"Cannot write the converted model to {out_dir}: it exists and is not a pagedq "
         f"conversion (no {_DONE_MARKER}). Remove it or choose another output directory."
     )

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedq.client.params import SamplingParams
+from pagedq.params import SamplingParams
 from pagedq.worker.logging import get_logger
 
 log = get_logger("pagedq.worker.engine_loop")

@@ -42,6 +42,7 @@ from pagedq.client.protocol import (
     decode_event,
     decode_request,
 )
+from pagedq.errors import InvalidParamsError, InvalidRequestError, RequestTooLongError
 from pagedq.worker.logging import get_logger
 from pagedq.worker.service.checkpoint import Checkpointer
 from pagedq.worker.service.consumer import Consumer, Entry
@@ -686,9 +687,6 @@ class Worker:
 
 
 def _error_code(exc: Exception) -> str:
-    from pagedq.client.params import InvalidParamsError
-    from pagedq.worker.engine.errors import InvalidRequestError, RequestTooLongError
-
     if isinstance(exc, RequestTooLongError):
         return E_TOO_LONG
     if isinstance(exc, InvalidParamsError):

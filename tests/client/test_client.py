@@ -32,7 +32,7 @@ from pagedq.client.protocol import (
     encode_event,
 )
 from pagedq.worker.service.commands import render_stats
-from tests.test_worker import running_worker
+from tests.service.test_worker import running_worker
 
 
 def write_events(r, rid, events, first_seq=1):

@@ -28,7 +28,7 @@ from pagedq.kernels.cpu_attention import (
     kernel_takes,
     unavailable_reason,
 )
-from tests.test_kernels_torch import scenarios
+from tests.kernels.test_torch_attention import scenarios
 
 TOL = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),

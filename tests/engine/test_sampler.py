@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedq.client import SamplingParams
-from pagedq.client.params import InvalidParamsError
+from pagedq.errors import InvalidParamsError
 from pagedq.worker import Engine
 from pagedq.worker.engine.sampler import apply_penalties, filtered_probs
 from pagedq.worker.engine.sequence import Request, Sequence

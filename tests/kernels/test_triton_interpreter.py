@@ -1,4 +1,4 @@
-"""Runs tests/test_kernels_triton_cases.py in Triton's CPU interpreter, in a subprocess.
+"""Runs tests/kernels/test_triton_cases.py in Triton's CPU interpreter, in a subprocess.
 
 Why a subprocess: ``TRITON_INTERPRET=1`` only takes effect if it is set before triton is first
 imported, and it would slow down or change every other Triton user in this pytest session.
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-CASES = Path(__file__).with_name("test_kernels_triton_cases.py")
+CASES = Path(__file__).with_name("test_triton_cases.py")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: the cases run natively")
@@ -28,7 +28,7 @@ def test_triton_kernels_in_interpreter():
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=CASES.parent.parent,
+        cwd=CASES.parents[2],
     )
     summary = result.stdout.strip().splitlines()[-1:] or [result.stderr[-2000:]]
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]

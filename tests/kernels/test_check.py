@@ -1,7 +1,7 @@
 """The CPU-safe parts of ``python -m pagedq.kernels.check``: arguments, the no-CUDA exit and
 compiling the Triton kernels for a GPU without one (``--compile-only``).
 
-Its correctness checks run in tests/test_kernels_triton_cases.py on tiny shapes.
+Its correctness checks run in tests/kernels/test_triton_cases.py on tiny shapes.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def test_without_cuda_it_says_so_and_exits_2():
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == check.NO_CUDA_EXIT
-    assert "No CUDA device" in result.stderr and "test_kernels_triton.py" in result.stderr
+    assert "No CUDA device" in result.stderr and "test_triton_interpreter.py" in result.stderr
 
 
 def test_arguments():

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pagedq.client import SamplingParams
+from pagedq.errors import InvalidRequestError, RequestTooLongError
 from pagedq.worker import Engine
-from pagedq.worker.engine.errors import InvalidRequestError, RequestTooLongError
 from tests.oracle import assert_greedy, hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

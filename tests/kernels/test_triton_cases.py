@@ -1,7 +1,7 @@
 """Triton paged attention and KV write against the plain reference (kernels/reference.py).
 
 These run natively on CUDA, or on CPU in Triton's interpreter, which needs ``TRITON_INTERPRET=1``
-before triton is first imported: tests/test_kernels_triton.py runs this file in a subprocess with
+before triton is first imported: tests/kernels/test_triton_interpreter.py runs this file in a subprocess with
 that variable set, so a plain ``pytest`` on a CPU machine skips it here and runs it there.
 Shapes are small because the interpreter executes every program in Python.
 """
@@ -27,7 +27,7 @@ from pagedq.kernels.cases import empty_cache, make_case
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 if not (torch.cuda.is_available() or INTERPRETING):
     pytest.skip(
-        "needs CUDA or TRITON_INTERPRET=1; tests/test_kernels_triton.py runs it in the interpreter",
+        "needs CUDA or TRITON_INTERPRET=1; tests/kernels/test_triton_interpreter.py runs it in the interpreter",
         allow_module_level=True,
     )
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETING else "cpu"
@@ -39,7 +39,7 @@ TOL = {
 
 
 def scenarios(bs: int) -> dict[str, tuple[list[int], list[int]]]:
-    """(q_lens, context_lens) per scenario; a reduced copy of test_kernels_torch's matrix."""
+    """(q_lens, context_lens) per scenario; a reduced copy of test_torch_attention's matrix."""
     return {
         "decode_on_boundary": ([1, 1], [bs - 1, 3 * bs - 1]),
         "decode_past_boundary": ([1, 1], [2 * bs, 0]),

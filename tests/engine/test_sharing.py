@@ -11,7 +11,7 @@ from pagedq.client import SamplingParams
 from pagedq.worker import Engine
 from pagedq.worker.engine.beam_search import BeamParams
 from tests.oracle import assert_greedy, hf_logits
-from tests.test_block_accounting import check_invariants
+from tests.engine.test_block_accounting import check_invariants
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 

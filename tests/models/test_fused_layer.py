@@ -85,7 +85,7 @@ def test_half_precision_kv_cache(tiny_model_dir, monkeypatch, kv_cache_dtype):
 
 
 def test_kv_cache_dtype_is_validated(tiny_model_dir):
-    from pagedq.worker.engine.errors import InvalidRequestError
+    from pagedq.errors import InvalidRequestError
 
     path = str(tiny_model_dir("llama"))
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be one of"):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedq.worker.engine.errors import ModelNotFoundError
+from pagedq.errors import ModelNotFoundError
 from pagedq.worker.models import default_model
 from pagedq.worker.models.loader import (
     cache_dir,

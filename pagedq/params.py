@@ -1,4 +1,4 @@
-"""Sampling parameters shared by the SDK and the engine.
+"""Sampling parameters: the vocabulary the SDK, the wire protocol and the engine share.
 
 Field names follow vLLM's ``SamplingParams`` so that code written for vLLM ports unchanged.
 This module imports nothing heavy: the client SDK must never pull in torch.
@@ -9,9 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-
-class InvalidParamsError(ValueError):
-    """A sampling parameter is out of range; the message names the field and the valid range."""
+from pagedq.errors import InvalidParamsError
 
 
 @dataclass
