@@ -10,8 +10,8 @@ import torch
 from pagedq.client import SamplingParams
 from pagedq.worker import Engine
 from pagedq.worker.engine.beam_search import BeamParams
-from tests.oracle import assert_greedy, hf_logits
 from tests.engine.test_block_accounting import check_invariants
+from tests.oracle import assert_greedy, hf_logits
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 

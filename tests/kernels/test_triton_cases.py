@@ -27,7 +27,8 @@ from pagedq.kernels.cases import empty_cache, make_case
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 if not (torch.cuda.is_available() or INTERPRETING):
     pytest.skip(
-        "needs CUDA or TRITON_INTERPRET=1; tests/kernels/test_triton_interpreter.py runs it in the interpreter",
+        "needs CUDA or TRITON_INTERPRET=1; tests/kernels/test_triton_interpreter.py runs it "
+        "in the interpreter",
         allow_module_level=True,
     )
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETING else "cpu"

@@ -39,7 +39,8 @@ from pagedq.client.protocol import (
     decode_event,
     job_fields,
 )
-from pagedq.worker.service.worker import Worker, WorkerConfig, in_own_thread
+from pagedq.worker.config import WorkerConfig
+from pagedq.worker.service.worker import Worker, in_own_thread
 
 ENGINE = dict(num_kv_blocks=64, max_num_seqs=4, max_model_len=256)
 

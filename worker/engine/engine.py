@@ -18,8 +18,8 @@ import torch
 
 from pagedq.errors import InvalidRequestError, RequestTooLongError
 from pagedq.params import SamplingParams
+from pagedq.worker.config import EngineConfig
 from pagedq.worker.engine.beam_search import BeamParams, BeamState, Hypothesis, select
-from pagedq.worker.engine.config import EngineConfig
 from pagedq.worker.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedq.worker.engine.model_runner import ModelRunner, kv_bytes_per_token
 from pagedq.worker.engine.output_processor import OutputProcessor

@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from pagedq.worker.engine.config import EngineConfig
+from pagedq.worker.config import EngineConfig
 from pagedq.worker.engine.kv_cache_manager import KVCacheManager
 from pagedq.worker.engine.sequence import SeqStatus, Sequence
 

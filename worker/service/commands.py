@@ -90,7 +90,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def worker_config(args: argparse.Namespace) -> Any:
-    from pagedq.worker.service.worker import WorkerConfig
+    from pagedq.worker.config import WorkerConfig
 
     engine = engine_kwargs(args)
     engine.pop("model")
@@ -206,9 +206,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import threading
 
     from pagedq.client import Client, SamplingParams
+    from pagedq.worker.config import WorkerConfig
     from pagedq.worker.logging import configure_logging
     from pagedq.worker.service.embedded_redis import EmbeddedRedis
-    from pagedq.worker.service.worker import Worker, WorkerConfig
+    from pagedq.worker.service.worker import Worker
 
     configure_logging(json=False, level="WARNING")
     with EmbeddedRedis.start() as server:

@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
@@ -25,9 +24,6 @@ from redis.exceptions import RedisError
 
 from pagedq.client.protocol import (
     CANCELLED,
-    DEFAULT_PREFIX,
-    DEFAULT_QUEUE,
-    DEFAULT_TTL_S,
     E_DEAD_LETTER,
     E_INTERNAL,
     E_INVALID_PARAMS,
@@ -43,6 +39,7 @@ from pagedq.client.protocol import (
     decode_request,
 )
 from pagedq.errors import InvalidParamsError, InvalidRequestError, RequestTooLongError
+from pagedq.worker.config import WorkerConfig
 from pagedq.worker.logging import get_logger
 from pagedq.worker.service.checkpoint import Checkpointer
 from pagedq.worker.service.consumer import Consumer, Entry
@@ -80,34 +77,6 @@ async def in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
     finally:
         pool.shutdown(wait=False)  # its one thread exits as soon as fn has returned
-
-
-@dataclass
-class WorkerConfig:
-    """Everything ``pagedq worker`` takes; engine fields go straight to ``Engine``."""
-
-    model: str | None = None
-    redis_url: str | None = None
-    queue: str = DEFAULT_QUEUE
-    prefix: str = DEFAULT_PREFIX
-    consumer_name: str | None = None
-    reclaim_after: float = 30.0
-    max_deliveries: int = 3
-    ttl: int = DEFAULT_TTL_S
-    checkpoint_interval: float = 1.0
-    checkpoint_ttl: float | None = None  # default: max(5 s, 3 intervals)
-    drain_timeout: float = 30.0
-    poll_interval: float = 0.1  # how often the queue's cancel hint is read
-    ownership_check_interval: float = 1.0  # sweep of jobs with no recent publish
-    read_block_ms: int = 1000
-    prompt_len_hint: int = 256
-    metrics_port: int | None = None
-    metrics_host: str = "0.0.0.0"
-    engine: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def checkpoint_ttl_s(self) -> float:
-        return self.checkpoint_ttl or max(5.0, 3 * self.checkpoint_interval)
 
 
 def build_engine(config: WorkerConfig) -> Any:
