@@ -99,24 +99,25 @@ class WorkerConfig:
     """Everything ``pagedq worker`` takes; engine fields go straight to ``Engine``."""
 
     model: str | None = None
-    redis_url: str | None = None
+    redis_url: str | None = None  # None: $REDIS_URL, else an embedded redis-server
     queue: str = field(default_factory=lambda: settings().queue)
     prefix: str = DEFAULT_PREFIX
-    consumer_name: str | None = None
-    reclaim_after: float = 30.0
-    max_deliveries: int = 3
-    ttl: int = DEFAULT_TTL_S
+    consumer_name: str | None = None  # None: $PAGEDQ_CONSUMER_NAME, else the host name
+    reclaim_after: float = 30.0  # seconds without a lease renewal before another worker takes a job
+    max_deliveries: int = 3  # deliveries after which a job is dead-lettered
+    ttl: int = DEFAULT_TTL_S  # seconds a request's output stream and state live after a write
     checkpoint_interval: float = 1.0
     checkpoint_ttl: float | None = None  # default: max(5 s, 3 intervals)
-    drain_timeout: float = 30.0
+    drain_timeout: float = 30.0  # on SIGTERM, seconds running jobs get before their hand-back
     poll_interval: float = 0.1  # how often the queue's cancel hint is read
     ownership_check_interval: float = 1.0  # sweep of jobs with no recent publish
-    read_block_ms: int = 1000
-    prompt_len_hint: int = 256
+    read_block_ms: int = 1000  # XREADGROUP BLOCK when every level is empty
+    prompt_len_hint: int = 256  # the prompt length free capacity is counted for
     metrics_port: int | None = None
     metrics_host: str = "0.0.0.0"
     engine: dict[str, Any] = field(default_factory=dict)
 
     @property
     def checkpoint_ttl_s(self) -> float:
+        """How long a checkpoint (and the consumer-name lock) outlives its worker."""
         return self.checkpoint_ttl or max(5.0, 3 * self.checkpoint_interval)
