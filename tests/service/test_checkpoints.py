@@ -10,8 +10,10 @@ import redis
 
 from pagedq.client import Client, SamplingParams
 from pagedq.client.protocol import GROUP, Keys
+from pagedq.worker.config import WorkerConfig
 from pagedq.worker.service.checkpoints import Checkpoints, claim_name
 from pagedq.worker.service.metrics import Metrics
+from pagedq.worker.service.shared import Shared
 from tests.service.harness import ENGINE, running_worker, wait_until
 
 
@@ -79,7 +81,8 @@ def test_the_stats_hash_agrees_with_client_stats(redis_db, redis_client):
     async def scenario():
         r = redis.asyncio.Redis.from_url(redis_db)
         metrics = Metrics("m")
-        checkpoints = Checkpoints(r, keys, "w", 1.0, 5.0, "m", metrics, {}, asyncio.Event())
+        shared = Shared(WorkerConfig(checkpoint_interval=1.0), None, metrics)
+        checkpoints = Checkpoints(shared, r, keys, "w", "m")
         await checkpoints.write()
         await r.aclose()
         return metrics.queue

@@ -19,6 +19,7 @@ from pagedq.client.protocol import (
 from pagedq.client.scripts import CLAIM
 from pagedq.errors import InvalidParamsError, InvalidRequestError, RequestTooLongError
 from pagedq.params import SamplingParams
+from pagedq.worker.config import WorkerConfig
 from pagedq.worker.engine.outputs import StepOutput
 from pagedq.worker.service.consumer import Consumer
 from pagedq.worker.service.engine_loop import Report
@@ -27,6 +28,7 @@ from pagedq.worker.service.leases import Leases
 from pagedq.worker.service.metrics import Metrics
 from pagedq.worker.service.outbox import Outbox, error_code
 from pagedq.worker.service.publisher import Publisher
+from pagedq.worker.service.shared import Shared
 from tests.service.harness import RecordingEngineLoop, raw_events
 
 KEYS = Keys()
@@ -54,8 +56,9 @@ def scenario(redis_db, body):
     async def run():
         r = redis.asyncio.Redis.from_url(redis_db)
         try:
-            loop, jobs, metrics = RecordingEngineLoop(), {}, Metrics("m")
-            outbox = Outbox(Publisher(r, KEYS, 60, "w"), jobs, loop, metrics)
+            shared = Shared(WorkerConfig(), RecordingEngineLoop(), Metrics("m"))
+            loop, jobs, metrics = shared.engine_loop, shared.jobs, shared.metrics
+            outbox = Outbox(shared, Publisher(r, KEYS, 60, "w"))
             await Consumer(r, KEYS, "w").ensure_groups()
             return await body(r, Leases(r, KEYS, "w", 60), outbox, loop, jobs, metrics)
         finally:

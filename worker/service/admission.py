@@ -28,13 +28,11 @@ from pagedq.client.protocol import (
     decode_event,
     decode_request,
 )
-from pagedq.worker.config import WorkerConfig
 from pagedq.worker.logging import get_logger
 from pagedq.worker.service.consumer import Consumer, Entry
-from pagedq.worker.service.engine_loop import AddCmd, EngineLoop, Report
-from pagedq.worker.service.job import Jobs, LiveJob
+from pagedq.worker.service.engine_loop import AddCmd, Report
+from pagedq.worker.service.job import LiveJob
 from pagedq.worker.service.leases import Leases
-from pagedq.worker.service.metrics import Metrics
 from pagedq.worker.service.publisher import (
     Publication,
     Publisher,
@@ -42,6 +40,7 @@ from pagedq.worker.service.publisher import (
     finished_event,
     publication,
 )
+from pagedq.worker.service.shared import Shared
 
 log = get_logger("pagedq.worker.admission")
 
@@ -73,19 +72,17 @@ class Capacity:
 class Admission:
     """Reads the queue within the engine's capacity and starts or ends each entry."""
 
-    def __init__(self, config: WorkerConfig, r: Redis, keys: Keys, consumer: Consumer,
-                 leases: Leases, publisher: Publisher, engine_loop: EngineLoop, jobs: Jobs,
-                 metrics: Metrics, stopping: asyncio.Event):
-        self.config = config
+    def __init__(self, shared: Shared, r: Redis, keys: Keys, consumer: Consumer, leases: Leases,
+                 publisher: Publisher):
+        self.config = shared.config
+        self.engine_loop = shared.engine_loop
+        self.metrics = shared.metrics
+        self.jobs = shared.jobs
         self.r = r
         self.keys = keys
         self.consumer = consumer
         self.leases = leases
         self.publisher = publisher
-        self.engine_loop = engine_loop
-        self.jobs = jobs
-        self.metrics = metrics
-        self.stopping = stopping
         self.name = consumer.name
         self.capacity = Capacity()
         self.capacity_changed = asyncio.Event()  # an engine report arrived, or the drain began

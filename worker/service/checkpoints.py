@@ -28,8 +28,7 @@ from redis.asyncio import Redis
 
 from pagedq.client.protocol import Keys
 from pagedq.client.queue import depth_query, queue_depth
-from pagedq.worker.service.job import Jobs
-from pagedq.worker.service.metrics import Metrics
+from pagedq.worker.service.shared import Shared
 
 ENGINE_FIELDS = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage",
                  "kv_tokens_live", "preemptions", "prefix_cache_queries", "prefix_cache_hits",
@@ -49,16 +48,15 @@ async def claim_name(r: Redis, keys: Keys, base: str, ttl_s: float) -> str:
 class Checkpoints:
     """Writes this worker's checkpoint every ``interval`` seconds; removes it on a clean stop."""
 
-    def __init__(self, r: Redis, keys: Keys, name: str, interval: float, ttl_s: float,
-                 model: str, metrics: Metrics, jobs: Jobs, stopping: asyncio.Event):
+    def __init__(self, shared: Shared, r: Redis, keys: Keys, name: str, model: str):
+        self.metrics = shared.metrics
+        self.jobs = shared.jobs
+        self.stopping = shared.stopping
+        self.interval = shared.config.checkpoint_interval
+        self.ttl_ms = int(shared.config.checkpoint_ttl_s * 1000)
         self.r = r
         self.keys = keys
         self.name = name
-        self.interval = interval
-        self.ttl_ms = int(ttl_s * 1000)
-        self.metrics = metrics
-        self.jobs = jobs
-        self.stopping = stopping
         self.static = {"name": name, "host": socket.gethostname(), "pid": os.getpid(),
                        "model": model, "started": time.time()}
         self.ok = False  # the last write succeeded

@@ -21,15 +21,13 @@ from redis.asyncio import Redis
 
 from pagedq.client.protocol import GROUP, Keys
 from pagedq.client.scripts import CLAIM, HANDBACK, RENEW, LuaScript
-from pagedq.worker.config import WorkerConfig
 from pagedq.worker.logging import get_logger
 from pagedq.worker.service.consumer import Consumer
-from pagedq.worker.service.job import Jobs, LiveJob, owned
-from pagedq.worker.service.metrics import Metrics
+from pagedq.worker.service.job import LiveJob, owned
+from pagedq.worker.service.shared import Shared
 
 if TYPE_CHECKING:
     from pagedq.worker.service.admission import Admission
-    from pagedq.worker.service.engine_loop import EngineLoop
     from pagedq.worker.service.outbox import Outbox
 
 log = get_logger("pagedq.worker.leases")
@@ -111,18 +109,17 @@ class Leases:
 class LeaseKeeper:
     """Keeps this worker's leases while it serves, and hands its jobs back when it drains."""
 
-    def __init__(self, config: WorkerConfig, leases: Leases, consumer: Consumer,
-                 admission: Admission, outbox: Outbox, engine_loop: EngineLoop, jobs: Jobs,
-                 metrics: Metrics, stopping: asyncio.Event):
-        self.config = config
+    def __init__(self, shared: Shared, leases: Leases, consumer: Consumer, admission: Admission,
+                 outbox: Outbox):
+        self.config = shared.config
+        self.engine_loop = shared.engine_loop
+        self.metrics = shared.metrics
+        self.jobs = shared.jobs
+        self.stopping = shared.stopping
         self.leases = leases
         self.consumer = consumer
         self.admission = admission
         self.outbox = outbox
-        self.engine_loop = engine_loop
-        self.jobs = jobs
-        self.metrics = metrics
-        self.stopping = stopping
         self._cancel_hint: bytes | None = None  # the cancel counter's value at the last poll
 
     async def renew_once(self) -> None:

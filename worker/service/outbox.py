@@ -23,9 +23,8 @@ from pagedq.client.protocol import (
 )
 from pagedq.errors import InvalidParamsError, InvalidRequestError, RequestTooLongError
 from pagedq.worker.logging import get_logger
-from pagedq.worker.service.engine_loop import EngineLoop, Report
-from pagedq.worker.service.job import Jobs, LiveJob, owned
-from pagedq.worker.service.metrics import Metrics
+from pagedq.worker.service.engine_loop import Report
+from pagedq.worker.service.job import LiveJob, owned
 from pagedq.worker.service.publisher import (
     FENCED,
     OK,
@@ -38,6 +37,7 @@ from pagedq.worker.service.publisher import (
     publication,
     token_events,
 )
+from pagedq.worker.service.shared import Shared
 
 log = get_logger("pagedq.worker.outbox")
 
@@ -47,13 +47,12 @@ ITL_SAMPLES_PER_EVENT = 64  # inter-token latency observations one event contrib
 class Outbox:
     """Queues engine reports and ready publications; publishes them in batches."""
 
-    def __init__(self, publisher: Publisher, jobs: Jobs, engine_loop: EngineLoop,
-                 metrics: Metrics):
+    def __init__(self, shared: Shared, publisher: Publisher):
+        self.jobs = shared.jobs
+        self.engine_loop = shared.engine_loop
+        self.metrics = shared.metrics
         self.publisher = publisher
         self.name = publisher.worker
-        self.jobs = jobs
-        self.engine_loop = engine_loop
-        self.metrics = metrics
         self._queue: asyncio.Queue[Report | Publication] = asyncio.Queue()
         self._busy = False  # a batch is being written
 

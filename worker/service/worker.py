@@ -46,6 +46,7 @@ from pagedq.worker.service.metrics import Metrics, MetricsServer
 from pagedq.worker.service.outbox import Outbox
 from pagedq.worker.service.publisher import Publisher
 from pagedq.worker.service.redis_link import RedisLink
+from pagedq.worker.service.shared import Shared
 
 log = get_logger("pagedq.worker")
 
@@ -103,8 +104,7 @@ class Parts:
     """What serving is made of, once Redis answers, the model is loaded and a name is ours."""
 
     link: RedisLink
-    engine_loop: EngineLoop
-    metrics: Metrics
+    shared: Shared
     admission: Admission
     outbox: Outbox
     keeper: LeaseKeeper
@@ -158,7 +158,7 @@ class Worker:
 
     async def _assemble(self, link: RedisLink) -> Parts:
         """Claim a consumer name and build every part around it."""
-        cfg, r, keys, jobs = self.config, link.redis, self.keys, self.jobs
+        cfg, r, keys = self.config, link.redis, self.keys
         base = cfg.consumer_name or settings().consumer_name or socket.gethostname()
         self.name = name = await claim_name(r, keys, base, cfg.checkpoint_ttl_s)
         self.model_name = str(getattr(self.engine, "model_path", None) or self.model_name)
@@ -166,22 +166,19 @@ class Worker:
         await consumer.ensure_groups()
         leases = Leases(r, keys, name, cfg.ttl)
         publisher = Publisher(r, keys, cfg.ttl, name)
-        metrics = Metrics(self.model_name)
-        metrics.engine = self.engine.stats()
-        engine_loop = EngineLoop(self.engine, cfg.prompt_len_hint)
-        outbox = Outbox(publisher, jobs, engine_loop, metrics)
-        admission = Admission(cfg, r, keys, consumer, leases, publisher, engine_loop, jobs,
-                              metrics, self._stopping)
+        shared = Shared(cfg, EngineLoop(self.engine, cfg.prompt_len_hint),
+                        Metrics(self.model_name), self.jobs, self._stopping)
+        shared.metrics.engine = self.engine.stats()
+        outbox = Outbox(shared, publisher)
+        admission = Admission(shared, r, keys, consumer, leases, publisher)
         admission.capacity.engine_free = self.engine.free_capacity(cfg.prompt_len_hint)
-        keeper = LeaseKeeper(cfg, leases, consumer, admission, outbox, engine_loop, jobs,
-                             metrics, self._stopping)
-        checkpoints = Checkpoints(r, keys, name, cfg.checkpoint_interval, cfg.checkpoint_ttl_s,
-                                  self.model_name, metrics, jobs, self._stopping)
-        return Parts(link, engine_loop, metrics, admission, outbox, keeper, checkpoints)
+        keeper = LeaseKeeper(shared, leases, consumer, admission, outbox)
+        checkpoints = Checkpoints(shared, r, keys, name, self.model_name)
+        return Parts(link, shared, admission, outbox, keeper, checkpoints)
 
     async def _serve(self, parts: Parts) -> None:
         loop = asyncio.get_running_loop()
-        parts.engine_loop.start(lambda report: loop.call_soon_threadsafe(
+        parts.shared.engine_loop.start(lambda report: loop.call_soon_threadsafe(
             self._on_report, parts, report))
         self._install_signals()
         server = await self._start_metrics(parts)
@@ -213,7 +210,7 @@ class Worker:
     def _on_report(self, parts: Parts, report: Report) -> None:
         """An engine report, on the event loop: capacity to admission, outputs to the outbox."""
         if report.stats is not None:
-            parts.metrics.engine = report.stats
+            parts.shared.metrics.engine = report.stats
         parts.admission.on_report(report)
         parts.outbox.put_report(report)
 
@@ -223,7 +220,7 @@ class Worker:
     async def _start_metrics(self, parts: Parts) -> MetricsServer | None:
         if self.config.metrics_port is None:
             return None
-        server = MetricsServer(parts.metrics, partial(self._healthy, parts),
+        server = MetricsServer(parts.shared.metrics, partial(self._healthy, parts),
                                self.config.metrics_host, self.config.metrics_port)
         self.metrics_port = await server.start()
         return server
@@ -256,7 +253,7 @@ class Worker:
             await asyncio.sleep(0.02)
 
     async def _shutdown(self, parts: Parts, server: MetricsServer | None) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, parts.engine_loop.stop)
+        await asyncio.get_running_loop().run_in_executor(None, parts.shared.engine_loop.stop)
         try:
             await asyncio.wait_for(parts.checkpoints.remove(), FLUSH_S)
         except Exception as exc:
