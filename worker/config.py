@@ -160,22 +160,42 @@ class WorkerConfig:
     """Everything ``pagedq worker`` takes; engine fields go straight to ``Engine``."""
 
     model: str | None = None
+    """The engine's model (the ``--model`` flag); None: EngineConfig's default."""
     redis_url: str | None = None
+    """Redis holding the queue (default: $REDIS_URL; without either, an embedded redis-server
+    starts and its URL is logged)."""
     queue: str = field(default_factory=lambda: settings().queue)
+    """Queue to serve (default: $PAGEDQ_QUEUE, else "default")."""
     prefix: str = DEFAULT_PREFIX
+    """Prefix of every Redis key the queue uses."""
     consumer_name: str | None = None
+    """Stable consumer name in the queue's group, so a restarted worker resumes its own pending
+    jobs (default: $PAGEDQ_CONSUMER_NAME, else the host name)."""
     reclaim_after: float = 30.0
+    """Seconds without a lease renewal after which another worker takes over a job."""
     max_deliveries: int = 3
+    """Deliveries after which a job that keeps failing is dead-lettered."""
     ttl: int = DEFAULT_TTL_S
+    """Seconds each request's output stream and state live after their last write."""
     checkpoint_interval: float = 1.0
-    checkpoint_ttl: float | None = None  # default: max(5 s, 3 intervals)
+    """Seconds between the worker's heartbeat and load reports."""
+    checkpoint_ttl: float | None = None
+    """Seconds a report stays visible without a refresh (default: max(5, 3 intervals))."""
     drain_timeout: float = 30.0
-    poll_interval: float = 0.1  # how often the queue's cancel hint is read
-    ownership_check_interval: float = 1.0  # sweep of jobs with no recent publish
+    """On SIGTERM, seconds running jobs get to finish before the rest are handed back."""
+    poll_interval: float = 0.1
+    """Seconds between reads of the queue's cancel hint."""
+    ownership_check_interval: float = 1.0
+    """Seconds between checks that jobs which published nothing lately are still this
+    worker's."""
     read_block_ms: int = 1000
+    """Milliseconds one read of the queue waits for new jobs."""
     prompt_len_hint: int = 256
+    """Prompt length assumed for jobs not read yet when counting how many more fit."""
     metrics_port: int | None = None
+    """Serve Prometheus /metrics and /healthz on this port (0: any free one)."""
     metrics_host: str = "0.0.0.0"
+    """Address the metrics server listens on."""
     engine: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -21,11 +21,17 @@ from pagedq.errors import InvalidRequestError
 from pagedq.params import SamplingParams
 from pagedq.worker.config import EngineConfig, default_block_size, default_device
 from pagedq.worker.engine import sizing
-from pagedq.worker.engine.intake import coerce_params, eos_token_ids, fit_lengths, tokenize
-from pagedq.worker.engine.kv_cache_manager import KVCacheManager, cdiv
+from pagedq.worker.engine.intake import (
+    chat_prompt,
+    coerce_params,
+    eos_token_ids,
+    fit_lengths,
+    tokenize,
+)
+from pagedq.worker.engine.kv_cache_manager import KVCacheManager
 from pagedq.worker.engine.model_runner import ModelRunner
 from pagedq.worker.engine.output_processor import OutputProcessor
-from pagedq.worker.engine.outputs import CompletionOutput, RequestOutput, StepOutput
+from pagedq.worker.engine.outputs import RequestOutput, StepOutput
 from pagedq.worker.engine.sampler import Sampler
 from pagedq.worker.engine.scheduler import Scheduler
 from pagedq.worker.engine.sequence import Request, SamplingHook, SeqStatus, Sequence
@@ -249,7 +255,7 @@ class Engine:
         reqs = self.run_to_completion("offline", [
             lambda rid, prompt=prompt, p=p: self.add_request(rid, prompt, p)
             for prompt, p in zip(prompts, plist, strict=True)])
-        return [self.request_output(r) for r in reqs]
+        return [RequestOutput.from_request(r) for r in reqs]
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -259,11 +265,8 @@ class Engine:
         return self.generate([self.apply_chat_template(c) for c in conversations], params)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError(f"model {self.model_path} has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        """The prompt token ids of a conversation, ready for the assistant's turn."""
+        return chat_prompt(self.tokenizer, self.model_path, messages)
 
     def run_to_completion(self, kind: str, adders: list[Callable[[str], Request]]
                           ) -> list[Request]:
@@ -282,51 +285,17 @@ class Engine:
             self.step()
         return reqs
 
-    def request_output(self, req: Request) -> RequestOutput:
-        if req.hook is not None:
-            outs = req.hook.completions()
-        else:
-            outs = [CompletionOutput(s.index, s.output_token_ids, s.text, s.finish_reason,
-                                     s.cum_logprob, s.logprobs)
-                    for s in sorted(req.seqs, key=lambda s: s.index)]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs,
-                             finished=req.finished, num_cached_tokens=req.num_cached_tokens)
-
     # -- introspection --------------------------------------------------------------------
     def free_capacity(self, prompt_len_hint: int = 256) -> int:
         """How many more requests could be admitted now (sequence slots and KV blocks)."""
-        slots = self.config.max_num_seqs - len(self.scheduler.running) - len(
-            self.scheduler.waiting)
-        bs = self.kv.block_size
-        reserved = sum(cdiv(s.num_tokens, bs) for s in self.scheduler.waiting)
-        per_request = cdiv(min(prompt_len_hint, self.max_model_len) + 1, bs)
-        by_blocks = (self.kv.pool.num_free - reserved) // per_request
-        return max(0, min(slots, by_blocks))
+        return self.scheduler.free_capacity(min(prompt_len_hint, self.max_model_len))
 
     def stats(self) -> dict[str, Any]:
-        pool = self.kv.pool
-        running = self.scheduler.running
-        return {
-            "kv_blocks_total": pool.num_blocks,
-            "kv_blocks_used": pool.num_used,
-            "kv_blocks_free": pool.num_free,
-            "kv_tokens_live": self.kv.live_tokens(running),
-            "kv_usage": pool.num_used / pool.num_blocks,
-            "block_size": self.kv.block_size,
-            "kv_cache_dtype": self.kv_dtype_name,
-            "running": len(running),
-            "waiting": len(self.scheduler.waiting),
-            "requests": len(self.requests),
-            "preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_queries": self.kv.prefix_cache_queries,
-            "prefix_cache_hits": self.kv.prefix_cache_hits,
-            "prefix_cache_evictions": pool.num_evictions,
-            "num_steps": self.num_steps,
-            "num_generated_tokens": self.num_generated_tokens,
-            "num_computed_tokens": self.num_computed_tokens,
-            "max_model_len": self.max_model_len,
-            "max_num_seqs": self.config.max_num_seqs,
-        }
+        return {**self.kv.stats(self.scheduler.running), "kv_cache_dtype": self.kv_dtype_name,
+                **self.scheduler.stats(), "requests": len(self.requests),
+                "num_steps": self.num_steps, "num_generated_tokens": self.num_generated_tokens,
+                "num_computed_tokens": self.num_computed_tokens,
+                "max_model_len": self.max_model_len, "max_num_seqs": self.config.max_num_seqs}
 
 
 def load_model(path, hf_config, config: EngineConfig, device: torch.device) -> CausalLM:

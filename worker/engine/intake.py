@@ -46,6 +46,15 @@ def tokenize(tokenizer, vocab_size: int, model_path: Path, prompt: str | list[in
     return (prompt if isinstance(prompt, str) else None), ids
 
 
+def chat_prompt(tokenizer, model_path: Path, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` rendered by the model's chat template, ending where the
+    assistant's reply begins."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(f"model {model_path} has no chat template")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
 def fit_lengths(ids: list[int], params: SamplingParams, max_model_len: int) -> SamplingParams:
     """``params`` with max_tokens filled in (None: up to the limit); a request that cannot fit
     in ``max_model_len`` tokens raises RequestTooLongError."""
