@@ -1,6 +1,6 @@
 """``pagedq bench`` end to end on a tiny model, plus its pure parts against hand-worked oracles.
 
-Never asserts on timings: only structure (every issue key present, numbers or a stated reason)
+Never asserts on timings: only structure (every figure key present, numbers or a stated reason)
 and simple truths (utilizations in [0, 1], token counts equal to the trace's, the paged layout
 holding at least as many sequences as max-length reservation at equal memory, greedy outputs
 equal between pagedq, HF generate and the Redis path on the same inputs).
