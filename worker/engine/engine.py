@@ -21,6 +21,7 @@ from pagedq.errors import InvalidRequestError
 from pagedq.params import SamplingParams
 from pagedq.worker.config import EngineConfig, default_block_size, default_device
 from pagedq.worker.engine import sizing
+from pagedq.worker.engine.beam_search import BeamParams, beam_search
 from pagedq.worker.engine.intake import (
     chat_prompt,
     coerce_params,
@@ -31,7 +32,7 @@ from pagedq.worker.engine.intake import (
 from pagedq.worker.engine.kv_cache_manager import KVCacheManager
 from pagedq.worker.engine.model_runner import ModelRunner
 from pagedq.worker.engine.output_processor import OutputProcessor
-from pagedq.worker.engine.outputs import RequestOutput, StepOutput
+from pagedq.worker.engine.outputs import BeamSearchOutput, RequestOutput, StepOutput
 from pagedq.worker.engine.sampler import Sampler
 from pagedq.worker.engine.scheduler import Scheduler
 from pagedq.worker.engine.sequence import Request, SamplingHook, SeqStatus, Sequence
@@ -140,10 +141,8 @@ class Engine:
         return len(self.requests)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (vLLM's ``reset_prefix_cache``): later requests compute
-        their prompts from scratch, e.g. to time a trace again or after changing weights.
-        Only while no request is in flight (their block hashes would dangle); returns whether
-        it reset."""
+        """Forget every cached prefix, e.g. to time a trace again; only while no request is in
+        flight (their block hashes would dangle). Returns whether it reset."""
         if self.has_unfinished_requests():
             return False
         self.kv.pool.reset_cache()
@@ -263,6 +262,13 @@ class Engine:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         return self.generate([self.apply_chat_template(c) for c in conversations], params)
+
+    def beam_search(self, prompts: Seq[str] | Seq[list[int]], beam_width: int = 4,
+                    max_tokens: int = 16, length_penalty: float = 1.0,
+                    ignore_eos: bool = False) -> list[BeamSearchOutput]:
+        """Beam search per prompt (beam_search.py); each result's ``beams`` are best first."""
+        return beam_search(self, prompts,
+                           BeamParams(beam_width, max_tokens, length_penalty, ignore_eos))
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """The prompt token ids of a conversation, ready for the assistant's turn."""
