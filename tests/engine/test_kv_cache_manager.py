@@ -104,12 +104,18 @@ def test_without_prefix_caching_nothing_hits():
     free_all(kv, a)
 
 
-def test_fork_shares_blocks_and_the_partly_filled_one_is_copied_on_write():
-    kv = KVCacheManager(16, BS, enable_prefix_caching=False)
-    parent = make_seq(6)  # one full block and one with 2 of 4 slots used
-    computed(kv, parent, 6)
+def forked(kv: KVCacheManager, prompt_len: int):
+    """A sequence with its prompt computed, and a fork of it sharing its blocks."""
+    parent = make_seq(prompt_len)
+    computed(kv, parent, prompt_len)
     child = parent.fork(1)
     kv.share(parent, child)
+    return parent, child
+
+
+def test_fork_shares_blocks_and_the_partly_filled_one_is_copied_on_write():
+    kv = KVCacheManager(16, BS, enable_prefix_caching=False)
+    parent, child = forked(kv, 6)  # one full block and one with 2 of 4 slots used
     assert child.block_table == parent.block_table
     assert [kv.pool.ref_count(b) for b in parent.block_table] == [2, 2]
     assert_ref_counts(kv.pool, [parent, child])
@@ -129,10 +135,7 @@ def test_fork_shares_blocks_and_the_partly_filled_one_is_copied_on_write():
 
 def test_a_fork_at_a_block_boundary_copies_nothing():
     kv = KVCacheManager(16, BS, enable_prefix_caching=False)
-    parent = make_seq(8)
-    computed(kv, parent, 8)
-    child = parent.fork(1)
-    kv.share(parent, child)
+    parent, child = forked(kv, 8)
     child.token_ids.append(1)
     assert kv.allocate(child, 1) and kv.take_copies() == []
     assert child.block_table[:2] == parent.block_table and len(child.block_table) == 3

@@ -55,26 +55,27 @@ def test_long_prefill_threshold_caps_a_prompts_chunk():
     assert [n for plan in run(sched) for _, n in plan] == [3, 3, 2]
 
 
-def test_decodes_go_first_and_a_prompt_takes_the_rest_of_the_budget():
-    sched = scheduler(max_num_batched_tokens=8)
-    a, b = make_seq(2, max_tokens=10), make_seq(2, max_tokens=10)
+def decodes_then_prompt(sched: Scheduler, prompt_len: int, max_tokens: int):
+    """Two short requests whose prompts are computed (they decode from now on), then a
+    waiting prompt of ``prompt_len`` tokens."""
+    a, b = make_seq(2, max_tokens=max_tokens), make_seq(2, max_tokens=max_tokens)
     sched.add(a)
     sched.add(b)
-    fake_step(sched, sched.schedule())  # both prompts computed: both decode from now on
-    long = make_seq(20, max_tokens=1)
-    sched.add(long)
-    out = sched.schedule()
-    assert out.scheduled == [(a, 1), (b, 1), (long, 6)]
+    fake_step(sched, sched.schedule())
+    prompt = make_seq(prompt_len, max_tokens=1)
+    sched.add(prompt)
+    return a, b, prompt
+
+
+def test_decodes_go_first_and_a_prompt_takes_the_rest_of_the_budget():
+    sched = scheduler(max_num_batched_tokens=8)
+    a, b, long = decodes_then_prompt(sched, 20, max_tokens=10)
+    assert sched.schedule().scheduled == [(a, 1), (b, 1), (long, 6)]
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_budget_that_holds_it():
     sched = scheduler(max_num_batched_tokens=10, enable_chunked_prefill=False)
-    a, b = make_seq(2, max_tokens=3), make_seq(2, max_tokens=3)
-    sched.add(a)
-    sched.add(b)
-    fake_step(sched, sched.schedule())
-    prompt = make_seq(9, max_tokens=1)
-    sched.add(prompt)
+    a, b, prompt = decodes_then_prompt(sched, 9, max_tokens=3)
     out = sched.schedule()  # 8 tokens left after two decodes: the 9-token prompt must wait
     assert [s for s, _ in out.scheduled] == [a, b] and prompt in sched.waiting
     fake_step(sched, out)
@@ -84,12 +85,7 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_budget_that_holds_it():
 
 def test_chunked_prefill_uses_the_budget_the_decodes_leave():
     sched = scheduler(max_num_batched_tokens=10)
-    a, b = make_seq(2, max_tokens=3), make_seq(2, max_tokens=3)
-    sched.add(a)
-    sched.add(b)
-    fake_step(sched, sched.schedule())
-    prompt = make_seq(9, max_tokens=1)
-    sched.add(prompt)
+    a, b, prompt = decodes_then_prompt(sched, 9, max_tokens=3)
     assert sched.schedule().scheduled == [(a, 1), (b, 1), (prompt, 8)]
 
 
