@@ -93,7 +93,7 @@ def add_config_flags(parser: argparse.ArgumentParser | Any, cls: type, *,
     ``helps`` replaces a field's help for this command, ``aliases`` adds hidden spellings.
     """
     hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
+    docs = field_docs(type(defaults) if isinstance(defaults, cls) else cls)  # a subclass's own
     wanted = set(only) if only is not None else None
     for f in dataclasses.fields(cls):
         if f.name in skip or (wanted is not None and f.name not in wanted):

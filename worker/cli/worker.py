@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging")
     g.add_argument("--log-format", choices=["json", "console"], default="json",
                    help="JSON lines for log collectors, or readable lines (default: json)")
-    g.add_argument("--log-level", default="INFO", help="(default: INFO)")
+    g.add_argument("--log-level", default="INFO",
+                   help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
     add_engine_flags(p)
 
 
