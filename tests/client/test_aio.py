@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from pagedq.client import AsyncClient, RequestCancelledError, SamplingParams
-from pagedq.worker.service.commands import render_stats
+from pagedq.worker.cli.queue import render_stats
 from tests.service.harness import running_worker
 
 
