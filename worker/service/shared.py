@@ -19,6 +19,8 @@ from pagedq.worker.service.metrics import Metrics
 
 @dataclass
 class Shared:
+    """The parts' common ground; the Worker builds one and hands it to each part."""
+
     config: WorkerConfig
     engine_loop: EngineLoop
     metrics: Metrics
