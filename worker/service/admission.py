@@ -40,7 +40,7 @@ from pagedq.worker.service.publisher import (
     finished_event,
     publication,
 )
-from pagedq.worker.service.shared import Shared
+from pagedq.worker.service.shared import Part, Shared
 
 log = get_logger("pagedq.worker.admission")
 
@@ -69,15 +69,12 @@ class Capacity:
         self.adds_done = report.adds_done
 
 
-class Admission:
+class Admission(Part):
     """Reads the queue within the engine's capacity and starts or ends each entry."""
 
     def __init__(self, shared: Shared, r: Redis, keys: Keys, consumer: Consumer, leases: Leases,
                  publisher: Publisher):
-        self.config = shared.config
-        self.engine_loop = shared.engine_loop
-        self.metrics = shared.metrics
-        self.jobs = shared.jobs
+        super().__init__(shared)
         self.r = r
         self.keys = keys
         self.consumer = consumer

@@ -28,7 +28,7 @@ from redis.asyncio import Redis
 
 from pagedq.client.protocol import Keys
 from pagedq.client.queue import depth_query, queue_depth
-from pagedq.worker.service.shared import Shared
+from pagedq.worker.service.shared import Part, Shared
 
 ENGINE_FIELDS = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage",
                  "kv_tokens_live", "preemptions", "prefix_cache_queries", "prefix_cache_hits",
@@ -45,13 +45,11 @@ async def claim_name(r: Redis, keys: Keys, base: str, ttl_s: float) -> str:
     raise RuntimeError(f"{MAX_NAME_SUFFIX} live workers already use the consumer name {base!r}")
 
 
-class Checkpoints:
+class Checkpoints(Part):
     """Writes this worker's checkpoint every ``interval`` seconds; removes it on a clean stop."""
 
     def __init__(self, shared: Shared, r: Redis, keys: Keys, name: str, model: str):
-        self.metrics = shared.metrics
-        self.jobs = shared.jobs
-        self.stopping = shared.stopping
+        super().__init__(shared)
         self.interval = shared.config.checkpoint_interval
         self.ttl_ms = int(shared.config.checkpoint_ttl_s * 1000)
         self.r = r

@@ -24,7 +24,7 @@ from pagedq.client.scripts import CLAIM, HANDBACK, RENEW, LuaScript
 from pagedq.worker.logging import get_logger
 from pagedq.worker.service.consumer import Consumer
 from pagedq.worker.service.job import LiveJob, owned
-from pagedq.worker.service.shared import Shared
+from pagedq.worker.service.shared import Part, Shared
 
 if TYPE_CHECKING:
     from pagedq.worker.service.admission import Admission
@@ -106,16 +106,12 @@ class Leases:
         return await self.r.get(self.keys.cancels)
 
 
-class LeaseKeeper:
+class LeaseKeeper(Part):
     """Keeps this worker's leases while it serves, and hands its jobs back when it drains."""
 
     def __init__(self, shared: Shared, leases: Leases, consumer: Consumer, admission: Admission,
                  outbox: Outbox):
-        self.config = shared.config
-        self.engine_loop = shared.engine_loop
-        self.metrics = shared.metrics
-        self.jobs = shared.jobs
-        self.stopping = shared.stopping
+        super().__init__(shared)
         self.leases = leases
         self.consumer = consumer
         self.admission = admission

@@ -37,20 +37,18 @@ from pagedq.worker.service.publisher import (
     publication,
     token_events,
 )
-from pagedq.worker.service.shared import Shared
+from pagedq.worker.service.shared import Part, Shared
 
 log = get_logger("pagedq.worker.outbox")
 
 ITL_SAMPLES_PER_EVENT = 64  # inter-token latency observations one event contributes at most
 
 
-class Outbox:
+class Outbox(Part):
     """Queues engine reports and ready publications; publishes them in batches."""
 
     def __init__(self, shared: Shared, publisher: Publisher):
-        self.jobs = shared.jobs
-        self.engine_loop = shared.engine_loop
-        self.metrics = shared.metrics
+        super().__init__(shared)
         self.publisher = publisher
         self.name = publisher.worker
         self._queue: asyncio.Queue[Report | Publication] = asyncio.Queue()
