@@ -6,8 +6,10 @@ submit jobs without the inference stack installed.
 
 from pagedq.client.aio import AsyncClient, AsyncRequestHandle
 from pagedq.client.client import Client, CompletionResult, RequestHandle, Result, ResultBuilder
+from pagedq.client.connection import TLSFiles
 from pagedq.client.errors import (
     DeadLetteredError,
+    DuplicateRequestError,
     PagedQError,
     ProtocolError,
     RequestCancelledError,
@@ -16,7 +18,7 @@ from pagedq.client.errors import (
     ResultTimeoutError,
     StreamGapError,
 )
-from pagedq.client.protocol import PROTOCOL_VERSION, Event, Keys, Request
+from pagedq.client.protocol import PROTOCOL_VERSION, Event, Keys, Limits, Request
 from pagedq.errors import InvalidParamsError
 from pagedq.params import SamplingParams
 
@@ -27,9 +29,11 @@ __all__ = [
     "Client",
     "CompletionResult",
     "DeadLetteredError",
+    "DuplicateRequestError",
     "Event",
     "InvalidParamsError",
     "Keys",
+    "Limits",
     "PagedQError",
     "ProtocolError",
     "Request",
@@ -42,4 +46,5 @@ __all__ = [
     "ResultTimeoutError",
     "SamplingParams",
     "StreamGapError",
+    "TLSFiles",
 ]

@@ -18,6 +18,7 @@ __all__ = [
     "RequestFailedError",
     "DeadLetteredError",
     "RequestCancelledError",
+    "DuplicateRequestError",
     "ResultTimeoutError",
     "StreamGapError",
 ]
@@ -46,6 +47,13 @@ class DeadLetteredError(RequestFailedError):
 
     Inspect the queue's dead-letter stream (``Keys.dead``) before resubmitting it.
     """
+
+
+class DuplicateRequestError(RequestError):
+    """The request id belongs to another job (another prompt or other params): the protocol's
+    ``duplicate_id``. The first job is untouched; submit under a new id."""
+
+    code = "duplicate_id"
 
 
 class RequestCancelledError(RequestError):

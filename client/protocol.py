@@ -5,26 +5,30 @@ scripts.py (the Lua scripts) and in queue.py (consumer group, depth); docs/queue
 reference. Payloads are msgpack maps carrying ``"v": PROTOCOL_VERSION``; nothing is ever
 pickled, so a hostile payload can at worst be rejected.
 
-Key schema (``P`` = prefix, default ``pagedq``; ``Q`` = queue name; ``ID`` = request id)::
+Key schema (``P`` = prefix, default ``pagedq``; ``Q`` = queue name; ``ID`` = request id;
+the braces around ``Q`` are literal)::
 
-    P:Q:jobs:high | P:Q:jobs:normal | P:Q:jobs:low   job streams, one per priority level,
-                                                     consumer group "workers"
-    P:Q:dead                                          dead-letter stream
-    P:Q:stats                                         hash: queue depth per level (checkpoint)
-    P:Q:workers                                       zset: worker name -> last heartbeat
-    P:Q:worker:NAME                                   hash: that worker's checkpoint (TTL)
-    P:Q:lock:NAME                                     string: NAME is taken by a live worker
-    P:Q:cancels                                       counter: bumped after each cancel of a
-                                                     running job, so workers re-check at once
-    P:req:{ID}:out                                    the request's output stream (TTL)
-    P:req:{ID}:state                                  hash: epoch, owner, seq, done, cancel (TTL)
+    P:{Q}:jobs:high, P:{Q}:jobs:normal, P:{Q}:jobs:low  job streams, one per priority level,
+                                                        consumer group "workers"
+    P:{Q}:dead                                          dead-letter stream
+    P:{Q}:stats                                         hash: queue depth per level
+    P:{Q}:workers                                       zset: worker name -> last heartbeat
+    P:{Q}:worker:NAME                                   hash: that worker's checkpoint (TTL)
+    P:{Q}:lock:NAME                                     string: NAME is taken by a live worker
+    P:{Q}:cancels                                       counter: bumped after each cancel of a
+                                                        running job, so workers re-check at once
+    P:{Q}:wake:CLIENT                                   stream: wakes one client's readers
+    P:{Q}:req:ID:out                                    the request's output stream (TTL)
+    P:{Q}:req:ID:state                                  hash: epoch, owner, seq, done... (TTL)
 
-The ``{ID}`` braces are a Redis Cluster hash tag: a request's two keys always share a slot, so
-the fenced publish script can touch both.
+``{Q}`` is a Redis Cluster hash tag: every key of a queue lives in one slot, so every script
+touches a job's stream entry and its request keys atomically, and one XREAD reads any number
+of a queue's output streams. A cluster spreads queues (and tenants) over its masters.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import time
@@ -48,7 +52,7 @@ LEVELS: tuple[str, ...] = ("high", "normal", "low")
 MAX_ABS_PRIORITY = 1_000_000
 
 # Stream entry fields.
-F_ID = b"id"  # job entry: the request id, duplicated outside the payload so a worker can
+F_ID = b"id"  # job entry: the request id, repeated outside the payload so a worker can
 F_PAYLOAD = b"p"  # address an error event even when the payload does not decode
 F_SEQ = b"seq"  # output entry: 1, 2, 3, ... per request, whichever worker wrote it
 F_EVENT = b"e"  # output entry: the msgpack event
@@ -67,9 +71,11 @@ E_INVALID_PARAMS = "invalid_params"
 E_INVALID_REQUEST = "invalid_request"
 E_TOO_LONG = "prompt_too_long"
 E_DEAD_LETTER = "dead_letter"
+E_DUPLICATE_ID = "duplicate_id"
 E_INTERNAL = "internal"
 
 _ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,64}$")
 
 
 class ProtocolError(ValueError):
@@ -92,13 +98,29 @@ class ProtocolError(ValueError):
 
 @dataclass(frozen=True)
 class Keys:
-    """Every Redis key name the protocol uses, for one prefix and queue."""
+    """Every Redis key name the protocol uses, for one prefix and queue.
+
+    Each key starts ``P:{Q}:``: the prefix, then the queue name as a Redis Cluster hash tag,
+    so all of a queue's keys share one slot (a cluster node) and ACL key patterns like
+    ``~P:*`` cover a tenant's queues.
+    """
 
     queue: str = DEFAULT_QUEUE
     prefix: str = DEFAULT_PREFIX
 
+    def __post_init__(self) -> None:
+        for what, value in (("queue name", self.queue), ("key prefix", self.prefix)):
+            if not isinstance(value, str) or not _NAME_RE.match(value):
+                raise ValueError(f"{what} {value!r} is invalid: use 1-64 characters of "
+                                 "[A-Za-z0-9._:-] (it becomes part of every key name)")
+
+    @property
+    def base(self) -> str:
+        """What every key of this queue starts with."""
+        return f"{self.prefix}:{{{self.queue}}}"
+
     def jobs(self, level: str) -> str:
-        return f"{self.prefix}:{self.queue}:jobs:{level}"
+        return f"{self.base}:jobs:{level}"
 
     def all_jobs(self) -> list[str]:
         """Job streams in read order (highest priority first)."""
@@ -106,32 +128,36 @@ class Keys:
 
     @property
     def dead(self) -> str:
-        return f"{self.prefix}:{self.queue}:dead"
+        return f"{self.base}:dead"
 
     @property
     def stats(self) -> str:
-        return f"{self.prefix}:{self.queue}:stats"
+        return f"{self.base}:stats"
 
     @property
     def workers(self) -> str:
-        return f"{self.prefix}:{self.queue}:workers"
+        return f"{self.base}:workers"
 
     def worker(self, name: str) -> str:
-        return f"{self.prefix}:{self.queue}:worker:{name}"
+        return f"{self.base}:worker:{name}"
 
     def lock(self, name: str) -> str:
         """Held (with the checkpoint TTL) by the live worker using consumer name ``name``."""
-        return f"{self.prefix}:{self.queue}:lock:{name}"
+        return f"{self.base}:lock:{name}"
 
     @property
     def cancels(self) -> str:
-        return f"{self.prefix}:{self.queue}:cancels"
+        return f"{self.base}:cancels"
+
+    def wake(self, client_id: str) -> str:
+        """A client's wake-up stream: its stream readers block on it too (client/reader.py)."""
+        return f"{self.base}:wake:{client_id}"
 
     def out(self, request_id: str) -> str:
-        return f"{self.prefix}:req:{{{request_id}}}:out"
+        return f"{self.base}:req:{request_id}:out"
 
     def state(self, request_id: str) -> str:
-        return f"{self.prefix}:req:{{{request_id}}}:state"
+        return f"{self.base}:req:{request_id}:state"
 
 
 def priority_level(priority: int) -> str:
@@ -200,8 +226,10 @@ def build_request(
     deadline: float | None = None,
     priority: int = 0,
     metadata: dict[str, Any] | None = None,
+    limits: Limits | None = None,
 ) -> Request:
-    """Classify ``prompt`` (str | chat messages | token ids) into a validated Request."""
+    """Classify ``prompt`` (str | chat messages | token ids) into a validated Request that
+    fits ``limits`` (default: ``DEFAULT_LIMITS``, what a worker accepts unless told more)."""
     req = Request(
         id=check_request_id(request_id or new_request_id()),
         params=params if params is not None else SamplingParams(),
@@ -223,6 +251,13 @@ def build_request(
             E_INVALID_REQUEST,
         )
     _validate_request(req)
+    limits = limits or DEFAULT_LIMITS
+    limits.check_params(req.params)
+    size = len(encode_request(req))
+    if size > limits.max_request_bytes:
+        raise ProtocolError(f"the request is {size} bytes, over the queue's limit of "
+                            f"{limits.max_request_bytes}: shorten the prompt", E_INVALID_REQUEST,
+                            req.id)
     return req
 
 
@@ -251,27 +286,89 @@ def job_fields(req: Request) -> dict[bytes, bytes]:
     return {F_ID: req.id.encode(), F_PAYLOAD: encode_request(req)}
 
 
-def _unpack(data: Any) -> Any:
+@dataclass(frozen=True)
+class Limits:
+    """What one job may ask of a worker: checked before anything is allocated for it.
+
+    The SDK checks the defaults before enqueueing; a worker checks its own (``pagedq worker
+    --max-n`` ...) and answers a job over them with ``invalid_params`` / ``invalid_request``.
+    """
+
+    max_request_bytes: int = 1 << 20  # the msgpack payload, checked before it is decoded
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_stop: int = 16  # entries of ``stop`` and of ``stop_token_ids``, each
+    max_stop_chars: int = 256  # characters of one stop string
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise InvalidParamsError naming the first parameter over a limit."""
+        longest = max(map(len, params.stop), default=0)
+        for what, value, limit, flag in (
+                ("n", params.n, self.max_n, "n"),
+                ("logprobs", params.logprobs or 0, self.max_logprobs, "logprobs"),
+                ("stop: strings", len(params.stop), self.max_stop, "stop"),
+                ("stop_token_ids: ids", len(params.stop_token_ids), self.max_stop, "stop"),
+                ("stop: characters in one string", longest, self.max_stop_chars,
+                 "stop-chars")):
+            if value > limit:
+                raise InvalidParamsError(
+                    f"SamplingParams.{what} = {value} is over this queue's limit of {limit} "
+                    f"(the worker's --max-{flag}): lower it")
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def request_digest(req: Request) -> str:
+    """What makes two submissions the same job: the prompt (in whichever form) and the params.
+
+    Deadline, priority, metadata and the creation time are left out, so a client retrying a
+    submit (a new ``created``, a deadline recomputed from a timedelta) joins its first attempt.
+    """
+    params = sorted(req.params.to_dict().items())
+    body = msgpack.packb([PROTOCOL_VERSION, req.prompt, req.messages, req.prompt_token_ids,
+                          params], use_bin_type=True)
+    return hashlib.sha256(body).hexdigest()
+
+
+def _unpack(data: Any, request_id: str | None, limits: Limits) -> Any:
     if not isinstance(data, (bytes, bytearray)):
-        raise ProtocolError(f"payload must be bytes, got {type(data).__name__}")
+        what = "missing" if data is None else f"{type(data).__name__}, not bytes"
+        raise ProtocolError(f"the entry's payload field 'p' is {what}: send the msgpack "
+                            "request there", request_id=request_id)
+    if len(data) > limits.max_request_bytes:
+        raise ProtocolError(
+            f"payload is {len(data)} bytes, over this queue's limit of "
+            f"{limits.max_request_bytes} (the worker's --max-request-bytes): shorten the prompt",
+            E_INVALID_REQUEST, request_id)
     try:
-        return msgpack.unpackb(bytes(data), raw=False, strict_map_key=False, max_bin_len=1 << 26,
-                               max_str_len=1 << 26, max_array_len=1 << 22, max_map_len=1 << 16)
+        return msgpack.unpackb(bytes(data), raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError(f"payload is not valid msgpack: {exc}") from exc
+        why = str(exc) or type(exc).__name__
+        raise ProtocolError(f"payload is not valid msgpack: {why}", request_id=request_id
+                            ) from exc
 
 
-def decode_request(data: Any, entry_id_hint: str | None = None) -> Request:
-    """Parse and validate a job payload; raise ProtocolError (with request_id when known)."""
-    obj = _unpack(data)
+def decode_request(data: Any, entry_id_hint: str | None = None,
+                   limits: Limits = DEFAULT_LIMITS) -> Request:
+    """Parse and validate a job payload; raise ProtocolError (with request_id when known).
+
+    ``entry_id_hint`` is the entry's own ``id`` field. An error names a request id only when
+    it is a valid one, so a worker never writes to keys built from an unchecked id.
+    """
+    hint = _safe_id(entry_id_hint)
+    obj = _unpack(data, hint, limits)
     if not isinstance(obj, dict):
-        raise ProtocolError("payload must be a msgpack map", request_id=entry_id_hint)
+        raise ProtocolError("payload must be a msgpack map", request_id=hint)
     rid = obj.get("id", entry_id_hint)
     try:
         rid = check_request_id(rid)
     except ProtocolError as exc:
-        exc.request_id = _safe_id(entry_id_hint)
+        exc.request_id = hint
         raise
+    if entry_id_hint is not None and rid != entry_id_hint:
+        raise ProtocolError(f"the entry's id field {entry_id_hint!r} and the payload's id "
+                            f"{rid!r} differ: send the same id in both", E_INVALID_REQUEST, hint)
     version = obj.get("v")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
@@ -282,6 +379,7 @@ def decode_request(data: Any, entry_id_hint: str | None = None) -> Request:
         )
     try:
         params = SamplingParams.from_dict(obj.get("params") or {})
+        limits.check_params(params)
     except InvalidParamsError as exc:
         raise ProtocolError(str(exc), E_INVALID_PARAMS, rid) from exc
     except Exception as exc:  # e.g. a comparison of incompatible types inside validate()
@@ -344,7 +442,8 @@ def _validate_request(req: Request) -> None:
         raise bad(f"priority must be an integer in [-{MAX_ABS_PRIORITY}, {MAX_ABS_PRIORITY}]")
     if not isinstance(req.metadata, dict):
         raise bad("metadata must be a map")
-    if not isinstance(req.created, (int, float)) or isinstance(req.created, bool):
+    if (not isinstance(req.created, (int, float)) or isinstance(req.created, bool)
+            or not math.isfinite(req.created)):
         raise bad("created must be a unix time in seconds")
 
 

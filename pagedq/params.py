@@ -11,14 +11,27 @@ from typing import Any
 
 from pagedq.errors import InvalidParamsError
 
+# Bounds no request may cross whatever a worker allows: every integer fits the engine's 32-bit
+# tensors, and no list can make validation itself slow. A worker's own limits
+# (pagedq.client.protocol.Limits) are usually far lower.
+INT_BOUND = 2**31
+MAX_N = 1024
+MAX_STOP = 1024
+MAX_STOP_CHARS = 4096
+MAX_LOGPROBS = 20
+
 
 @dataclass
 class SamplingParams:
     """How to sample one request's output.
 
-    temperature 0 means greedy. ``seed`` makes sampling reproducible: a seeded request's tokens
-    depend only on its prompt, its params and the token position, never on its batch mates, so
-    a job resumed on another worker continues exactly.
+    temperature 0 means greedy. ``seed`` makes sampling reproducible: a seeded request's random
+    draw at each position is a function of (seed, sample index, position) only, so a job resumed
+    on another worker continues exactly. The logits the draw reads come from a batched forward
+    pass, whose float32 rounding can differ in the last bits with the batch's shape (its batch
+    mates); about one token in 50,000 flips where two candidates are that close, in greedy and
+    seeded requests alike. A resumed job replays its published tokens, so its stream stays one
+    consistent sequence either way.
     """
 
     n: int = 1
@@ -59,8 +72,8 @@ class SamplingParams:
         def is_num(v: Any) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
-        if not is_int(self.n) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}]")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             if not is_num(getattr(self, name)):
@@ -69,22 +82,28 @@ class SamplingParams:
             raise bad("temperature", "must be >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise bad("top_k", "must be an integer >= 1, or 0/-1 to disable")
+        if not is_int(self.top_k) or not 0 <= self.top_k < INT_BOUND:
+            raise bad("top_k", f"must be an integer in [1, {INT_BOUND}), or 0/-1 to disable")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise bad("seed", "must be an integer in [0, 2**63) or None")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1 or None (up to the model's length)")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and (not is_int(self.max_tokens)
+                                            or not 1 <= self.max_tokens < INT_BOUND):
+            raise bad("max_tokens", f"must be an integer in [1, {INT_BOUND}) or None (up to "
+                      "the model's length)")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens < INT_BOUND:
+            raise bad("min_tokens", f"must be an integer in [0, {INT_BOUND})")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", "must be a list of non-empty strings")
-        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be a list of token ids >= 0")
+        if len(self.stop) > MAX_STOP or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS
+                                                 for s in self.stop):
+            raise bad("stop", f"must be at most {MAX_STOP} non-empty strings of at most "
+                      f"{MAX_STOP_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP or not all(
+                is_int(t) and 0 <= t < INT_BOUND for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be at most {MAX_STOP} token ids in "
+                      f"[0, {INT_BOUND})")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "must be a bool")
         if not isinstance(self.skip_special_tokens, bool):
@@ -95,8 +114,9 @@ class SamplingParams:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if not 0.0 < self.repetition_penalty < float("inf"):
             raise bad("repetition_penalty", "must be > 0 (1 disables it)")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "must be an integer in [0, 20] or None")
+        if self.logprobs is not None and (not is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
 
     @property
     def greedy(self) -> bool:

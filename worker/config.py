@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from pagedq.client.protocol import DEFAULT_PREFIX, DEFAULT_QUEUE, DEFAULT_TTL_S
+from pagedq.client.connection import TLSFiles
+from pagedq.client.protocol import DEFAULT_LIMITS, DEFAULT_PREFIX, DEFAULT_QUEUE, DEFAULT_TTL_S, Limits
 from pagedq.errors import InvalidRequestError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -162,8 +163,16 @@ class WorkerConfig:
     model: str | None = None
     """The engine's model (the ``--model`` flag); None: EngineConfig's default."""
     redis_url: str | None = None
-    """Redis holding the queue (default: $REDIS_URL; without either, an embedded redis-server
-    starts and its URL is logged)."""
+    """Redis holding the queue: a standalone server or any node of a Redis Cluster; rediss://
+    for TLS; credentials as redis://user:password@host (default: $REDIS_URL; without either, an
+    embedded redis-server starts and its URL is logged)."""
+    redis_ca: str | None = None
+    """CA certificate file a rediss:// server's certificate must chain to (default: the
+    system's CAs)."""
+    redis_cert: str | None = None
+    """Client certificate file for a rediss:// server that verifies clients (mutual TLS)."""
+    redis_key: str | None = None
+    """Private key file of --redis-cert."""
     queue: str = field(default_factory=lambda: settings().queue)
     """Queue to serve (default: $PAGEDQ_QUEUE, else "default")."""
     prefix: str = DEFAULT_PREFIX
@@ -174,7 +183,26 @@ class WorkerConfig:
     reclaim_after: float = 30.0
     """Seconds without a lease renewal after which another worker takes over a job."""
     max_deliveries: int = 3
-    """Deliveries after which a job that keeps failing is dead-lettered."""
+    """Deliveries after which a job is a suspect of killing its workers: it then runs on a
+    worker alone, so that a death is blamed on it only when nothing else ran."""
+    solo_deaths: int = 2
+    """Deaths of a suspect job's lone runs after which it is dead-lettered."""
+    max_request_bytes: int = DEFAULT_LIMITS.max_request_bytes
+    """Largest job payload accepted (bytes of the msgpack request, checked before decoding)."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt accepted, in tokens (default: the engine's max_model_len)."""
+    max_n: int = DEFAULT_LIMITS.max_n
+    """Most samples (n) one job may ask for."""
+    max_logprobs: int = DEFAULT_LIMITS.max_logprobs
+    """Most top logprobs per token one job may ask for."""
+    max_stop: int = DEFAULT_LIMITS.max_stop
+    """Most stop strings, and most stop token ids, one job may give."""
+    max_stop_chars: int = DEFAULT_LIMITS.max_stop_chars
+    """Longest stop string accepted, in characters."""
+    dead_letter_entry_bytes: int = 8192
+    """Bytes of a job's payload kept in the dead-letter stream (the rest is cut off)."""
+    dead_letter_max_bytes: int = 32 << 20
+    """Bytes the dead-letter stream may hold in all (it keeps the newest entries)."""
     ttl: int = DEFAULT_TTL_S
     """Seconds each request's output stream and state live after their last write."""
     checkpoint_interval: float = 1.0
@@ -194,9 +222,21 @@ class WorkerConfig:
     """Prompt length assumed for jobs not read yet when counting how many more fit."""
     metrics_port: int | None = None
     """Serve Prometheus /metrics and /healthz on this port (0: any free one)."""
-    metrics_host: str = "0.0.0.0"
-    """Address the metrics server listens on."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics server listens on (0.0.0.0: every interface; it has no auth)."""
     engine: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def limits(self) -> Limits:
+        """What one job may ask of this worker (checked before anything is allocated)."""
+        return Limits(self.max_request_bytes, self.max_n, self.max_logprobs, self.max_stop,
+                      self.max_stop_chars)
+
+    @property
+    def tls(self) -> TLSFiles | None:
+        if not (self.redis_ca or self.redis_cert or self.redis_key):
+            return None
+        return TLSFiles(self.redis_ca, self.redis_cert, self.redis_key)
 
     @property
     def checkpoint_ttl_s(self) -> float:

@@ -9,9 +9,21 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import structlog
 import structlog.typing
+
+from pagedq.client.connection import redact_url
+
+
+def redact_credentials(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+    """A processor: the user and password of any Redis URL in a log line become ``***``, so a
+    URL logged anywhere (an error message that quotes it) never leaks them."""
+    for key, value in event.items():
+        if isinstance(value, str) and "://" in value:
+            event[key] = redact_url(value)
+    return event
 
 _configured = False
 
@@ -33,6 +45,7 @@ def configure_logging(json: bool = False, level: str = "INFO") -> None:
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            redact_credentials,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),

@@ -33,7 +33,11 @@ WORKER_SAMPLE = {
     "reclaim_after": 4.5, "max_deliveries": 9, "ttl": 77, "checkpoint_interval": 0.25,
     "checkpoint_ttl": 8.0, "drain_timeout": 2.5, "poll_interval": 0.3,
     "ownership_check_interval": 1.5, "read_block_ms": 250, "prompt_len_hint": 64,
-    "metrics_port": 9100, "metrics_host": "127.0.0.1",
+    "metrics_port": 9100, "metrics_host": "0.0.0.0", "redis_ca": "/tls/ca.crt",
+    "redis_cert": "/tls/client.crt", "redis_key": "/tls/client.key", "solo_deaths": 4,
+    "max_request_bytes": 4096, "max_prompt_tokens": 99, "max_n": 3, "max_logprobs": 5,
+    "max_stop": 2, "max_stop_chars": 8, "dead_letter_entry_bytes": 512,
+    "dead_letter_max_bytes": 65536,
 }
 # WorkerConfig fields carried by other flags: --model, and the engine group
 WORKER_VIA_ENGINE = {"model", "engine"}

@@ -7,6 +7,8 @@ import asyncio
 import pytest
 
 from pagedq.client import AsyncClient, RequestCancelledError, SamplingParams
+from pagedq.client.protocol import F_EVENT, F_SEQ, FINISHED, TOKENS, Event, Keys, encode_event
+from pagedq.client.reader import STREAMS_PER_READ
 from pagedq.worker.cli.queue import render_stats
 from tests.service.harness import running_worker
 
@@ -37,3 +39,52 @@ def test_async_client_end_to_end(redis_db, tiny_model_dir):
     assert stats["workers"][0]["name"] == "aw"
     table = render_stats(stats)
     assert "aw" in table and "normal" in table
+
+
+def test_ten_thousand_handles_in_flight_share_a_few_connections(redis_db, redis_client):
+    """Bug: above 100 concurrent stream()/result() calls redis-py's pool raised
+    MaxConnectionsError and left the jobs orphaned. All of one client's handles are read through
+    a few multiplexed XREADs: 10,000 in flight hold about ten connections."""
+    n = 10_000
+    keys = Keys()
+
+    def finish_all(ids):
+        pipe = redis_client.pipeline(transaction=False)
+        for k, rid in enumerate(ids):
+            tokens = Event(TOKENS, rid, token_ids=[k % 300, 7], position=2, finish_reason="length")
+            pipe.xadd(keys.out(rid), {F_SEQ: 1, F_EVENT: encode_event(tokens)})
+            done = Event(FINISHED, rid, finish_reasons=["length"])
+            pipe.xadd(keys.out(rid), {F_SEQ: 2, F_EVENT: encode_event(done)})
+            if len(pipe) >= 2000:
+                pipe.execute()
+        pipe.execute()
+
+    async def scenario():
+        before = redis_client.info("clients")["connected_clients"]
+        async with AsyncClient(redis_db) as client:
+            ids = [f"many-{k}" for k in range(n)]
+            tasks = [asyncio.create_task(client.handle(rid).result(timeout=120)) for rid in ids]
+            reader = await client.reader()
+            while reader.open_streams < n:
+                await asyncio.sleep(0.05)
+            during = redis_client.info("clients")["connected_clients"] - before
+            await asyncio.to_thread(finish_all, ids)
+            results = await asyncio.gather(*tasks)
+            left = reader.open_streams
+        return ids, results, during, left
+
+    ids, results, during, left = asyncio.run(scenario())
+    assert [r.request_id for r in results] == ids
+    assert [r.token_ids for r in results] == [[k % 300, 7] for k in range(n)]
+    assert during <= n // STREAMS_PER_READ + 4, during
+    assert left == 0  # every handle let go of its stream
+
+
+def test_concurrent_first_submits_all_land(redis_db, redis_client):
+    async def scenario():
+        async with AsyncClient(redis_db) as client:
+            return await asyncio.gather(*(client.submit([1, k]) for k in range(200)))
+
+    handles = asyncio.run(scenario())
+    assert len({h.id for h in handles}) == 200
+    assert redis_client.xlen(Keys().jobs("normal")) == 200

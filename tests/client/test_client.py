@@ -3,12 +3,14 @@ cancel, and text/chat prompts end to end (the default model, when it is availabl
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
 from pagedq.client import (
     Client,
+    DuplicateRequestError,
     InvalidParamsError,
     ProtocolError,
     RequestCancelledError,
@@ -22,14 +24,14 @@ from pagedq.client.protocol import (
     F_PAYLOAD,
     F_SEQ,
     FINISHED,
-    GROUP,
     TOKENS,
     Event,
     Keys,
     decode_request,
     encode_event,
+    request_digest,
 )
-from tests.service.harness import running_worker
+from tests.service.harness import raw_events, running_worker
 
 
 def write_events(r, rid, events, first_seq=1):
@@ -51,8 +53,65 @@ def test_submit_writes_a_decodable_job_on_its_priority_stream(redis_client, redi
     assert req.metadata == {"user": "u1"} and req.priority == 2
     low = [decode_request(f[F_PAYLOAD]).prompt for _, f in redis_client.xrange(keys.jobs("low"))]
     assert low == ["a", "b"] and len(handles) == 2
-    groups = {g["name"] for g in redis_client.xinfo_groups(keys.jobs("normal"))}
-    assert groups == {GROUP.encode()}
+    state = redis_client.hgetall(keys.state(h.id))
+    assert state[b"digest"] == request_digest(req).encode() and state[b"entry"] == eid
+
+
+def test_resubmitting_an_id_joins_refuses_or_returns_the_result(redis_client, redis_db,
+                                                                tiny_model_dir):
+    """Bug: the same id enqueued with another prompt resumed the first job's tokens under the
+    second prompt, and a finished id silently returned the old answer."""
+    keys = Keys()
+    params = SamplingParams(temperature=0, max_tokens=5)
+    with Client(redis_db) as client:
+        first = client.submit([1, 2, 3], params, request_id="job-1")
+        again = client.submit([1, 2, 3], SamplingParams(temperature=0, max_tokens=5),
+                              request_id="job-1", deadline=time.time() + 60)  # a retry
+        assert again.id == first.id and redis_client.xlen(keys.jobs("normal")) == 1
+        with pytest.raises(DuplicateRequestError) as info:
+            client.submit([9, 9], params, request_id="job-1")
+        assert info.value.code == "duplicate_id" and "job-1" in str(info.value)
+        with running_worker(redis_db, str(tiny_model_dir("llama")), "w1"):
+            res = first.result(timeout=60)
+        done = client.submit([1, 2, 3], params, request_id="job-1").result(timeout=5)
+        assert done.token_ids == res.token_ids and len(res.token_ids) == 5
+        assert [e.type for e in raw_events(redis_client, "job-1")].count("finished") == 1
+        with pytest.raises(DuplicateRequestError):
+            client.submit([9, 9], params, request_id="job-1")
+
+
+def test_a_handle_read_from_two_threads_gives_both_the_whole_stream(redis_client, redis_db):
+    """Bug: stream() in one thread and result() in another shared one cursor and raised a
+    misleading StreamGapError."""
+    events = [Event(TOKENS, "t2", token_ids=[k], text=str(k), position=k + 1) for k in range(40)]
+    events.append(Event(FINISHED, "t2", finish_reasons=["length"]))
+    with Client(redis_db) as client:
+        h = client.handle("t2")
+        seen, results, errors = [], [], []
+
+        def streamer():
+            try:
+                seen.append([t for ev in h.stream(timeout=30) for t in ev.token_ids])
+            except Exception as exc:  # surfaced below
+                errors.append(exc)
+
+        def waiter():
+            try:
+                results.append(h.result(timeout=30))
+            except Exception as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=f) for f in (streamer, waiter, waiter, streamer)]
+        for t in threads:
+            t.start()
+        for k, ev in enumerate(events):  # written while all four read
+            write_events(redis_client, "t2", [ev], first_seq=k + 1)
+            time.sleep(0.002)
+        for t in threads:
+            t.join(30)
+    assert not errors, errors
+    assert seen == [list(range(40))] * 2
+    assert [r.token_ids for r in results] == [list(range(40))] * 2
 
 
 def test_submit_rejects_bad_input_before_enqueueing(redis_client, redis_db):

@@ -24,6 +24,7 @@ from pagedq.client.protocol import (
     TOKENS,
     Event,
     Keys,
+    Limits,
     ProtocolError,
     build_request,
     check_request_id,
@@ -34,7 +35,9 @@ from pagedq.client.protocol import (
     engine_id,
     job_fields,
     priority_level,
+    request_digest,
 )
+from pagedq.errors import InvalidParamsError
 
 
 def test_client_import_never_imports_torch():
@@ -108,6 +111,65 @@ def test_undecodable_payloads_raise_protocol_error(data):
     assert info.value.request_id is None
 
 
+@pytest.mark.parametrize("data", [b"\xc1\xff", b"", None, "str", b"\x93\x01"])
+def test_an_undecodable_payload_under_a_valid_entry_id_names_that_id(data):
+    """Bug: XADD jobs * id req1 p "\xc1\xff" got no error event (the id was dropped)."""
+    with pytest.raises(ProtocolError) as info:
+        decode_request(data, entry_id_hint="req1")
+    assert info.value.request_id == "req1" and str(info.value)
+
+
+@pytest.mark.parametrize("hint", ["x bad hint!", "a}b", "{x}", "", "z" * 129])
+def test_an_invalid_entry_id_is_never_named(hint):
+    """Bug: a non-map payload wrote events under the entry's unvalidated id ("x bad hint!")."""
+    for data in (msgpack.packb([1, 2]), b"\xc1", msgpack.packb({"v": 1})):
+        with pytest.raises(ProtocolError) as info:
+            decode_request(data, entry_id_hint=hint)
+        assert info.value.request_id is None
+
+
+def test_the_entry_id_and_the_payload_id_must_agree():
+    with pytest.raises(ProtocolError) as info:
+        decode_request(_payload(), entry_id_hint="other")
+    assert info.value.request_id == "other" and info.value.code == E_INVALID_REQUEST
+
+
+@pytest.mark.parametrize("params", [{"n": 17}, {"n": 10**12}, {"n": 2**63}, {"logprobs": 21},
+                                    {"logprobs": 10**6}, {"stop": ["s"] * 17},
+                                    {"stop": ["x" * 257]}, {"stop_token_ids": list(range(17))},
+                                    {"top_k": 2**40}, {"max_tokens": 10**12},
+                                    {"stop_token_ids": [-1]}, {"min_tokens": 2**63}])
+def test_limits_answer_invalid_params_before_anything_is_allocated(params):
+    with pytest.raises(ProtocolError) as info:
+        decode_request(_payload(params=params))
+    assert info.value.code == E_INVALID_PARAMS and info.value.request_id == "r1"
+    with pytest.raises(InvalidParamsError):  # the SDK refuses them before enqueueing
+        build_request([1], SamplingParams.from_dict(params))
+
+
+def test_a_worker_limit_can_be_raised_and_the_payload_size_is_bounded():
+    many = Limits(max_n=64)
+    assert decode_request(_payload(params={"n": 40}), limits=many).params.n == 40
+    big = _payload(prompt_token_ids=list(range(1000)))
+    with pytest.raises(ProtocolError) as info:
+        decode_request(big, "r1", Limits(max_request_bytes=len(big) - 1))
+    assert info.value.code == E_INVALID_REQUEST and info.value.request_id == "r1"
+    with pytest.raises(ProtocolError):
+        build_request("x" * 2_000_000)
+
+
+def test_digest_ignores_what_a_retry_changes_and_sees_what_makes_another_job():
+    params = SamplingParams(temperature=0.5, seed=3)
+    a = build_request([1, 2], params, request_id="r", deadline=1e10, metadata={"try": 1})
+    b = build_request([1, 2], SamplingParams(temperature=0.5, seed=3), request_id="r",
+                      deadline=2e10, priority=4, metadata={"try": 2})
+    assert a.created <= b.created and request_digest(a) == request_digest(b)
+    assert request_digest(a) == request_digest(decode_request(encode_request(a)))
+    for other in (build_request([1, 3], params), build_request("12", params),
+                  build_request([1, 2], SamplingParams(temperature=0.5, seed=4))):
+        assert request_digest(other) != request_digest(a)
+
+
 _ints = st.integers(-(2**63), 2**64 - 1)
 
 
@@ -145,17 +207,22 @@ def test_event_round_trip_and_defaults_omitted():
     assert term.terminal and term.finish_reasons == ["stop"]
 
 
-def test_keys_schema_uses_hash_tags_and_levels():
+def test_keys_schema_puts_a_queue_in_one_slot():
     k = Keys("q1", "pq")
-    assert k.all_jobs() == ["pq:q1:jobs:high", "pq:q1:jobs:normal", "pq:q1:jobs:low"]
-    assert k.out("abc") == "pq:req:{abc}:out" and k.state("abc") == "pq:req:{abc}:state"
-    assert k.worker("w1") == "pq:q1:worker:w1"
+    assert k.all_jobs() == ["pq:{q1}:jobs:high", "pq:{q1}:jobs:normal", "pq:{q1}:jobs:low"]
+    assert k.out("abc") == "pq:{q1}:req:abc:out" and k.state("abc") == "pq:{q1}:req:abc:state"
+    assert k.worker("w1") == "pq:{q1}:worker:w1" and k.dead == "pq:{q1}:dead"
     assert [priority_level(p) for p in (5, 0, -3)] == ["high", "normal", "low"]
+    for bad in ("", "a}b", "x{", "with space", "q" * 65):  # they would break the hash tag
+        with pytest.raises(ValueError):
+            Keys(bad)
+        with pytest.raises(ValueError):
+            Keys("q", bad)
 
 
 def test_lock_key_and_engine_ids():
     k = Keys("q1", "pq")
-    assert k.lock("w1") == "pq:q1:lock:w1" and k.cancels == "pq:q1:cancels"
+    assert k.lock("w1") == "pq:{q1}:lock:w1" and k.cancels == "pq:{q1}:cancels"
     assert engine_id("abc-1", 3) == "abc-1#3"
     with pytest.raises(ProtocolError):  # "#" never appears in a request id: the split is safe
         check_request_id("a#1")

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 import redis
 
+from pagedq.client.client import submit_call
 from pagedq.client.protocol import (
     CANCELLED,
     GROUP,
@@ -18,14 +19,25 @@ from pagedq.client.protocol import (
     decode_event,
     encode_event,
     job_fields,
+    request_digest,
 )
 from pagedq.client.scripts import (
     CANCEL,
     CANCEL_FLAGGED,
     CLAIM,
+    CLAIM_DUPLICATE,
+    CLAIM_ENDED,
+    CLAIM_SUPERSEDED,
+    CLAIMED,
     HANDBACK,
     PUBLISH,
+    REAP,
     RENEW,
+    SUBMIT,
+    SUBMIT_DUPLICATE,
+    SUBMIT_ENDED,
+    SUBMIT_JOINED,
+    SUBMITTED,
     LuaScript,
     cancel_call,
     run_calls,
@@ -33,6 +45,9 @@ from pagedq.client.scripts import (
 
 KEYS = Keys()
 TTL = 60
+
+
+MAX_DELIVERIES = 3
 
 
 @pytest.fixture
@@ -46,8 +61,24 @@ def job(redis_client):
     return req, stream, eid
 
 
-def claim(r, rid, owner="w"):
-    return [int(x) for x in r.register_script(CLAIM)(keys=[KEYS.state(rid)], args=[owner, TTL])]
+def claim_reply(r, req, eid, owner="w", digest=None, stream=None):
+    digest = request_digest(req) if digest is None else digest
+    reply = r.register_script(CLAIM)(keys=[KEYS.state(req.id), stream or KEYS.jobs("normal")],
+                                     args=[owner, TTL, digest, eid, MAX_DELIVERIES])
+    return [int(x) for x in reply]
+
+
+def claim(r, req, eid, owner="w"):
+    """CLAIM's reply without its status: (epoch, deliveries, seq, cancel, solo)."""
+    status, *rest = claim_reply(r, req, eid, owner)
+    assert status == CLAIMED
+    return rest
+
+
+def submit(r, req):
+    keys, args = submit_call(KEYS, req, TTL)
+    status, entry = r.register_script(SUBMIT)(keys=keys, args=args)
+    return int(status), entry.decode()
 
 
 def publish(r, rid, stream, eid, epoch, base, tokens, terminal=False):
@@ -63,16 +94,34 @@ def out_tokens(r, rid):
 
 
 def test_claim_bumps_the_epoch_and_counts_deliveries(redis_client, job):
-    req, _, _ = job
-    assert claim(redis_client, req.id) == [1, 1, 0, 0, 0]  # epoch, deliveries, seq, done, cancel
-    assert claim(redis_client, req.id, "other") == [2, 2, 0, 0, 0]
+    req, _, eid = job
+    assert claim(redis_client, req, eid) == [1, 1, 0, 0, 0]  # epoch, deliveries, seq, cancel,
+    assert claim(redis_client, req, eid, "other") == [2, 2, 0, 0, 0]  # solo
     assert redis_client.hget(KEYS.state(req.id), "owner") == b"other"
     assert 0 < redis_client.ttl(KEYS.state(req.id)) <= TTL
+    assert claim(redis_client, req, eid)[:2] == [3, 3]
+    assert claim(redis_client, req, eid)[1:] == [4, 0, 0, 1]  # over max deliveries: a suspect
+    assert claim(redis_client, req, eid)[4] == 2
+
+
+def test_claim_tells_duplicates_and_ended_jobs_apart(redis_client, job):
+    req, stream, eid = job
+    epoch = claim(redis_client, req, eid)[0]
+    other = build_request([7, 7], request_id=req.id)  # the same id, another prompt
+    assert claim_reply(redis_client, other, eid)[0] == CLAIM_DUPLICATE
+    assert claim_reply(redis_client, req, eid, digest="")[0] == CLAIM_DUPLICATE  # garbage
+    second = redis_client.xadd(stream, job_fields(req)).decode()  # the same job, twice
+    assert claim_reply(redis_client, req, second)[0] == CLAIM_SUPERSEDED
+    assert int(redis_client.hget(KEYS.state(req.id), "epoch")) == epoch  # nothing changed
+    publish(redis_client, req.id, stream, eid, epoch, 0, [5], terminal=True)
+    assert claim_reply(redis_client, req, second)[0] == CLAIM_ENDED
+    fresh = build_request([1])
+    assert claim_reply(redis_client, fresh, "1-1", digest="")[0] == CLAIMED  # garbage, free id
 
 
 def test_publish_is_fenced_idempotent_and_acks_with_the_terminal_event(redis_client, job):
     req, stream, eid = job
-    epoch = claim(redis_client, req.id)[0]
+    epoch = claim(redis_client, req, eid)[0]
     assert publish(redis_client, req.id, stream, eid, epoch, 0, [5, 6]) == [1, 0]
     assert publish(redis_client, req.id, stream, eid, epoch, 0, [5, 6, 7]) == [1, 0]  # a retry
     assert out_tokens(redis_client, req.id) == [(1, [5]), (2, [6]), (3, [7])]
@@ -92,9 +141,9 @@ def test_renew_returns_the_jobs_no_longer_owned(redis_client, job):
     other = build_request([3])
     eid2 = redis_client.xadd(stream, job_fields(other)).decode()
     redis_client.xreadgroup(GROUP, "w", {stream: ">"})
-    epoch = claim(redis_client, req.id)[0]
-    claim(redis_client, other.id)
-    claim(redis_client, other.id, "thief")  # the second job's epoch moved on
+    epoch = claim(redis_client, req, eid)[0]
+    claim(redis_client, other, eid2)
+    claim(redis_client, other, eid2, "thief")  # the second job's epoch moved on
     lost = redis_client.register_script(RENEW)(
         keys=[stream, KEYS.state(req.id), stream, KEYS.state(other.id)],
         args=[GROUP, "w", eid, epoch, eid2, 1])
@@ -103,7 +152,7 @@ def test_renew_returns_the_jobs_no_longer_owned(redis_client, job):
 
 def test_handback_requeues_at_the_tail_and_fences_the_owner(redis_client, job):
     req, stream, eid = job
-    epoch = claim(redis_client, req.id)[0]
+    epoch = claim(redis_client, req, eid)[0]
     args = [epoch, GROUP, eid, TTL]
     for k, v in job_fields(req).items():
         args += [k, v]
@@ -113,19 +162,27 @@ def test_handback_requeues_at_the_tail_and_fences_the_owner(redis_client, job):
     (new_id, fields), = redis_client.xrange(stream)
     assert new_id.decode() != eid and fields == job_fields(req)
     assert redis_client.xpending(stream, GROUP)["pending"] == 0
-    assert claim(redis_client, req.id, "next")[:2] == [epoch + 2, 1]  # not a new delivery
+    assert redis_client.hget(KEYS.state(req.id), "entry") == new_id  # the job moved with it
+    new = new_id.decode()
+    assert claim(redis_client, req, new, "next")[:2] == [epoch + 2, 1]  # not a new delivery
 
 
 def test_cancel_ends_an_unowned_job_and_flags_an_owned_one(redis_client, job):
     req, stream, eid = job
-    cancel = redis_client.register_script(CANCEL)
+    script = redis_client.register_script(CANCEL)
+
+    def cancel(request_id):
+        keys, args = cancel_call(KEYS, request_id, TTL)
+        return script(keys=keys, args=args)
+
     queued = build_request([9])
-    assert cancel(**cancel_call(KEYS, queued.id, TTL)) == 2  # nobody holds it: ended here
+    assert submit(redis_client, queued)[0] == SUBMITTED
+    assert cancel(queued.id) == 2  # nobody holds it: ended here
     (_, fields), = redis_client.xrange(KEYS.out(queued.id))
     assert decode_event(fields).type == CANCELLED and int(fields[b"seq"]) == 1
-    assert cancel(**cancel_call(KEYS, queued.id, TTL)) == 0  # already done
-    claim(redis_client, req.id)
-    assert cancel(**cancel_call(KEYS, req.id, TTL)) == CANCEL_FLAGGED == 1
+    assert cancel(queued.id) == 0  # already done
+    claim(redis_client, req, eid)
+    assert cancel(req.id) == CANCEL_FLAGGED == 1
     assert redis_client.hget(KEYS.state(req.id), "cancel") == b"1"
     assert redis_client.xlen(KEYS.out(req.id)) == 0  # its worker writes the terminal event
 
@@ -137,9 +194,10 @@ def test_the_runner_reloads_scripts_redis_forgot(redis_db, redis_client, job):
     async def scenario():
         r = redis.asyncio.Redis.from_url(redis_db)
         claim_script, publish_script = LuaScript(CLAIM), LuaScript(PUBLISH)
-        first = await claim_script(r, [KEYS.state(req.id)], ["w", TTL])
+        args = ["w", TTL, request_digest(req), eid, MAX_DELIVERIES]
+        first = await claim_script(r, [KEYS.state(req.id), stream], args)
         await r.script_flush()  # a Redis restart or SCRIPT FLUSH
-        second = await claim_script(r, [KEYS.state(req.id)], ["w", TTL])
+        second = await claim_script(r, [KEYS.state(req.id), stream], args)
         await publish_script.load(r)
         await r.script_flush()  # now NOSCRIPT inside a pipeline
         replies = await run_calls(r, [(publish_script,
@@ -149,6 +207,37 @@ def test_the_runner_reloads_scripts_redis_forgot(redis_db, redis_client, job):
         return first, second, replies
 
     first, second, replies = asyncio.run(scenario())
-    assert [int(first[0]), int(second[0])] == [1, 2]
+    assert [int(first[1]), int(second[1])] == [1, 2]
     assert [int(x) for x in replies[0]] == [1, 0]
     assert out_tokens(redis_client, req.id) == [(1, [4])]
+
+
+def test_submit_is_idempotent_by_id(redis_client):
+    """Bug: reusing an id mixed two jobs' tokens. Now the same payload joins the first job (a
+    retry after a timeout gets exactly one), another payload is refused untouched, and an ended
+    job's id answers with its result."""
+    req = build_request([1, 2], request_id="same")
+    status, entry = submit(redis_client, req)
+    assert status == SUBMITTED and redis_client.xlen(KEYS.jobs("normal")) == 1
+    retry = build_request([1, 2], request_id="same", priority=0)  # a new created time
+    assert submit(redis_client, retry) == (SUBMIT_JOINED, entry)
+    other = build_request([1, 3], request_id="same")
+    assert submit(redis_client, other)[0] == SUBMIT_DUPLICATE
+    assert redis_client.xlen(KEYS.jobs("normal")) == 1
+    redis_client.hset(KEYS.state("same"), "done", "1")
+    assert submit(redis_client, retry)[0] == SUBMIT_ENDED
+    assert submit(redis_client, other)[0] == SUBMIT_DUPLICATE
+    assert redis_client.xlen(KEYS.jobs("normal")) == 1
+
+
+def test_reap_deletes_only_dead_empty_consumers(redis_client, job):
+    req, stream, eid = job  # "w" holds it
+    redis_client.xgroup_createconsumer(stream, GROUP, "idle")  # holds nothing
+    redis_client.xgroup_createconsumer(stream, GROUP, "alive")
+    redis_client.set(KEYS.lock("alive"), "alive", px=60_000)
+    reap = redis_client.register_script(REAP)
+    streams = KEYS.all_jobs()
+    for name, want in (("w", 0), ("alive", 0), ("idle", 1)):
+        assert reap(keys=[KEYS.lock(name), *streams], args=[GROUP, name]) == want
+    names = {c["name"].decode() for c in redis_client.xinfo_consumers(stream, GROUP)}
+    assert names == {"w", "alive"}

@@ -7,13 +7,13 @@ old name back, and with it its own pending jobs, while two live workers never sh
 
 Keys (docs/queue.md)::
 
-    P:Q:worker:NAME   hash, TTL = checkpoint_ttl: heartbeat, started, host, pid, model, state,
-                      jobs, running, waiting, kv_blocks_used, kv_blocks_total, kv_usage,
-                      kv_tokens_live, preemptions, tokens_per_s, generated_tokens, ...
-    P:Q:workers       zset NAME -> heartbeat (stale members pruned), TTL = checkpoint_ttl
-    P:Q:stats         hash, TTL = checkpoint_ttl: per level length/pending/lag, depth, pending,
-                      dead_letters, updated (written by every worker; the latest wins)
-    P:Q:lock:NAME     NAME, TTL = checkpoint_ttl: the consumer name is taken
+    P:{Q}:worker:NAME  hash, TTL = checkpoint_ttl: heartbeat, started, host, pid, model, state,
+                       jobs, running, waiting, kv_blocks_used, kv_blocks_total, kv_usage,
+                       kv_tokens_live, preemptions, generated_tokens, tokens_per_s, ...
+    P:{Q}:workers      zset NAME -> heartbeat (stale members pruned), TTL = checkpoint_ttl
+    P:{Q}:stats        hash, TTL = checkpoint_ttl: per level length/pending/lag, depth,
+                       pending, dead_letters, updated (every worker writes it; the latest wins)
+    P:{Q}:lock:NAME    NAME, TTL = checkpoint_ttl: the consumer name is taken
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import asyncio
 import os
 import socket
 import time
+from collections import deque
 from typing import Any
 
 from redis.asyncio import Redis
@@ -31,9 +32,29 @@ from pagedq.client.queue import depth_query, queue_depth
 from pagedq.worker.service.shared import Part, Shared
 
 ENGINE_FIELDS = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage",
-                 "kv_tokens_live", "preemptions", "prefix_cache_queries", "prefix_cache_hits",
-                 "num_generated_tokens")
+                 "kv_tokens_live", "preemptions", "prefix_cache_queries", "prefix_cache_hits")
 MAX_NAME_SUFFIX = 1000
+RATE_WINDOW_S = 10.0  # tokens_per_s averages over this long: tokens are published in bursts
+
+
+class Rate:
+    """A counter's rate over the last RATE_WINDOW_S seconds.
+
+    Tokens reach Redis in bursts (one publish per batch of steps), so the change since the
+    previous checkpoint alone would swing between 0 and twice the real rate.
+    """
+
+    def __init__(self, window_s: float = RATE_WINDOW_S):
+        self.window_s = window_s
+        self.samples: deque[tuple[float, int]] = deque()
+
+    def update(self, count: int, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        self.samples.append((now, count))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= self.window_s:
+            self.samples.popleft()
+        t0, c0 = self.samples[0]
+        return max(0.0, (count - c0) / (now - t0)) if now > t0 else 0.0
 
 
 async def claim_name(r: Redis, keys: Keys, base: str, ttl_s: float) -> str:
@@ -58,14 +79,7 @@ class Checkpoints(Part):
         self.static = {"name": name, "host": socket.gethostname(), "pid": os.getpid(),
                        "model": model, "started": time.time()}
         self.ok = False  # the last write succeeded
-        self._last_tokens: tuple[float, int] | None = None
-
-    def tokens_per_s(self, generated_tokens: int) -> float:
-        now = time.monotonic()
-        last, self._last_tokens = self._last_tokens, (now, generated_tokens)
-        if last is None or now <= last[0]:
-            return 0.0
-        return max(0.0, (generated_tokens - last[1]) / (now - last[0]))
+        self.rate = Rate()
 
     async def tick(self) -> None:
         await asyncio.sleep(self.interval)
@@ -87,7 +101,7 @@ class Checkpoints(Part):
         fields.update({k: self.metrics.engine[k] for k in ENGINE_FIELDS if k in self.metrics.engine})
         fields.update(heartbeat=now, state="draining" if self.stopping.is_set() else "serving",
                       jobs=len(self.jobs), generated_tokens=generated,
-                      tokens_per_s=round(self.tokens_per_s(generated), 2))
+                      tokens_per_s=round(self.rate.update(generated), 2))
         queue = await self._queue_stats()
         pipe = self.r.pipeline(transaction=True)  # readers never see a half-written hash
         key = self.keys.worker(self.name)

@@ -2,8 +2,10 @@
 
 ``read`` takes at most ``capacity`` new entries (XREADGROUP COUNT), so jobs this worker could
 not start stay in the stream for other workers. ``reclaim`` takes over jobs whose owner stopped
-renewing them (XAUTOCLAIM), and ``own_pending`` re-reads this consumer's own unacked entries
-after a restart under the same (stable) consumer name.
+renewing them (XAUTOCLAIM), ``own_pending`` re-reads this consumer's own unacked entries
+after a restart under the same (stable) consumer name, and ``reap`` deletes the consumers of
+dead workers once nothing is pending on them. ``dead_letter`` keeps an entry for inspection
+within a byte budget, so garbage input cannot fill a Redis that does not evict.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from redis.exceptions import ResponseError
 
 from pagedq.client.protocol import GROUP, LEVELS, Keys
 from pagedq.client.queue import check_groups, create_groups, stream_replies
+from pagedq.client.scripts import REAP, LuaScript
 from pagedq.worker.logging import get_logger
 
 log = get_logger("pagedq.worker.consumer")
 
-DEAD_LETTERS_MAXLEN = 10_000  # the dead-letter stream keeps about this many entries
+REASON_CHARS = 2000  # of a dead letter's reason
+DEAD_LETTER_OVERHEAD = 2048  # bytes of a dead letter besides the job's fields, at most
 
 
 @dataclass
@@ -69,11 +73,16 @@ def parse_autoclaim(reply: list[Any]) -> tuple[str, list[tuple[str, dict]], list
 class Consumer:
     """Reads one queue's job streams as one stable consumer of the group."""
 
-    def __init__(self, r: Redis, keys: Keys, name: str):
+    def __init__(self, r: Redis, keys: Keys, name: str, dead_letter_entry_bytes: int = 8192,
+                 dead_letter_max_bytes: int = 32 << 20):
         self.r = r
         self.keys = keys
         self.name = name
         self.streams = keys.all_jobs()
+        self.entry_bytes = dead_letter_entry_bytes
+        self.dead_maxlen = max(1, dead_letter_max_bytes // (dead_letter_entry_bytes
+                                                             + DEAD_LETTER_OVERHEAD))
+        self._reap = LuaScript(REAP)
         # redis-py's XAUTOCLAIM parser assumes every entry has fields, but Redis 6.2 returns
         # deleted-while-pending entries with nil fields: take the raw reply and parse it here.
         r.response_callbacks.pop("XAUTOCLAIM", None)
@@ -161,18 +170,55 @@ class Consumer:
 
     async def dead_letter(self, entry: Entry, reason: str, ack: bool = True) -> None:
         """Copy an entry to the dead-letter stream (with why) and, with ``ack``, drop it from
-        the queue. Without ``ack`` the caller's terminal publish acks it."""
-        fields: dict[Any, Any] = {b"stream": entry.stream, b"entry_id": entry.entry_id,
-                                  b"reason": reason[:2000], b"consumer": self.name}
-        for k, v in (entry.fields or {}).items():
-            if k not in fields:
-                fields[k] = v
+        the queue. Without ``ack`` the caller's terminal publish acks it.
+
+        The entry's own fields keep at most ``dead_letter_entry_bytes`` (``truncated`` then
+        holds their full size), and the stream at most ``dead_letter_max_bytes`` in all.
+        """
+        fields = self._dead_fields(entry, reason)
         pipe = self.r.pipeline(transaction=False)
-        pipe.xadd(self.keys.dead, fields, maxlen=DEAD_LETTERS_MAXLEN, approximate=True)
+        pipe.xadd(self.keys.dead, fields, maxlen=self.dead_maxlen, approximate=False)
         if ack:
             pipe.xack(entry.stream, GROUP, entry.entry_id)
             pipe.xdel(entry.stream, entry.entry_id)
         await pipe.execute()
+
+    def _dead_fields(self, entry: Entry, reason: str) -> dict[Any, Any]:
+        fields: dict[Any, Any] = {b"stream": entry.stream, b"entry_id": entry.entry_id,
+                                  b"reason": reason[:REASON_CHARS] or "unknown",
+                                  b"consumer": self.name}
+        budget, total = self.entry_bytes, 0
+        for k, v in (entry.fields or {}).items():
+            total += len(k) + len(v)
+            if k in fields or budget <= len(k):
+                continue
+            kept = v[:budget - len(k)]
+            fields[k] = kept
+            budget -= len(k) + len(kept)
+        if total > self.entry_bytes:
+            fields[b"truncated"] = total
+        return fields
+
+    async def reap(self, min_idle_ms: int) -> list[str]:
+        """Delete the consumers idle for ``min_idle_ms`` that hold nothing and whose name no
+        live worker holds (dead workers whose pending jobs were reclaimed); returns them."""
+        names: set[str] = set()
+        for stream in self.streams:
+            try:
+                consumers = await self.r.xinfo_consumers(stream, GROUP)
+            except ResponseError:  # no stream or group yet
+                continue
+            for c in consumers:
+                name = _s(c["name"])
+                if name != self.name and not c["pending"] and c["idle"] >= min_idle_ms:
+                    names.add(name)
+        reaped = []
+        for name in sorted(names):
+            if await self._reap(self.r, [self.keys.lock(name), *self.streams], [GROUP, name]):
+                reaped.append(name)
+        if reaped:
+            log.info("removed dead consumers from the group", consumers=reaped)
+        return reaped
 
 
 __all__ = ["Consumer", "Entry", "LEVELS", "parse_autoclaim"]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from redis.asyncio import Redis
 
 from pagedq.client.protocol import GROUP, Keys
-from pagedq.client.scripts import CLAIM, HANDBACK, RENEW, LuaScript
+from pagedq.client.scripts import CLAIM, CLAIMED, HANDBACK, RENEW, LuaScript
 from pagedq.worker.logging import get_logger
 from pagedq.worker.service.consumer import Consumer
 from pagedq.worker.service.job import LiveJob, owned
@@ -33,18 +33,26 @@ if TYPE_CHECKING:
 log = get_logger("pagedq.worker.leases")
 
 MAX_RECLAIM_INTERVAL_S = 5.0
+REAP_IDLE_FACTOR = 2  # consumers idle for this many --reclaim-after are removed once empty
 # A drain must end even while Redis is away (calls wait for it forever): a hand-back that
 # cannot finish in this long is left to --reclaim-after.
-HAND_BACK_TIMEOUT_S = 5.0
+HAND_BACK_TIMEOUT_S = 2.0
 
 
 @dataclass
 class Claim:
-    epoch: int
-    deliveries: int
-    seq: int  # events already in the output stream (a previous owner's)
-    done: bool  # the terminal event exists already: just ack
-    cancel: bool
+    """CLAIM's reply (pagedq.client.scripts): ``status`` first; the rest counts when CLAIMED."""
+
+    status: int  # CLAIMED | CLAIM_ENDED | CLAIM_DUPLICATE | CLAIM_SUPERSEDED
+    epoch: int = 0
+    deliveries: int = 0
+    seq: int = 0  # events already in the output stream (a previous owner's)
+    cancel: bool = False
+    solo: int = 0  # claims since the job became a suspect (deliveries > max deliveries)
+
+    @property
+    def owned(self) -> bool:
+        return self.status == CLAIMED
 
 
 @dataclass
@@ -57,19 +65,23 @@ class PollResult:
 class Leases:
     """This worker's ownership calls: one script or pipeline each."""
 
-    def __init__(self, r: Redis, keys: Keys, name: str, ttl: int):
+    def __init__(self, r: Redis, keys: Keys, name: str, ttl: int, max_deliveries: int = 3):
         self.r = r
         self.keys = keys
         self.name = name
         self.ttl = ttl
+        self.max_deliveries = max_deliveries
         self._claim = LuaScript(CLAIM)
         self._renew = LuaScript(RENEW)
         self._handback = LuaScript(HANDBACK)
 
-    async def claim(self, request_id: str) -> Claim:
-        epoch, deliveries, seq, done, cancel = await self._claim(
-            self.r, [self.keys.state(request_id)], [self.name, self.ttl])
-        return Claim(int(epoch), int(deliveries), int(seq), bool(done), bool(cancel))
+    async def claim(self, request_id: str, stream: str, entry_id: str, digest: str = "") -> Claim:
+        """Claim the job ``request_id`` carried by entry ``entry_id`` of ``stream``; ``digest``
+        is its payload's (protocol.request_digest), "" when the payload did not decode."""
+        reply = await self._claim(self.r, [self.keys.state(request_id), stream],
+                                  [self.name, self.ttl, digest, entry_id, self.max_deliveries])
+        status, epoch, deliveries, seq, cancel, solo = (int(x) for x in reply)
+        return Claim(status, epoch, deliveries, seq, bool(cancel), solo)
 
     async def renew(self, jobs: list[LiveJob]) -> list[LiveJob]:
         """Reset the idle time of every job still ours; return those we no longer own."""
@@ -117,6 +129,7 @@ class LeaseKeeper(Part):
         self.admission = admission
         self.outbox = outbox
         self._cancel_hint: bytes | None = None  # the cancel counter's value at the last poll
+        self._last_reap = time.monotonic()
 
     async def renew_once(self) -> None:
         await asyncio.sleep(max(0.05, self.config.reclaim_after / 3))
@@ -176,6 +189,10 @@ class LeaseKeeper(Part):
             log.info("reclaimed jobs from a silent worker", count=len(entries))
             self.metrics.inc("pagedq:jobs_reclaimed_total", len(entries))
         await self.admission.admit_all(entries)
+        if time.monotonic() - self._last_reap >= self.config.reclaim_after:
+            self._last_reap = time.monotonic()
+            # a consumer idle this long, holding nothing, with no live worker behind its name
+            await self.consumer.reap(int(REAP_IDLE_FACTOR * self.config.reclaim_after * 1000))
 
     async def hand_back(self, job: LiveJob) -> None:
         """Stop ``job`` here and give it back to the queue for another worker (a drain)."""

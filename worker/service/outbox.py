@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pagedq.client.protocol import (
@@ -24,7 +25,7 @@ from pagedq.client.protocol import (
 from pagedq.errors import InvalidParamsError, InvalidRequestError, RequestTooLongError
 from pagedq.worker.logging import get_logger
 from pagedq.worker.service.engine_loop import Report
-from pagedq.worker.service.job import LiveJob, owned
+from pagedq.worker.service.job import LiveJob
 from pagedq.worker.service.publisher import (
     FENCED,
     OK,
@@ -53,6 +54,10 @@ class Outbox(Part):
         self.name = publisher.worker
         self._queue: asyncio.Queue[Report | Publication] = asyncio.Queue()
         self._busy = False  # a batch is being written
+        self._unsent: list[Publication] = []  # a batch whose write failed: sent first next time
+        # what to do with a job whose stream is behind what this worker wrote (a Redis
+        # failover lost writes): give it back, and its next owner resumes from the stream
+        self.give_back: Callable[[LiveJob], Awaitable[None]] | None = None
 
     def put_report(self, report: Report) -> None:
         if report.outputs or report.rejected or report.step_error:
@@ -61,21 +66,29 @@ class Outbox(Part):
     @property
     def empty(self) -> bool:
         """Nothing queued and nothing being written."""
-        return not self._busy and self._queue.empty()
+        return not self._busy and self._queue.empty() and not self._unsent
 
     async def publish_once(self) -> None:
-        """Wait for something to publish, then write everything queued by then."""
-        items = [await self._queue.get()]
+        """Wait for something to publish, then write everything queued by then.
+
+        A batch whose write raised (Redis outages are waited out below this, so only a bug or
+        a denied command) is kept and written first next time: events are never dropped.
+        """
+        pubs, self._unsent = self._unsent, []
+        items = [] if pubs else [await self._queue.get()]
         self._busy = True
         try:
             while not self._queue.empty():
                 items.append(self._queue.get_nowait())
-            pubs: list[Publication] = []
             for item in items:
                 pubs += [item] if isinstance(item, Publication) else self._publications(item)
             pubs = merge(pubs)
             if pubs:
-                outcomes = await self.publisher.send(pubs)
+                try:
+                    outcomes = await self.publisher.send(pubs)
+                except BaseException:
+                    self._unsent = pubs
+                    raise
                 for pub, outcome in zip(pubs, outcomes, strict=True):
                     self._settle(pub, outcome)
         finally:
@@ -103,9 +116,8 @@ class Outbox(Part):
             job = self.jobs.get(eid)
             if job is not None and not job.closing:
                 pubs.append(self._fail(job, error_code(exc), str(exc)))
-        if report.step_error is not None:
-            message = f"the engine failed on this batch: {report.step_error!r}"
-            pubs += [self._fail(job, E_INTERNAL, message) for job in owned(self.jobs)]
+        if report.step_error is not None:  # the engine thread retries its requests
+            self.metrics.inc("pagedq:engine_step_failures_total")
         return pubs
 
     def _observe_tokens(self, job: LiveJob, events: list[Event], now: float) -> None:
@@ -135,11 +147,16 @@ class Outbox(Part):
             if outcome.status == FENCED:
                 self.metrics.inc("pagedq:jobs_fenced_total")
                 log.warning("lost a job to another worker; dropping it", request_id=pub.request_id)
-            else:
-                log.error("output stream out of sync; giving the job up",
+                if job is not None:
+                    self.drop(job)
+            elif job is not None:
+                log.error("output stream behind this worker's writes (a failover lost some?); "
+                          "handing the job back to resume from the stream",
                           request_id=pub.request_id)
-            if job is not None:
-                self.drop(job)
+                if self.give_back is not None:
+                    asyncio.ensure_future(self.give_back(job))
+                else:
+                    self.drop(job)
             return
         if job is not None:
             job.checked = time.monotonic()  # the script just read its epoch and cancel flag

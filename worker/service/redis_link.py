@@ -1,12 +1,13 @@
-"""The worker's Redis connection: one client whose Retry rides outages, and the embedded
-redis-server when no Redis is named.
+"""The worker's Redis connection: one client that rides outages, and the embedded redis-server
+when no Redis is named.
 
-Every Redis call of the worker goes through redis-py's own Retry (exponential backoff, no
-attempt limit) on connection errors and timeouts, so no task carries a retry loop of its own
-and a Redis restart costs waiting, never a lost event: the engine keeps stepping, the outbox
-keeps its events, and every call completes once Redis is back (publishes are idempotent).
-An outage is logged once when the first call fails and once when a call succeeds again,
-however many tasks were waiting.
+Every Redis call of the worker waits out an outage (exponential backoff, no attempt limit), so
+no task carries a retry loop of its own and a Redis restart costs waiting, never a lost event:
+the engine keeps stepping, the outbox keeps its events, and every call completes once Redis is
+back (publishes are idempotent). On a standalone server redis-py's own Retry does it; on a
+Redis Cluster (a failover moves a slot's master) ``PatientCluster`` does it for commands and
+pipelines alike. An outage is logged once when it begins and once when it ends, however many
+tasks were waiting, with the URL's credentials redacted.
 """
 
 from __future__ import annotations
@@ -17,20 +18,37 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError, TimeoutError
+from redis.exceptions import (
+    AuthenticationError,
+    ClusterDownError,
+    NoPermissionError,
+    RedisClusterException,
+    TryAgainError,
+)
 
+from pagedq.client.connection import (
+    BACKOFF_BASE_S,
+    BACKOFF_CAP_S,
+    TRANSIENT,
+    TLSFiles,
+    is_cluster,
+    redact_url,
+)
 from pagedq.worker.logging import get_logger
 from pagedq.worker.service.embedded_redis import EmbeddedRedis
 
 log = get_logger("pagedq.worker.redis")
 
-BACKOFF_BASE_S = 0.05  # the first retry waits about this long...
-BACKOFF_CAP_S = 2.0  # ...and the waits double up to this
 # At start-up an unreachable Redis is a mistake in the configuration, not an outage: the
 # worker gives up after this long and exits 1.
 CONNECT_TIMEOUT_S = 10.0
+# What a cluster answers while a failover is under way, besides the connection errors.
+CLUSTER_TRANSIENT = (*TRANSIENT, ClusterDownError, TryAgainError, RedisClusterException)
+# What is never an outage: a wrong password, a denied command.
+NOT_TRANSIENT = (AuthenticationError, NoPermissionError)
 
 
 class Outage:
@@ -41,7 +59,7 @@ class Outage:
     """
 
     def __init__(self, url: str):
-        self.url = url
+        self.url = redact_url(url)
         self.since: float | None = None  # monotonic time of the first failed call
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Outage:
@@ -55,7 +73,7 @@ class Outage:
         if self.since is None:
             self.since = time.monotonic()
             log.warning("Redis unreachable; every call waits and retries until it is back",
-                        url=self.url, error=str(error) or type(error).__name__)
+                        url=self.url, error=redact_url(str(error)) or type(error).__name__)
 
     def succeeded(self) -> None:
         if self.since is not None:
@@ -73,7 +91,8 @@ class RetryForever(Retry):
     """
 
     def __init__(self, outage: Outage):
-        super().__init__(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), retries=-1)
+        super().__init__(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), retries=-1,
+                         supported_errors=TRANSIENT)
         self.outage = outage
 
     async def call_with_retry(self, do: Any, fail: Any, *args: Any, **kwargs: Any) -> Any:
@@ -81,6 +100,8 @@ class RetryForever(Retry):
 
         async def report(error: Exception, *count: int) -> Any:
             nonlocal failures
+            if isinstance(error, NOT_TRANSIENT):  # a wrong password is no outage
+                raise error
             failures += 1
             if failures >= 2:  # a stale pooled connection fails once, then reconnects fine
                 self.outage.failed(error)
@@ -91,19 +112,96 @@ class RetryForever(Retry):
         return result
 
 
+async def wait_out(outage: Outage, attempt: Any) -> Any:
+    """Run ``attempt()`` until it does not fail with a cluster's transient error."""
+    delay = BACKOFF_BASE_S
+    failures = 0
+    while True:
+        try:
+            result = await attempt()
+        except NOT_TRANSIENT:
+            raise
+        except CLUSTER_TRANSIENT as exc:
+            failures += 1
+            if failures >= 2:
+                outage.failed(exc)
+            await asyncio.sleep(delay)
+            delay = min(BACKOFF_CAP_S, delay * 2)
+            continue
+        outage.succeeded()
+        return result
+
+
+class PatientPipeline:
+    """A cluster pipeline that is replayed until it goes through.
+
+    redis-py's cluster pipeline forgets its commands once ``execute`` fails, so this one
+    records them and queues them again on a fresh pipeline for every attempt (the worker's
+    pipelines are idempotent: fenced scripts, reads, acks, checkpoint writes).
+    """
+
+    def __init__(self, cluster: PatientCluster, transaction: bool | None):
+        self._cluster = cluster
+        self._transaction = transaction
+        self._calls: list[tuple[str, tuple, dict]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        def record(*args: Any, **kwargs: Any) -> PatientPipeline:
+            self._calls.append((name, args, kwargs))
+            return self
+
+        return record
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    async def execute(self, raise_on_error: bool = True) -> list[Any]:
+        async def attempt() -> list[Any]:
+            pipe = RedisCluster.pipeline(self._cluster, transaction=self._transaction)
+            for name, args, kwargs in self._calls:
+                getattr(pipe, name)(*args, **kwargs)
+            replies = await pipe.execute(raise_on_error=raise_on_error)
+            for reply in replies:  # a node that went away mid-pipeline: try it all again
+                if isinstance(reply, CLUSTER_TRANSIENT) and not isinstance(reply, NOT_TRANSIENT):
+                    raise reply
+            return replies
+
+        try:
+            return await wait_out(self._cluster.outage, attempt)
+        finally:
+            self._calls = []
+
+
+class PatientCluster(RedisCluster):
+    """redis-py's asyncio RedisCluster whose commands and pipelines wait out failovers."""
+
+    outage: Outage
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        parent = super().execute_command
+        return await wait_out(self.outage, lambda: parent(*args, **kwargs))
+
+    def pipeline(self, transaction: bool | None = None, shard_hint: Any = None) -> Any:
+        return PatientPipeline(self, transaction)
+
+
 @dataclass
 class RedisLink:
     """The worker's Redis client, its outage state, and the embedded server it started."""
 
-    redis: Redis
-    url: str
+    redis: Redis | RedisCluster
+    url: str  # with the credentials redacted: safe to log
     outage: Outage
     embedded: EmbeddedRedis | None = None
 
+    @property
+    def cluster(self) -> bool:
+        return isinstance(self.redis, RedisCluster)
+
     @classmethod
-    async def open(cls, url: str | None) -> RedisLink:
+    async def open(cls, url: str | None, tls: TLSFiles | None = None) -> RedisLink:
         """Connect to ``url`` (None: start an embedded redis-server first) and check that it
-        answers within CONNECT_TIMEOUT_S."""
+        answers within CONNECT_TIMEOUT_S; a denied login or command raises at once."""
         embedded = None
         if url is None:
             embedded = EmbeddedRedis.start()
@@ -111,16 +209,32 @@ class RedisLink:
             log.info("no --redis-url or REDIS_URL: started an embedded redis-server",
                      url=url, pid=embedded.process.pid)
         outage = Outage(url)
-        r = Redis.from_url(url, retry=RetryForever(outage),
-                           retry_on_error=[ConnectionError, TimeoutError],
-                           health_check_interval=30, socket_keepalive=True)
-        link = cls(r, url, outage, embedded)
+        try:
+            r = await asyncio.wait_for(cls._client(url, tls, outage), CONNECT_TIMEOUT_S)
+        except BaseException:
+            if embedded is not None:
+                embedded.stop()
+            raise
+        link = cls(r, outage.url, outage, embedded)
         try:
             await asyncio.wait_for(r.ping(), CONNECT_TIMEOUT_S)
         except BaseException:
             await link.close()
             raise
         return link
+
+    @staticmethod
+    async def _client(url: str, tls: TLSFiles | None, outage: Outage) -> Redis | RedisCluster:
+        options = {**(tls.kwargs() if tls else {}), "socket_keepalive": True}
+        if await asyncio.to_thread(is_cluster, url, tls):
+            # the cluster's own retry re-reads the slots a few times; PatientCluster then
+            # waits out the rest (a retry-forever connection would never fail over)
+            cluster = PatientCluster.from_url(url, retry=Retry(ExponentialBackoff(), 3),
+                                              **options)
+            cluster.outage = outage
+            return cluster
+        return Redis.from_url(url, retry=RetryForever(outage), health_check_interval=30,
+                              **options)
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -14,7 +14,9 @@
 
 Each loop runs as an asyncio task (uvloop where available). SIGTERM drains: stop pulling, hand
 back jobs not started yet, let running ones finish within ``drain_timeout``, hand back the
-rest, exit 0.
+rest, exit 0 within ``drain_timeout + EXIT_GRACE_S`` whatever Redis does. A SIGTERM while the
+model loads exits 0 at once. A Redis that cannot be reached, refuses the login, or denies a
+command the worker needs (an ACL) is one log line and exit 1, never a traceback.
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import NoPermissionError, RedisError
 
+from pagedq.client.connection import redact_url
 from pagedq.client.protocol import Keys, Request
 from pagedq.client.redis_url import resolve_redis_url
 from pagedq.worker.config import WorkerConfig, settings
@@ -40,6 +42,7 @@ from pagedq.worker.service.admission import Admission
 from pagedq.worker.service.checkpoints import Checkpoints, claim_name
 from pagedq.worker.service.consumer import Consumer
 from pagedq.worker.service.engine_loop import EngineLoop, Report
+from pagedq.worker.service.intake import Intake
 from pagedq.worker.service.job import Jobs
 from pagedq.worker.service.leases import LeaseKeeper, Leases
 from pagedq.worker.service.metrics import Metrics, MetricsServer
@@ -51,23 +54,44 @@ from pagedq.worker.service.shared import Shared
 log = get_logger("pagedq.worker")
 
 ERROR_PAUSE_S = 1.0  # after an unexpected error a task waits this long before carrying on
-STOP_TASKS_S = 10.0  # background tasks get this long to end once cancelled
-FLUSH_S = 5.0  # after the drain, queued events get this long to reach Redis
+# Once the drain's running jobs had their --drain-timeout, everything left (hand-backs, the
+# last events, the checkpoint keys, the engine thread) shares this many seconds.
+EXIT_GRACE_S = 5.0
+ACL_HINT = ("the Redis user lacks a command or key the worker needs: grant the ACL in "
+            "docs/operations.md")
 
 
 async def in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn`` in a thread that ends with it, not on the loop's long-lived executor.
+    """Run ``fn`` in a daemon thread that ends with it, not on the loop's long-lived executor.
 
     libgomp keeps an OpenMP thread pool for every thread that ever ran a parallel region, for
     as long as that thread lives. A pool left behind by model loading on an executor thread
     makes libgomp count more OpenMP threads than cores, and it then stops spin-waiting between
-    parallel regions: every torch op of the engine thread would pay a futex wake-up.
+    parallel regions: every torch op of the engine thread would pay a futex wake-up. A daemon
+    thread also lets the process exit on SIGTERM while a model still loads.
     """
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedq-load")
-    try:
-        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
-    finally:
-        pool.shutdown(wait=False)  # its one thread exits as soon as fn has returned
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def target() -> None:
+        try:
+            result: Any = fn(*args)
+        except BaseException as exc:  # handed to the awaiting task
+            loop.call_soon_threadsafe(_settle, done, None, exc)
+        else:
+            loop.call_soon_threadsafe(_settle, done, result, None)
+
+    threading.Thread(target=target, name="pagedq-load", daemon=True).start()
+    return await done
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def build_engine(config: WorkerConfig) -> Any:
@@ -135,26 +159,52 @@ class Worker:
             self._loop.call_soon_threadsafe(self._stopping.set)
 
     async def run(self) -> int:
-        """Serve until stop()/SIGTERM, then drain. Exit code: 0 ok, 1 no Redis, 2 no model."""
+        """Serve until stop()/SIGTERM, then drain. Exit code: 0 ok, 1 no Redis (or denied),
+        2 no model."""
         self._loop = asyncio.get_running_loop()
+        self._install_signals()
+        url = resolve_redis_url(self.config.redis_url, default=None)
         try:
-            link = await RedisLink.open(resolve_redis_url(self.config.redis_url, default=None))
+            link = await RedisLink.open(url, self.config.tls)
+        except NoPermissionError as exc:
+            log.error(f"Redis denied a command: {ACL_HINT}", error=redact_url(str(exc)))
+            return 1
         except (RedisError, OSError, RuntimeError) as exc:
-            log.error("cannot reach Redis: check --redis-url / REDIS_URL", error=str(exc))
+            log.error("cannot reach Redis: check --redis-url / REDIS_URL and the TLS flags",
+                      url=redact_url(url or "embedded"),
+                      error=redact_url(str(exc)) or type(exc).__name__)
             return 1
         self.redis_url = link.url
         try:
-            if self.engine is None:
-                log.info("loading model", model=self.config.model or "default")
-                try:
-                    self.engine = await in_own_thread(build_engine, self.config)
-                except Exception as exc:
-                    log.error("cannot load the model", model=self.config.model, error=str(exc))
-                    return 2
-            await self._serve(await self._assemble(link))
+            if self.engine is None and not await self._load():
+                return 0 if self._stopping.is_set() else 2
+            try:
+                parts = await self._assemble(link)
+            except NoPermissionError as exc:
+                log.error(f"Redis denied a command: {ACL_HINT}", error=redact_url(str(exc)))
+                return 1
+            await self._serve(parts)
             return 0
         finally:
             await link.close()
+
+    async def _load(self) -> bool:
+        """Load the model; False when it fails (logged) or a stop came first."""
+        log.info("loading model", model=self.config.model or "default")
+        load = asyncio.ensure_future(in_own_thread(build_engine, self.config))
+        stop = asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait([load, stop], return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not load.done():
+            load.cancel()
+            log.info("stopped while the model was loading")
+            return False
+        try:
+            self.engine = load.result()
+        except Exception as exc:
+            log.error("cannot load the model", model=self.config.model, error=str(exc))
+            return False
+        return True
 
     async def _assemble(self, link: RedisLink) -> Parts:
         """Claim a consumer name and build every part around it."""
@@ -162,17 +212,19 @@ class Worker:
         base = cfg.consumer_name or settings().consumer_name or socket.gethostname()
         self.name = name = await claim_name(r, keys, base, cfg.checkpoint_ttl_s)
         self.model_name = str(getattr(self.engine, "model_path", None) or self.model_name)
-        consumer = Consumer(r, keys, name)
+        consumer = Consumer(r, keys, name, cfg.dead_letter_entry_bytes, cfg.dead_letter_max_bytes)
         await consumer.ensure_groups()
-        leases = Leases(r, keys, name, cfg.ttl)
+        leases = Leases(r, keys, name, cfg.ttl, cfg.max_deliveries)
         publisher = Publisher(r, keys, cfg.ttl, name)
         shared = Shared(cfg, EngineLoop(self.engine, cfg.prompt_len_hint),
                         Metrics(self.model_name), self.jobs, self._stopping)
         shared.metrics.engine = self.engine.stats()
         outbox = Outbox(shared, publisher)
-        admission = Admission(shared, r, keys, consumer, leases, publisher)
+        admission = Admission(shared, r, keys, consumer, leases, publisher,
+                              Intake(self.engine, cfg.max_prompt_tokens))
         admission.capacity.engine_free = self.engine.free_capacity(cfg.prompt_len_hint)
         keeper = LeaseKeeper(shared, leases, consumer, admission, outbox)
+        outbox.give_back = keeper.hand_back
         checkpoints = Checkpoints(shared, r, keys, name, self.model_name)
         return Parts(link, shared, admission, outbox, keeper, checkpoints)
 
@@ -180,7 +232,6 @@ class Worker:
         loop = asyncio.get_running_loop()
         parts.shared.engine_loop.start(lambda report: loop.call_soon_threadsafe(
             self._on_report, parts, report))
-        self._install_signals()
         server = await self._start_metrics(parts)
         await parts.checkpoints.write()
         tasks = [asyncio.create_task(repeat(name, once), name=name) for name, once in [
@@ -195,13 +246,13 @@ class Worker:
                  redis=self.redis_url, reclaim_after=self.config.reclaim_after,
                  model=self.model_name)
         await self._stopping.wait()
-        await self._drain(parts, pullers)
+        end = await self._drain(parts, pullers)
         for task in tasks:
             task.cancel()
-        _, stuck = await asyncio.wait(tasks, timeout=STOP_TASKS_S)
+        _, stuck = await asyncio.wait(tasks, timeout=max(0.1, end - time.monotonic()))
         if stuck:
             log.warning("background tasks did not stop", tasks=[t.get_name() for t in stuck])
-        await self._shutdown(parts, server)
+        await self._shutdown(parts, server, end)
 
     async def _read(self, parts: Parts) -> None:
         await parts.admission.admit_own_pending()
@@ -232,30 +283,43 @@ class Worker:
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # not the main thread (tests run workers in threads): stop() instead
 
-    async def _drain(self, parts: Parts, pullers: list[asyncio.Task]) -> None:
+    async def _drain(self, parts: Parts, pullers: list[asyncio.Task]) -> float:
+        """Stop pulling, let running jobs finish within --drain-timeout, hand back the rest.
+
+        Returns the monotonic time by which everything left must be done: the hand-backs and
+        the last events share EXIT_GRACE_S after the drain, so SIGTERM always exits in time.
+        """
         self._serving = False
         log.info("draining: no new jobs", worker=self.name, jobs=len(self.jobs))
         parts.admission.capacity_changed.set()  # a reader waiting for room sees the stop
-        await asyncio.wait(pullers, timeout=self.config.read_block_ms / 1000 + 5)
+        await asyncio.wait(pullers, timeout=min(self.config.read_block_ms / 1000, 1.0) + 0.5)
         for task in pullers:
             task.cancel()
-        for job in list(self.jobs.values()):
-            if job.first_token is None and not job.closing:
-                await parts.keeper.hand_back(job)
-        end = time.monotonic() + self.config.drain_timeout
-        while any(not j.closing for j in self.jobs.values()) and time.monotonic() < end:
+        await self._hand_back(parts, [j for j in self.jobs.values()
+                                      if j.first_token is None and not j.closing])
+        drained = time.monotonic() + self.config.drain_timeout
+        while any(not j.closing for j in self.jobs.values()) and time.monotonic() < drained:
             await asyncio.sleep(0.05)
-        for job in list(self.jobs.values()):
-            if not job.closing:
-                await parts.keeper.hand_back(job)
-        end = time.monotonic() + FLUSH_S
+        end = time.monotonic() + EXIT_GRACE_S
+        await self._hand_back(parts, [j for j in self.jobs.values() if not j.closing])
         while (self.jobs or not parts.outbox.empty) and time.monotonic() < end:
             await asyncio.sleep(0.02)
+        return end
 
-    async def _shutdown(self, parts: Parts, server: MetricsServer | None) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, parts.shared.engine_loop.stop)
+    @staticmethod
+    async def _hand_back(parts: Parts, jobs: list) -> None:
+        """Hand ``jobs`` back at once, all in parallel (each bounded by its own timeout)."""
+        await asyncio.gather(*(parts.keeper.hand_back(j) for j in jobs))
+
+    async def _shutdown(self, parts: Parts, server: MetricsServer | None, end: float) -> None:
+        def left() -> float:
+            return max(0.1, end - time.monotonic())
+
+        await asyncio.get_running_loop().run_in_executor(
+            None, partial(parts.shared.engine_loop.stop, left()))
+        parts.admission.intake.close()
         try:
-            await asyncio.wait_for(parts.checkpoints.remove(), FLUSH_S)
+            await asyncio.wait_for(parts.checkpoints.remove(), left())
         except Exception as exc:
             log.warning("could not remove the checkpoint keys (they expire on their own)",
                         error=repr(exc))

@@ -1,0 +1,106 @@
+"""Connecting to Redis: one place that turns a URL (and TLS files) into a redis-py client.
+
+The URL names a standalone server or any node of a Redis Cluster; which one is asked once
+(``HELLO``'s ``mode``), so ``--redis-url redis://node-1:7000`` works for both, and the cluster
+client follows the slots from there. ``rediss://`` is TLS; ``TLSFiles`` adds a private CA and a
+client certificate (mutual TLS), or the URL carries them as redis-py query arguments
+(``?ssl_ca_certs=...&ssl_certfile=...&ssl_keyfile=...``). Credentials ride in the URL
+(``redis://user:password@host``) and never reach a log line (``redact_url``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import BusyLoadingError, ConnectionError, RedisError, TimeoutError
+from redis.retry import Retry
+
+# Errors worth a retry: the server is away, restarting or still loading its data.
+TRANSIENT = (ConnectionError, TimeoutError, BusyLoadingError)
+SDK_RETRIES = 8  # ~10 s of backoff (50 ms doubling to 2 s) before a command gives up
+BACKOFF_BASE_S = 0.05
+BACKOFF_CAP_S = 2.0
+PROBE_TIMEOUT_S = 5.0
+
+_CREDENTIALS = re.compile(r"(rediss?://)([^@/\s]*)@")
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the user name and password of every Redis URL in it replaced by ``***``."""
+    return _CREDENTIALS.sub(r"\1***@", text)
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """Files for a TLS connection (``rediss://``): a private CA, and a client certificate for
+    servers that ask for one (``tls-auth-clients yes``)."""
+
+    ca: str | None = None
+    """CA certificate bundle the server's certificate must chain to (default: the system's)."""
+    cert: str | None = None
+    """Client certificate (PEM), for mutual TLS."""
+    key: str | None = None
+    """The client certificate's private key (PEM)."""
+
+    def kwargs(self) -> dict[str, Any]:
+        out = {"ssl_ca_certs": self.ca, "ssl_certfile": self.cert, "ssl_keyfile": self.key}
+        return {k: v for k, v in out.items() if v}
+
+
+def sdk_retry() -> Retry:
+    """The SDK's retry: a command waits out a short outage (a Redis restart), then raises."""
+    return Retry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), SDK_RETRIES,
+                 supported_errors=TRANSIENT)
+
+
+def _options(tls: TLSFiles | None, extra: dict[str, Any]) -> dict[str, Any]:
+    return {**(tls.kwargs() if tls else {}), **extra}
+
+
+def is_cluster(url: str, tls: TLSFiles | None = None) -> bool:
+    """Whether ``url`` names a Redis Cluster node (HELLO reports ``mode: cluster``).
+
+    Asked on a connection of its own, closed at once. A server that does not answer HELLO
+    (before Redis 6, or an ACL that denies it) is taken for a standalone one.
+    """
+    probe = redis.Redis.from_url(url, socket_timeout=PROBE_TIMEOUT_S,
+                                 socket_connect_timeout=PROBE_TIMEOUT_S, **_options(tls, {}))
+    try:
+        reply = probe.execute_command("HELLO")
+    except (ConnectionError, TimeoutError):
+        raise
+    except RedisError:
+        return False
+    finally:
+        probe.close()
+    if isinstance(reply, list):  # RESP2 without redis-py's callback: a flat key/value list
+        reply = dict(zip(reply[::2], reply[1::2], strict=False))
+    mode = reply.get(b"mode", reply.get("mode")) if isinstance(reply, dict) else None
+    return mode in (b"cluster", "cluster")
+
+
+def connect(url: str, tls: TLSFiles | None = None, **kwargs: Any) -> Any:
+    """A blocking client for ``url``: ``redis.Redis`` or ``redis.cluster.RedisCluster``."""
+    options = _options(tls, {"retry": sdk_retry(), **kwargs})
+    if is_cluster(url, tls):
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(url, **options)
+    return redis.Redis.from_url(url, **options)
+
+
+async def aconnect(url: str, tls: TLSFiles | None = None, **kwargs: Any) -> Any:
+    """An asyncio client for ``url``: ``redis.asyncio.Redis`` or its ``RedisCluster``."""
+    import asyncio
+
+    options = _options(tls, {"retry": sdk_retry(), **kwargs})
+    if await asyncio.to_thread(is_cluster, url, tls):
+        from redis.asyncio.cluster import RedisCluster
+
+        return RedisCluster.from_url(url, **options)
+    return aredis.Redis.from_url(url, **options)
