@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from pagedq.client import Client, RequestFailedError, SamplingParams
 from pagedq.client.protocol import (
+    E_BAD_PAYLOAD,
     E_INVALID_PARAMS,
     E_INVALID_REQUEST,
     E_TOO_LONG,
@@ -22,7 +23,9 @@ from pagedq.client.protocol import (
     GROUP,
     Keys,
     build_request,
+    decode_request,
     job_fields,
+    request_digest,
 )
 from pagedq.worker.config import WorkerConfig
 from pagedq.worker.service.admission import Admission, Capacity
@@ -62,7 +65,6 @@ def test_bad_requests_get_error_events_and_the_worker_keeps_serving(redis_db, re
         "text": ({"prompt_token_ids": None, "prompt": "no tokenizer here"}, E_INVALID_REQUEST),
     }
     with running_worker(redis_db, model, "w1"), Client(redis_db) as client:
-        client._ensure_groups()
         for rid, (over, _) in cases.items():
             body = {"v": 1, "id": rid, "prompt_token_ids": [1, 2], "params": {}}
             body.update(over)
@@ -78,6 +80,30 @@ def test_bad_requests_get_error_events_and_the_worker_keeps_serving(redis_db, re
         dead = redis_client.xrange(keys.dead)[0][1]
         assert dead[b"junk"] == b"\xff\x00" and b"bad_payload" in dead[b"reason"]
         wait_until(lambda: redis_client.xlen(keys.jobs("normal")) == 0)
+
+
+def test_undecodable_payloads_are_answered_and_bad_ids_never_used(redis_db, redis_client,
+                                                                 model):
+    """Bugs: (1) a non-msgpack or missing ``p`` under a valid ``id`` got no error event, only a
+    dead letter with an empty reason, so its client waited forever; (2) a payload that is not
+    a map wrote events under the entry's unvalidated id."""
+    keys = Keys()
+    stream = keys.jobs("normal")
+    with running_worker(redis_db, model, "w1"), Client(redis_db) as client:
+        redis_client.xadd(stream, {F_ID: "req1", F_PAYLOAD: b"\xc1\xff"})
+        redis_client.xadd(stream, {F_ID: "req2"})  # no payload at all
+        redis_client.xadd(stream, {F_ID: "x bad hint!", F_PAYLOAD: msgpack.packb([1, 2])})
+        redis_client.xadd(stream, {F_ID: "a}b", F_PAYLOAD: b"\xc1"})
+        for rid in ("req1", "req2"):
+            with pytest.raises(RequestFailedError) as info:
+                client.handle(rid).result(timeout=30)
+            assert info.value.code == E_BAD_PAYLOAD and str(info.value)
+        wait_until(lambda: redis_client.xlen(stream) == 0)
+        wait_until(lambda: redis_client.xlen(keys.dead) == 4)
+        reasons = [f[b"reason"] for _, f in redis_client.xrange(keys.dead)]
+        assert all(r.startswith(b"bad_payload: ") and len(r) > 20 for r in reasons), reasons
+        leaked = [k for k in redis_client.scan_iter("*") if b"bad hint" in k or b"a}b" in k]
+        assert leaked == []
 
 
 _field = st.sampled_from([F_ID, F_PAYLOAD, b"x"])
@@ -99,7 +125,6 @@ def test_fuzzed_raw_entries_never_crash_the_worker(redis_db, redis_client, model
     keys = Keys()
     with running_worker(redis_db, model, "w1", engine=dict(max_num_seqs=8)) as worker, \
             Client(redis_db) as client:
-        client._ensure_groups()
 
         @settings(max_examples=40, deadline=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
@@ -126,11 +151,15 @@ def test_stable_name_resumes_own_pending_jobs_and_names_are_unique(redis_db, red
 
     keys = Keys()
     params = SamplingParams(temperature=0, max_tokens=9)
+    stream = keys.jobs("normal")
+    redis_client.xgroup_create(stream, GROUP, id="0", mkstream=True)
     with Client(redis_db) as client:
         h = client.submit([4, 4, 2], params)
         # "w1" took the job and crashed before writing anything
-        redis_client.xreadgroup(GROUP, "w1", {keys.jobs("normal"): ">"})
-        redis_client.register_script(CLAIM)(keys=[keys.state(h.id)], args=["w1", 60])
+        ((_, ((eid, fields),)),) = redis_client.xreadgroup(GROUP, "w1", {stream: ">"})
+        digest = request_digest(decode_request(fields[F_PAYLOAD]))
+        redis_client.register_script(CLAIM)(keys=[keys.state(h.id), stream],
+                                            args=["w1", 60, digest, eid, 3])
         with running_worker(redis_db, model, "w1", reclaim_after=600) as first, \
                 running_worker(redis_db, model, "w1", reclaim_after=600) as second:
             res = h.result(timeout=30)  # far sooner than the 600 s reclaim

@@ -4,14 +4,16 @@ clean-stop removal, and the consumer names they hold."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import urllib.request
+from pathlib import Path
 
 import redis
 
 from pagedq.client import Client, SamplingParams
 from pagedq.client.protocol import GROUP, Keys
 from pagedq.worker.config import WorkerConfig
-from pagedq.worker.service.checkpoints import Checkpoints, claim_name
+from pagedq.worker.service.checkpoints import Checkpoints, Rate, claim_name
 from pagedq.worker.service.metrics import Metrics
 from pagedq.worker.service.shared import Shared
 from tests.service.harness import ENGINE, running_worker, wait_until
@@ -32,7 +34,8 @@ def test_checkpoint_keys_metrics_and_cleanup(redis_db, redis_client, model):
         info = client.stats()["workers"][0]
         assert info["name"] == "ck" and info["kv_blocks_total"] == ENGINE["num_kv_blocks"]
         assert info["waiting"] == 0 and info["jobs"] == 0 and info["state"] == "serving"
-        assert info["num_generated_tokens"] == 8 and info["kv_tokens_live"] == 0
+        assert info["generated_tokens"] == 8 and info["kv_tokens_live"] == 0
+        assert "num_generated_tokens" not in info  # one count of generated tokens, not two
         assert {"heartbeat", "kv_tokens_live", "preemptions", "tokens_per_s"} <= info.keys()
         assert 0 < redis_client.pttl(keys.worker("ck")) <= 5000
         assert 0 < redis_client.pttl(keys.stats) <= 5000
@@ -44,7 +47,14 @@ def test_checkpoint_keys_metrics_and_cleanup(redis_db, redis_client, model):
                      "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_bucket",
                      "vllm:inter_token_latency_seconds_count", 'finished_reason="length"'):
             assert name in text
+        assert 'model_name="' + Path(model).name + '"' in text and model not in text
         assert urllib.request.urlopen(base + "/healthz", timeout=5).status == 200
+        slow = socket.create_connection(("127.0.0.1", worker.metrics_port))  # sends nothing
+        assert urllib.request.urlopen(base + "/healthz", timeout=5).status == 200
+        with socket.create_connection(("127.0.0.1", worker.metrics_port)) as huge:
+            huge.sendall(b"GET /" + b"x" * 70_000 + b" HTTP/1.1\r\n\r\n")
+            assert huge.recv(64).startswith(b"HTTP/1.0 414")  # an answer, not a traceback
+        slow.close()
     assert not redis_client.exists(keys.worker("ck"))
     assert redis_client.zrange(keys.workers, 0, -1) == []
 
@@ -71,6 +81,8 @@ def test_the_stats_hash_agrees_with_client_stats(redis_db, redis_client):
     """Both read the queue depth with the same function: the checkpoint's flat hash and the
     client's nested stats show the same numbers."""
     keys = Keys()
+    for stream in keys.all_jobs():
+        redis_client.xgroup_create(stream, GROUP, id="0", mkstream=True)
     with Client(redis_db) as client:
         client.submit_many([[1], [2], [3]], SamplingParams(), priority=-1)
         client.submit([4], SamplingParams(), priority=1)
@@ -96,3 +108,15 @@ def test_the_stats_hash_agrees_with_client_stats(redis_db, redis_client):
     assert stored["depth"] == stats["depth"] == 2 and stored["pending"] == stats["pending"] == 2
     assert stored["dead_letters"] == stats["dead_letters"] == 1
     assert redis_client.hget(keys.worker("w"), "state") == b"serving"
+
+
+def test_tokens_per_s_is_steady_when_tokens_arrive_in_bursts():
+    """Bug: tokens_per_s flickered between 0 and the real rate (publishes come in bursts, the
+    checkpoint took the change since the previous one)."""
+    rate = Rate(window_s=10.0)
+    count, seen = 0, []
+    for second in range(60):
+        if second % 2 == 0:
+            count += 200  # one burst every 2 s: 100 tokens/s
+        seen.append(rate.update(count, now=float(second)))
+    assert all(90 <= r <= 111 for r in seen[12:]), seen

@@ -9,7 +9,15 @@ import time
 import pytest
 
 from pagedq.client import Client, DeadLetteredError, RequestCancelledError, SamplingParams
-from pagedq.client.protocol import E_DEAD_LETTER, F_ID, GROUP, Keys
+from pagedq.client.protocol import (
+    E_DEAD_LETTER,
+    F_ID,
+    F_PAYLOAD,
+    GROUP,
+    Keys,
+    decode_request,
+    request_digest,
+)
 from tests.service.harness import ENGINE, raw_events, running_worker, wait_until
 
 
@@ -58,20 +66,59 @@ def test_cancel_of_a_job_that_publishes_nothing(redis_db, redis_client, model, v
         assert [e.type for e in raw_events(redis_client, handle.id)] == ["cancelled"]
 
 
-def test_dead_letter_after_too_many_deliveries(redis_db, redis_client, model):
-    """A ghost worker takes the job and dies twice; the third delivery is dead-lettered."""
+def ghost_claims(r, keys, times, max_deliveries):
+    """A ghost worker takes the queue's oldest job and dies, ``times`` times over."""
     from pagedq.client.scripts import CLAIM
 
+    stream = keys.jobs("normal")
+    for stream_group in keys.all_jobs():
+        try:
+            r.xgroup_create(stream_group, GROUP, id="0", mkstream=True)
+        except Exception:  # BUSYGROUP
+            pass
+    ((_, ((eid, fields),)),) = r.xreadgroup(GROUP, "ghost", {stream: ">"}, count=1)
+    req = decode_request(fields[F_PAYLOAD])
+    for _ in range(times):
+        r.register_script(CLAIM)(keys=[keys.state(req.id), stream],
+                                 args=["ghost", 60, request_digest(req), eid, max_deliveries])
+    return req.id
+
+
+def test_a_job_whose_lone_runs_die_is_dead_lettered(redis_db, redis_client, model):
+    """Delivered past --max-deliveries, then its run alone died too: a proven poison."""
     keys = Keys()
     with Client(redis_db) as client:
         h = client.submit([1, 2, 3], SamplingParams(max_tokens=4))
-        redis_client.xreadgroup(GROUP, "ghost", {keys.jobs("normal"): ">"})
-        claim = redis_client.register_script(CLAIM)
-        claim(keys=[keys.state(h.id)], args=["ghost", 60])  # delivery 1, then the ghost dies
-        with running_worker(redis_db, model, "w1", max_deliveries=1, reclaim_after=0.3):
+        ghost_claims(redis_client, keys, 2, max_deliveries=1)  # the 2nd claim ran it alone
+        with running_worker(redis_db, model, "w1", max_deliveries=1, solo_deaths=1,
+                            reclaim_after=0.3):
             with pytest.raises(DeadLetteredError) as info:
                 h.result(timeout=30)
-        assert info.value.code == E_DEAD_LETTER
+        assert info.value.code == E_DEAD_LETTER and "beside it" in str(info.value)
         dead = redis_client.xrange(keys.dead)
         assert len(dead) == 1 and dead[0][1][F_ID] == h.id.encode()
         assert redis_client.xlen(keys.jobs("normal")) == 0
+
+
+def test_a_suspect_runs_alone_and_a_healthy_one_is_not_dead_lettered(redis_db, redis_client,
+                                                                    model, reference):
+    """A job delivered past --max-deliveries whose workers died under it (a crash loop, not
+    its fault) runs once more with nothing beside it, finishes, and is never dead-lettered;
+    the job running beside it when it was reclaimed finishes first."""
+    keys = Keys()
+    params = SamplingParams(temperature=0, max_tokens=6)
+    long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    with Client(redis_db) as client:
+        suspect = client.submit([3, 1, 4], params)
+        ghost_claims(redis_client, keys, 3, max_deliveries=3)
+        with running_worker(redis_db, model, "w1", max_deliveries=3, reclaim_after=0.5):
+            other = client.submit([2, 7], long)
+            wait_until(lambda: raw_events(redis_client, other.id))
+            res = suspect.result(timeout=60)
+            other.result(timeout=60)
+    assert res.token_ids == reference([3, 1, 4], params)[0]
+    assert redis_client.xlen(keys.dead) == 0
+    first_suspect = raw_events(redis_client, suspect.id)[0].entry_id
+    other_end = raw_events(redis_client, other.id)[-1].entry_id
+    assert tuple(map(int, other_end.split("-"))) < tuple(map(int, first_suspect.split("-")))
+    assert int(redis_client.hget(keys.state(suspect.id), "solo")) == 1

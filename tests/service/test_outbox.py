@@ -15,9 +15,14 @@ from pagedq.client.protocol import (
     Keys,
     build_request,
     job_fields,
+    request_digest,
 )
-from pagedq.client.scripts import CLAIM
-from pagedq.errors import InvalidParamsError, InvalidRequestError, RequestTooLongError
+from pagedq.errors import (
+    EngineError,
+    InvalidParamsError,
+    InvalidRequestError,
+    RequestTooLongError,
+)
 from pagedq.params import SamplingParams
 from pagedq.worker.config import WorkerConfig
 from pagedq.worker.engine.outputs import StepOutput
@@ -38,7 +43,7 @@ async def start_job(r, leases, jobs, prompt, params):
     """Enqueue, claim and register a job as admission would (without an engine)."""
     req = build_request(prompt, params)
     eid = (await r.xadd(KEYS.jobs("normal"), job_fields(req))).decode()
-    claim = await leases.claim(req.id)
+    claim = await leases.claim(req.id, KEYS.jobs("normal"), eid, request_digest(req))
     n = params.n
     job = LiveJob(req, KEYS.jobs("normal"), eid, job_fields(req), claim.epoch, claim.seq,
                   [0] * n, [None] * n)
@@ -89,7 +94,8 @@ def test_fenced_jobs_are_dropped_and_cancelled_ones_end_cancelled(redis_db, redi
     async def body(r, leases, outbox, loop, jobs, metrics):
         lost = await start_job(r, leases, jobs, [1, 2], SamplingParams(max_tokens=9))
         cancelled = await start_job(r, leases, jobs, [3, 4], SamplingParams(max_tokens=9))
-        await r.evalsha(await r.script_load(CLAIM), 1, KEYS.state(lost.id), "other", 60)
+        await Leases(r, KEYS, "other", 60).claim(lost.id, lost.stream, lost.entry_id,
+                                                 request_digest(lost.request))
         await r.hset(KEYS.state(cancelled.id), "cancel", "1")  # a client flagged it
         outbox.put_report(Report(outputs=[step(lost, [5], 1), step(cancelled, [6], 1)]))
         await outbox.publish_once()
@@ -113,16 +119,42 @@ def test_rejected_and_failed_requests_end_with_their_error_code(redis_db, redis_
         running = await start_job(r, leases, jobs, [3, 4], SamplingParams())
         outbox.put_report(Report(rejected=[(too_long.engine_id, RequestTooLongError("long"))]))
         await outbox.publish_once()
-        outbox.put_report(Report(step_error=RuntimeError("boom")))
+        outbox.put_report(Report(step_error=RuntimeError("boom")))  # retried by the thread
         await outbox.publish_once()
-        return too_long, running, jobs, metrics
+        untouched = (raw_events(redis_client, running.id), set(jobs))
+        outbox.put_report(Report(rejected=[(running.engine_id, EngineError("blamed"))]))
+        await outbox.publish_once()
+        return too_long, running, jobs, metrics, untouched
 
-    too_long, running, jobs, metrics = scenario(redis_db, body)
+    too_long, running, jobs, metrics, (events, table) = scenario(redis_db, body)
+    assert events == [] and table == {running.engine_id}  # a failed step fails nobody yet
     (ev,) = raw_events(redis_client, too_long.id)
     assert (ev.type, ev.error_code, ev.error) == ("error", E_TOO_LONG, "long")
     (ev,) = raw_events(redis_client, running.id)
-    assert ev.error_code == E_INTERNAL and "boom" in ev.error
+    assert ev.error_code == E_INTERNAL and "blamed" in ev.error
     assert jobs == {} and metrics.failed == {E_TOO_LONG: 1, E_INTERNAL: 1}
+    assert metrics.counters["pagedq:engine_step_failures_total"] == 1
+
+
+def test_a_stream_behind_the_worker_hands_the_job_back(redis_db, redis_client):
+    """A failover that lost some writes leaves the stream behind this worker's seq: the job is
+    handed back (its next owner resumes from the stream) rather than given up."""
+    async def body(r, leases, outbox, loop, jobs, metrics):
+        job = await start_job(r, leases, jobs, [1, 2], SamplingParams(max_tokens=9))
+        given_back = []
+
+        async def give_back(j):
+            given_back.append(j)
+
+        outbox.give_back = give_back
+        job.seq = 5  # the worker wrote 5 events; Redis holds none of them
+        outbox.put_report(Report(outputs=[step(job, [5], 1)]))
+        await outbox.publish_once()
+        await asyncio.sleep(0)
+        return job, given_back
+
+    job, given_back = scenario(redis_db, body)
+    assert given_back == [job] and raw_events(redis_client, job.id) == []
 
 
 def test_error_codes_of_engine_exceptions():

@@ -6,7 +6,15 @@ import asyncio
 
 import redis
 
-from pagedq.client.protocol import GROUP, TOKENS, Event, Keys, build_request, job_fields
+from pagedq.client.protocol import (
+    GROUP,
+    TOKENS,
+    Event,
+    Keys,
+    build_request,
+    job_fields,
+    request_digest,
+)
 from pagedq.worker.service.job import LiveJob
 from pagedq.worker.service.leases import Leases
 from pagedq.worker.service.publisher import (
@@ -31,13 +39,14 @@ def test_fenced_worker_writes_nothing(redis_db, redis_client):
         r = redis.asyncio.Redis.from_url(redis_db)
         old, new = Leases(r, keys, "old", 60), Leases(r, keys, "new", 60)
         pub = Publisher(r, keys, 60, "x")
-        c_old = await old.claim(req.id)
+        claim = (req.id, keys.jobs("normal"), eid, request_digest(req))
+        c_old = await old.claim(*claim)
         ev = Event(type=TOKENS, request_id=req.id, token_ids=[9], position=1)
         first = await pub.send([Publication(req.id, c_old.epoch, keys.jobs("normal"), eid, 0,
                                             [ev])])
         again = await pub.send([Publication(req.id, c_old.epoch, keys.jobs("normal"), eid, 0,
                                             [ev])])  # a retry: idempotent
-        c_new = await new.claim(req.id)
+        c_new = await new.claim(*claim)
         stale = await pub.send([Publication(req.id, c_old.epoch, keys.jobs("normal"), eid, 1,
                                             [ev], terminal=True)])
         await r.aclose()

@@ -72,8 +72,8 @@ def wait_serving(r, keys, name, proc):
     wait_until(lambda: r.exists(keys.worker(name)), proc=proc)
 
 
-def events(r, rid):
-    return [decode_event(f, i) for i, f in r.xrange(Keys().out(rid))]  # the prefix is shared
+def events(r, rid, queue="kill"):
+    return [decode_event(f, i) for i, f in r.xrange(Keys(queue).out(rid))]
 
 
 def assert_seamless(evs, expected):
@@ -153,7 +153,7 @@ def test_sigterm_drains_hands_back_and_exits_zero(redis_url, procs, model, refer
             handles = [client.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
 
             def both_running():
-                return sum(bool(events(r, h.id)) for h in handles) >= 2
+                return sum(bool(events(r, h.id, "term")) for h in handles) >= 2
 
             wait_until(both_running, proc=a)
             a.send_signal(signal.SIGTERM)
@@ -161,9 +161,9 @@ def test_sigterm_drains_hands_back_and_exits_zero(redis_url, procs, model, refer
             assert not r.exists(keys.worker("A"))  # a clean stop removes its checkpoint now
             assert r.xpending(keys.jobs("normal"), GROUP)["pending"] == 0  # nothing held
             assert r.xlen(keys.jobs("normal")) == 4  # 2 handed back + 2 never read
-            started = [h for h in handles if events(r, h.id)]
+            started = [h for h in handles if events(r, h.id, "term")]
             assert len(started) == 2
-            assert all(not events(r, h.id)[-1].terminal for h in started)
+            assert all(not events(r, h.id, "term")[-1].terminal for h in started)
             with running_worker(redis_url, model, "B", queue="term",
                                 engine=dict(num_kv_blocks=160, max_num_seqs=2,
                                             max_model_len=512)):
@@ -171,9 +171,9 @@ def test_sigterm_drains_hands_back_and_exits_zero(redis_url, procs, model, refer
         for prompt, sp, h, res in zip(prompts, params, handles, results, strict=True):
             expected = reference(prompt, sp)
             assert [o.token_ids for o in res.outputs] == expected
-            assert_seamless(events(r, h.id), expected)
+            assert_seamless(events(r, h.id, "term"), expected)
         for h in started:
-            assert {e.worker for e in events(r, h.id)} == {"A", "B"}
+            assert {e.worker for e in events(r, h.id, "term")} == {"A", "B"}
             assert int(r.hget(keys.state(h.id), "deliveries")) == 1  # hand-back: no failure
     finally:
         r.close()

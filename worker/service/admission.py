@@ -289,8 +289,8 @@ class Admission(Part):
         await self.consumer.ack_delete(entry.stream, entry.entry_id)
 
     async def _dead_letter(self, job: LiveJob, entry: Entry, claim: Claim) -> None:
-        reason = (f"delivered {claim.deliveries} times (max {self.config.max_deliveries}), and "
-                  f"its worker died in {claim.solo - 1} runs with no other job beside it")
+        reason = (f"delivered {claim.deliveries} times (max {self.config.max_deliveries}); its "
+                  f"worker also died in {claim.solo - 1} run(s) with no other job beside it")
         log.error("dead-lettering a job", request_id=job.id, deliveries=claim.deliveries)
         await self.consumer.dead_letter(entry, reason, ack=False)  # the terminal publish acks
         self.metrics.inc("pagedq:jobs_dead_lettered_total")
