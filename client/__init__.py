@@ -5,7 +5,7 @@ submit jobs without the inference stack installed.
 """
 
 from pagedq.client.aio import AsyncClient, AsyncRequestHandle
-from pagedq.client.client import Client, CompletionResult, RequestHandle, Result, ResultBuilder
+from pagedq.client.client import Client, RequestHandle
 from pagedq.client.connection import TLSFiles
 from pagedq.client.errors import (
     DeadLetteredError,
@@ -19,6 +19,7 @@ from pagedq.client.errors import (
     StreamGapError,
 )
 from pagedq.client.protocol import PROTOCOL_VERSION, Event, Keys, Limits, Request
+from pagedq.client.result import CompletionResult, Result, ResultBuilder
 from pagedq.errors import InvalidParamsError
 from pagedq.params import SamplingParams
 

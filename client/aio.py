@@ -24,7 +24,7 @@ from pagedq.client.client import (
     submit_call,
     to_deadline,
 )
-from pagedq.client.connection import TLSFiles, aconnect
+from pagedq.client.connection import TLSFiles, aconnect, no_retry
 from pagedq.client.protocol import (
     DEFAULT_LIMITS,
     DEFAULT_PREFIX,
@@ -49,15 +49,16 @@ class AsyncRequestHandle(HandleBase):
 
     client: AsyncClient
 
-    def __init__(self, client: AsyncClient, request_id: str, after: str = "0-0"):
-        super().__init__(client, request_id, after)
+    def __init__(self, client: AsyncClient, request_id: str, after: str = "0-0",
+                 request: Request | None = None):
+        super().__init__(client, request_id, after, request)
         self._reading = False
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[Event]:
         """Yield events as they arrive, ending with the terminal one; raises
         ResultTimeoutError after ``timeout`` seconds. Redis outages are waited out."""
         if self._reading:
-            async for ev in AsyncRequestHandle(self.client, self.id).stream(timeout):
+            async for ev in self._clone().stream(timeout):
                 yield ev
             return
         self._reading = True
@@ -81,6 +82,9 @@ class AsyncRequestHandle(HandleBase):
                     entries = await sub.next(left)
                 except TimeoutError:
                     raise self._timed_out(timeout) from None
+                if sub.reconnected and self.request is not None:
+                    sub.reconnected = False  # Redis was away: it may have lost the job
+                    await self.client._submit([self.request])
                 for ev in self._fold(entries):
                     yield ev
         finally:
@@ -88,7 +92,7 @@ class AsyncRequestHandle(HandleBase):
 
     async def result(self, timeout: float | None = 60) -> Result:
         if self._reading:
-            return await AsyncRequestHandle(self.client, self.id).result(timeout)
+            return await self._clone().result(timeout)
         self._reading = True
         try:
             async for _ in self._follow(timeout):
@@ -117,6 +121,7 @@ class AsyncClient:
         self.ttl = ttl
         self.limits = limits or DEFAULT_LIMITS
         self.redis = connection
+        self._reads = connection
         self._connecting = asyncio.Lock()
         self._reader: StreamReader | None = None
 
@@ -128,9 +133,18 @@ class AsyncClient:
                     self.redis = await aconnect(self.url, self.tls)
         return self.redis
 
+    async def read_connection(self) -> Any:
+        """The client the stream reader uses: it never retries by itself, so the reader sees
+        every outage (and its handles submit their jobs again after one)."""
+        if self._reads is None:
+            async with self._connecting:
+                if self._reads is None:
+                    self._reads = await aconnect(self.url, self.tls, retry=no_retry())
+        return self._reads
+
     async def reader(self) -> StreamReader:
         if self._reader is None:
-            self._reader = StreamReader(self.keys, self.connection)
+            self._reader = StreamReader(self.keys, self.read_connection)
         return self._reader
 
     async def __aenter__(self) -> AsyncClient:
@@ -142,8 +156,8 @@ class AsyncClient:
     async def aclose(self) -> None:
         if self._reader is not None:
             await self._reader.close()
-        if self.redis is not None:
-            await self.redis.aclose()
+        for r in {id(x): x for x in (self.redis, self._reads) if x is not None}.values():
+            await r.aclose()
 
     async def _run(self, query: Callable[..., None], *args: Any, raise_on_error: bool = True
                    ) -> list[Any]:
@@ -158,7 +172,7 @@ class AsyncClient:
             if isinstance(reply, Exception):
                 raise reply
             check_submitted(req, reply)
-        return [AsyncRequestHandle(self, r.id) for r in reqs]
+        return [AsyncRequestHandle(self, r.id, request=r) for r in reqs]
 
     async def submit(self, prompt: Any, params: SamplingParams | None = None, *,
                      deadline: Any = None, priority: int = 0,

@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from pagedq.client.connection import (
@@ -21,25 +20,14 @@ from pagedq.client.connection import (
     TRANSIENT,
     TLSFiles,
     connect,
+    no_retry,
 )
-from pagedq.client.errors import (
-    DeadLetteredError,
-    DuplicateRequestError,
-    RequestCancelledError,
-    RequestFailedError,
-    ResultTimeoutError,
-    StreamGapError,
-)
+from pagedq.client.errors import DuplicateRequestError, ResultTimeoutError
 from pagedq.client.protocol import (
-    CANCELLED,
     DEFAULT_LIMITS,
     DEFAULT_PREFIX,
     DEFAULT_QUEUE,
     DEFAULT_TTL_S,
-    E_DEAD_LETTER,
-    ERROR,
-    FINISHED,
-    TOKENS,
     Event,
     Keys,
     Limits,
@@ -51,6 +39,7 @@ from pagedq.client.protocol import (
 )
 from pagedq.client.queue import parse_entries, queue_stats, stats_query, workers_query
 from pagedq.client.redis_url import resolve_redis_url
+from pagedq.client.result import Result, ResultBuilder
 from pagedq.client.scripts import (
     CANCEL,
     CANCEL_ENDED,
@@ -69,109 +58,6 @@ READ_COUNT = 512
 # XREAD blocks in slices: redis-py 8 defaults to a 5 s socket timeout, and a short block also
 # lets a stream() with a timeout return on time.
 BLOCK_MS = 1000
-
-
-@dataclass
-class CompletionResult:
-    """One sample's complete output."""
-
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    logprobs: list[dict[int, float]] | None = None
-
-
-@dataclass
-class Result:
-    """A finished request. The top-level fields are sample 0's (the only one unless n > 1)."""
-
-    request_id: str
-    outputs: list[CompletionResult]
-    usage: dict[str, int] = field(default_factory=dict)
-    status: str = FINISHED  # FINISHED | ERROR | CANCELLED | "running" (partial)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids if self.outputs else []
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text if self.outputs else ""
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason if self.outputs else None
-
-
-class ResultBuilder:
-    """Folds a request's events, in order, into a Result; detects gaps and duplicates.
-
-    ``expect_seq`` is the next seq; None when reading started mid-stream (unknown).
-    """
-
-    def __init__(self, request_id: str, expect_seq: int | None = 1):
-        self.request_id = request_id
-        self.expect_seq = expect_seq
-        self.samples: dict[int, CompletionResult] = {}
-        # next expected position per sample; known from the start only when reading from seq 1
-        self.positions: dict[int, int] = {}
-        self.from_start = expect_seq == 1
-        self.terminal: Event | None = None
-
-    def feed(self, ev: Event) -> None:
-        if self.expect_seq is not None and ev.seq != self.expect_seq:
-            raise StreamGapError(
-                f"request {self.request_id}: expected event seq {self.expect_seq}, got {ev.seq}; "
-                "events were lost (expired keys?). Resubmit the request or raise the worker --ttl"
-            )
-        self.expect_seq = ev.seq + 1
-        if ev.type == TOKENS:
-            sample = self.samples.setdefault(ev.index, CompletionResult(ev.index))
-            start = ev.position - len(ev.token_ids)
-            known = self.positions.get(ev.index, 0 if self.from_start else None)
-            if known is not None and start != known:
-                raise StreamGapError(
-                    f"request {self.request_id} sample {ev.index}: tokens at position {start} "
-                    f"follow position {known}; the stream is not contiguous"
-                )
-            self.positions[ev.index] = ev.position
-            sample.token_ids.extend(ev.token_ids)
-            sample.text += ev.text
-            if ev.logprobs:
-                sample.logprobs = (sample.logprobs or []) + list(ev.logprobs)
-            if ev.finish_reason is not None:
-                sample.finish_reason = ev.finish_reason
-        elif ev.terminal:
-            self.terminal = ev
-            for i, reason in enumerate(ev.finish_reasons or []):
-                sample = self.samples.setdefault(i, CompletionResult(i))
-                if sample.finish_reason is None:
-                    sample.finish_reason = reason
-
-    @property
-    def done(self) -> bool:
-        return self.terminal is not None
-
-    def partial(self) -> Result:
-        outputs = [self.samples[i] for i in sorted(self.samples)] or [CompletionResult(0)]
-        status = self.terminal.type if self.terminal else "running"
-        usage = dict(self.terminal.usage or {}) if self.terminal else {}
-        return Result(self.request_id, outputs, usage, status)
-
-    def result(self) -> Result:
-        """The Result, or the typed error the terminal event stands for."""
-        res = self.partial()
-        term = self.terminal
-        if term is None:
-            raise ResultTimeoutError(f"request {self.request_id} has not finished yet")
-        if term.type == ERROR:
-            cls = DeadLetteredError if term.error_code == E_DEAD_LETTER else RequestFailedError
-            raise cls(term.error or "unknown error", self.request_id, term.error_code or "", res)
-        if term.type == CANCELLED:
-            raise RequestCancelledError(f"request {self.request_id} was cancelled",
-                                        self.request_id, res)
-        return res
 
 
 def to_deadline(deadline: float | _dt.datetime | _dt.timedelta | None) -> float | None:
@@ -196,12 +82,20 @@ class HandleBase:
     replays the stream from its start.
     """
 
-    def __init__(self, client: Any, request_id: str, after: str = "0-0"):
+    def __init__(self, client: Any, request_id: str, after: str = "0-0",
+                 request: Request | None = None):
         self.client = client
         self.id = request_id
         self.key = client.keys.out(request_id)
         self.cursor = after
         self.builder = ResultBuilder(request_id, 1 if after == "0-0" else None)
+        # the submitted job, when this handle submitted it: submitted again (idempotent) after
+        # a Redis outage, in case Redis lost it with its last writes
+        self.request = request
+
+    def _clone(self) -> Any:
+        """A second reader of the same request (another thread or task is reading this one)."""
+        return type(self)(self.client, self.id, request=self.request)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.id!r})"
@@ -228,10 +122,11 @@ class HandleBase:
         as it is handed out; stops after the terminal event."""
         for entry_id, fields in entries:
             ev = decode_event(fields, entry_id)
-            self.builder.feed(ev)
+            fresh = self.builder.feed(ev)
             self.cursor = entry_id
-            yield ev
-            if ev.terminal:
+            if fresh:
+                yield ev
+            if ev.terminal and fresh:
                 return
 
 
@@ -290,14 +185,15 @@ class RequestHandle(HandleBase):
 
     client: Client
 
-    def __init__(self, client: Client, request_id: str, after: str = "0-0"):
-        super().__init__(client, request_id, after)
+    def __init__(self, client: Client, request_id: str, after: str = "0-0",
+                 request: Request | None = None):
+        super().__init__(client, request_id, after, request)
         self._lock = threading.Lock()
 
     @contextmanager
     def _reader(self) -> Iterator[RequestHandle]:
         if not self._lock.acquire(blocking=False):
-            yield RequestHandle(self.client, self.id)  # another thread reads this handle
+            yield self._clone()  # another thread reads this handle
             return
         try:
             yield self
@@ -308,8 +204,9 @@ class RequestHandle(HandleBase):
         """Yield events as they arrive, ending with the terminal one.
 
         Raises ResultTimeoutError if ``timeout`` seconds pass before the terminal event. A Redis
-        restart or a dropped connection is waited out (reconnecting with backoff) and reading
-        continues after the last event handed out.
+        restart or a dropped connection is waited out (reconnecting with backoff), the job is
+        submitted again (idempotent: a no-op unless Redis lost it), and reading continues after
+        the last event handed out.
         """
         with self._reader() as reader:
             yield from reader._follow(timeout)
@@ -317,11 +214,16 @@ class RequestHandle(HandleBase):
     def _follow(self, timeout: float | None) -> Iterator[Event]:
         end = end_time(timeout)
         backoff = Backoff()
+        outage = False
         while not self.builder.done:
             args = self._xread_args(end, timeout)
             try:
-                reply = self.client.redis.xread(**args)
+                reply = self.client.reads.xread(**args)
+                if outage and self.request is not None:
+                    self.client._submit([self.request])
+                outage = False
             except TRANSIENT:
+                outage = True
                 time.sleep(backoff.next_wait(end))
                 continue
             backoff.reset()
@@ -361,16 +263,28 @@ class Client:
         self.ttl = ttl
         self.limits = limits or DEFAULT_LIMITS
         self._redis = connection
+        self._reads = connection
         self._connect_lock = threading.Lock()
 
     @property
     def redis(self) -> Any:
-        """The redis-py client, connected on first use (a cluster is detected then)."""
+        """The redis-py client, connected on first use (a cluster is detected then); its
+        commands wait out a short outage."""
         if self._redis is None:
             with self._connect_lock:
                 if self._redis is None:
                     self._redis = connect(self.url, self.tls)
         return self._redis
+
+    @property
+    def reads(self) -> Any:
+        """The client handles read streams with: it never retries by itself, so a handle sees
+        every outage (and submits its job again after one, in case Redis lost it)."""
+        if self._reads is None:
+            with self._connect_lock:
+                if self._reads is None:
+                    self._reads = connect(self.url, self.tls, retry=no_retry())
+        return self._reads
 
     def __enter__(self) -> Client:
         return self
@@ -379,8 +293,8 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        if self._redis is not None:
-            self._redis.close()
+        for r in {id(x): x for x in (self._redis, self._reads) if x is not None}.values():
+            r.close()
 
     def _run(self, query: Callable[..., None], *args: Any, raise_on_error: bool = True
              ) -> list[Any]:
@@ -396,7 +310,7 @@ class Client:
             if isinstance(reply, Exception):
                 raise reply
             check_submitted(req, reply)
-        return [RequestHandle(self, r.id) for r in reqs]
+        return [RequestHandle(self, r.id, request=r) for r in reqs]
 
     def submit(self, prompt: str | list[int] | list[dict[str, str]],
                params: SamplingParams | None = None, *, deadline: Any = None,

@@ -58,6 +58,12 @@ def sdk_retry() -> Retry:
                  supported_errors=TRANSIENT)
 
 
+def no_retry() -> Retry:
+    """For callers that handle outages themselves and must see each one."""
+    return Retry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), 0,
+                 supported_errors=TRANSIENT)
+
+
 def _options(tls: TLSFiles | None, extra: dict[str, Any]) -> dict[str, Any]:
     return {**(tls.kwargs() if tls else {}), **extra}
 

@@ -181,6 +181,16 @@ def check_request_id(request_id: Any) -> str:
     return request_id
 
 
+def implicit_seed(request_id: str) -> int:
+    """The seed a worker gives a sampled request that brings none: a function of its id.
+
+    Every job thus samples reproducibly, so any owner resumes it exactly where the last one
+    stopped, and a stream rewritten after Redis lost writes repeats what readers already saw.
+    Two requests still differ (their ids do), and resubmitting an id returns its one result.
+    """
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big") >> 1
+
+
 def engine_id(request_id: str, epoch: int) -> str:
     """The id a worker gives a job in its engine: ``<request id>#<epoch>``.
 

@@ -57,6 +57,7 @@ class Subscription:
     shard: Shard
     batches: asyncio.Queue = field(default_factory=asyncio.Queue)
     paused: bool = False
+    reconnected: bool = False  # Redis was away since the last batch
 
     async def next(self, timeout: float | None) -> Entries:
         """The next batch of entries; raises TimeoutError after ``timeout`` seconds, or the
@@ -149,8 +150,16 @@ class Shard:
                 continue
             finally:
                 self.reading = False
+            if delay > BACKOFF_BASE_S:  # back after an outage: tell every reader
+                self._reconnected()
             delay = BACKOFF_BASE_S
             self._dispatch(reply)
+
+    def _reconnected(self) -> None:
+        for subs in self.subs.values():
+            for sub in subs:
+                sub.reconnected = True
+                sub.batches.put_nowait([])
 
     def _dispatch(self, reply: Any) -> None:
         for stream, raw in stream_replies(reply):

@@ -17,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from redis.asyncio import Redis
+from redis.exceptions import OutOfMemoryError
 
 from pagedq.client.protocol import (
     CANCELLED,
@@ -34,6 +35,7 @@ from pagedq.client.protocol import (
     Request,
     decode_event,
     decode_request,
+    implicit_seed,
     request_digest,
 )
 from pagedq.client.scripts import CLAIM_DUPLICATE, CLAIM_ENDED
@@ -127,7 +129,7 @@ class Admission(Part):
 
     async def read_once(self) -> None:
         """Read as many new entries as fit (waiting for room when none does) and admit them."""
-        free = self.capacity.free()
+        free = 0 if self.redis_full.full else self.capacity.free()
         if free <= 0:
             self.capacity_changed.clear()
             try:
@@ -145,6 +147,8 @@ class Admission(Part):
         """Claim one entry and start it, or end it at once (bad, done, cancelled, expired...)."""
         try:
             await self._claim_and_start(entry)
+        except OutOfMemoryError as exc:  # left pending: reclaimed once Redis has room
+            self.redis_full.failed(exc)
         except Exception:
             # Left pending: it is reclaimed after --reclaim-after and dead-lettered if it keeps
             # failing, so one poisonous job can never wedge the worker.
@@ -194,7 +198,10 @@ class Admission(Part):
             await self._end_now(job, error_event(job.id, error_code(exc), str(exc), self.name))
             self.metrics.count_failure(error_code(exc))
             return
-        cmd = AddCmd(job.engine_id, req.params, ids, prompt=req.prompt, priority=req.priority,
+        params = req.params
+        if params.seed is None and not params.greedy:  # resumable like any seeded job
+            params = replace(params, seed=implicit_seed(req.id))
+        cmd = AddCmd(job.engine_id, params, ids, prompt=req.prompt, priority=req.priority,
                      resume=resume, deadline=req.deadline)
         self.metrics.queue_time.observe(max(0.0, time.time() - (req.created or time.time())))
         self.jobs[job.engine_id] = job

@@ -181,7 +181,7 @@ class LeaseKeeper(Part):
             return
         except TimeoutError:
             pass
-        free = self.admission.capacity.free()
+        free = 0 if self.redis_full.full else self.admission.capacity.free()
         if free <= 0:
             return
         entries = await self.consumer.reclaim(free, int(self.config.reclaim_after * 1000))

@@ -89,6 +89,7 @@ class Outbox(Part):
                 except BaseException:
                     self._unsent = pubs
                     raise
+                self.redis_full.succeeded()
                 for pub, outcome in zip(pubs, outcomes, strict=True):
                     self._settle(pub, outcome)
         finally:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import OutOfMemoryError
 
 from pagedq.client.protocol import (
     ERROR,
@@ -68,6 +69,9 @@ class Publisher:
             args += [encode_event(ev) for ev in p.events]
             calls.append((self.script, keys, args))
         replies = await run_calls(self.r, calls)
+        for reply in replies:  # nothing was written: the caller keeps the batch for later
+            if isinstance(reply, OutOfMemoryError):
+                raise reply
         outcomes = []
         for p, reply in zip(pubs, replies, strict=True):
             if isinstance(reply, Exception):  # e.g. WRONGTYPE on a clobbered key

@@ -9,12 +9,42 @@ on the same signal. Each part subclasses ``Part``, which gives it those under on
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from pagedq.worker.config import WorkerConfig
+from pagedq.worker.logging import get_logger
 from pagedq.worker.service.engine_loop import EngineLoop
 from pagedq.worker.service.job import Jobs
 from pagedq.worker.service.metrics import Metrics
+
+log = get_logger("pagedq.worker")
+
+
+class RedisFull:
+    """Whether Redis refuses writes for lack of memory (maxmemory with noeviction).
+
+    Nothing is lost meanwhile: the outbox keeps its events, admission reads nothing new, and
+    both carry on once Redis has room. Each change is logged once.
+    """
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    @property
+    def full(self) -> bool:
+        return self.since is not None
+
+    def failed(self, error: Exception) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+            log.warning("Redis is out of memory (maxmemory, noeviction): writes wait until it "
+                        "has room; raise maxmemory or free memory", error=str(error))
+
+    def succeeded(self) -> None:
+        if self.since is not None:
+            log.info("Redis has room again", full_s=round(time.monotonic() - self.since, 2))
+            self.since = None
 
 
 @dataclass
@@ -26,6 +56,7 @@ class Shared:
     metrics: Metrics
     jobs: Jobs = field(default_factory=dict)  # engine id -> the job, for every job we own
     stopping: asyncio.Event = field(default_factory=asyncio.Event)  # set when the drain begins
+    redis_full: RedisFull = field(default_factory=RedisFull)
 
 
 class Part:
@@ -37,3 +68,4 @@ class Part:
         self.metrics = shared.metrics
         self.jobs = shared.jobs
         self.stopping = shared.stopping
+        self.redis_full = shared.redis_full

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from redis.exceptions import NoPermissionError, RedisError
+from redis.exceptions import NoPermissionError, OutOfMemoryError, RedisError
 
 from pagedq.client.connection import redact_url
 from pagedq.client.protocol import Keys, Request
@@ -49,7 +49,7 @@ from pagedq.worker.service.metrics import Metrics, MetricsServer
 from pagedq.worker.service.outbox import Outbox
 from pagedq.worker.service.publisher import Publisher
 from pagedq.worker.service.redis_link import RedisLink
-from pagedq.worker.service.shared import Shared
+from pagedq.worker.service.shared import RedisFull, Shared
 
 log = get_logger("pagedq.worker")
 
@@ -101,18 +101,23 @@ def build_engine(config: WorkerConfig) -> Any:
 
 
 async def repeat(name: str, once: Callable[[], Awaitable[None]],
-                 stopping: asyncio.Event | None = None) -> None:
+                 stopping: asyncio.Event | None = None, full: RedisFull | None = None) -> None:
     """Call ``once`` until ``stopping`` is set or the task is cancelled.
 
-    Redis outages never surface here (the client's Retry waits them out), so an exception is
-    a bug: it is logged with its traceback, and the loop carries on after a pause rather than
-    leave the worker without that task.
+    Redis outages never surface here (the client's Retry waits them out), and a Redis out of
+    memory is noted in ``full`` (logged once); any other exception is a bug: it is logged with
+    its traceback, and the loop carries on after a pause rather than leave the worker without
+    that task.
     """
     while stopping is None or not stopping.is_set():
         try:
             await once()
         except asyncio.CancelledError:
             raise
+        except OutOfMemoryError as exc:
+            if full is not None:
+                full.failed(exc)
+            await asyncio.sleep(ERROR_PAUSE_S)
         except Exception:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -234,12 +239,14 @@ class Worker:
             self._on_report, parts, report))
         server = await self._start_metrics(parts)
         await parts.checkpoints.write()
-        tasks = [asyncio.create_task(repeat(name, once), name=name) for name, once in [
+        full = parts.shared.redis_full
+        tasks = [asyncio.create_task(repeat(name, once, None, full), name=name)
+                 for name, once in [
             ("publisher", parts.outbox.publish_once), ("renewer", parts.keeper.renew_once),
             ("poller", parts.keeper.poll_once), ("checkpointer", parts.checkpoints.tick)]]
         pullers = [asyncio.create_task(self._read(parts), name="reader"),
                    asyncio.create_task(repeat("reclaimer", parts.keeper.reclaim_once,
-                                              self._stopping), name="reclaimer")]
+                                              self._stopping, full), name="reclaimer")]
         self._serving = True
         self.ready.set()
         log.info("worker serving", worker=self.name, queue=self.config.queue,
@@ -256,7 +263,8 @@ class Worker:
 
     async def _read(self, parts: Parts) -> None:
         await parts.admission.admit_own_pending()
-        await repeat("reader", parts.admission.read_once, self._stopping)
+        await repeat("reader", parts.admission.read_once, self._stopping,
+                     parts.shared.redis_full)
 
     def _on_report(self, parts: Parts, report: Report) -> None:
         """An engine report, on the event loop: capacity to admission, outputs to the outbox."""

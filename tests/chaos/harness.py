@@ -1,0 +1,243 @@
+"""What every chaos scenario uses: a workload of exactly checkable jobs, a fleet of worker
+processes to kill, and an audit that counts jobs lost, duplicated and mismatched.
+
+The oracle for tokens is the in-process engine; the oracle for "ended exactly once" is the raw
+output stream in Redis (one terminal event, seq 1..N without a gap, each sample's positions
+contiguous) together with what the client's handle returned.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from pagedq.client import Client, SamplingParams
+from pagedq.client.protocol import TERMINAL, TOKENS, Keys, decode_event
+
+ENGINE = dict(num_kv_blocks=256, max_num_seqs=8, max_model_len=256)
+ENGINE_ARGS = ["--num-kv-blocks", "256", "--max-num-seqs", "8", "--max-model-len", "256"]
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    params: SamplingParams
+    id: str = ""
+    result: object = None  # the client's Result, or the exception it raised
+
+
+def workload(count: int, seed: int = 0, max_tokens: tuple[int, int] = (8, 48)) -> list[Job]:
+    """Greedy, seeded and n=2 seeded jobs in turn, with random prompts and lengths."""
+    rng = random.Random(seed)
+    jobs = []
+    for k in range(count):
+        prompt = [rng.randrange(3, 380) for _ in range(rng.randrange(2, 12))]
+        length = rng.randrange(*max_tokens)
+        kind = k % 3
+        params = (SamplingParams(temperature=0, max_tokens=length, ignore_eos=True) if kind == 0
+                  else SamplingParams(temperature=0.9, seed=rng.randrange(1 << 30),
+                                      max_tokens=length, ignore_eos=True) if kind == 1
+                  else SamplingParams(n=2, temperature=1.0, seed=rng.randrange(1 << 30),
+                                      max_tokens=length, ignore_eos=True))
+        jobs.append(Job(prompt, params))
+    return jobs
+
+
+def expected_tokens(model: str, jobs: list[Job]) -> list[list[list[int]]]:
+    """Each job's tokens per sample, from the in-process engine (batched: fast)."""
+    from pagedq.worker import Engine
+
+    engine = Engine(model, **ENGINE)
+    outs = engine.generate([j.prompt for j in jobs], [j.params for j in jobs])
+    return [[o.token_ids for o in out.outputs] for out in outs]
+
+
+@dataclass
+class Audit:
+    """What happened to each job, counted the way docs/operations.md reports it."""
+
+    total: int = 0
+    done: int = 0  # ended exactly once, tokens equal to the engine's, seamless stream
+    lost: int = 0  # no terminal event
+    duplicated: int = 0  # more than one terminal event, or a seq/position repeated
+    mismatched: int = 0  # tokens differ from the engine's (client's view or the stream's)
+    failed: int = 0  # ended by an error event (or the client raised)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return self.done == self.total
+
+    def __str__(self) -> str:
+        return (f"{self.total} jobs: {self.done} exact, {self.lost} lost, {self.duplicated} "
+                f"duplicated, {self.mismatched} mismatched, {self.failed} failed")
+
+
+def audit(r, keys: Keys, jobs: list[Job], expected: list[list[list[int]]],
+          streams: bool = True) -> Audit:
+    """Count each job's fate. ``streams=False`` judges by what the clients got alone (a Redis
+    that kept nothing across a restart has no streams left to read)."""
+    out = Audit(total=len(jobs))
+    for job, want in zip(jobs, expected, strict=True):
+        if streams:
+            evs = [decode_event(f, i) for i, f in r.xrange(keys.out(job.id))]
+            verdict = _verdict(job, evs, want)
+        else:
+            verdict = _client_verdict(job, want)
+        setattr(out, verdict, getattr(out, verdict) + 1)
+        if verdict != "done":
+            out.problems.append(f"{job.id}: {verdict} ({job.result!r})"[:300])
+    return out
+
+
+def _client_verdict(job: Job, want: list[list[int]]) -> str:
+    if job.result is None or isinstance(job.result, TimeoutError):
+        return "lost"
+    if isinstance(job.result, Exception):
+        return "failed"
+    return "done" if [o.token_ids for o in job.result.outputs] == want else "mismatched"
+
+
+def _verdict(job: Job, evs: list, want: list[list[int]]) -> str:
+    terminals = [e for e in evs if e.type in TERMINAL]
+    if not terminals:
+        return "lost"
+    if len(terminals) > 1 or [e.seq for e in evs] != list(range(1, len(evs) + 1)):
+        return "duplicated"
+    if terminals[0].type != "finished" or isinstance(job.result, Exception):
+        return "failed"
+    for index, tokens in enumerate(want):
+        pos, got = 0, []
+        for e in evs:
+            if e.type == TOKENS and e.index == index:
+                if e.position - len(e.token_ids) != pos:
+                    return "duplicated"
+                pos = e.position
+                got += e.token_ids
+        client = job.result.outputs[index].token_ids if job.result is not None else None
+        if got != tokens or client != tokens:
+            return "mismatched"
+    return "done"
+
+
+class Submitter:
+    """Submits jobs from a thread and waits for each result on a pool of threads, as a
+    backend would, so faults hit clients mid-read too."""
+
+    def __init__(self, url: str, queue: str, jobs: list[Job], rate: float = 0.0,
+                 timeout: float = 600):
+        self.url, self.queue, self.jobs = url, queue, jobs
+        self.rate, self.timeout = rate, timeout
+        self.refused: list[Exception] = []  # submits Redis refused (OOM...)
+        self.threads: list[threading.Thread] = []
+
+    def start(self) -> Submitter:
+        thread = threading.Thread(target=self._run, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+        return self
+
+    def _run(self) -> None:
+        client = Client(self.url, self.queue)
+        waiters = []
+        for job in self.jobs:
+            while True:
+                try:
+                    handle = client.submit(job.prompt, job.params)
+                    break
+                except Exception as exc:  # Redis refused it: retried, as a backend would
+                    self.refused.append(exc)
+                    time.sleep(0.5)
+            job.id = handle.id
+            t = threading.Thread(target=self._wait, args=(handle, job), daemon=True)
+            t.start()
+            waiters.append(t)
+            if self.rate:
+                time.sleep(1 / self.rate)
+        for t in waiters:
+            t.join()
+
+    def _wait(self, handle, job: Job) -> None:
+        try:
+            job.result = handle.result(timeout=self.timeout)
+        except Exception as exc:  # counted by the audit
+            job.result = exc
+
+    def join(self, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.1, end - time.monotonic()))
+        return not any(t.is_alive() for t in self.threads)
+
+
+class Fleet:
+    """Worker processes (``python -m pagedq.worker``) under stable consumer names."""
+
+    def __init__(self, url: str, model: str, queue: str, log_dir: Path, *extra: str):
+        self.url, self.model, self.queue, self.log_dir = url, model, queue, log_dir
+        self.extra = list(extra)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.kills = 0
+        self.starts = 0
+
+    def spawn(self, name: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"{self.queue}-{name}.log", "ab")
+        cmd = [sys.executable, "-m", "pagedq.worker", "--model", self.model, "--redis-url",
+               self.url, "--queue", self.queue, "--consumer-name", name, "--log-format", "json",
+               *ENGINE_ARGS, *self.extra]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.starts += 1
+        return self.procs[name]
+
+    def kill(self, name: str) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+            self.kills += 1
+
+    def rss(self, name: str) -> int:
+        try:
+            return psutil.Process(self.procs[name].pid).memory_info().rss
+        except psutil.Error:
+            return 0
+
+    def crashed(self) -> dict[str, int]:
+        """Workers that exited on their own (not killed here), with their exit codes."""
+        return {n: p.returncode for n, p in self.procs.items()
+                if p.poll() is not None and p.returncode != -signal.SIGKILL}
+
+    def stop(self) -> dict[str, int]:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        codes = {}
+        for name, proc in self.procs.items():
+            try:
+                codes[name] = proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[name] = proc.wait()
+        return codes
+
+
+def wait_serving(r, keys: Keys, names: list[str], timeout: float = 180) -> None:
+    end = time.monotonic() + timeout
+    while not all(r.exists(keys.worker(n)) for n in names):
+        assert time.monotonic() < end, "workers did not start"
+        time.sleep(0.1)
+
+
+def report(name: str, **figures) -> None:
+    """Print a scenario's figures (``pytest -s`` shows them; docs/operations.md quotes them)."""
+    print(f"\nCHAOS {name}: " + ", ".join(f"{k}={v}" for k, v in figures.items()), flush=True)
