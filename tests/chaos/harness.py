@@ -231,9 +231,16 @@ class Fleet:
         return codes
 
 
-def wait_serving(r, keys: Keys, names: list[str], timeout: float = 180) -> None:
+def wait_serving(r, keys: Keys, names: list[str], timeout: float = 180,
+                 fleet: Fleet | None = None) -> None:
+    """Until each named worker's checkpoint exists (written by the process ``fleet`` runs
+    under that name now, when given)."""
+    def serving(name: str) -> bool:
+        pid = r.hget(keys.worker(name), "pid")
+        return pid is not None and (fleet is None or int(pid) == fleet.procs[name].pid)
+
     end = time.monotonic() + timeout
-    while not all(r.exists(keys.worker(n)) for n in names):
+    while not all(serving(n) for n in names):
         assert time.monotonic() < end, "workers did not start"
         time.sleep(0.1)
 

@@ -40,6 +40,12 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    import signal
+    import sys
+
+    # Until the service installs its own handlers, a SIGTERM (a deploy stopping a worker that
+    # is still starting) ends the process cleanly instead of killing it with -15.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     from pagedq.worker.logging import configure_logging
     from pagedq.worker.service.worker import run_worker
 
