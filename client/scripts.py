@@ -233,8 +233,9 @@ class LuaScript:
             return r.evalsha(self.sha, len(keys), *keys, *args)
 
     def queue(self, pipe: Any, keys: Sequence[Any], args: Sequence[Any]) -> None:
-        """Add a call to a pipeline."""
-        pipe.evalsha(self.sha, len(keys), *keys, *args)
+        """Add a call to a pipeline (as a raw command: redis-py's cluster pipelines refuse
+        their ``evalsha`` method, yet route the command by its keys like any other)."""
+        pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
 
 
 Call = tuple[LuaScript, Sequence[Any], Sequence[Any]]

@@ -28,8 +28,9 @@ def redact_credentials(_logger: Any, _name: str, event: dict[str, Any]) -> dict[
 _configured = False
 
 
-def configure_logging(json: bool = False, level: str = "INFO") -> None:
-    """Set the renderer (JSON or console) and the level for the whole process.
+def configure_logging(json: bool = False, level: str = "INFO", file: Any = None) -> None:
+    """Set the renderer (JSON or console), the level and the stream (default: stderr) for the
+    whole process.
 
     Every call replaces the previous configuration, so an entry point's choice wins over the
     console default a library logger may have installed first. Loggers are not cached, so
@@ -49,7 +50,7 @@ def configure_logging(json: bool = False, level: str = "INFO") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=file or sys.stderr),
         cache_logger_on_first_use=False,
     )
     _configured = True

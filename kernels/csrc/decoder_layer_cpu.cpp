@@ -16,12 +16,15 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <c10/util/BFloat16.h>
@@ -31,6 +34,15 @@
 
 namespace pagedq_cpu {
 namespace {
+
+// Rows a oneDNN GEMM runs on, as llama.py's padded_rows(): a bucket per 1/8 of a doubling (16
+// rows at least), so a worker sees a few dozen GEMM shapes, not one per step's token count
+// (oneDNN and glibc keep memory per shape).
+inline int64_t padded_rows(int64_t rows) {
+  const int64_t top = int64_t(1) << (63 - __builtin_clzll(static_cast<uint64_t>(rows)));
+  const int64_t step = std::max<int64_t>(16, top / 8);
+  return (rows + step - 1) / step * step;
+}
 
 // x @ w.T + bias by the route llama.py's linear() takes for this many rows.
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& packed,
@@ -43,16 +55,20 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const c10::optional
   if (!packed.has_value() || !packed->defined()) return at::linear(x, w, bias);
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  const int64_t rows = x.size(0), padded = padded_rows(rows);
+  const at::Tensor in = padded == rows
+      ? x : at::cat({x, at::zeros({padded - rows, x.size(1)}, x.options())});
   torch::jit::Stack stack;
   stack.reserve(6);
-  stack.emplace_back(x);
+  stack.emplace_back(in);
   stack.emplace_back(*packed);
   stack.emplace_back(bias);
   stack.emplace_back(std::string("none"));
   stack.emplace_back(c10::List<c10::optional<at::Scalar>>());
   stack.emplace_back(std::string(""));
   op.callBoxed(&stack);
-  return stack.back().toTensor();
+  const at::Tensor out = stack.back().toTensor();
+  return padded == rows ? out : out.narrow(0, 0, rows);
 }
 
 // dst[d] = rope(src)[d] with an optional per-head RMSNorm first (Qwen3's q_norm / k_norm).

@@ -150,13 +150,17 @@ class Submitter:
         client = Client(self.url, self.queue)
         waiters = []
         for job in self.jobs:
-            while True:
+            handle = None
+            for _attempt in range(120):
                 try:
                     handle = client.submit(job.prompt, job.params)
                     break
                 except Exception as exc:  # Redis refused it: retried, as a backend would
                     self.refused.append(exc)
                     time.sleep(0.5)
+            if handle is None:
+                job.result = self.refused[-1]
+                continue
             job.id = handle.id
             t = threading.Thread(target=self._wait, args=(handle, job), daemon=True)
             t.start()

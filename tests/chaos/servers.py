@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -90,12 +91,13 @@ class RedisServer:
                     self.process.stderr else ""
                 raise RuntimeError(f"redis-server exited: {err} {self.tail()}")
             try:
-                if self.tls:
-                    return  # the caller's TLS client checks it
+                if self.tls:  # listening is enough: the caller's TLS client checks the rest
+                    with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                        return
                 with self.client(socket_timeout=1) as r:
                     if r.ping():
                         return
-            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError):
                 pass
             assert time.monotonic() < end, f"redis-server not ready: {self.tail()}"
             time.sleep(0.05)
@@ -132,3 +134,90 @@ class RedisServer:
                 self.process.wait()
         if self.process is not None and self.process.stderr:
             self.process.stderr.close()
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (10,000 higher) is free too."""
+    import random
+
+    for _ in range(200):
+        port = random.randrange(20_000, 45_000)
+        if all(_free(p) for p in (port, port + 10_000)):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class LocalCluster:
+    """A Redis Cluster of ``masters`` masters with one replica each, on 127.0.0.1, created with
+    ``redis-cli --cluster create``."""
+
+    def __init__(self, workdir: Path, masters: int = 3, node_timeout_ms: int = 2000):
+        self.workdir = workdir
+        self.nodes = [RedisServer(workdir / f"node{k}", port=cluster_port(), options=[
+            "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{k}.conf",
+            "--cluster-node-timeout", str(node_timeout_ms), "--appendonly", "yes",
+            "--cluster-require-full-coverage", "no"]) for k in range(2 * masters)]
+        self.masters = masters
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self, timeout: float = 120.0) -> LocalCluster:
+        for node in self.nodes:
+            node.start(wait=False)
+        for node in self.nodes:
+            node.wait_ready()
+        addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        out = subprocess.run([cli_binary(), "--cluster", "create", *addresses,
+                              "--cluster-replicas", "1", "--cluster-yes"],
+                             capture_output=True, text=True, timeout=timeout)
+        assert out.returncode == 0, out.stdout + out.stderr
+        self.wait_ok(timeout)
+        return self
+
+    def wait_ok(self, timeout: float = 120.0) -> None:
+        """Until every live node reports cluster_state:ok and agrees on the masters."""
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                if all(self._info(n)["cluster_state"] == "ok" for n in self.live()):
+                    return
+            except (redis.ConnectionError, redis.TimeoutError, KeyError):
+                pass
+            assert time.monotonic() < end, "the cluster did not become ok"
+            time.sleep(0.2)
+
+    def live(self) -> list[RedisServer]:
+        return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
+
+    @staticmethod
+    def _info(node: RedisServer) -> dict[str, str]:
+        with node.client(socket_timeout=2) as r:
+            text = r.execute_command("CLUSTER", "INFO")
+        text = text.decode() if isinstance(text, bytes) else text
+        return dict(line.split(":", 1) for line in text.strip().splitlines() if ":" in line)
+
+    def master_of(self, key: str) -> RedisServer:
+        """The live node serving ``key``'s slot as a master."""
+        for node in self.live():
+            with node.client(socket_timeout=2) as r:
+                slot = r.execute_command("CLUSTER", "KEYSLOT", key)
+                for low, high, master, *_ in r.execute_command("CLUSTER", "SLOTS"):
+                    if low <= slot <= high:
+                        port = master[1]
+                        return next(n for n in self.nodes if n.port == port)
+        raise RuntimeError("no live node")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()

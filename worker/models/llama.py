@@ -54,12 +54,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ``pack_for_cpu``). Otherwise torch's own linear.
     """
     if packed is not None:
-        if x.shape[0] <= SKINNY_MAX_ROWS and _SKINNY["op"] is not None:
-            out = x.new_empty((x.shape[0], weight.shape[0]))
+        rows = x.shape[0]
+        if rows <= SKINNY_MAX_ROWS and _SKINNY["op"] is not None:
+            out = x.new_empty((rows, weight.shape[0]))
             _SKINNY["op"](out, x.contiguous(), weight, bias)
             return out
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        padded = padded_rows(rows)
+        if padded != rows:
+            x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
+        out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        return out[:rows]
     return F.linear(x, weight, bias)
+
+
+def padded_rows(rows: int) -> int:
+    """The rows a oneDNN GEMM runs on: ``rows`` rounded up to a bucket (multiples of 16 up to
+    128, then eight buckets per doubling: at most 1/8 extra rows).
+
+    Every step's token count would otherwise be a new GEMM shape, and the memory oneDNN and
+    glibc keep per shape made a worker's RSS grow by gigabytes over a day of varied prompts;
+    a few dozen shapes keep it flat. decoder_layer_cpu.cpp's ``padded_rows`` is the same.
+    """
+    step = max(16, (1 << (rows.bit_length() - 1)) // 8)
+    return -(-rows // step) * step
 
 
 SKINNY_MAX_ROWS = 16  # kMaxSkinnyRows in kernels/csrc/cpu_ops.h

@@ -101,11 +101,13 @@ def build_engine(config: WorkerConfig) -> Any:
 
 
 async def repeat(name: str, once: Callable[[], Awaitable[None]],
-                 stopping: asyncio.Event | None = None, full: RedisFull | None = None) -> None:
+                 stopping: asyncio.Event | None = None, full: RedisFull | None = None,
+                 denied: Callable[[Exception], None] | None = None) -> None:
     """Call ``once`` until ``stopping`` is set or the task is cancelled.
 
-    Redis outages never surface here (the client's Retry waits them out), and a Redis out of
-    memory is noted in ``full`` (logged once); any other exception is a bug: it is logged with
+    Redis outages never surface here (the client's Retry waits them out), a Redis out of
+    memory is noted in ``full`` (logged once), and a command the ACL denies goes to ``denied``
+    (the worker stops: it cannot do its job). Any other exception is a bug: it is logged with
     its traceback, and the loop carries on after a pause rather than leave the worker without
     that task.
     """
@@ -118,6 +120,11 @@ async def repeat(name: str, once: Callable[[], Awaitable[None]],
             if full is not None:
                 full.failed(exc)
             await asyncio.sleep(ERROR_PAUSE_S)
+        except NoPermissionError as exc:
+            if denied is None:
+                raise
+            denied(exc)
+            return
         except Exception:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -154,6 +161,7 @@ class Worker:
         self.model_name = config.model or "default"
         self.metrics_port: int | None = None
         self._serving = False
+        self.denied = False  # the Redis user may not run a command the worker needs
         self._stopping = asyncio.Event()  # set by stop(): the drain begins
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -189,7 +197,7 @@ class Worker:
                 log.error(f"Redis denied a command: {ACL_HINT}", error=redact_url(str(exc)))
                 return 1
             await self._serve(parts)
-            return 0
+            return 1 if self.denied else 0
         finally:
             await link.close()
 
@@ -240,13 +248,14 @@ class Worker:
         server = await self._start_metrics(parts)
         await parts.checkpoints.write()
         full = parts.shared.redis_full
-        tasks = [asyncio.create_task(repeat(name, once, None, full), name=name)
+        tasks = [asyncio.create_task(repeat(name, once, None, full, self._denied), name=name)
                  for name, once in [
             ("publisher", parts.outbox.publish_once), ("renewer", parts.keeper.renew_once),
             ("poller", parts.keeper.poll_once), ("checkpointer", parts.checkpoints.tick)]]
         pullers = [asyncio.create_task(self._read(parts), name="reader"),
                    asyncio.create_task(repeat("reclaimer", parts.keeper.reclaim_once,
-                                              self._stopping, full), name="reclaimer")]
+                                              self._stopping, full, self._denied),
+                                       name="reclaimer")]
         self._serving = True
         self.ready.set()
         log.info("worker serving", worker=self.name, queue=self.config.queue,
@@ -264,7 +273,14 @@ class Worker:
     async def _read(self, parts: Parts) -> None:
         await parts.admission.admit_own_pending()
         await repeat("reader", parts.admission.read_once, self._stopping,
-                     parts.shared.redis_full)
+                     parts.shared.redis_full, self._denied)
+
+    def _denied(self, exc: Exception) -> None:
+        """A command the Redis user may not run: one line, then stop (exit 1)."""
+        if not self.denied:
+            log.error(f"Redis denied a command: {ACL_HINT}", error=redact_url(str(exc)))
+        self.denied = True
+        self._stopping.set()
 
     def _on_report(self, parts: Parts, report: Report) -> None:
         """An engine report, on the event loop: capacity to admission, outputs to the outbox."""
