@@ -48,15 +48,21 @@ def make_request(so: StructuredOutputs, constraint: dict | None, rid: str = "r",
     req = Request(rid, None, PROMPT, params)
     for index in range(n):
         req.seqs.append(Sequence(req, index, PROMPT + list(resume or []), len(PROMPT)))
-    so.add(req)
-    wait_ready(so, req)
+    ready, failed = admit(so, req)
+    assert not failed and (ready == [req] or not ready)
     return req
 
 
-def wait_ready(so: StructuredOutputs, req: Request) -> None:
-    if so.is_constrained(req):
-        so.cache.wait(so._tickets[req])
-    assert so.ready(req)
+def admit(so: StructuredOutputs, req: Request) -> tuple[list, list]:
+    """Add ``req`` and wait for its compile, as the engine does between steps."""
+    if not so.add(req):
+        return [], []
+    while so.num_compiling:
+        so.wait_compiling(timeout=1.0)
+        ready, failed = so.take_compiled()
+        if ready or failed:
+            return ready, failed
+    return [], []
 
 
 def random_logits(seqs: list[Sequence], vocab: int, seed: int) -> torch.Tensor:
@@ -77,8 +83,8 @@ def run(so: StructuredOutputs, seqs: list[Sequence], vocab: int, eos: frozenset[
         logits = random_logits(live, vocab, seed)
         so.apply(logits, live)
         for s, token in zip(live, logits.argmax(-1).tolist(), strict=True):
+            so.advance(s, token)
             s.token_ids.append(token)
-            so.advance(s)
         live = [s for s in live if s.output_token_ids[-1] not in eos and s.num_generated < max_tokens]
         steps += 1
 
@@ -131,15 +137,17 @@ def test_eos_only_where_the_grammar_accepts(so, tokenizer, eos):
         so.apply(logits, [seq])
         return set(torch.isfinite(logits[0]).nonzero().flatten().tolist())
 
+    def take(token: int) -> bool:
+        complete = so.advance(seq, token)
+        seq.token_ids.append(token)
+        return complete
+
     assert eos_id not in allowed()  # nothing yet: "a" is still missing
-    seq.token_ids.append(tokenizer.convert_tokens_to_ids("a"))
-    assert not so.advance(seq)
+    assert not take(tokenizer.convert_tokens_to_ids("a"))
     assert eos_id in allowed() and tokenizer.convert_tokens_to_ids("b") in allowed()
-    seq.token_ids.append(tokenizer.convert_tokens_to_ids("b"))
-    so.advance(seq)
+    assert not take(tokenizer.convert_tokens_to_ids("b"))
     assert allowed() == {eos_id}  # complete: only the stop token remains
-    seq.token_ids.append(eos_id)
-    assert so.advance(seq)  # complete
+    assert take(eos_id)  # the grammar is done
 
 
 def test_resume_replays_streamed_tokens_and_continues_exactly(tokenizer, eos, so):
@@ -210,12 +218,17 @@ def test_length_bounded_strings_exclude_control_characters(so):
     ({"grammar": "start: 'lark'"}, "EBNF"),
 ])
 def test_invalid_constraints_name_the_problem(so, constraint, problem):
-    req = Request("bad", None, PROMPT, SamplingParams(structured_outputs=constraint))
-    so.add(req)
+    def attempt() -> None:
+        req = Request("bad", None, PROMPT, SamplingParams(structured_outputs=constraint))
+        req.seqs.append(Sequence(req, 0, list(PROMPT), len(PROMPT)))
+        ready, failed = admit(so, req)
+        assert not ready and [r for r, _ in failed] == [req]
+        raise failed[0][1]
+
     with pytest.raises(InvalidParamsError, match=problem):
-        so.cache.wait(so._tickets[req])
+        attempt()  # reported once the compile fails
     with pytest.raises(InvalidParamsError, match=problem):
-        so.ready(req)
+        attempt()  # the cached verdict: add raises at once
 
 
 def test_compile_past_the_time_limit_fails_and_stays_failed(tokenizer, eos):

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import time
 import weakref
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from pagedq.errors import InvalidRequestError
+from pagedq.errors import InvalidParamsError, InvalidRequestError
 from pagedq.worker.engine.grammar_cache import GrammarCache, GrammarTicket
 from pagedq.worker.engine.sequence import Request, Sequence
 
@@ -50,6 +51,7 @@ class StructuredOutputs:
         self._tickets: weakref.WeakKeyDictionary[Request, GrammarTicket] = weakref.WeakKeyDictionary()
         self._compiled: weakref.WeakKeyDictionary[Request, Any] = weakref.WeakKeyDictionary()
         self._states: weakref.WeakKeyDictionary[Sequence, SequenceGrammar] = weakref.WeakKeyDictionary()
+        self._compiling: list[Request] = []  # added, grammar not compiled yet
         self._bitmask: torch.Tensor | None = None
         self.mask_seconds = 0.0  # time spent filling and applying masks (for bench and stats)
         self.mask_steps = 0
@@ -61,19 +63,51 @@ class StructuredOutputs:
         return self._cache
 
     # -- requests -------------------------------------------------------------------------
-    def add(self, req: Request) -> None:
-        """Start compiling a constrained request's grammar (no-op for an unconstrained one)."""
+    def add(self, req: Request) -> bool:
+        """Start compiling a constrained request's grammar; returns whether the request must
+        wait for it (``take_compiled`` hands it back once it may be scheduled)."""
         so = req.params.structured_outputs
-        if so is not None:
-            self._tickets[req] = self.cache.submit(so)
+        if so is None:
+            return False
+        self._tickets[req] = self.cache.submit(so)
+        if self._poll(req):
+            return False
+        self._compiling.append(req)
+        return True
 
     def is_constrained(self, req: Request) -> bool:
         return req in self._tickets
 
-    def ready(self, req: Request) -> bool:
-        """Whether the request may be scheduled; raises InvalidParamsError for a constraint that
-        failed to compile (invalid, unsupported, or past the time limit)."""
-        if req in self._compiled or req not in self._tickets:
+    @property
+    def num_compiling(self) -> int:
+        return len(self._compiling)
+
+    def take_compiled(self) -> tuple[list[Request], list[tuple[Request, InvalidParamsError]]]:
+        """(requests whose grammar is ready, requests whose constraint failed to compile:
+        invalid, unsupported, or past the time limit). Requests that ended meanwhile (aborted,
+        past their deadline) are dropped."""
+        ready: list[Request] = []
+        failed: list[tuple[Request, InvalidParamsError]] = []
+        waiting: list[Request] = []
+        for req in self._compiling:
+            if all(s.is_finished for s in req.seqs):
+                continue
+            try:
+                (ready if self._poll(req) else waiting).append(req)
+            except InvalidParamsError as exc:
+                failed.append((req, exc))
+        self._compiling = waiting
+        return ready, failed
+
+    def wait_compiling(self, timeout: float) -> None:
+        """Sleep until a compile finishes or ``timeout`` passes: for an engine with nothing else
+        to do, instead of spinning against the compile threads."""
+        futures = [self._tickets[r].entry.future for r in self._compiling]
+        if futures:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def _poll(self, req: Request) -> bool:
+        if req in self._compiled:
             return True
         compiled = self.cache.poll(self._tickets[req])
         if compiled is None:
@@ -97,12 +131,14 @@ class StructuredOutputs:
         self.mask_seconds += time.perf_counter() - started
         self.mask_steps += 1
 
-    def advance(self, seq: Sequence) -> bool:
-        """Feed ``seq``'s matcher the tokens appended since (normally the one just sampled);
+    def advance(self, seq: Sequence, token: int) -> bool:
+        """Feed ``seq``'s matcher the token just sampled for it (before it joins the sequence);
         returns whether the grammar is complete (it has accepted a stop token)."""
         if seq.request not in self._compiled:
             return False
-        return bool(self._sync(seq).matcher.is_terminated())
+        state = self._sync(seq)
+        self._accept(seq, state, token)
+        return bool(state.matcher.is_terminated())
 
     def _sync(self, seq: Sequence) -> SequenceGrammar:
         """Bring ``seq``'s matcher to its current output: create it, roll back tokens taken
@@ -116,18 +152,26 @@ class StructuredOutputs:
             state.matcher.rollback(state.num_accepted - len(out))
             state.num_accepted = len(out)
         for token in out[state.num_accepted:]:
-            if state.matcher.is_terminated() or not state.matcher.accept_token(token):
-                raise InvalidRequestError(
-                    f"request {seq.request.request_id!r}: output token {token} at position "
-                    f"{state.num_accepted} does not fit its structured_outputs constraint "
-                    "(resumed tokens from a different model or constraint?)")
-            state.num_accepted += 1
+            self._accept(seq, state, token)
         return state
+
+    @staticmethod
+    def _accept(seq: Sequence, state: SequenceGrammar, token: int) -> None:
+        if state.matcher.is_terminated() or not state.matcher.accept_token(token):
+            raise InvalidRequestError(
+                f"request {seq.request.request_id!r}: output token {token} at position "
+                f"{state.num_accepted} does not fit its structured_outputs constraint "
+                "(resumed tokens from a different model or constraint?)")
+        state.num_accepted += 1
 
     def _bitmask_rows(self, xgr: Any, rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < rows:
             self._bitmask = xgr.allocate_token_bitmask(max(rows, 64), self.vocab_size)
         return self._bitmask[:rows]
+
+    def stats(self) -> dict[str, Any]:
+        return {"grammar_compiling": len(self._compiling),
+                "grammar_mask_s": round(self.mask_seconds, 6), "grammar_mask_steps": self.mask_steps}
 
     def close(self) -> None:
         if self._cache is not None:
