@@ -94,8 +94,9 @@ def build_random_model(path: Path, seed: int = 0) -> Path:
     build_tiny_model("llama", path, seed, vocab_size=len(tokenizer),
                      eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
                      pad_token_id=tokenizer.pad_token_id)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / name, path / name)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).exists():
+            shutil.copy(source / name, path / name)
     return path
 
 

@@ -14,7 +14,8 @@ from pagedq.worker.config import EngineConfig
 
 from .workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT, LengthDist
 
-SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue", "llama_cpp")
+SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue", "structured",
+             "llama_cpp")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,12 @@ class BenchConfig(EngineConfig):
     # sharing: KV blocks of n=4 sampling and beam width 4 vs four unshared copies
     sharing_prompt_tokens: int = 512
     sharing_new_tokens: int = 64
+
+    # structured: extraction requests with a JSON schema vs the same requests unconstrained
+    # with the same output lengths (greedy: the least other sampling work beside the mask)
+    structured_requests: int = 64
+    structured_max_tokens: int = 160
+    structured_temperature: float = 0.0
 
     # queue: the throughput trace through Redis (worker subprocess + client)
     redis_url: str | None = None  # None: start a private redis-server for the run
@@ -148,6 +155,7 @@ def quick(**overrides: Any) -> BenchConfig:
         decode_prompt_tokens=32,  # the full profile keeps llama-batched-bench's 128/128 shape
         decode_new_tokens=24,  # 24 decode steps per batch size keep the run under 3 minutes
         decode_kv_cache_dtype=None,  # the fp16-cache sweep is the full run's (time)
+        structured_requests=16,
         capacity_requests=24,
         capacity_reserved_slots=2,
         capacity_max_model_len=1024,

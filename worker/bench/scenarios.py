@@ -165,6 +165,8 @@ class BenchRun:
             engine_parts.append(("capacity", self.capacity))
         if "itl" in wanted:
             engine_parts.append(("itl", self.itl))
+        if "structured" in wanted:
+            engine_parts.append(("structured", self.structured))
         for name, part in engine_parts:
             self._timed(name, part)
             gc.collect()  # the part's engine (and its KV cache) is gone before the next one
@@ -356,6 +358,19 @@ class BenchRun:
         return {"itls": itls, "streams": ids, "injected_at_s": injected_at,
                 "long_ttft_s": run.timeline.requests[long[0].request_id].ttft,
                 "max_num_batched_tokens": budget}
+
+    # -- structured outputs: a JSON schema over a full batch -----------------------------------
+    def structured(self) -> None:
+        from .structured import run_structured
+
+        if self.engine_tokenizer_missing():
+            raise Unavailable("structured outputs need the model's tokenizer; this model has none")
+        self.results["structured"] = run_structured(self)
+
+    def engine_tokenizer_missing(self) -> bool:
+        from pagedq.worker.models.loader import load_tokenizer
+
+        return load_tokenizer(self.model_dir) is None
 
     # -- the Redis path -----------------------------------------------------------------------
     def queue(self, engine: Any) -> None:
