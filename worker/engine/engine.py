@@ -17,6 +17,7 @@ import psutil
 import torch
 
 from pagedq.errors import InvalidRequestError, RequestTooLongError
+from pagedq.kernels import select_backend
 from pagedq.params import SamplingParams
 from pagedq.worker.config import EngineConfig
 from pagedq.worker.engine.beam_search import BeamParams, BeamState, Hypothesis, select
@@ -80,12 +81,8 @@ class Engine:
         positions = max_model_len or self.hf_config.max_position_embeddings
         self.model = CausalLM(self.hf_config, self.dtype, self.device, positions)
         self.model.load_weights(iter_weights(self.model_path))
-        self.model.pack_for_cpu()
+        self.model.use_backend(select_backend(self.device, self.dtype, self.kv_dtype, self.model.head_dim))
         self.model.eval()
-        if self.device.type == "cpu":
-            from pagedq.kernels.cpu_attention import cpu_kernel
-
-            cpu_kernel()  # build/load the C++ attention kernel now, not on the first step
         num_blocks = self._num_blocks()
         self.max_model_len = min(positions, num_blocks * block_size)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
