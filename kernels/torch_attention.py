@@ -142,8 +142,8 @@ def build_torch_plan(plan: AttentionPlan, kernel_kv_heads: int = 0) -> TorchPlan
 def derive_torch_plan(plan: AttentionPlan, kernel_kv_heads: int = 0) -> TorchPlan:
     """The step's TorchPlan for one path (C++ kernel or not), built once per step and reused."""
     if kernel_kv_heads:
-        return plan.derived("torch+cpu", partial(build_torch_plan, kernel_kv_heads=kernel_kv_heads))
-    return plan.derived("torch", build_torch_plan)
+        return plan.derived("cpp", partial(build_torch_plan, kernel_kv_heads=kernel_kv_heads))
+    return plan.derived("sdpa", build_torch_plan)
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

@@ -152,7 +152,7 @@ def test_paged_attention_routes_decodes_and_short_chunks_to_the_kernel(op):
     plan = plan_attention(case.block_table, case.seq_lens, case.cu_seqlens_q, 16)
     out = paged_attention(*case.attention_args(), backend="cpp", plan=plan)
     assert_matches_reference(case, out)
-    tplan = plan._derived["torch+cpu"]
+    tplan = plan._derived["cpp"]
     assert tplan.decodes == []
     assert [(c.q_start, c.q_end) for c in tplan.chunks] == [(34, 34 + MAX_KERNEL_CHUNK + 1)]
     assert tplan.kernel.rows.shape[0] == 1 + MAX_KERNEL_CHUNK + 1 + 5
@@ -172,7 +172,7 @@ def test_short_chunks_over_long_contexts_go_to_sdpa(op):
     plan = plan_attention(case.block_table, case.seq_lens, case.cu_seqlens_q, 16)
     out = paged_attention(*case.attention_args(), backend="cpp", plan=plan)
     assert_matches_reference(case, out)
-    tplan = plan._derived["torch+cpu"]
+    tplan = plan._derived["cpp"]
     assert [(c.q_start, c.q_end) for c in tplan.chunks] == [(1, 9)]
     assert sorted(tplan.kernel.rows[:, 0].tolist()) == [0, *range(9, 17)]
 
