@@ -31,7 +31,7 @@ from pagedq.client.protocol import (
     decode_request,
     encode_event,
 )
-from pagedq.worker.service.commands import render_stats
+from pagedq.worker.cli.queue import render_stats
 from tests.service.test_worker import running_worker
 
 
