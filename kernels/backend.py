@@ -146,7 +146,7 @@ class Backend:
     linears: tuple[LinearChoice, ...]
     norm: str = "torch"
     layer: str = "python"
-    reasons: tuple[str, ...] = ()  # why each non-default choice was made
+    reasons: tuple[str, ...] = ()  # why: one line per decision, for the start-up log
     cpu: CpuFeatures | None = None
     ops: CpuOps | None = field(default=None, compare=False, repr=False)
 
@@ -213,32 +213,38 @@ class Selector:
                        (LinearChoice(_format(dtype), "torch"),), reasons=(why,))
 
     def _cpu(self, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int | None) -> Backend:
-        sw, reasons = self.switches, []
-        ops = None
-        if not sw.cpu_kernels:
-            reasons.append("PAGEDQ_CPU_KERNEL=0 switches the C++ kernels off")
-        elif not self.cpu.runs_cpp_kernels:
-            reasons.append(f"no C++ kernels: {self.cpu.missing_for_kernels()}")
-        else:
-            ops = self.library()
-            if ops is None:
-                reasons.append(f"no C++ kernels: {unavailable_reason()}")
+        reasons: list[str] = []
+        ops = self._cpu_ops(reasons)
         attention = "sdpa"
         if ops is not None:
             why_not = unsupported(dtype, kv_dtype, head_dim)
             attention = "sdpa" if why_not else "cpp"
             reasons.append(why_not or "C++ attention kernel (SDPA for long prefill chunks)")
-        fp32 = dtype == torch.float32 and ops is not None
-        linear = self._cpu_linear(dtype, ops if fp32 else None, reasons)
+        fp32_ops = ops if dtype == torch.float32 else None
+        if ops is not None and fp32_ops is None:
+            reasons.append("the C++ GEMV, RMSNorm and fused layer take float32 models only")
+        linear = self._cpu_linear(dtype, fp32_ops, reasons)
         layer = "python"
-        if fp32 and attention == "cpp":
-            layer = "cpp-fused" if sw.fused_layer else "python"
-            if not sw.fused_layer:
+        if fp32_ops is not None and attention == "cpp":
+            layer = "cpp-fused" if self.switches.fused_layer else "python"
+            if layer == "python":
                 reasons.append("PAGEDQ_FUSED_LAYER=0 keeps the per-op Python layer")
-        elif ops is not None:
-            reasons.append("the fused C++ layer and C++ RMSNorm take float32 models only")
-        return Backend("cpu", dtype, attention, "torch", (linear,), norm="cpp" if fp32 else "torch",
-                       layer=layer, reasons=tuple(reasons), cpu=self.cpu, ops=ops)
+        return Backend("cpu", dtype, attention, "torch", (linear,),
+                       norm="cpp" if fp32_ops is not None else "torch", layer=layer,
+                       reasons=tuple(reasons), cpu=self.cpu, ops=ops)
+
+    def _cpu_ops(self, reasons: list[str]) -> CpuOps | None:
+        """The C++ library, when the switch, the CPU and the build allow it."""
+        if not self.switches.cpu_kernels:
+            reasons.append("PAGEDQ_CPU_KERNEL=0 switches the C++ kernels off")
+            return None
+        if not self.cpu.runs_cpp_kernels:
+            reasons.append(f"no C++ kernels: {self.cpu.missing_for_kernels()}")
+            return None
+        ops = self.library()
+        if ops is None:
+            reasons.append(f"no C++ kernels: {unavailable_reason()}")
+        return ops
 
     def _cpu_linear(self, dtype: torch.dtype, ops: CpuOps | None, reasons: list[str]) -> LinearChoice:
         onednn = dtype == torch.float32 and torch.backends.mkldnn.is_available()

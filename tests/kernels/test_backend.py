@@ -80,6 +80,7 @@ def test_the_reasons_say_why(cpu_ops):
     odd = Selector(cpu=AVX512).select("cpu", F32, None, 12)
     assert any("head_dim % 8" in r for r in odd.reasons)
     assert any("float32 models only" in r for r in Selector(cpu=AVX512).select("cpu", BF16).reasons)
+    assert not any("float32 models only" in r for r in odd.reasons)
 
 
 @pytest.mark.parametrize("has_triton", [True, False])
