@@ -126,6 +126,8 @@ class LinearChoice:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  packed: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias`` by the route for x's row count; ``packed``: the
+        :meth:`prepack` copy of ``weight``, if any."""
         if 0 < x.shape[0] <= self.skinny_rows:
             out = x.new_empty((x.shape[0], weight.shape[0]))
             self.ops.skinny_linear(out, x.contiguous(), weight, bias, self.isa)
