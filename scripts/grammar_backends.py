@@ -4,9 +4,11 @@ For each backend: tokenizer set-up time, compile time of each constraint kind (a
 schema, any JSON object, a regex, a choice, an EBNF/Lark grammar), the per-token mask fill time
 (p50/p99) along random walks that pick uniformly among the allowed tokens (the worst case for
 a mask: every state a sampler could reach, not just the likely ones), whether each walk's text
-is valid (jsonschema / re.fullmatch / membership), and whether rollback and replay restore a
-matcher's state. The figures back docs/structured.md's choice of backend.
+is valid (jsonschema / re.fullmatch / membership), whether rollback and replay restore a
+matcher's state, and the mask fill of a full batch (64 matchers on the nested schema, each fed
+a different valid document). The figures back docs/structured.md's choice of backend.
 
+    pip install llguidance   # xgrammar is a dependency; llguidance only for this comparison
     python3 scripts/grammar_backends.py [--tokenizer DIR ...] [--walks 20] [--json PATH]
 
 Nothing downloads: each --tokenizer is a local directory with tokenizer.json (default: the
@@ -261,6 +263,43 @@ def measure(backend, tok, walks: int, max_tokens: int) -> dict:
     return out
 
 
+def batch_fill(backend, tok, rows: int = 64) -> dict:
+    """A full batch the way the engine sees it: ``rows`` matchers of the nested schema, each
+    fed a different valid document token by token, one batch mask fill per step."""
+    rng = random.Random(0)
+    docs = [json.dumps(_person(rng), ensure_ascii=False) for _ in range(rows)]
+    compiled = backend.compile("json")
+    t0 = time.perf_counter()
+    matchers = [backend.matcher(compiled) for _ in docs]
+    per_matcher = (time.perf_counter() - t0) / rows
+    tokens = [tok(d).input_ids + [tok.eos_token_id] for d in docs]
+    mask = backend.bitmask(rows)
+    full: list[float] = []
+    for step in range(max(map(len, tokens))):
+        live = [i for i in range(rows) if step < len(tokens[i])]
+        t0 = time.perf_counter()
+        for i in live:
+            backend.fill(matchers[i], mask, i)
+        if len(live) == rows:
+            full.append(time.perf_counter() - t0)
+        for i in live:
+            if not backend.accept(matchers[i], tokens[i][step]):
+                raise AssertionError(f"{backend.name} rejected a valid document: {docs[i]}")
+    full.sort()
+    return {"rows": rows, "matcher_ms": round(per_matcher * 1e3, 3),
+            "step_ms_p50": round(statistics.median(full) * 1e3, 2),
+            "step_ms_p99": round(full[int(0.99 * (len(full) - 1))] * 1e3, 2),
+            "row_us_p50": round(statistics.median(full) / rows * 1e6, 1), "steps": len(full)}
+
+
+def _person(rng: random.Random) -> dict:
+    words = ["alice", "bob", "Paris", "data", "x", "New York", "engineer", "blue", "Zürich"]
+    return {"name": rng.choice(words), "age": rng.randrange(0, 121),
+            "email": rng.choice([None, "bob@mail.com"]), "role": rng.choice(["admin", "user"]),
+            "tags": [rng.choice(words)[:8] for _ in range(rng.randint(1, 3))],
+            "address": {"city": rng.choice(words), "zip": f"{rng.randrange(100000):05d}"}}
+
+
 EOS: set[int] = set()
 
 
@@ -285,6 +324,7 @@ def main() -> None:
         for cls in (XGrammarBackend, LLGuidanceBackend):
             backend = cls(tok, vocab, [tok.eos_token_id])
             per[backend.name] = measure(backend, tok, args.walks, args.max_tokens)
+            per[backend.name]["batch"] = batch_fill(backend, tok)
             print(json.dumps({"tokenizer": path, "vocab": vocab, backend.name: per[backend.name]},
                              indent=1))
         results[f"{Path(path).name} ({vocab})"] = per

@@ -270,3 +270,20 @@ def test_schema_check_accepts_enforced_keywords(schema):
 def test_schema_check_rejects_mistyped_enum():
     with pytest.raises(InvalidParamsError, match="not of type"):
         check_schema({"type": "string", "enum": ["a", 1]})
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 49153])
+def test_cpu_mask_equals_xgrammars_kernel(so, vocab):
+    """The engine's own CPU apply against xgrammar's reference kernel, on random masks."""
+    from pagedq.worker.engine.structured import apply_bitmask_cpu
+
+    xgr = so.cache.bitmask_backend
+    g = torch.Generator().manual_seed(vocab)
+    bitmask = xgr.allocate_token_bitmask(7, vocab)
+    bitmask.copy_(torch.randint(-2**31, 2**31 - 1, bitmask.shape, generator=g, dtype=torch.int32))
+    logits = torch.randn(7, vocab, generator=g)
+    for rows in ([0, 3, 6], list(range(7))):
+        want, got = logits.clone(), logits.clone()
+        xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=vocab, indices=rows)
+        apply_bitmask_cpu(got, bitmask, rows)
+        assert torch.equal(want, got)

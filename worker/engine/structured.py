@@ -126,8 +126,11 @@ class StructuredOutputs:
         bitmask = self._bitmask_rows(xgr, len(seqs))
         for i in rows:
             self._sync(seqs[i]).matcher.fill_next_token_bitmask(bitmask, i)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                        vocab_size=self.vocab_size, indices=rows)
+        if logits.is_cuda:
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                            vocab_size=self.vocab_size, indices=rows)
+        else:
+            apply_bitmask_cpu(logits, bitmask, rows)
         self.mask_seconds += time.perf_counter() - started
         self.mask_steps += 1
 
@@ -176,3 +179,26 @@ class StructuredOutputs:
     def close(self) -> None:
         if self._cache is not None:
             self._cache.close()
+
+
+_BYTE_MASKS: dict[torch.dtype, torch.Tensor] = {}
+
+
+def apply_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set ``logits[r, t]`` to -inf where bit t of ``bitmask[r]`` is clear, for r in ``rows``.
+
+    Each byte of the mask selects a row of a 256 x 8 table of 0 / -inf (one ``embedding``
+    lookup), and the result is added to the rows in one ``index_add_``: a few passes over the
+    logits, parallel across torch's threads, several times faster than xgrammar's
+    single-threaded CPU kernel on a full batch. The mask's int32 words are little-endian, so
+    byte k of word w holds tokens 32w + 8k ... 32w + 8k + 7.
+    """
+    table = _BYTE_MASKS.get(logits.dtype)
+    if table is None:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+        table = _BYTE_MASKS[logits.dtype] = torch.zeros(256, 8, dtype=logits.dtype).masked_fill_(
+            bits == 0, float("-inf"))
+    index = torch.tensor(rows)
+    words = bitmask[index].contiguous()
+    penalty = torch.nn.functional.embedding(words.view(torch.uint8).long(), table)
+    logits.index_add_(0, index, penalty.view(len(rows), -1)[:, :logits.shape[1]])
