@@ -198,7 +198,12 @@ def apply_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[in
         bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
         table = _BYTE_MASKS[logits.dtype] = torch.zeros(256, 8, dtype=logits.dtype).masked_fill_(
             bits == 0, float("-inf"))
-    index = torch.tensor(rows)
-    words = bitmask[index].contiguous()
-    penalty = torch.nn.functional.embedding(words.view(torch.uint8).long(), table)
-    logits.index_add_(0, index, penalty.view(len(rows), -1)[:, :logits.shape[1]])
+    every_row = len(rows) == logits.shape[0]  # a fully constrained batch: no gather/scatter
+    index = None if every_row else torch.tensor(rows)
+    words = bitmask[: len(rows)] if every_row else bitmask[index]
+    penalty = torch.nn.functional.embedding(words.contiguous().view(torch.uint8).int(), table)
+    penalty = penalty.view(len(rows), -1)[:, :logits.shape[1]]
+    if every_row:
+        logits.add_(penalty)
+    else:
+        logits.index_add_(0, index, penalty)
