@@ -19,7 +19,14 @@ from pagedq.client import Client, RequestFailedError, SamplingParams
 from pagedq.client.protocol import E_INVALID_PARAMS, F_ID, F_PAYLOAD, Keys
 from tests.engine.structured_cases import BOUNDED, CONSTRAINTS, build_random_model, is_valid
 from tests.service.test_worker import running_worker
-from tests.service.test_worker_procs import assert_seamless, events, spawn, stop, wait_until
+from tests.service.test_worker_procs import (
+    assert_seamless,
+    events,
+    mid_job,
+    spawn,
+    stop,
+    wait_until,
+)
 
 ENGINE = dict(num_kv_blocks=160, max_num_seqs=2, max_model_len=512)  # as spawn() starts A
 # Long structures, so that a worker can be caught in the middle of one.
@@ -92,16 +99,8 @@ def test_worker_killed_mid_structure_another_finishes_it_exactly(redis_url, mode
         with Client(redis_url, "structured-kill") as client:
             handles = [client.submit(p, sp) for p, sp in jobs]
 
-            def a_mid_structure() -> bool:
-                for h in handles:
-                    evs = events(r, h.id)
-                    if evs and evs[-1].type == "tokens" and evs[-1].worker == "A" \
-                            and evs[-1].position >= 5:
-                        return True
-                return False
-
             with running_worker(redis_url, model, "B", queue="structured-kill", engine=ENGINE):
-                wait_until(a_mid_structure, proc=a)
+                wait_until(mid_job(r, handles, "A"), proc=a)  # A is inside a structure
                 a.send_signal(signal.SIGKILL)
                 a.wait(30)
                 results = [h.result(timeout=180) for h in handles]
