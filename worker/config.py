@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pagedq.client.protocol import DEFAULT_PREFIX, DEFAULT_QUEUE, DEFAULT_TTL_S
 from pagedq.errors import InvalidRequestError
@@ -22,6 +23,25 @@ from pagedq.errors import InvalidRequestError
 Dtype = Literal["float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: the model's dtype
 DTYPES: tuple[str, ...] = get_args(Dtype)
+
+
+def parse_bytes(text: str | int) -> int:
+    """A byte count from ``2GiB``, ``512MiB``, ``1.5G``, ``300MB`` or a plain integer.
+
+    Binary units (KiB, MiB, GiB, TiB) count in 1024s, SI ones (KB, MB, GB, TB) in 1000s, and a
+    bare letter (K, M, G, T) in 1024s, as ``docker run --memory`` reads it."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*", str(text), re.I)
+    if not match or (match.group(3) and not match.group(4)):
+        raise ValueError(f"{text!r} is not a size: write e.g. 2GiB, 512MiB or a number of bytes")
+    number, unit, binary, b = match.groups()
+    power = "kmgt".index(unit.lower()) + 1 if unit else 0
+    return int(float(number) * (1024 if binary or not b else 1000) ** power)
+
+
+# An int read from text by parse_bytes; flags of this type take "2GiB" (cli/flags.py).
+ByteSize = Annotated[int, parse_bytes]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 
 
@@ -101,9 +121,10 @@ class EngineConfig:
     """Tokens per KV block (default: 8 on the CPU, 16 on CUDA)."""
     num_kv_blocks: int | None = None
     """KV cache size in blocks; overrides kv_cache_memory and gpu_memory_utilization."""
-    kv_cache_memory: int | None = None
-    """Bytes for the KV cache on the CPU (default: 2 GiB or a quarter of the available memory,
-    whichever is smaller)."""
+    kv_cache_memory: ByteSize | None = None
+    """Size of the KV cache on the CPU, e.g. 512MiB or 2GiB (default: 2 GiB or a quarter of the
+    memory still available to this process, a container's limit included, whichever is
+    smaller; pagedq chat/generate size it to their prompts)."""
     gpu_memory_utilization: float = 0.9
     """Fraction of the GPU's memory the engine may fill: weights, activations, then KV cache."""
     max_num_seqs: int = 64
@@ -130,6 +151,11 @@ class EngineConfig:
             if not ok:
                 raise InvalidRequestError(f"engine config: {what}")
 
+        if isinstance(self.kv_cache_memory, str):
+            try:
+                object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+            except ValueError as exc:
+                raise InvalidRequestError(f"engine config: kv_cache_memory: {exc}") from None
         need(self.block_size is None or self.block_size >= 1,
              f"block_size must be >= 1 or None, got {self.block_size}")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1,

@@ -11,6 +11,8 @@ import sys
 import time
 from typing import Any
 
+from pagedq.errors import InvalidRequestError
+from pagedq.worker.cli.console import PROMPT_HELP, event_sentence, read_prompt
 from pagedq.worker.cli.flags import add_config_flags, add_sampling_flags, sampling_params
 from pagedq.worker.config import WorkerConfig
 
@@ -21,28 +23,37 @@ REDIS_URL_HELP = "Redis holding the queue (default: $REDIS_URL, else redis://loc
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("submit", help="enqueue a prompt and stream its tokens to the terminal",
-                       description="Enqueue one prompt and print its tokens as a worker "
-                       "streams them.")
-    p.add_argument("prompt", help="text, or token ids like '1,5,9' with --token-ids")
+    p = sub.add_parser("submit", help="put a prompt on the queue and stream the answer",
+                       description="Enqueue one prompt for the workers serving the queue and "
+                       "print the answer as it streams back. Text goes as a chat message "
+                       "(the worker applies its model's chat template); --raw sends it as a "
+                       "plain completion prompt.")
+    p.add_argument("prompt", metavar="PROMPT",
+                   help=PROMPT_HELP + "; with --token-ids, comma-separated ids like 1,5,9")
     add_connection_flags(p)
-    p.add_argument("--token-ids", action="store_true", help="the prompt is comma-separated ids")
-    p.add_argument("--chat", action="store_true", help="send it as one user chat message")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--raw", action="store_true",
+                      help="send the text as a plain completion prompt, not a chat message")
+    form.add_argument("--token-ids", action="store_true",
+                      help="the prompt is comma-separated token ids of the worker's model")
+    form.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)  # the default
     p.add_argument("--priority", type=int, default=0,
                    help="higher is served first (default: 0)")
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds from now after which the job is cut off")
     p.add_argument("--timeout", type=float, default=None,
-                   help="give up waiting for the result after this many seconds")
+                   help="give up waiting for the answer after this many seconds (the job stays "
+                   "queued)")
     p.add_argument("--json", action="store_true", help="print each event as a JSON line")
     add_sampling_flags(p, defaults=SAMPLING_DEFAULTS)
     p.set_defaults(func=cmd_submit)
 
-    p = sub.add_parser("stats", help="live table of queue depth and workers (KV occupancy)",
-                       description="Show the queue's depth and every live worker's load.")
+    p = sub.add_parser("stats", help="show the queue's depth and its workers' load",
+                       description="Print the queue's depth and every live worker's load "
+                       "(running jobs, KV cache occupancy, tokens/s) once; --watch follows.")
     add_connection_flags(p)
-    p.add_argument("--watch", type=float, default=1.0,
-                   help="refresh every this many seconds; 0 prints once (default: 1)")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) until Ctrl-C")
     p.add_argument("--json", action="store_true", help="print the raw stats once as JSON")
     p.set_defaults(func=cmd_stats)
 
@@ -61,19 +72,32 @@ def connect(args: argparse.Namespace) -> Any:
     return Client(conn["redis_url"], conn["queue"], prefix=conn["prefix"])
 
 
+def submit_prompt(args: argparse.Namespace) -> Any:
+    """What ``submit`` sends: chat messages by default, text with --raw, or token ids."""
+    text = read_prompt(args.prompt)
+    if args.token_ids:
+        try:
+            return [int(x) for x in text.replace(" ", "").strip().split(",") if x]
+        except ValueError:
+            raise InvalidRequestError(
+                f"--token-ids expects comma-separated integers, got {text.strip()[:40]!r}"
+            ) from None
+    return text if args.raw else [{"role": "user", "content": text}]
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     from pagedq.client import ProtocolError, RequestError, ResultTimeoutError
     from pagedq.errors import InvalidParamsError
 
-    prompt: Any = args.prompt
-    if args.token_ids:
-        prompt = [int(x) for x in args.prompt.replace(" ", "").split(",") if x]
-    elif args.chat:
-        prompt = [{"role": "user", "content": args.prompt}]
+    try:
+        prompt = submit_prompt(args)
+        params = sampling_params(args, SAMPLING_DEFAULTS)
+    except (InvalidRequestError, InvalidParamsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     deadline = time.time() + args.deadline if args.deadline else None
     with connect(args) as client:
         try:
-            params = sampling_params(args, SAMPLING_DEFAULTS)
             handle = client.submit(prompt, params, deadline=deadline, priority=args.priority)
         except (ProtocolError, InvalidParamsError) as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -82,11 +106,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
             for ev in handle.stream(timeout=args.timeout):
                 print_event(ev, args.json, params.n)
             handle.result(timeout=0.001)
-        except ResultTimeoutError as exc:
-            print(f"\n{exc}", file=sys.stderr)
+        except ResultTimeoutError:
+            print(f"\nno answer within {args.timeout:g} s; the job stays queued (id {handle.id})",
+                  file=sys.stderr)
             return 3
         except RequestError as exc:
-            print(f"\n{exc}", file=sys.stderr)
+            if "no chat template" in str(exc) and isinstance(prompt, list):
+                print("hint: this model has no chat template; pass --raw to send the text as "
+                      "a plain completion prompt", file=sys.stderr)
             return 1
     return 0
 
@@ -99,10 +126,8 @@ def print_event(ev: Any, as_json: bool, n: int) -> None:
     if ev.type == "tokens":
         piece = ev.text if ev.text else "".join(f"[{t}]" for t in ev.token_ids)
         print(f"[{ev.index}] {piece}" if n > 1 else piece, end="\n" if n > 1 else "", flush=True)
-    elif ev.type == "finished":
-        print(f"\n-- finished {ev.finish_reasons} {ev.usage}", file=sys.stderr)
     else:
-        print(f"\n-- {ev.type}: {ev.error or ''}", file=sys.stderr)
+        print(f"\n-- {event_sentence(ev)}", file=sys.stderr)
 
 
 def render_stats(stats: dict[str, Any]) -> str:
@@ -135,7 +160,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         try:
             while True:
                 table = render_stats(client.stats())
-                if args.watch <= 0:
+                if not args.watch:
                     print(table)
                     return 0
                 print("\x1b[2J\x1b[H" + table, flush=True)

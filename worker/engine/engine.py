@@ -39,8 +39,13 @@ from pagedq.worker.engine.sequence import Request, SamplingHook, SeqStatus, Sequ
 from pagedq.worker.logging import get_logger
 from pagedq.worker.models.llama import CausalLM
 from pagedq.worker.models.loader import iter_weights, load_config, load_tokenizer, resolve_model
+from pagedq.worker.progress import waiting
 
 log = get_logger("pagedq.engine")
+# Shown only when loading the kernels takes long, i.e. when they compile.
+KERNEL_BUILD = ("compiling pagedq's C++ CPU kernels (first run on this machine only, about 2 "
+                "minutes on 2 cores; cached in $TORCH_EXTENSIONS_DIR, default "
+                "~/.cache/torch_extensions)")
 
 
 class Engine:
@@ -66,8 +71,10 @@ class Engine:
         self.model_path = resolve_model(config.model)
         self.hf_config = load_config(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.model = load_model(self.model_path, self.hf_config, config, self.device)
-        build_cpu_kernels(self.device)
+        with waiting(KERNEL_BUILD, log):  # first: loading the weights packs them for the kernels
+            build_cpu_kernels(self.device)
+        with waiting(f"loading the weights of {self.model_path.name}", log):
+            self.model = load_model(self.model_path, self.hf_config, config, self.device)
         budget = sizing.kv_budget(config, config.block_size, self.device, self.model)
         plan = sizing.plan_kv(self.hf_config, config, self.kv_dtype, config.block_size, budget)
         self.max_model_len = plan.max_model_len

