@@ -72,10 +72,14 @@ def waiting(what: str, log: Any, *, delay: float = DELAY_S, **fields: Any) -> It
 
     watcher = threading.Thread(target=announce, name="pagedq-progress", daemon=True)
     watcher.start()
+    outcome = "done"
     try:
         yield
+    except BaseException:
+        outcome = "failed"
+        raise
     finally:
         done.set()
         watcher.join()
         if shown.is_set():
-            log.info(f"done: {what}", seconds=round(time.perf_counter() - start, 1))
+            log.info(f"{outcome}: {what}", seconds=round(time.perf_counter() - start, 1))

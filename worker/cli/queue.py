@@ -103,9 +103,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         try:
+            texts = []
             for ev in handle.stream(timeout=args.timeout):
                 print_event(ev, args.json, params.n)
-            handle.result(timeout=0.001)
+                texts.append(ev.text)
+            result = handle.result(timeout=0.001)
+            if not args.json and not any(texts) and result.token_ids:
+                print(f"(the model has no tokenizer; token ids: {result.token_ids})")
         except ResultTimeoutError:
             print(f"\nno answer within {args.timeout:g} s; the job stays queued (id {handle.id})",
                   file=sys.stderr)
@@ -123,9 +127,12 @@ def print_event(ev: Any, as_json: bool, n: int) -> None:
         body = {k: v for k, v in vars(ev).items() if v not in (None, [], "")}
         print(json.dumps(body), flush=True)
         return
-    if ev.type == "tokens":
-        piece = ev.text if ev.text else "".join(f"[{t}]" for t in ev.token_ids)
-        print(f"[{ev.index}] {piece}" if n > 1 else piece, end="\n" if n > 1 else "", flush=True)
+    if ev.type == "tokens":  # text held back (half a UTF-8 character) arrives with the next
+        if n > 1:
+            if ev.text:
+                print(f"[{ev.index}] {ev.text}", flush=True)
+        else:
+            print(ev.text, end="", flush=True)
     else:
         print(f"\n-- {event_sentence(ev)}", file=sys.stderr)
 

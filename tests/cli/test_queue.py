@@ -1,0 +1,99 @@
+"""``pagedq submit`` and ``pagedq stats`` against a real Redis: what submit puts on the wire,
+what it prints while a real worker answers, and a stats table that prints once and exits."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from contextlib import contextmanager
+
+import pytest
+
+from pagedq.client.protocol import decode_request
+from pagedq.worker.cli import main
+from pagedq.worker.config import WorkerConfig
+from pagedq.worker.service.worker import Worker
+
+
+def queued_requests(redis_client, level="normal"):
+    return [decode_request(fields[b"p"])
+            for _, fields in redis_client.xrange(f"pagedq:default:jobs:{level}")]
+
+
+@pytest.mark.parametrize("flags,shape", [
+    ([], "messages"), (["--raw"], "prompt"), (["--token-ids"], "prompt_token_ids"),
+])
+def test_submit_sends_chat_by_default(redis_db, redis_client, capsys, flags, shape):
+    prompt = "1, 2,3" if "--token-ids" in flags else "Tell me a joke"
+    code = main(["submit", prompt, *flags, "--redis-url", redis_db, "--timeout", "0.2"])
+    assert code == 3  # no worker: it gives up waiting, the job stays queued
+    assert "the job stays queued" in capsys.readouterr().err
+    (req,) = queued_requests(redis_client)
+    expected = {"messages": [{"role": "user", "content": "Tell me a joke"}],
+                "prompt": "Tell me a joke", "prompt_token_ids": [1, 2, 3]}[shape]
+    assert getattr(req, shape) == expected
+
+
+def test_submit_rejects_bad_input_before_enqueueing(redis_db, redis_client, capsys):
+    for argv in (["submit", ""], ["submit", "x", "--temperature", "-2"],
+                 ["submit", "1,a", "--token-ids"]):
+        assert main([*argv, "--redis-url", redis_db]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "Traceback" not in err
+    assert queued_requests(redis_client) == []
+
+
+@contextmanager
+def worker_thread(redis_url, model):
+    worker = Worker(WorkerConfig(model=str(model), redis_url=redis_url, consumer_name="cli",
+                                 checkpoint_interval=0.2, read_block_ms=200, drain_timeout=5,
+                                 engine={"num_kv_blocks": 256, "block_size": 4}))
+    thread = threading.Thread(target=lambda: asyncio.run(worker.run()), daemon=True)
+    thread.start()
+    while not worker.ready.wait(0.1):
+        assert thread.is_alive(), "the worker did not start"
+    try:
+        yield worker
+    finally:
+        worker.stop()
+        thread.join(60)
+
+
+def test_submit_streams_the_answer_and_ends_with_a_sentence(redis_db, tiny_text_model_dir,
+                                                            capsys):
+    from pagedq.worker import Engine
+
+    expected = Engine(str(tiny_text_model_dir), num_kv_blocks=16).chat(
+        [{"role": "user", "content": "Hello"}], _greedy(6))[0].outputs[0].text
+    with worker_thread(redis_db, tiny_text_model_dir):
+        code = main(["submit", "Hello", "--redis-url", redis_db, "--max-tokens", "6",
+                     "--ignore-eos", "--timeout", "60"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert out.strip() == expected.strip()
+    assert "-- done: it reached the token limit (--max-tokens) (6 tokens generated" in err
+    assert "[" not in err.split("-- done:")[1].split("(--max-tokens)")[1]  # no Python reprs
+
+
+def _greedy(max_tokens):
+    from pagedq.params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def test_stats_prints_one_table_and_exits(redis_db, tiny_text_model_dir, capsys):
+    with worker_thread(redis_db, tiny_text_model_dir):
+        assert main(["stats", "--redis-url", redis_db]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("queue default: depth 0")
+    assert "\x1b[2J" not in out  # no screen clearing without --watch
+    row = next(line for line in out.splitlines() if line.startswith("cli "))
+    assert "serving" in row and "0/256" in row
+
+
+def test_stats_watch_is_opt_in():
+    from pagedq.worker.cli import build_parser
+
+    assert build_parser().parse_args(["stats"]).watch is None
+    assert build_parser().parse_args(["stats", "--watch"]).watch == 2.0
+    assert build_parser().parse_args(["stats", "--watch", "0.5"]).watch == 0.5
