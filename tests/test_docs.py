@@ -77,3 +77,57 @@ def test_architecture_map_names_existing_files():
 def test_readme_front_page_fits_two_screens():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 130, f"README.md has {len(lines)} lines; move detail to docs/"
+
+
+# -- the README's commands and snippets ----------------------------------------------------------
+def readme_blocks(lang: str) -> list[str]:
+    return [body for kind, body in FENCE.findall((ROOT / "README.md").read_text()) if kind == lang]
+
+
+def readme_pagedq_commands() -> list[list[str]]:
+    import shlex
+
+    lines = [part.strip() for block in readme_blocks("bash") for line in block.splitlines()
+             for part in line.split("#")[0].split("&&")]
+    return [shlex.split(line)[1:] for line in lines if line.startswith("pagedq ")]
+
+
+def test_every_pagedq_command_in_the_readme_parses():
+    """Each `pagedq ...` line of the README names a real command with real flags."""
+    from pagedq.worker.cli import build_parser
+
+    commands = readme_pagedq_commands()
+    assert {c[0] for c in commands} >= {"demo", "chat", "generate", "worker", "submit", "stats",
+                                         "plan", "bench"}
+    for argv in commands:
+        args = build_parser().parse_args(argv)
+        assert callable(args.func), argv
+
+
+def test_readme_sizing_example_is_what_plan_prints(capsys):
+    """The worked example's figures (SmolLM2, 32 jobs of 1,024 tokens) come from `pagedq plan`."""
+    from pagedq.worker.cli import main
+
+    assert main(["plan", "--concurrency", "32", "--seq-len", "1024", "--dtype", "float32",
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    readme = (ROOT / "README.md").read_text()
+    for figure in ("2 x 30 layers x 3 KV heads x 64 x 4 B = 46,080 B", "1.41 GiB",
+                   "134.5 M parameters"):
+        assert figure in out, figure
+    for figure in ("2 × 30 × 3 × 64 × 4 B = 46,080 B", "1.41 GiB", "135 M × 4 B = 0.54 GB"):
+        assert figure in readme, figure
+
+
+def test_readme_sdk_snippet_runs(redis_db, tiny_text_model_dir, capsys):
+    """The README's Python snippet, as written, against a real Redis and a worker on a tiny
+    model (only the Redis URL differs)."""
+    from tests.cli.test_queue import worker_thread
+
+    (snippet,) = [b for b in readme_blocks("python") if "Client(" in b]
+    assert 'Client("redis://localhost:6379/0")' in snippet
+    code = snippet.replace("redis://localhost:6379/0", redis_db)
+    with worker_thread(redis_db, tiny_text_model_dir):
+        exec(compile(code, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "'prompt_tokens'" in out and (": stop" in out or ": length" in out)
