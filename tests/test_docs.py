@@ -122,12 +122,12 @@ def test_readme_sizing_example_is_what_plan_prints(capsys):
 def test_readme_sdk_snippet_runs(redis_db, tiny_text_model_dir, capsys):
     """The README's Python snippet, as written, against a real Redis and a worker on a tiny
     model (only the Redis URL differs)."""
-    from tests.cli.test_queue import worker_thread
+    from tests.service.harness import running_worker
 
     (snippet,) = [b for b in readme_blocks("python") if "Client(" in b]
     assert 'Client("redis://localhost:6379/0")' in snippet
     code = snippet.replace("redis://localhost:6379/0", redis_db)
-    with worker_thread(redis_db, tiny_text_model_dir):
+    with running_worker(redis_db, str(tiny_text_model_dir), "docs"):
         exec(compile(code, "README.md", "exec"), {})
     out = capsys.readouterr().out
     assert "'prompt_tokens'" in out and (": stop" in out or ": length" in out)

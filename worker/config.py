@@ -226,4 +226,5 @@ class WorkerConfig:
 
     @property
     def checkpoint_ttl_s(self) -> float:
+        """How long a checkpoint (and the consumer-name lock) outlives its worker."""
         return self.checkpoint_ttl or max(5.0, 3 * self.checkpoint_interval)

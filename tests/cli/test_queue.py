@@ -3,16 +3,11 @@ what it prints while a real worker answers, and a stats table that prints once a
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from contextlib import contextmanager
-
 import pytest
 
 from pagedq.client.protocol import decode_request
 from pagedq.worker.cli import main
-from pagedq.worker.config import WorkerConfig
-from pagedq.worker.service.worker import Worker
+from tests.service.harness import running_worker
 
 
 def queued_requests(redis_client, level="normal"):
@@ -43,29 +38,13 @@ def test_submit_rejects_bad_input_before_enqueueing(redis_db, redis_client, caps
     assert queued_requests(redis_client) == []
 
 
-@contextmanager
-def worker_thread(redis_url, model):
-    worker = Worker(WorkerConfig(model=str(model), redis_url=redis_url, consumer_name="cli",
-                                 checkpoint_interval=0.2, read_block_ms=200, drain_timeout=5,
-                                 engine={"num_kv_blocks": 256, "block_size": 4}))
-    thread = threading.Thread(target=lambda: asyncio.run(worker.run()), daemon=True)
-    thread.start()
-    while not worker.ready.wait(0.1):
-        assert thread.is_alive(), "the worker did not start"
-    try:
-        yield worker
-    finally:
-        worker.stop()
-        thread.join(60)
-
-
 def test_submit_streams_the_answer_and_ends_with_a_sentence(redis_db, tiny_text_model_dir,
                                                             capsys):
     from pagedq.worker import Engine
 
     expected = Engine(str(tiny_text_model_dir), num_kv_blocks=16).chat(
         [{"role": "user", "content": "Hello"}], _greedy(6))[0].outputs[0].text
-    with worker_thread(redis_db, tiny_text_model_dir):
+    with running_worker(redis_db, str(tiny_text_model_dir), "cli"):
         code = main(["submit", "Hello", "--redis-url", redis_db, "--max-tokens", "6",
                      "--ignore-eos", "--timeout", "60"])
     out, err = capsys.readouterr()
@@ -82,13 +61,13 @@ def _greedy(max_tokens):
 
 
 def test_stats_prints_one_table_and_exits(redis_db, tiny_text_model_dir, capsys):
-    with worker_thread(redis_db, tiny_text_model_dir):
+    with running_worker(redis_db, str(tiny_text_model_dir), "cli"):
         assert main(["stats", "--redis-url", redis_db]) == 0
     out = capsys.readouterr().out
     assert out.startswith("queue default: depth 0")
     assert "\x1b[2J" not in out  # no screen clearing without --watch
     row = next(line for line in out.splitlines() if line.startswith("cli "))
-    assert "serving" in row and "0/256" in row
+    assert "serving" in row and "0/64" in row
 
 
 def test_stats_watch_is_opt_in():

@@ -202,12 +202,18 @@ def line_view(client: Any, streams: list[Stream], readers: list[Any], start: flo
         print(f"\n[{i}] >>> {s.prompt}\n{s.text}\n    ({status(s)})")
 
 
-def fresh_stats(client: Any, after: float, timeout: float = 5.0) -> dict[str, Any]:
-    """The queue's stats once every worker has checkpointed after ``after`` (unix time)."""
+def fresh_stats(client: Any, after: float, timeout: float = 10.0) -> dict[str, Any]:
+    """The queue's stats from checkpoints written after ``after`` (unix time) that show every
+    job of the demo settled (a worker's job count and its engine's load are reported apart, so
+    one checkpoint may still hold the other's last value)."""
     end = time.monotonic() + timeout
     while True:
         stats = client.stats()
-        beats = [float(w.get("heartbeat", 0)) for w in stats["workers"]]
-        if (beats and min(beats) > after) or time.monotonic() > end:
+        if all(settled(w, after) for w in stats["workers"]) or time.monotonic() > end:
             return stats
         time.sleep(0.1)
+
+
+def settled(worker: dict[str, Any], after: float) -> bool:
+    return float(worker.get("heartbeat", 0)) > after and not any(
+        int(worker.get(k, 0)) for k in ("jobs", "running", "waiting", "kv_blocks_used"))
