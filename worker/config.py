@@ -188,8 +188,9 @@ class WorkerConfig:
     model: str | None = None
     """The engine's model (the ``--model`` flag); None: EngineConfig's default."""
     redis_url: str | None = None
-    """Redis holding the queue (default: $REDIS_URL; without either, an embedded redis-server
-    starts and its URL is logged)."""
+    """Redis holding the queue (default: $REDIS_URL; without either, the embedded redis-server
+    another worker on this machine started, else a new one, which pagedq submit and stats on
+    this machine then find)."""
     queue: str = field(default_factory=lambda: settings().queue)
     """Queue to serve (default: $PAGEDQ_QUEUE, else "default")."""
     prefix: str = DEFAULT_PREFIX

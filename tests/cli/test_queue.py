@@ -76,3 +76,78 @@ def test_stats_watch_is_opt_in():
     assert build_parser().parse_args(["stats"]).watch is None
     assert build_parser().parse_args(["stats", "--watch"]).watch == 2.0
     assert build_parser().parse_args(["stats", "--watch", "0.5"]).watch == 0.5
+
+
+def test_submit_without_a_worker_warns_at_once_and_waits_only_if_asked(redis_db, capsys):
+    assert main(["submit", "hi", "--redis-url", redis_db]) == 3
+    err = capsys.readouterr().err
+    assert "no worker has checkpointed on queue 'default'" in err and "--wait" in err
+    assert main(["submit", "hi", "--redis-url", redis_db, "--wait", "--timeout", "0.3"]) == 3
+    err = capsys.readouterr().err
+    assert "Waiting for one" in err and "no answer within 0.3 s; the job stays queued" in err
+
+
+@pytest.mark.parametrize("command", [["submit", "hi"], ["stats"]])
+def test_unreachable_redis_is_one_line(command, capsys):
+    from pagedq.worker.service.embedded_redis import free_port
+
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    assert main([*command, "--redis-url", url]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert url.replace("hunter2", "***") in err and "hunter2" not in err
+    assert "pagedq worker" in err and "--redis-url" in err
+
+
+def test_a_password_protected_redis_says_so(capsys):
+    import redis
+
+    from pagedq.worker.service.embedded_redis import EmbeddedRedis
+
+    with EmbeddedRedis.start() as server:
+        redis.Redis.from_url(server.url).config_set("requirepass", "s3cret")
+        assert main(["stats", "--redis-url", server.url]) == 1
+        err = capsys.readouterr().err
+        assert "refused the credentials" in err and "redis://:PASSWORD@" in err
+        ok = server.url.replace("redis://", "redis://:s3cret@")
+        assert main(["stats", "--redis-url", ok]) == 0
+
+
+def test_worker_in_one_terminal_submit_in_another(tiny_text_model_dir, tmp_path, monkeypatch,
+                                                  capsys):
+    """`pagedq worker` with no URL and `pagedq submit` with none find each other."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pagedq.worker.config import settings
+
+    env = {**os.environ, "PAGEDQ_CACHE": str(tmp_path)}
+    env.pop("REDIS_URL", None)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "pagedq.worker.cli", "worker", "--model", str(tiny_text_model_dir),
+         "--num-kv-blocks", "64", "--checkpoint-interval", "0.2", "--log-format", "console"],
+        env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        monkeypatch.setenv("PAGEDQ_CACHE", str(tmp_path))
+        monkeypatch.delenv("REDIS_URL", raising=False)
+        settings.cache_clear()
+        advertised = tmp_path / "embedded-redis.json"
+        end = time.monotonic() + 120
+        while not advertised.exists():
+            assert worker.poll() is None and time.monotonic() < end, "the worker did not start"
+            time.sleep(0.1)
+        assert main(["submit", "Hello", "--max-tokens", "4", "--ignore-eos", "--wait",
+                     "--timeout", "120"]) == 0
+        assert "done: it reached the token limit" in capsys.readouterr().err
+        assert main(["stats"]) == 0
+        assert "serving" in capsys.readouterr().out
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        _, log = worker.communicate(timeout=60)
+        settings.cache_clear()
+    assert worker.returncode == 0, log
+    assert "started an embedded redis-server" in log
+    assert not (tmp_path / "embedded-redis.json").exists()  # withdrawn on exit

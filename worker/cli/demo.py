@@ -20,7 +20,7 @@ from pagedq.worker.cli.console import (
     setup_console_logging,
 )
 from pagedq.worker.cli.flags import add_engine_flags, add_sampling_flags, engine_knobs, sampling_params
-from pagedq.worker.cli.queue import render_stats
+from pagedq.worker.cli.queue import redis_error_line, render_stats
 
 DEMO_PROMPTS = [
     "Write one sentence about the sea.",
@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     except PagedQError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from redis.exceptions import RedisError
+
     from pagedq.worker.service.embedded_redis import EmbeddedRedis
 
     with EmbeddedRedis.start() as server:
@@ -83,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
         setup_console_logging("WARNING" if args.log_level == "INFO" else args.log_level)
         try:
             return stream_all(server.url, worker, prompts, params)
+        except RedisError as exc:  # e.g. the embedded server was killed
+            print(redis_error_line(server.url, exc), file=sys.stderr)
+            return 1
         finally:
             worker.stop()
             thread.join(60)

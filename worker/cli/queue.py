@@ -19,7 +19,10 @@ from pagedq.worker.config import WorkerConfig
 # A terminal user wants a greedy, readable answer, not the wire's 16 random tokens.
 SAMPLING_DEFAULTS: dict[str, Any] = {"max_tokens": 64, "temperature": 0.0}
 CONNECTION = ("redis_url", "queue", "prefix")
-REDIS_URL_HELP = "Redis holding the queue (default: $REDIS_URL, else redis://localhost:6379/0)"
+REDIS_URL_HELP = ("Redis holding the queue (default: $REDIS_URL, else the embedded Redis a "
+                  "`pagedq worker` on this machine started, else redis://localhost:6379/0)")
+NO_REDIS_HINT = ("start one (`pagedq worker` with no --redis-url starts an embedded Redis that "
+                 "this command finds), or point --redis-url / REDIS_URL at yours")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -44,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=None,
                    help="give up waiting for the answer after this many seconds (the job stays "
                    "queued)")
+    p.add_argument("--wait", action="store_true",
+                   help="when no worker serves the queue, wait for one instead of leaving the "
+                   "job queued and exiting")
     p.add_argument("--json", action="store_true", help="print each event as a JSON line")
     add_sampling_flags(p, defaults=SAMPLING_DEFAULTS)
     p.set_defaults(func=cmd_submit)
@@ -63,13 +69,38 @@ def add_connection_flags(p: argparse.ArgumentParser) -> None:
                      helps={"redis_url": REDIS_URL_HELP})
 
 
-def connect(args: argparse.Namespace) -> Any:
+def redis_url_of(args: argparse.Namespace) -> str:
+    """--redis-url, else $REDIS_URL, else a local worker's advertised embedded server, else
+    Redis on localhost's default port."""
+    from pagedq.client.redis_url import DEFAULT_REDIS_URL, resolve_redis_url
+    from pagedq.worker.service.embedded_redis import find_advertised
+
+    return (resolve_redis_url(getattr(args, "redis_url", None), default=None)
+            or find_advertised() or DEFAULT_REDIS_URL)
+
+
+def connect(args: argparse.Namespace, url: str) -> Any:
     """A Client on the queue the flags name (WorkerConfig's defaults for those not given)."""
     from pagedq.client import Client
 
     defaults = WorkerConfig()
-    conn = {k: getattr(args, k, getattr(defaults, k)) for k in CONNECTION}
-    return Client(conn["redis_url"], conn["queue"], prefix=conn["prefix"])
+    queue, prefix = (getattr(args, k, getattr(defaults, k)) for k in ("queue", "prefix"))
+    return Client(url, queue, prefix=prefix)
+
+
+def redis_error_line(url: str, exc: Exception) -> str:
+    """One line for a Redis failure: which Redis, what went wrong, what to do."""
+    from redis.exceptions import AuthenticationError, ResponseError
+
+    from pagedq.client.redis_url import redacted
+
+    where = redacted(url)
+    if isinstance(exc, AuthenticationError) or "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+        return (f"error: Redis at {where} refused the credentials: put the password in the URL "
+                "(redis://:PASSWORD@host:6379/0)")
+    if isinstance(exc, ResponseError):
+        return f"error: Redis at {where} answered with an error: {exc}"
+    return f"error: cannot reach Redis at {where} ({exc or type(exc).__name__}): {NO_REDIS_HINT}"
 
 
 def submit_prompt(args: argparse.Namespace) -> Any:
@@ -86,7 +117,8 @@ def submit_prompt(args: argparse.Namespace) -> Any:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from pagedq.client import ProtocolError, RequestError, ResultTimeoutError
+    from redis.exceptions import RedisError
+
     from pagedq.errors import InvalidParamsError
 
     try:
@@ -95,30 +127,54 @@ def cmd_submit(args: argparse.Namespace) -> int:
     except (InvalidRequestError, InvalidParamsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    url = redis_url_of(args)
+    try:
+        with connect(args, url) as client:
+            return submit_and_stream(args, client, prompt, params)
+    except RedisError as exc:
+        print(redis_error_line(url, exc), file=sys.stderr)
+        return 1
+
+
+def submit_and_stream(args: argparse.Namespace, client: Any, prompt: Any, params: Any) -> int:
+    """Enqueue, warn at once when no worker serves the queue, then print the answer."""
+    from pagedq.client import ProtocolError, RequestError, ResultTimeoutError
+    from pagedq.errors import InvalidParamsError
+
     deadline = time.time() + args.deadline if args.deadline else None
-    with connect(args) as client:
-        try:
-            handle = client.submit(prompt, params, deadline=deadline, priority=args.priority)
-        except (ProtocolError, InvalidParamsError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        try:
-            texts = []
-            for ev in handle.stream(timeout=args.timeout):
-                print_event(ev, args.json, params.n)
-                texts.append(ev.text)
-            result = handle.result(timeout=0.001)
-            if not args.json and not any(texts) and result.token_ids:
-                print(f"(the model has no tokenizer; token ids: {result.token_ids})")
-        except ResultTimeoutError:
-            print(f"\nno answer within {args.timeout:g} s; the job stays queued (id {handle.id})",
-                  file=sys.stderr)
+    try:
+        handle = client.submit(prompt, params, deadline=deadline, priority=args.priority)
+    except (ProtocolError, InvalidParamsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not client.stats()["workers"]:
+        print(f"no worker has checkpointed on queue {client.keys.queue!r} in the last few "
+              f"seconds; the job stays queued (id {handle.id}) for the next worker. "
+              + ("Waiting for one (Ctrl-C stops waiting; the job stays queued)." if args.wait
+                 else "Pass --wait to wait here (e.g. while a worker is still starting)."),
+              file=sys.stderr)
+        if not args.wait:
             return 3
-        except RequestError as exc:
-            if "no chat template" in str(exc) and isinstance(prompt, list):
-                print("hint: this model has no chat template; pass --raw to send the text as "
-                      "a plain completion prompt", file=sys.stderr)
-            return 1
+    try:
+        texts = []
+        for ev in handle.stream(timeout=args.timeout):
+            print_event(ev, args.json, params.n)
+            texts.append(ev.text)
+        result = handle.result(timeout=0.001)
+        if not args.json and not any(texts) and result.token_ids:
+            print(f"(the model has no tokenizer; token ids: {result.token_ids})")
+    except ResultTimeoutError:
+        print(f"\nno answer within {args.timeout:g} s; the job stays queued (id {handle.id})",
+              file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print(f"\nstopped waiting; the job stays queued (id {handle.id})", file=sys.stderr)
+        return 130
+    except RequestError as exc:
+        if "no chat template" in str(exc) and isinstance(prompt, list):
+            print("hint: this model has no chat template; pass --raw to send the text as "
+                  "a plain completion prompt", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -160,17 +216,28 @@ def render_stats(stats: dict[str, Any]) -> str:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        if args.json:
-            print(json.dumps(client.stats(), indent=2, default=str))
-            return 0
-        try:
-            while True:
-                table = render_stats(client.stats())
-                if not args.watch:
-                    print(table)
-                    return 0
-                print("\x1b[2J\x1b[H" + table, flush=True)
-                time.sleep(args.watch)
-        except KeyboardInterrupt:
-            return 0
+    from redis.exceptions import RedisError
+
+    url = redis_url_of(args)
+    try:
+        with connect(args, url) as client:
+            return show_stats(args, client)
+    except RedisError as exc:
+        print(redis_error_line(url, exc), file=sys.stderr)
+        return 1
+
+
+def show_stats(args: argparse.Namespace, client: Any) -> int:
+    if args.json:
+        print(json.dumps(client.stats(), indent=2, default=str))
+        return 0
+    try:
+        while True:
+            table = render_stats(client.stats())
+            if not args.watch:
+                print(table)
+                return 0
+            print("\x1b[2J\x1b[H" + table, flush=True)
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
