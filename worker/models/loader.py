@@ -325,14 +325,24 @@ def file_lock(lock_path: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _quiet_progress_bars() -> Iterator[None]:
-    """transformers' GGUF loader draws tqdm bars; they would garble JSON logs."""
+    """transformers' GGUF loader draws tqdm bars; they would garble JSON logs, and its
+    dequantizing bar sits at 100 % through the slow part that follows (our waits say what
+    runs instead). Its GGUF module calls tqdm directly, so that name is swapped too."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
         if was_enabled:
             hf_logging.enable_progress_bar()
 
@@ -343,7 +353,7 @@ def _write_converted(gguf_file: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src, name = gguf_file.parent, gguf_file.name
-    with _quiet_progress_bars():
+    with _quiet_progress_bars(), waiting("dequantizing the GGUF's weights", log):
         model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
     config = model.config
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -352,7 +362,8 @@ def _write_converted(gguf_file: Path, out: Path) -> None:
         for k, v in model.state_dict().items()
         if not (tied and k == "lm_head.weight")
     }
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with waiting("writing model.safetensors", log):
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     del state
     # The loaded config says "quantized with gguf"; the saved weights are plain fp32.
     if hasattr(config, "quantization_config"):
@@ -363,7 +374,8 @@ def _write_converted(gguf_file: Path, out: Path) -> None:
         model.generation_config.save_pretrained(out)
     del model
     try:
-        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+        with waiting("building the tokenizer from the GGUF's vocabulary", log):
+            tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
     except (ValueError, KeyError) as exc:  # a GGUF without tokenizer metadata is legal
         log.warning("gguf has no usable tokenizer; the model will take token ids only",
                     gguf=str(gguf_file), error=str(exc))

@@ -36,6 +36,7 @@ from pagedq.client.protocol import Keys, Request
 from pagedq.client.redis_url import redacted, resolve_redis_url
 from pagedq.worker.config import WorkerConfig, settings
 from pagedq.worker.logging import get_logger
+from pagedq.worker.progress import waiting
 from pagedq.worker.service.admission import Admission
 from pagedq.worker.service.checkpoints import Checkpoints, claim_name
 from pagedq.worker.service.consumer import Consumer
@@ -149,9 +150,10 @@ class Worker:
         self.redis_url = link.url
         try:
             if self.engine is None:
-                log.info("loading model", model=self.config.model or "default")
                 try:
-                    self.engine = await in_own_thread(build_engine, self.config)
+                    with waiting("loading the model", log, delay=0,
+                                 model=self.config.model or "default"):
+                        self.engine = await in_own_thread(build_engine, self.config)
                 except Exception as exc:
                     log.error("cannot load the model", model=self.config.model, error=str(exc))
                     return 2
