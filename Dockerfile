@@ -42,7 +42,7 @@ RUN pip install --constraint /tmp/torch-pin.txt . \
          su pagedq -c "PAGEDQ_CACHE=$PAGEDQ_CACHE python -m pagedq.worker.models.default_model"; \
        fi \
     && su pagedq -c "TORCH_EXTENSIONS_DIR=$TORCH_EXTENSIONS_DIR python -c \
-         'from pagedq.kernels.cpu_attention import cpu_kernel; cpu_kernel()'"
+         'from pagedq.kernels.cpu_ops import load_cpu_ops; load_cpu_ops()'"
 
 USER pagedq
 EXPOSE 9400

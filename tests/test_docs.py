@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli.conftest import restore_logging  # noqa: F401  (autouse: plan configures logging)
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pagedq.errors import InvalidRequestError
+from pagedq.kernels import select_backend
 from pagedq.params import SamplingParams
 from pagedq.worker.config import EngineConfig, default_block_size, default_device
 from pagedq.worker.engine import sizing
@@ -71,10 +72,11 @@ class Engine:
         self.model_path = resolve_model(config.model)
         self.hf_config = load_config(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
-        with waiting(KERNEL_BUILD, log):  # first: loading the weights packs them for the kernels
-            build_cpu_kernels(self.device)
         with waiting(f"loading the weights of {self.model_path.name}", log):
             self.model = load_model(self.model_path, self.hf_config, config, self.device)
+        with waiting(KERNEL_BUILD, log):  # the selector builds the C++ ops on a first run
+            self.model.use_backend(select_backend(self.device, getattr(torch, config.dtype),
+                                                  self.kv_dtype, self.model.head_dim))
         budget = sizing.kv_budget(config, config.block_size, self.device, self.model)
         plan = sizing.plan_kv(self.hf_config, config, self.kv_dtype, config.block_size, budget)
         self.max_model_len = plan.max_model_len
@@ -312,18 +314,11 @@ class Engine:
 
 
 def load_model(path, hf_config, config: EngineConfig, device: torch.device) -> CausalLM:
-    """The model with its weights, its RoPE tables sized for ``max_model_len``."""
+    """The model with its weights, its RoPE tables sized for ``max_model_len``. The engine then
+    hands it the kernels the backend selector picks (which builds or loads the C++ ones then,
+    not on the first step)."""
     positions = config.max_model_len or hf_config.max_position_embeddings
     model = CausalLM(hf_config, getattr(torch, config.dtype), device, positions)
     model.load_weights(iter_weights(path))
-    model.pack_for_cpu()
     model.eval()
     return model
-
-
-def build_cpu_kernels(device: torch.device) -> None:
-    """Build or load the C++ kernels at start, so the first step does not pay for it."""
-    if device.type == "cpu":
-        from pagedq.kernels.cpu_attention import cpu_kernel
-
-        cpu_kernel()
