@@ -1,4 +1,4 @@
-"""worker/progress.py: a long wait says what it does when it starts and how long it took; a
+"""pagedq/progress.py: a long wait says what it does when it starts and how long it took; a
 short one stays silent."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from pagedq.worker.progress import waiting
+from pagedq.progress import waiting
 
 
 class Lines:

@@ -22,8 +22,8 @@ def add_log_level_flag(parser: argparse.ArgumentParser, default: str = "INFO") -
 
 def setup_console_logging(level: str = "INFO") -> None:
     """Readable log lines on stderr, and a live timer under each long wait on a terminal."""
+    from pagedq.progress import enable_live
     from pagedq.worker.logging import configure_logging
-    from pagedq.worker.progress import enable_live
 
     configure_logging(json=False, level=level)
     enable_live()

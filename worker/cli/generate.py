@@ -58,10 +58,10 @@ def sampling_from_args(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pagedq.progress import waiting
     from pagedq.worker.cli.console import setup_console_logging
     from pagedq.worker.config import EngineConfig
     from pagedq.worker.logging import get_logger
-    from pagedq.worker.progress import waiting
 
     setup_console_logging(args.log_level)
     log = get_logger("pagedq.cli")

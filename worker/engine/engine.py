@@ -20,6 +20,7 @@ import torch
 from pagedq.errors import InvalidRequestError
 from pagedq.kernels import select_backend
 from pagedq.params import SamplingParams
+from pagedq.progress import waiting
 from pagedq.worker.config import EngineConfig, default_block_size, default_device
 from pagedq.worker.engine import sizing
 from pagedq.worker.engine.beam_search import BeamParams, beam_search
@@ -40,13 +41,8 @@ from pagedq.worker.engine.sequence import Request, SamplingHook, SeqStatus, Sequ
 from pagedq.worker.logging import get_logger
 from pagedq.worker.models.llama import CausalLM
 from pagedq.worker.models.loader import iter_weights, load_config, load_tokenizer, resolve_model
-from pagedq.worker.progress import waiting
 
 log = get_logger("pagedq.engine")
-# Shown only when loading the kernels takes long, i.e. when they compile.
-KERNEL_BUILD = ("compiling pagedq's C++ CPU kernels (first run on this machine only, about 2 "
-                "minutes on 2 cores; cached in $TORCH_EXTENSIONS_DIR, default "
-                "~/.cache/torch_extensions)")
 
 
 class Engine:
@@ -74,7 +70,8 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model_path)
         with waiting(f"loading the weights of {self.model_path.name}", log):
             self.model = load_model(self.model_path, self.hf_config, config, self.device)
-        with waiting(KERNEL_BUILD, log):  # the selector builds the C++ ops on a first run
+        # the selector builds the C++ ops on a first run; the model then packs its weights
+        with waiting("selecting the kernels and packing the weights for them", log):
             self.model.use_backend(select_backend(self.device, getattr(torch, config.dtype),
                                                   self.kv_dtype, self.model.head_dim))
         budget = sizing.kv_budget(config, config.block_size, self.device, self.model)

@@ -22,10 +22,10 @@ import zipfile
 from pathlib import Path
 
 from pagedq.errors import ModelNotFoundError
+from pagedq.progress import waiting
 from pagedq.worker.config import settings
 from pagedq.worker.logging import get_logger
 from pagedq.worker.models.loader import cache_dir, convert_gguf, file_lock, is_converted
-from pagedq.worker.progress import waiting
 
 __all__ = [
     "DEFAULT_MODEL_NAME",

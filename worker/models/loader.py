@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedq.errors import ModelNotFoundError
+from pagedq.progress import waiting
 from pagedq.worker.config import settings
 from pagedq.worker.logging import get_logger
-from pagedq.worker.progress import waiting
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase

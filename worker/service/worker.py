@@ -34,9 +34,9 @@ from redis.exceptions import RedisError
 
 from pagedq.client.protocol import Keys, Request
 from pagedq.client.redis_url import redacted, resolve_redis_url
+from pagedq.progress import waiting
 from pagedq.worker.config import WorkerConfig, settings
 from pagedq.worker.logging import get_logger
-from pagedq.worker.progress import waiting
 from pagedq.worker.service.admission import Admission
 from pagedq.worker.service.checkpoints import Checkpoints, claim_name
 from pagedq.worker.service.consumer import Consumer

@@ -21,6 +21,7 @@ from typing import Any
 DELAY_S = 2.0
 _live = {"on": False}
 _drawing = threading.Lock()  # rich draws one live display at a time: a nested wait only logs
+_active: list[tuple[str, float]] = []  # announced waits, innermost last: what the spinner shows
 
 
 class _CurrentStderr:
@@ -63,6 +64,7 @@ def waiting(what: str, log: Any, *, delay: float = DELAY_S, **fields: Any) -> It
         if done.wait(delay):
             return
         log.info(what, **fields)
+        _active.append((what, start))
         shown.set()
         console = _console()
         if console is None or not _drawing.acquire(blocking=False):
@@ -70,7 +72,8 @@ def waiting(what: str, log: Any, *, delay: float = DELAY_S, **fields: Any) -> It
         try:
             with console.status(what) as status:
                 while not done.wait(0.25):
-                    status.update(f"{what} ({time.perf_counter() - start:.0f} s)")
+                    inner, since = _active[-1] if _active else (what, start)
+                    status.update(f"{inner} ({time.perf_counter() - since:.0f} s)")
         finally:
             _drawing.release()
 
@@ -85,5 +88,7 @@ def waiting(what: str, log: Any, *, delay: float = DELAY_S, **fields: Any) -> It
     finally:
         done.set()
         watcher.join()
+        if (what, start) in _active:
+            _active.remove((what, start))
         if shown.is_set():
             log.info(f"{outcome}: {what}", seconds=round(time.perf_counter() - start, 1))
