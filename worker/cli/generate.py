@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         texts = read_prompts(args.prompts)
         params = sampling_from_args(args)
         config = EngineConfig(**engine_knobs(args))
-        with waiting("loading the model", log, model=config.model or "default"):
+        with waiting("loading the model", log, delay=0, model=config.model or "default"):
             prompts, config = prepare(config, texts, params, args)
             from pagedq.worker import Engine
 
