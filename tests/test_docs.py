@@ -133,3 +133,26 @@ def test_readme_sdk_snippet_runs(redis_db, tiny_text_model_dir, capsys):
         exec(compile(code, "README.md", "exec"), {})
     out = capsys.readouterr().out
     assert "'prompt_tokens'" in out and (": stop" in out or ": length" in out)
+
+
+def test_readme_acl_advice_is_enough_for_a_worker_and_a_client(tiny_text_model_dir):
+    """"An ACL user limited to ~pagedq:*" (the README's Secure Redis): a worker and a client
+    that may touch only the queue's keys still claim, stream, cancel and report."""
+    import redis
+
+    from pagedq.client import Client, SamplingParams
+    from pagedq.worker.service.embedded_redis import EmbeddedRedis
+    from tests.service.harness import running_worker
+
+    assert "`~pagedq:*`" in (ROOT / "README.md").read_text()
+    with EmbeddedRedis.start() as server:
+        admin = redis.Redis.from_url(server.url)
+        admin.execute_command("ACL", "SETUSER", "pagedq", "on", ">pw", "~pagedq:*", "+@all")
+        admin.execute_command("ACL", "SETUSER", "default", "off")
+        url = server.url.replace("redis://", "redis://pagedq:pw@")
+        with running_worker(url, str(tiny_text_model_dir), "acl"), Client(url) as client:
+            done = client.submit("Hello", SamplingParams(max_tokens=4, ignore_eos=True))
+            assert done.result(timeout=60).usage["completion_tokens"] == 4
+            assert [w["name"] for w in client.stats()["workers"]] == ["acl"]
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(server.url).ping()  # the default user is off

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import structlog
 
-from pagedq.worker import progress
+from pagedq import progress
 
 
 @pytest.fixture(autouse=True)
