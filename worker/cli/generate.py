@@ -69,10 +69,11 @@ def run(args: argparse.Namespace) -> int:
         texts = read_prompts(args.prompts)
         params = sampling_from_args(args)
         config = EngineConfig(**engine_knobs(args))
-        with waiting("loading the model", log, delay=0, model=config.model or "default"):
+        with waiting("reading the model's tokenizer and checking the prompts", log):
             prompts, config = prepare(config, texts, params, args)
-            from pagedq.worker import Engine
+        from pagedq.worker import Engine
 
+        with waiting("loading the model", log, delay=0, model=config.model):
             engine = Engine(config=config)
         if len(prompts) == 1 and params.n == 1 and not args.json:
             return stream_one(engine, prompts[0], params)
