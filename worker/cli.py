@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "pagedq.worker.generate_cmd": ("generate", "chat"),
     "pagedq.worker.service.commands": ("worker", "submit", "stats", "demo"),
     "pagedq.worker.bench.cli": ("bench",),
+    "pagedq.worker.gateway.commands": ("serve", "batch"),
 }
 
 

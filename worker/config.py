@@ -6,6 +6,7 @@
 - ``EngineConfig``: what the engine was asked for; every command derives its engine flags from
   its fields (pagedq.worker.cli).
 - ``WorkerConfig``: the queue service's knobs, likewise.
+- ``GatewayConfig``: ``pagedq serve``'s knobs (the OpenAI-compatible HTTP gateway).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Settings:
     consumer_name: str | None  # $PAGEDQ_CONSUMER_NAME: a worker's stable consumer name
     default_gguf: Path | None  # $PAGEDQ_DEFAULT_GGUF: the default model's GGUF, pre-fetched
     llama_cpp_dir: Path | None  # $PAGEDQ_LLAMA_CPP: llama.cpp binaries for the bench
+    api_keys: tuple[str, ...] = ()  # $PAGEDQ_API_KEY: the gateway's Bearer keys (comma-separated)
 
     @classmethod
     def from_environ(cls, env: dict[str, str] | os._Environ = os.environ) -> Settings:
@@ -45,7 +47,9 @@ class Settings:
         return cls(cache_dir=path("PAGEDQ_CACHE") or Path.home() / ".cache" / "pagedq",
                    hf_hub_cache=hub, queue=env.get("PAGEDQ_QUEUE") or DEFAULT_QUEUE,
                    consumer_name=env.get("PAGEDQ_CONSUMER_NAME") or None,
-                   default_gguf=path("PAGEDQ_DEFAULT_GGUF"), llama_cpp_dir=path("PAGEDQ_LLAMA_CPP"))
+                   default_gguf=path("PAGEDQ_DEFAULT_GGUF"), llama_cpp_dir=path("PAGEDQ_LLAMA_CPP"),
+                   api_keys=tuple(k.strip() for k in env.get("PAGEDQ_API_KEY", "").split(",")
+                                  if k.strip()))
 
 
 @functools.cache
@@ -120,3 +124,28 @@ class WorkerConfig:
     @property
     def checkpoint_ttl_s(self) -> float:
         return self.checkpoint_ttl or max(5.0, 3 * self.checkpoint_interval)
+
+
+@dataclass
+class GatewayConfig:
+    """Everything ``pagedq serve`` takes. The gateway runs no model: limits here bound what one
+    HTTP client can ask of the queue and of Redis."""
+
+    redis_url: str | None = None
+    queue: str = field(default_factory=lambda: settings().queue)
+    prefix: str = DEFAULT_PREFIX
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = field(default_factory=lambda: settings().api_keys)
+    max_body_bytes: int = 4 << 20  # JSON request bodies; file uploads have max_file_bytes
+    max_queue_depth: int | None = None  # interactive jobs waiting (high + normal) before 429
+    disconnect_grace: float = 10.0  # seconds a dropped stream may take to resume before cancel
+    ttl: int = DEFAULT_TTL_S  # seconds a request's resume record lives (as its output stream)
+    files_dir: str | None = None  # files on disk (shared by every gateway) instead of Redis
+    max_file_bytes: int = 64 << 20
+    files_ttl: int = 7 * 24 * 3600  # seconds files and finished batches are kept
+    max_batch_lines: int = 50_000
+    batch_window: int = 128  # lines of one batch in the queue at once
+    batch_lease: float = 10.0  # seconds a gateway's claim on driving a batch lasts unrenewed
+    fleet_cache: float = 0.25  # seconds the live-worker and depth reading is reused
+    redis_max_connections: int = 4096  # one per open stream (each holds a blocking XREAD)
