@@ -138,30 +138,46 @@ class GatewayMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         began = time.perf_counter()
-        status = {"code": 500, "started": False}
+        state = {"code": 500, "started": False, "over": False}
+        limit = self.max_file if scope["path"].startswith("/v1/files") else self.max_body
 
         async def send_wrapper(message: Message) -> None:
+            if state["over"]:  # the body overflowed: whatever the app says becomes a 413
+                if not state["started"]:
+                    state["started"] = True
+                    await _send_error(send_counted, too_large(limit))
+                return
+            await send_counted(message)
+
+        async def send_counted(message: Message) -> None:
             if message["type"] == "http.response.start":
-                status.update(code=message["status"], started=True)
+                state.update(code=message["status"], started=True)
             await send(message)
 
+        async def receive_limited() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                state["seen"] = state.get("seen", 0) + len(message.get("body", b""))
+                if state["seen"] > limit:
+                    state["over"] = True
+                    raise BodyTooLarge()
+            return message
+
         try:
-            refusal = self._refusal(scope)
+            refusal = self._refusal(scope, limit)
             if refusal is not None:
-                await _send_error(send_wrapper, refusal)
+                await _send_error(send_counted, refusal)
                 return
-            limit = self.max_file if scope["path"].startswith("/v1/files") else self.max_body
-            await self.app(scope, _limited(receive, limit), send_wrapper)
+            await self.app(scope, receive_limited, send_wrapper)
         except BodyTooLarge:
-            if not status["started"]:
-                await _send_error(send_wrapper, too_large(limit))
+            await send_wrapper({"type": "http.response.start"})
         finally:
             route = scope.get("route")
             label = getattr(route, "path", "unmatched")
-            self.metrics.requests.labels(label, str(status["code"])).inc()
+            self.metrics.requests.labels(label, str(state["code"])).inc()
             self.metrics.latency.labels(label).observe(time.perf_counter() - began)
 
-    def _refusal(self, scope: Scope) -> APIError | None:
+    def _refusal(self, scope: Scope, limit: int) -> APIError | None:
         headers = dict(scope["headers"])
         if self.keys and scope["path"].startswith("/v1/"):
             auth = headers.get(b"authorization", b"")
@@ -171,7 +187,6 @@ class GatewayMiddleware:
                                 "'Authorization: Bearer KEY'", "invalid_request_error",
                                 "invalid_api_key")
         length = headers.get(b"content-length")
-        limit = self.max_file if scope["path"].startswith("/v1/files") else self.max_body
         if length is not None and length.isdigit() and int(length) > limit:
             return too_large(limit)
         return None
@@ -181,21 +196,6 @@ def too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is over the gateway's limit of {limit} bytes "
                     "(--max-body-bytes / --max-file-bytes)", "invalid_request_error",
                     "request_too_large")
-
-
-def _limited(receive: Receive, limit: int) -> Receive:
-    seen = 0
-
-    async def wrapped() -> Message:
-        nonlocal seen
-        message = await receive()
-        if message["type"] == "http.request":
-            seen += len(message.get("body", b""))
-            if seen > limit:
-                raise BodyTooLarge()
-        return message
-
-    return wrapped
 
 
 async def _send_error(send: Send, err: APIError) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from pagedq.client import AsyncClient
 from pagedq.worker.config import GatewayConfig
@@ -191,6 +192,9 @@ class BatchDriver:
                 await self.tick()
             except asyncio.CancelledError:
                 raise
+            except RedisConnectionError as exc:
+                log.warning("Redis unreachable; batches wait", error=str(exc))
+                await asyncio.sleep(1.0)
             except Exception:
                 log.exception("driving batches failed; retrying")
             await asyncio.sleep(self.interval)
