@@ -33,6 +33,9 @@ from pagedq.worker.logging import get_logger
 log = get_logger("pagedq.gateway.sse")
 
 KEEPALIVE_S = 5.0  # a comment line this often keeps proxies from closing a quiet stream
+# A comment line with no blank line after it: the openai SDKs dispatch an empty event (and fail
+# to parse it) at a blank line once an id was seen, even when only a comment preceded it.
+KEEPALIVE = b": keep-alive\n"
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -120,7 +123,7 @@ class StreamSession:
                     for piece in self._render(ev, after):
                         yield piece
             except ResultTimeoutError:
-                yield b": keep-alive\n\n"
+                yield KEEPALIVE
 
     def _render(self, ev: Event, after: int) -> list[bytes]:
         if ev.type in (ERROR, CANCELLED):
