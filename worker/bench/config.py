@@ -12,7 +12,8 @@ from typing import Any
 
 from .workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT, LengthDist
 
-SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue", "llama_cpp")
+SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue", "gateway",
+             "llama_cpp")
 
 
 @dataclass(frozen=True)

@@ -181,6 +181,8 @@ class BenchRun:
         for name, part in engine_parts:
             self._timed(name, part)
             gc.collect()  # the part's engine (and its KV cache) is gone before the next one
+        if "gateway" in wanted:
+            self._timed("gateway", self.gateway)
         self.results["peak_rss_mb_pagedq"] = peak_rss_mb()
         if "throughput" in wanted:
             self._timed("throughput_hf", self.throughput_hf)
@@ -385,6 +387,11 @@ class BenchRun:
             raise RuntimeError("the serving engine still has requests; cannot rerun the trace")
         after = driver.serve(engine, self.throughput_trace(), record_kv=False)
         self.results["queue_inprocess_after_tok_s"] = after.timeline.tokens_per_s
+
+    def gateway(self) -> None:
+        from .gateway_path import serve_through_gateway
+
+        self.results["gateway"] = serve_through_gateway(self, self.throughput_trace())
 
     # -- the Hugging Face baseline --------------------------------------------------------------
     def throughput_hf(self) -> None:
