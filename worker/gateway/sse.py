@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -117,13 +118,17 @@ class StreamSession:
                 yield piece
             if ev.terminal:
                 return
+        quiet_since = time.monotonic()
         while not self.done:
-            try:
+            try:  # stream() gives up after the timeout; the handle's cursor keeps our place
                 async for ev in self.handle.stream(timeout=KEEPALIVE_S):
                     for piece in self._render(ev, after):
+                        quiet_since = time.monotonic()
                         yield piece
             except ResultTimeoutError:
-                yield KEEPALIVE
+                if time.monotonic() - quiet_since >= KEEPALIVE_S:
+                    quiet_since = time.monotonic()
+                    yield KEEPALIVE
 
     def _render(self, ev: Event, after: int) -> list[bytes]:
         if ev.type in (ERROR, CANCELLED):
