@@ -51,6 +51,8 @@ def test_invalid_params_are_400_with_the_engines_message(redis_url, queue, tiny_
         assert err.value.body["param"] == "temperature"
         with pytest.raises(openai.BadRequestError):  # a pydantic type error is a 400 too
             client.chat.completions.create(model=tiny_id, messages="hi")
+        with gw.http() as http:
+            assert 'route="/v1/chat/completions",status="400"' in http.get("/metrics").text
         long = " ".join(["Paris"] * 400)  # past the worker's max_model_len: its own refusal
         for stream in (False, True):
             with pytest.raises(openai.BadRequestError) as err:

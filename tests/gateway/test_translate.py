@@ -99,7 +99,7 @@ def test_response_format_maps_onto_structured_outputs():
         assert "structured_outputs" in err.value.message
 
 
-def test_chunks_resume_identically_and_terminal_chunks_share_one_id():
+def test_the_terminal_event_adds_missing_finish_reasons_then_usage():
     view = View(CHAT, "m", 1, n=2, include_usage=True)
     events = [Event("tokens", "r", seq=1, index=0, token_ids=[1], text="a", position=1),
               Event("tokens", "r", seq=2, index=1, token_ids=[2], text="b", position=1,

@@ -27,8 +27,7 @@ from pagedq.worker.config import GatewayConfig
 from pagedq.worker.gateway.batches import BatchDriver, BatchStore
 from pagedq.worker.gateway.errors import APIError
 from pagedq.worker.gateway.files import DirFileStore, FileStore, RedisFileStore
-from pagedq.worker.gateway.fleet import Fleet, model_id
-from pagedq.worker.gateway.lines import validation_message
+from pagedq.worker.gateway.fleet import Fleet
 from pagedq.worker.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from pagedq.worker.gateway.sse import Readers
 from pagedq.worker.gateway.tokens import TokenTexts
@@ -259,6 +258,3 @@ async def list_models(request: Request) -> Response:
     data = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedq", "root": path}
             for name, path in sorted(view.models.items())]
     return JSONResponse({"object": "list", "data": data})
-
-
-__all__ = ["Gateway", "create_app", "gateway", "model_id", "validation_message"]
