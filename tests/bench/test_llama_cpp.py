@@ -79,9 +79,9 @@ def test_targets_use_llama_cpp_measured_in_the_run():
     assert "measured in this run" in mixed["target"]
 
 
-def test_targets_fall_back_to_the_issues_figures():
+def test_targets_fall_back_to_the_reference_figures():
     targets = report._targets(_doc(None, server=None))
     one, mixed = targets["decode_1_stream_tok_s"], targets["mixed_trace_tok_s"]
     assert one["baseline"] == report.LLAMA_CPP_BATCHED_TG["1"]
-    assert one["baseline_source"] == "the issue's figure" and one["met"] is True  # 38 >= 36
+    assert one["baseline_source"] == "the reference figure" and one["met"] is True  # 38 >= 36
     assert mixed["baseline"] == report.LLAMA_CPP_SERVER_MIXED_TOK_S and mixed["met"] is True

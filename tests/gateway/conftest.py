@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedq.worker.gateway.fleet import model_id
-from tests.service.test_worker import running_worker
+from tests.service.harness import running_worker
 
 
 @pytest.fixture(scope="module")

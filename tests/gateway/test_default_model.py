@@ -14,7 +14,7 @@ from pagedq.params import SamplingParams
 from pagedq.worker.models.default_model import DEFAULT_MODEL_NAME
 from tests.gateway.harness import serve
 from tests.gateway.test_batches import jsonl, read_lines, wait_batch
-from tests.service.test_worker import running_worker
+from tests.service.harness import running_worker
 
 QUEUE = "gw-default"
 ENGINE = dict(num_kv_blocks=256, max_num_seqs=4, max_model_len=512)

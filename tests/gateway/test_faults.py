@@ -15,7 +15,7 @@ import redis
 from pagedq.client.protocol import Keys, decode_event
 from tests.gateway.harness import serve, spawn_gateway, wait_until
 from tests.gateway.test_batches import jsonl, read_lines, wait_batch
-from tests.service.test_worker import running_worker
+from tests.service.harness import running_worker
 from tests.service.test_worker_procs import spawn, stop, wait_serving
 
 B_ENGINE = dict(num_kv_blocks=160, max_num_seqs=2, max_model_len=512)  # as the process's

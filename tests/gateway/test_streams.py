@@ -11,7 +11,7 @@ import redis
 
 from pagedq.client.protocol import Keys, decode_event
 from tests.gateway.harness import serve, wait_until
-from tests.service.test_worker import running_worker
+from tests.service.harness import running_worker
 
 # long enough that a dropped stream is still running when the test reconnects
 ENGINE = dict(num_kv_blocks=160, max_model_len=1024, max_num_seqs=4)

@@ -11,8 +11,9 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from pagedq.client.redis_url import resolve_redis_url
 from pagedq.worker.logging import get_logger
-from pagedq.worker.service.embedded_redis import EmbeddedRedis, _detach, resolve_redis_url
+from pagedq.worker.service.embedded_redis import EmbeddedRedis, _detach
 
 log = get_logger("pagedq.gateway.local")
 
@@ -21,7 +22,7 @@ log = get_logger("pagedq.gateway.local")
 def queue_stack(redis_url: str | None, queue: str, prefix: str,
                 model: str | None) -> Iterator[str]:
     """The Redis URL to use: the given one (or $REDIS_URL), else a local Redis + worker."""
-    url = resolve_redis_url(redis_url)
+    url = resolve_redis_url(redis_url, default=None)
     if url is not None:
         yield url
         return
