@@ -54,7 +54,8 @@ def serve(redis_url: str, **overrides) -> Iterator[Gateway]:
     config = GatewayConfig(redis_url=redis_url, port=free_port(), **fields)
     server = uvicorn.Server(uvicorn.Config(create_app(config, redis_url), host="127.0.0.1",
                                            port=config.port, log_level="warning",
-                                           access_log=False, loop="asyncio"))
+                                           access_log=False, loop="asyncio",
+                                           timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     end = time.monotonic() + 30

@@ -66,7 +66,7 @@ def test_streamed_deltas_concatenate_to_the_plain_answer(client):
 
 
 def test_completions_stream_and_not(client, worker):
-    args = dict(model=DEFAULT_MODEL_NAME, prompt="The capital of France is", max_tokens=12,
+    args = dict(model=DEFAULT_MODEL_NAME, prompt="The capital of France is", max_tokens=8,
                 temperature=0)
     plain = client.completions.create(**args)
     assert plain.choices[0].text.strip().startswith("Paris")
@@ -80,12 +80,12 @@ def test_completions_stream_and_not(client, worker):
 
 def test_n2_seeded_samples_and_top_logprobs(client):
     res = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=FRANCE, n=2,
-                                         max_tokens=16, temperature=1.0, seed=7, logprobs=True,
+                                         max_tokens=8, temperature=1.0, seed=7, logprobs=True,
                                          top_logprobs=3)
     assert [c.index for c in res.choices] == [0, 1]
     assert res.choices[0].message.content != res.choices[1].message.content
     again = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=FRANCE, n=2,
-                                           max_tokens=16, temperature=1.0, seed=7)
+                                           max_tokens=8, temperature=1.0, seed=7)
     assert [c.message.content for c in again.choices] == [c.message.content for c in res.choices]
     assert res.usage.completion_tokens == sum(len(c.logprobs.content) for c in res.choices)
     for choice in res.choices:
@@ -121,7 +121,7 @@ def test_json_schema_response_format(client):
 def test_batch_answers_equal_direct_requests(client):
     questions = ["What is the capital of France?", "Name a prime number."]
     rows = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
-             "body": {"model": DEFAULT_MODEL_NAME, "max_tokens": 16, "temperature": 0,
+             "body": {"model": DEFAULT_MODEL_NAME, "max_tokens": 8, "temperature": 0,
                       "messages": [{"role": "user", "content": q}]}}
             for i, q in enumerate(questions)]
     f = client.files.create(file=("q.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
@@ -131,7 +131,7 @@ def test_batch_answers_equal_direct_requests(client):
     out = read_lines(client, batch.output_file_id)
     for line, q in zip(out, questions, strict=True):
         direct = client.chat.completions.create(
-            model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": q}], max_tokens=16,
+            model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": q}], max_tokens=8,
             temperature=0)
         body = line["response"]["body"]
         assert body["choices"][0]["message"]["content"] == direct.choices[0].message.content

@@ -76,8 +76,13 @@ def test_gateway_sigkilled_mid_batch_another_takes_over(redis_url, tiny_model, t
             f = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
             bid = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                         completion_window="24h").id
-            wait_until(lambda: client.batches.retrieve(bid).request_counts.completed >= 2, 120,
-                       "two lines done")
+
+            def two_done() -> bool:
+                batch = client.batches.retrieve(bid)
+                assert batch.request_counts.failed == 0, (batch, (tmp_path / "gw1.log").read_text())
+                return batch.request_counts.completed >= 2
+
+            wait_until(two_done, 300, "two lines done")
         finally:
             first.send_signal(signal.SIGKILL)
             first.wait(10)
