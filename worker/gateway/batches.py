@@ -10,7 +10,7 @@ bookkeeping can be one MULTI):
     P:gw:batch:{B}:inflight   hash: line -> {"jobs": [...], "ok": 0|1} (ok: submit confirmed)
     P:gw:batch:{B}:out|err    hash: line -> its output / error line (HSETNX: exactly once)
     P:gw:batch:{B}:lease      the driving gateway's name (PX = batch_lease)
-    P:gw:batches              zset id -> created_at (listing)
+    P:gw:batches              zset id -> creation order (listing; P:gw:batches:order counts)
     P:gw:batches:active       set of batches to drive
 
 The driver keeps at most ``window`` lines of a batch in the queue, each a low-priority job;
@@ -62,6 +62,7 @@ class BatchKeys:
     def __init__(self, prefix: str):
         self.prefix = prefix
         self.index = f"{prefix}:gw:batches"
+        self.order = f"{prefix}:gw:batches:order"
         self.active = f"{prefix}:gw:batches:active"
 
     def batch(self, bid: str) -> str:
@@ -102,9 +103,10 @@ class BatchStore:
         self.lease_script = r.register_script(LEASE)
 
     async def create(self, obj: dict[str, Any]) -> None:
+        order = await self.r.incr(self.keys.order)  # lists newest first, even within a second
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(self.keys.batch(obj["id"]), mapping={"obj": json.dumps(obj), "next": 0})
-        pipe.zadd(self.keys.index, {obj["id"]: obj["created_at"]})
+        pipe.zadd(self.keys.index, {obj["id"]: order})
         pipe.sadd(self.keys.active, obj["id"])
         await pipe.execute()
 
