@@ -7,7 +7,6 @@ test needs raw SSE bytes or odd requests).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -21,17 +20,12 @@ import uvicorn
 
 from pagedq.worker.config import GatewayConfig
 from pagedq.worker.gateway.app import create_app
+from pagedq.worker.service.embedded_redis import free_port
 
 try:  # the HTTP library the installed openai package is built on
     import httpx2 as httpx
 except ImportError:  # pragma: no cover
     import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

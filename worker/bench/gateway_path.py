@@ -50,15 +50,9 @@ def _http_module() -> Any:
     return httpx
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_gateway(url: str, queue: str, log_path: Path) -> tuple[subprocess.Popen, str]:
+    from pagedq.worker.service.embedded_redis import free_port
+
     port = free_port()
     cmd = [sys.executable, "-m", "pagedq.worker.cli", "serve", "--redis-url", url, "--queue",
            queue, "--port", str(port), "--log-level", "WARNING"]
