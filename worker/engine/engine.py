@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pagedq.errors import InvalidRequestError
+from pagedq.kernels import select_backend
 from pagedq.params import SamplingParams
 from pagedq.worker.config import EngineConfig, default_block_size, default_device
 from pagedq.worker.engine import sizing
@@ -66,8 +67,7 @@ class Engine:
         self.model_path = resolve_model(config.model)
         self.hf_config = load_config(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.model = load_model(self.model_path, self.hf_config, config, self.device)
-        build_cpu_kernels(self.device)
+        self.model = load_model(self.model_path, self.hf_config, config, self.device, self.kv_dtype)
         budget = sizing.kv_budget(config, config.block_size, self.device, self.model)
         plan = sizing.plan_kv(self.hf_config, config, self.kv_dtype, config.block_size, budget)
         self.max_model_len = plan.max_model_len
@@ -304,19 +304,14 @@ class Engine:
                 "max_model_len": self.max_model_len, "max_num_seqs": self.config.max_num_seqs}
 
 
-def load_model(path, hf_config, config: EngineConfig, device: torch.device) -> CausalLM:
-    """The model with its weights, its RoPE tables sized for ``max_model_len``."""
+def load_model(path, hf_config, config: EngineConfig, device: torch.device,
+               kv_dtype: torch.dtype) -> CausalLM:
+    """The model with its weights, its RoPE tables sized for ``max_model_len``, on the kernels the
+    backend selector picks for it (which builds or loads the C++ ones now, not on the first step)."""
     positions = config.max_model_len or hf_config.max_position_embeddings
-    model = CausalLM(hf_config, getattr(torch, config.dtype), device, positions)
+    dtype = getattr(torch, config.dtype)
+    model = CausalLM(hf_config, dtype, device, positions)
     model.load_weights(iter_weights(path))
-    model.pack_for_cpu()
+    model.use_backend(select_backend(device, dtype, kv_dtype, model.head_dim))
     model.eval()
     return model
-
-
-def build_cpu_kernels(device: torch.device) -> None:
-    """Build or load the C++ kernels at start, so the first step does not pay for it."""
-    if device.type == "cpu":
-        from pagedq.kernels.cpu_attention import cpu_kernel
-
-        cpu_kernel()
