@@ -24,7 +24,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedq.client import AsyncClient
 from pagedq.worker.config import GatewayConfig
-from pagedq.worker.gateway.batches import BatchDriver, BatchStore
+from pagedq.worker.gateway.batch_store import BatchStore
+from pagedq.worker.gateway.batches import BatchDriver
 from pagedq.worker.gateway.errors import APIError
 from pagedq.worker.gateway.files import DirFileStore, FileStore, RedisFileStore
 from pagedq.worker.gateway.fleet import Fleet

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 
 from pagedq.worker.gateway.app import gateway, too_large
-from pagedq.worker.gateway.batches import TERMINAL, completion_hours, new_batch
+from pagedq.worker.gateway.batch_store import TERMINAL, completion_hours, new_batch
 from pagedq.worker.gateway.errors import APIError, bad_request, not_found
 from pagedq.worker.gateway.openai import BatchCreateRequest
 from pagedq.worker.gateway.translate import ENDPOINTS
