@@ -67,7 +67,7 @@ async def resume_stream(request_id: str, request: Request,
     fleet = await gw.fleet.view()
     renderer = ChunkRenderer(view, request_id, gw.tokens.lookup(fleet.path_of(view.model)))
     await gw.readers.attach(request_id)
-    return _sse(gw, StreamSession(gw.client, gw.readers, gw.client.handle(request_id), renderer,
+    return _sse(gw, StreamSession(gw.readers, gw.client.handle(request_id), renderer,
                                   gw.config.disconnect_grace, after))
 
 
@@ -101,7 +101,7 @@ async def answer(gw: Gateway, request: Request, spec: JobSpec) -> Response:
     gw.metrics.ttft.labels(route).observe(time.perf_counter() - began)
     await gw.readers.attach(spec.id)
     renderer = ChunkRenderer(spec.view, spec.id, text)
-    return _sse(gw, StreamSession(gw.client, gw.readers, handle, renderer,
+    return _sse(gw, StreamSession(gw.readers, handle, renderer,
                                   gw.config.disconnect_grace, prefetched=[first],
                                   on_abandon=gw.metrics.abandoned.inc))
 

@@ -24,7 +24,7 @@ from redis.asyncio import Redis
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagedq.client import AsyncClient, AsyncRequestHandle, Event, ResultTimeoutError
+from pagedq.client import AsyncRequestHandle, Event, ResultTimeoutError
 from pagedq.client.protocol import CANCELLED, ERROR
 from pagedq.worker.gateway.errors import from_job_error
 from pagedq.worker.gateway.render import ChunkRenderer
@@ -97,7 +97,6 @@ class Readers:
 class StreamSession:
     """One HTTP connection's view of a job's stream; ``after`` = the Last-Event-ID, if any."""
 
-    client: AsyncClient
     readers: Readers
     handle: AsyncRequestHandle
     renderer: ChunkRenderer
