@@ -35,7 +35,7 @@ from .queue_path import _wait_ready, check_dependencies, redis_url, worker_proce
 from .workload import BenchRequest
 
 if TYPE_CHECKING:
-    from .scenarios import BenchRun
+    from .run import BenchRun
 
 GATEWAY_READY_S = 120.0
 TTFT_PROBES = 12  # single requests per path for the added-TTFT figure

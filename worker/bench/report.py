@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .scenarios import BenchRun
+from .run import BenchRun
 from .timeline import p99_over_p50, summarize
 
 FIGURE_KEYS = (
