@@ -6,6 +6,7 @@
 - ``EngineConfig``: what the engine was asked for; every command derives its engine flags from
   its fields (pagedq.worker.cli).
 - ``WorkerConfig``: the queue service's knobs, likewise.
+- ``GatewayConfig``: ``pagedq serve``'s knobs (the OpenAI-compatible HTTP gateway).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Settings:
     consumer_name: str | None  # $PAGEDQ_CONSUMER_NAME: a worker's stable consumer name
     default_gguf: Path | None  # $PAGEDQ_DEFAULT_GGUF: the default model's GGUF, pre-fetched
     llama_cpp_dir: Path | None  # $PAGEDQ_LLAMA_CPP: llama.cpp binaries for the bench
+    api_keys: tuple[str, ...] = ()  # $PAGEDQ_API_KEY: the gateway's Bearer keys (comma-separated)
 
     @classmethod
     def from_environ(cls, env: dict[str, str] | os._Environ = os.environ) -> Settings:
@@ -69,7 +71,9 @@ class Settings:
                    hf_hub_cache=hub, queue=env.get("PAGEDQ_QUEUE") or DEFAULT_QUEUE,
                    consumer_name=env.get("PAGEDQ_CONSUMER_NAME") or None,
                    model=env.get("PAGEDQ_MODEL") or None,
-                   default_gguf=path("PAGEDQ_DEFAULT_GGUF"), llama_cpp_dir=path("PAGEDQ_LLAMA_CPP"))
+                   default_gguf=path("PAGEDQ_DEFAULT_GGUF"), llama_cpp_dir=path("PAGEDQ_LLAMA_CPP"),
+                   api_keys=tuple(k.strip() for k in env.get("PAGEDQ_API_KEY", "").split(",")
+                                  if k.strip()))
 
 
 @functools.cache
@@ -229,3 +233,48 @@ class WorkerConfig:
     def checkpoint_ttl_s(self) -> float:
         """How long a checkpoint (and the consumer-name lock) outlives its worker."""
         return self.checkpoint_ttl or max(5.0, 3 * self.checkpoint_interval)
+
+
+@dataclass
+class GatewayConfig:
+    """Everything ``pagedq serve`` takes. The gateway runs no model: its limits bound what one
+    HTTP client can ask of the queue and of Redis."""
+
+    redis_url: str | None = None
+    """Redis holding the queue (default: $REDIS_URL; without either, an embedded redis-server
+    and one worker on --model start)."""
+    queue: str = field(default_factory=lambda: settings().queue)
+    """Queue the jobs go to (default: $PAGEDQ_QUEUE, else "default")."""
+    prefix: str = DEFAULT_PREFIX
+    """Prefix of every Redis key the queue uses."""
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 8000
+    """Port to listen on."""
+    api_keys: tuple[str, ...] = field(default_factory=lambda: settings().api_keys)
+    """Accepted Bearer keys (default: $PAGEDQ_API_KEY, comma-separated); none: open."""
+    max_body_bytes: int = 4 << 20
+    """Largest JSON request body (413 above); uploads have max_file_bytes."""
+    max_queue_depth: int | None = None
+    """Answer 429 while more interactive (high and normal priority) jobs wait (default: no
+    limit)."""
+    disconnect_grace: float = 10.0
+    """Seconds a dropped stream may take to resume before its job is cancelled."""
+    ttl: int = DEFAULT_TTL_S
+    """Seconds a stream stays resumable (match the workers' --ttl)."""
+    files_dir: str | None = None
+    """Keep files in this directory (shared by every gateway) instead of Redis."""
+    max_file_bytes: int = 64 << 20
+    """Largest uploaded file (413 above)."""
+    files_ttl: int = 7 * 24 * 3600
+    """Seconds files and finished batches are kept."""
+    max_batch_lines: int = 50_000
+    """Most lines in one batch."""
+    batch_window: int = 128
+    """Lines of one batch in the queue at once."""
+    batch_lease: float = 10.0
+    """Seconds of silence after which another gateway takes over a gateway's batches."""
+    fleet_cache: float = 0.25
+    """Seconds a reading of the live workers and the queue depth is reused."""
+    redis_max_connections: int = 4096
+    """Redis connections of one gateway; each open stream holds one (a blocking read)."""

@@ -141,6 +141,8 @@ class BenchRun:
         for name, part in engine_parts:
             self._timed(name, part)
             gc.collect()  # the part's engine (and its KV cache) is gone before the next one
+        if "gateway" in wanted:
+            self._timed("gateway", functools.partial(scenarios.gateway, self))
         self.results["peak_rss_mb_pagedq"] = peak_rss_mb()
         if "throughput" in wanted:
             self._timed("throughput_hf", functools.partial(scenarios.throughput_hf, self))

@@ -247,6 +247,12 @@ def queue(bench: BenchRun, engine: Any) -> None:
 
 
 # -- the Hugging Face baseline --------------------------------------------------------------
+def gateway(bench: BenchRun) -> None:
+    from .gateway_path import serve_through_gateway
+
+    bench.results["gateway"] = serve_through_gateway(bench, bench.throughput_trace())
+
+
 def throughput_hf(bench: BenchRun) -> None:
     timeline, outputs = hf_baseline.serve_static(bench.hf(), bench.throughput_trace(),
                                                  bench.config.hf_batch_size)

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "pagedq.worker.cli.demo": ("demo",),
     "pagedq.worker.cli.plan": ("plan",),
     "pagedq.worker.cli.bench": ("bench",),
+    "pagedq.worker.gateway.commands": ("serve", "batch"),
 }
 
 
