@@ -14,8 +14,8 @@ from pagedq.worker.config import EngineConfig
 
 from .workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT, LengthDist
 
-SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue", "structured",
-             "llama_cpp")
+SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue", "gateway",
+             "structured", "llama_cpp")
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,6 @@ def quick(**overrides: Any) -> BenchConfig:
         decode_prompt_tokens=32,  # the full profile keeps llama-batched-bench's 128/128 shape
         decode_new_tokens=24,  # 24 decode steps per batch size keep the run under 3 minutes
         decode_kv_cache_dtype=None,  # the fp16-cache sweep is the full run's (time)
-        structured_requests=16,
         capacity_requests=24,
         capacity_reserved_slots=2,
         capacity_max_model_len=1024,
@@ -165,6 +164,7 @@ def quick(**overrides: Any) -> BenchConfig:
         itl_long_prompt_tokens=1024,
         prefix_repeats=2,
         sharing_new_tokens=32,
+        structured_requests=16,
     )
     base.update(overrides)
     return BenchConfig(**base)

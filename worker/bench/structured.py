@@ -23,7 +23,7 @@ from . import driver
 from .workload import BenchRequest
 
 if TYPE_CHECKING:
-    from .scenarios import BenchRun
+    from .run import BenchRun
 
 SCHEMA = {
     "type": "object",
@@ -70,6 +70,18 @@ def prompts(engine: Any, n: int, seed: int) -> list[list[int]]:
     return [engine.apply_chat_template([{"role": "user", "content": (
         "Extract the person's name, age, email (null if none), role, city and skills as JSON.\n"
         + record(rng))}]) for _ in range(n)]
+
+
+def structured(bench: BenchRun) -> None:
+    """The scenario (``bench.results["structured"]``); unavailable for a model without a
+    tokenizer, which no grammar can be built on."""
+    from pagedq.worker.models.loader import load_tokenizer
+
+    from .scenarios import Unavailable
+
+    if load_tokenizer(bench.model_dir) is None:
+        raise Unavailable("structured outputs need the model's tokenizer; this model has none")
+    bench.results["structured"] = run_structured(bench)
 
 
 def run_structured(run: BenchRun) -> dict[str, Any]:

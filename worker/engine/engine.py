@@ -20,6 +20,7 @@ import torch
 from pagedq.errors import InvalidParamsError, InvalidRequestError
 from pagedq.kernels import select_backend
 from pagedq.params import SamplingParams
+from pagedq.progress import waiting
 from pagedq.worker.config import EngineConfig, default_block_size, default_device
 from pagedq.worker.engine import sizing
 from pagedq.worker.engine.beam_search import BeamParams, beam_search
@@ -68,7 +69,12 @@ class Engine:
         self.model_path = resolve_model(config.model)
         self.hf_config = load_config(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.model = load_model(self.model_path, self.hf_config, config, self.device, self.kv_dtype)
+        with waiting(f"loading the weights of {self.model_path.name}", log):
+            self.model = load_model(self.model_path, self.hf_config, config, self.device)
+        # the selector builds the C++ ops on a first run; the model then packs its weights
+        with waiting("selecting the kernels and packing the weights for them", log):
+            self.model.use_backend(select_backend(self.device, getattr(torch, config.dtype),
+                                                  self.kv_dtype, self.model.head_dim))
         budget = sizing.kv_budget(config, config.block_size, self.device, self.model)
         plan = sizing.plan_kv(self.hf_config, config, self.kv_dtype, config.block_size, budget)
         self.max_model_len = plan.max_model_len
@@ -371,14 +377,12 @@ class Engine:
                 **self.structured.stats()}
 
 
-def load_model(path, hf_config, config: EngineConfig, device: torch.device,
-               kv_dtype: torch.dtype) -> CausalLM:
-    """The model with its weights, its RoPE tables sized for ``max_model_len``, on the kernels the
-    backend selector picks for it (which builds or loads the C++ ones now, not on the first step)."""
+def load_model(path, hf_config, config: EngineConfig, device: torch.device) -> CausalLM:
+    """The model with its weights, its RoPE tables sized for ``max_model_len``. The engine then
+    hands it the kernels the backend selector picks (which builds or loads the C++ ones then,
+    not on the first step)."""
     positions = config.max_model_len or hf_config.max_position_embeddings
-    dtype = getattr(torch, config.dtype)
-    model = CausalLM(hf_config, dtype, device, positions)
+    model = CausalLM(hf_config, getattr(torch, config.dtype), device, positions)
     model.load_weights(iter_weights(path))
-    model.use_backend(select_backend(device, dtype, kv_dtype, model.head_dim))
     model.eval()
     return model
