@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedq.errors import InvalidParamsError
+from pagedq.errors import EngineError, InvalidParamsError
 from pagedq.params import StructuredOutputsParams
 from pagedq.worker.engine.schema_check import check_schema
 
@@ -78,7 +78,8 @@ class GrammarCache:
 
     def poll(self, ticket: GrammarTicket) -> Any | None:
         """The compiled grammar, or None while it compiles; raises InvalidParamsError when the
-        constraint is invalid, unsupported, or took longer than ``timeout_s`` to compile."""
+        constraint is invalid, unsupported, or took longer than ``timeout_s`` to compile
+        (EngineError when this worker can not compile grammars at all)."""
         entry = ticket.entry
         if entry.error is not None:
             raise entry.error
@@ -108,7 +109,10 @@ class GrammarCache:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, entry: _Entry, kind: str, spec: str) -> Any:
-        compiler = self._compiler.result()
+        try:
+            compiler = self._compiler.result()
+        except Exception as exc:  # xgrammar missing, or a tokenizer it can not read
+            raise EngineError(f"structured outputs are unavailable on this worker: {exc!r}") from exc
         entry.started = time.monotonic()
         return compiler.compile(kind, spec)
 

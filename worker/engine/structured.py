@@ -2,7 +2,7 @@
 
 Each constrained request holds a ``GrammarTicket`` until its grammar has compiled (the engine
 keeps it out of the scheduler meanwhile, so nothing waits on a compile). Each sequence then has
-its own matcher (n > 1 samples and beams diverge). A step fills one bitmask row per constrained
+its own matcher (n > 1 samples diverge). A step fills one bitmask row per constrained
 row and applies all rows in one vectorized op over the batch's logits, after penalties and
 before sampling; unconstrained rows are never touched, so their tokens are exactly what they
 would be alone. EOS is a grammar token: allowed only where the grammar accepts, the only token
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pagedq.errors import InvalidParamsError, InvalidRequestError
+from pagedq.errors import InvalidRequestError, PagedQError
 from pagedq.worker.engine.grammar_cache import GrammarCache, GrammarTicket
 from pagedq.worker.engine.sequence import Request, Sequence
 
@@ -75,26 +75,23 @@ class StructuredOutputs:
         self._compiling.append(req)
         return True
 
-    def is_constrained(self, req: Request) -> bool:
-        return req in self._tickets
-
     @property
     def num_compiling(self) -> int:
         return len(self._compiling)
 
-    def take_compiled(self) -> tuple[list[Request], list[tuple[Request, InvalidParamsError]]]:
+    def take_compiled(self) -> tuple[list[Request], list[tuple[Request, PagedQError]]]:
         """(requests whose grammar is ready, requests whose constraint failed to compile:
         invalid, unsupported, or past the time limit). Requests that ended meanwhile (aborted,
         past their deadline) are dropped."""
         ready: list[Request] = []
-        failed: list[tuple[Request, InvalidParamsError]] = []
+        failed: list[tuple[Request, PagedQError]] = []
         waiting: list[Request] = []
         for req in self._compiling:
             if all(s.is_finished for s in req.seqs):
                 continue
             try:
                 (ready if self._poll(req) else waiting).append(req)
-            except InvalidParamsError as exc:
+            except PagedQError as exc:
                 failed.append((req, exc))
         self._compiling = waiting
         return ready, failed
