@@ -21,7 +21,7 @@ from pagedq.client.errors import (
 from pagedq.client.protocol import PROTOCOL_VERSION, Event, Keys, Limits, Request
 from pagedq.client.result import CompletionResult, Result, ResultBuilder
 from pagedq.errors import InvalidParamsError
-from pagedq.params import SamplingParams
+from pagedq.params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -47,5 +47,6 @@ __all__ = [
     "ResultTimeoutError",
     "SamplingParams",
     "StreamGapError",
+    "StructuredOutputsParams",
     "TLSFiles",
 ]

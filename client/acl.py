@@ -23,7 +23,8 @@ COMMANDS: tuple[str, ...] = (
     "xclaim", "xautoclaim", "xinfo|consumers", "xgroup|create", "xgroup|delconsumer",
     # request state, checkpoints, stats, names, the cancel hint, the wake-up streams
     "hset", "hget", "hmget", "hgetall", "hincrby", "hexists", "del", "exists", "expire",
-    "pexpire", "zadd", "zrem", "zrange", "zremrangebyscore", "set", "get", "incr", "type",
+    "pexpire", "zadd", "zrem", "zrange", "zremrangebyscore", "set", "get", "incr", "incrby",
+    "type",
     "multi", "exec",
 )
 

@@ -27,12 +27,14 @@ BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 2.0
 PROBE_TIMEOUT_S = 5.0
 
-_CREDENTIALS = re.compile(r"(rediss?://)([^@/\s]*)@")
+_CREDENTIALS = re.compile(r"(rediss?://)(?:([^:@/\s]*):)?([^@/\s]*)@")
 
 
 def redact_url(text: str) -> str:
-    """``text`` with the user name and password of every Redis URL in it replaced by ``***``."""
-    return _CREDENTIALS.sub(r"\1***@", text)
+    """``text`` with the password of every Redis URL in it replaced by ``***`` (the user name,
+    before a colon, stays: it says which ACL user connected)."""
+    return _CREDENTIALS.sub(lambda m: f"{m[1]}{m[2]}:***@" if m[2] is not None
+                            else f"{m[1]}***@", text)
 
 
 @dataclass(frozen=True)

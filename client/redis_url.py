@@ -29,3 +29,4 @@ def resolve_redis_url(url: str | None, default: str | None = DEFAULT_REDIS_URL) 
     worker runs out of the box on a laptop.
     """
     return url or os.environ.get("REDIS_URL") or default
+

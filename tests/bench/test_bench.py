@@ -79,8 +79,11 @@ def test_engine_figures_are_measured(bench):
     """Everything that needs only the engine and HF must be a number on the tiny model."""
     _, doc, _, _ = bench
     for key in FIGURE_KEYS:
-        if key not in ("queue_throughput_vs_inprocess", "prefix_ttft_ratio"):
+        if key not in ("queue_throughput_vs_inprocess", "prefix_ttft_ratio",
+                       "structured_throughput_ratio"):
             assert doc[key] is not None, doc["unavailable"].get(key)
+    # the tiny model has no tokenizer to build a grammar on (test_bench_structured.py has one)
+    assert "tokenizer" in doc["unavailable"]["structured_throughput_ratio"]
 
 
 def test_kv_figures_are_sane(bench):
@@ -146,6 +149,15 @@ def test_itl_and_prefix_ratios(bench):
     if doc["prefix_ttft_ratio"] is not None:
         assert doc["prefix_ttft_ratio"] > 0
         assert all(h > 0 for h in doc["details"]["prefix"]["prefix_cache_hits"])
+
+
+def test_gateway_path_streams_the_same_text_as_the_sdk(bench):
+    _, doc, _, _ = bench
+    g = doc["details"]["gateway"]
+    assert g["texts_equal"] and g["http"]["output_tokens"] == g["sdk_before"]["output_tokens"]
+    assert doc["gateway_throughput_vs_sdk"] == pytest.approx(
+        g["http"]["tokens_per_s"] / g["sdk_tok_s_baseline"])
+    assert doc["targets"]["gateway_added_ttft_p50_ms"]["target"] == "<= 10 ms"
 
 
 def test_queue_path_gives_the_same_tokens(bench):

@@ -14,7 +14,8 @@ from pagedq.worker.config import EngineConfig
 
 from .workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT, LengthDist
 
-SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue", "llama_cpp")
+SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue", "gateway",
+             "structured", "llama_cpp")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,12 @@ class BenchConfig(EngineConfig):
     # sharing: KV blocks of n=4 sampling and beam width 4 vs four unshared copies
     sharing_prompt_tokens: int = 512
     sharing_new_tokens: int = 64
+
+    # structured: extraction requests with a JSON schema vs the same requests unconstrained
+    # with the same output lengths (greedy: the least other sampling work beside the mask)
+    structured_requests: int = 64
+    structured_max_tokens: int = 160
+    structured_temperature: float = 0.0
 
     # queue: the throughput trace through Redis (worker subprocess + client)
     redis_url: str | None = None  # None: start a private redis-server for the run
@@ -157,6 +164,7 @@ def quick(**overrides: Any) -> BenchConfig:
         itl_long_prompt_tokens=1024,
         prefix_repeats=2,
         sharing_new_tokens=32,
+        structured_requests=16,
     )
     base.update(overrides)
     return BenchConfig(**base)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedq.worker.config import settings
 from pagedq.worker.logging import get_logger
 
 from .workload import BenchRequest
@@ -62,7 +63,7 @@ class LlamaCpp:
 
     @classmethod
     def locate(cls, configured: str | None) -> LlamaCpp:
-        where = configured or os.environ.get(ENV_DIR)
+        where = configured or settings().llama_cpp_dir
         if not where:
             raise LlamaCppUnavailable(f"no llama.cpp binaries configured: {BUILD_HINT}")
         bin_dir = Path(where).expanduser()

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from .workload import BenchRequest
 
 if TYPE_CHECKING:
-    from .scenarios import BenchRun
+    from .run import BenchRun
 
 READY_TIMEOUT_S = 600.0
 POLL_S = 1.0
@@ -72,13 +72,11 @@ def worker_flags(bench: BenchRun, url: str, queue: str) -> list[str]:
 @contextmanager
 def worker_process(bench: BenchRun, url: str, queue: str, log_path: Path) -> Iterator[Any]:
     """A worker subprocess on the run's model; SIGTERM (then SIGKILL) on the way out."""
-    env = dict(os.environ)
     cmd = [sys.executable, "-m", "pagedq.worker"]
     flags = worker_flags(bench, url, queue)
     bench.results["queue_worker_flags"] = flags
     with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen([*cmd, *flags], stdout=log_file, stderr=subprocess.STDOUT,
-                                env=env)
+        proc = subprocess.Popen([*cmd, *flags], stdout=log_file, stderr=subprocess.STDOUT)
         try:
             yield proc
         finally:

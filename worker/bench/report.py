@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .scenarios import BenchRun
+from .run import BenchRun
 from .timeline import p99_over_p50, summarize
 
 FIGURE_KEYS = (
@@ -29,9 +29,12 @@ FIGURE_KEYS = (
     "itl_p99_over_p50_unchunked",
     "prefix_ttft_ratio",
     "queue_throughput_vs_inprocess",
+    "gateway_throughput_vs_sdk",
+    "gateway_added_ttft_p50_ms",
     "decode_tok_s_by_batch",
     "kv_blocks_n4_vs_unshared",
     "kv_blocks_beam4_vs_unshared",
+    "structured_throughput_ratio",
 )
 
 # Which scenarios each figure needs (their failure or absence explains a missing figure).
@@ -44,17 +47,21 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "itl_p99_over_p50_unchunked": ("itl",),
     "prefix_ttft_ratio": ("serving", "prefix"),
     "queue_throughput_vs_inprocess": ("serving", "throughput_pagedq", "queue"),
+    "gateway_throughput_vs_sdk": ("gateway",), "gateway_added_ttft_p50_ms": ("gateway",),
     "decode_tok_s_by_batch": ("serving", "decode_pagedq", "decode_hf"),
     "kv_blocks_n4_vs_unshared": ("serving", "sharing"),
     "kv_blocks_beam4_vs_unshared": ("serving", "sharing"),
+    "structured_throughput_ratio": ("structured",),
 }
 SCENARIO_OF = {
     "kv_utilization": "capacity", "kv_utilization_contiguous": "capacity",
     "concurrency_vs_contiguous": "capacity", "throughput_vs_hf_static": "throughput",
     "itl_p99_over_p50_chunked": "itl", "itl_p99_over_p50_unchunked": "itl",
     "prefix_ttft_ratio": "prefix", "queue_throughput_vs_inprocess": "queue",
+    "gateway_throughput_vs_sdk": "gateway", "gateway_added_ttft_p50_ms": "gateway",
     "decode_tok_s_by_batch": "decode",
     "kv_blocks_n4_vs_unshared": "sharing", "kv_blocks_beam4_vs_unshared": "sharing",
+    "structured_throughput_ratio": "structured",
 }
 
 # Reference numbers the targets were set against: SmolLM2-135M-Instruct, f32, on a 2-core CPU.
@@ -224,6 +231,14 @@ def _queue(res: dict[str, Any], out: dict[str, Any]) -> None:
     }
 
 
+def _gateway(res: dict[str, Any], out: dict[str, Any]) -> None:
+    g = res["gateway"]
+    out["tokens_per_s"]["pagedq_via_gateway"] = g["http"]["tokens_per_s"]
+    out["gateway_throughput_vs_sdk"] = g["throughput_vs_sdk"]
+    out["gateway_added_ttft_p50_ms"] = g["added_ttft_p50_ms"]
+    out["details"]["gateway"] = g
+
+
 def _queue_baseline(doc: dict[str, Any]) -> float | None:
     """The in-process tok/s the Redis figure is divided by (mean of the runs around it)."""
     q = (doc.get("details") or {}).get("queue") or {}
@@ -294,6 +309,12 @@ def _targets(out: dict[str, Any]) -> dict[str, Any]:
         "prefix_ttft_ratio": check(out["prefix_ttft_ratio"], lambda v: v <= 0.2, "<= 0.2"),
         "queue_throughput_vs_inprocess": check(out["queue_throughput_vs_inprocess"],
                                                lambda v: v >= 0.95, ">= 0.95"),
+        "gateway_throughput_vs_sdk": check(out["gateway_throughput_vs_sdk"],
+                                           lambda v: v >= 0.95, ">= 0.95"),
+        "gateway_added_ttft_p50_ms": check(out["gateway_added_ttft_p50_ms"],
+                                           lambda v: v <= 10, "<= 10 ms"),
+        "structured_throughput_ratio": check(out["structured_throughput_ratio"],
+                                             lambda v: v >= 0.9, ">= 0.9"),
     }
 
 
@@ -337,8 +358,11 @@ def assemble(run: BenchRun) -> dict[str, Any]:
     res = run.results
     out: dict[str, Any] = {key: None for key in FIGURE_KEYS}
     out.update(tokens_per_s={}, ttft_s={}, itl_s={}, details={}, unavailable={})
+    from .structured import figures as _structured
+
     builders = [("capacity", _capacity), ("itl", _itl), ("prefix", _prefix),
-                ("sharing", _sharing), ("queue", _queue)]
+                ("sharing", _sharing), ("queue", _queue), ("gateway", _gateway),
+                ("structured", _structured)]
     for key, build in builders:
         if key in res:
             build(res, out)
@@ -451,9 +475,17 @@ def table(doc: dict[str, Any]) -> str:
          tg["prefix_ttft_ratio"]["target"]),
         ("tok/s via Redis vs in-process", tps.get("pagedq_via_redis"), _queue_baseline(doc),
          doc["queue_throughput_vs_inprocess"], tg["queue_throughput_vs_inprocess"]["target"]),
+        ("tok/s via HTTP gateway vs SDK", tps.get("pagedq_via_gateway"),
+         ((doc.get("details") or {}).get("gateway") or {}).get("sdk_tok_s_baseline"),
+         doc.get("gateway_throughput_vs_sdk"), tg["gateway_throughput_vs_sdk"]["target"]),
+        ("added p50 TTFT ms, HTTP vs SDK", doc.get("gateway_added_ttft_p50_ms"), None, None,
+         tg["gateway_added_ttft_p50_ms"]["target"]),
         ("output tok/s, trace vs llama-server", tps.get("pagedq"), tps.get("llama_cpp_server"),
          _ratio(tps.get("pagedq"), tps.get("llama_cpp_server")),
          tg["mixed_trace_tok_s"]["target"]),
+        ("tok/s, JSON schema vs unconstrained", tps.get("structured_json"),
+         tps.get("structured_free_same_lengths"), doc.get("structured_throughput_ratio"),
+         tg.get("structured_throughput_ratio", {}).get("target")),
     ]
     dec = doc.get("decode_tok_s_by_batch") or {}
     for series, label in _pagedq_series(dec):

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from pagedq.worker.config import EngineConfig
+from pagedq.worker.config import EngineConfig, parse_bytes
 
 # Old spellings still accepted, hidden from --help: field -> flags
 ENGINE_ALIASES: dict[str, tuple[str, ...]] = {"num_threads": ("--threads",),
@@ -68,6 +68,8 @@ def field_default(f: dataclasses.Field) -> Any:
 def _argument(kind: Any) -> dict[str, Any] | None:
     """argparse keywords for a field's type; None for types no flag can carry (dicts...)."""
     args = typing.get_args(kind)
+    if typing.get_origin(kind) is typing.Annotated:  # Annotated[int, parser]: the flag's type
+        return {"type": flag_type(args[1])}
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
         return _argument(rest[0]) if len(rest) == 1 else None
@@ -92,7 +94,7 @@ def add_config_flags(parser: argparse.ArgumentParser | Any, cls: type, *,
     the command must build its config from the same instance). ``only``/``skip`` pick fields,
     ``helps`` replaces a field's help for this command, ``aliases`` adds hidden spellings.
     """
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     docs = field_docs(type(defaults) if isinstance(defaults, cls) else cls)  # a subclass's own
     wanted = set(only) if only is not None else None
     for f in dataclasses.fields(cls):
@@ -117,6 +119,18 @@ def add_config_flags(parser: argparse.ArgumentParser | Any, cls: type, *,
                                     default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
+@functools.cache
+def flag_type(parse: Any) -> Any:
+    """``parse`` as an argparse type: its ValueError's message becomes the usage error."""
+    @functools.wraps(parse)
+    def parse_flag(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse_flag
+
+
 def _show(value: Any) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
@@ -126,6 +140,8 @@ def _show(value: Any) -> str:
 def _metavar(name: str, kw: dict[str, Any]) -> str | None:
     if "choices" in kw or kw.get("action") is argparse.BooleanOptionalAction:
         return None
+    if getattr(kw.get("type"), "__wrapped__", None) is parse_bytes:
+        return "SIZE"
     return {int: "N", float: "X"}.get(kw.get("type"), name.upper())
 
 
@@ -195,10 +211,54 @@ def add_sampling_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, A
     group = parser.add_argument_group("sampling")
     add_config_flags(group, SamplingParams, defaults=SamplingParams(**defaults),
                      skip=skip, helps=SAMPLING_HELP)
+    add_structured_flags(parser)
 
 
 def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> Any:
     """SamplingParams from the command's defaults and the sampling flags given."""
     from pagedq.params import SamplingParams
 
-    return SamplingParams(**{**defaults, **given(args, SamplingParams)})
+    structured = structured_outputs(args)
+    extra = {"structured_outputs": structured} if structured else {}
+    return SamplingParams(**{**defaults, **given(args, SamplingParams), **extra})
+
+
+# -- structured output flags ------------------------------------------------------------------
+def add_structured_flags(parser: argparse.ArgumentParser) -> None:
+    """One of --json-schema, --json-object, --regex, --choice, --grammar (docs/structured.md)."""
+    group = parser.add_argument_group(
+        "structured output", "constrain the output; at most one of these (docs/structured.md)")
+    one = group.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", metavar="FILE", default=argparse.SUPPRESS,
+                     help="the output is JSON valid under the JSON Schema in FILE")
+    one.add_argument("--json-object", action="store_true", default=argparse.SUPPRESS,
+                     help="the output is a JSON object")
+    one.add_argument("--regex", metavar="R", default=argparse.SUPPRESS,
+                     help="the output matches the regular expression R as a whole")
+    one.add_argument("--choice", metavar="A,B,C", default=argparse.SUPPRESS,
+                     help="the output is exactly one of these comma-separated strings")
+    one.add_argument("--grammar", metavar="FILE", default=argparse.SUPPRESS,
+                     help="the output follows the EBNF grammar in FILE (GBNF: root ::= ...)")
+
+
+def structured_outputs(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The structured_outputs dict the structured-output flags ask for (None: none given)."""
+    from pagedq.errors import InvalidParamsError
+
+    def read(flag: str, path: str) -> str:
+        try:
+            return Path(path).expanduser().read_text()
+        except OSError as exc:
+            raise InvalidParamsError(f"{flag} {path}: {exc.strerror or exc}") from exc
+
+    if hasattr(args, "json_schema"):
+        return {"json": read("--json-schema", args.json_schema)}
+    if getattr(args, "json_object", False):
+        return {"json_object": True}
+    if hasattr(args, "regex"):
+        return {"regex": args.regex}
+    if hasattr(args, "choice"):
+        return {"choice": [c for c in args.choice.split(",") if c]}
+    if hasattr(args, "grammar"):
+        return {"grammar": read("--grammar", args.grammar)}
+    return None

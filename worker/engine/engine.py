@@ -2,40 +2,36 @@
 
 One ``step()`` = schedule (token budget) -> one forward pass over the paged cache -> sample ->
 append tokens, detokenize, check stops -> free finished sequences' blocks. Request checks live
-in intake.py, KV sizing in sizing.py, and beam search (a sampling hook on this API) in
-beam_search.py.
+in intake.py, KV sizing in sizing.py, how requests end in live_requests.py, and
+``generate``/``chat``/``beam_search`` (batches run to completion on this API) in offline.py.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
-from collections.abc import Sequence as Seq
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from pagedq.errors import InvalidRequestError
+from pagedq.errors import InvalidParamsError, InvalidRequestError
+from pagedq.kernels import select_backend
 from pagedq.params import SamplingParams
+from pagedq.progress import waiting
 from pagedq.worker.config import EngineConfig, default_block_size, default_device
 from pagedq.worker.engine import sizing
-from pagedq.worker.engine.beam_search import BeamParams, beam_search
-from pagedq.worker.engine.intake import (
-    chat_prompt,
-    coerce_params,
-    eos_token_ids,
-    fit_lengths,
-    tokenize,
-)
+from pagedq.worker.engine.intake import coerce_params, eos_token_ids, fit_lengths, tokenize
 from pagedq.worker.engine.kv_cache_manager import KVCacheManager
+from pagedq.worker.engine.live_requests import LiveRequests
 from pagedq.worker.engine.model_runner import ModelRunner
+from pagedq.worker.engine.offline import OfflineAPI
 from pagedq.worker.engine.output_processor import OutputProcessor
-from pagedq.worker.engine.outputs import BeamSearchOutput, RequestOutput, StepOutput
+from pagedq.worker.engine.outputs import StepOutput
 from pagedq.worker.engine.sampler import Sampler
 from pagedq.worker.engine.scheduler import Scheduler
-from pagedq.worker.engine.sequence import Request, SamplingHook, SeqStatus, Sequence
+from pagedq.worker.engine.sequence import Request, SamplingHook, Sequence
+from pagedq.worker.engine.structured import StructuredOutputs
 from pagedq.worker.logging import get_logger
 from pagedq.worker.models.llama import CausalLM
 from pagedq.worker.models.loader import iter_weights, load_config, load_tokenizer, resolve_model
@@ -43,7 +39,7 @@ from pagedq.worker.models.loader import iter_weights, load_config, load_tokenize
 log = get_logger("pagedq.engine")
 
 
-class Engine:
+class Engine(OfflineAPI):
     """A paged-KV, continuously batched LLM engine for one model on one device.
 
     ``Engine(model, **knobs)`` takes every field of EngineConfig as a keyword (or a whole
@@ -66,8 +62,12 @@ class Engine:
         self.model_path = resolve_model(config.model)
         self.hf_config = load_config(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.model = load_model(self.model_path, self.hf_config, config, self.device)
-        build_cpu_kernels(self.device)
+        with waiting(f"loading the weights of {self.model_path.name}", log):
+            self.model = load_model(self.model_path, self.hf_config, config, self.device)
+        # the selector builds the C++ ops on a first run; the model then packs its weights
+        with waiting("selecting the kernels and packing the weights for them", log):
+            self.model.use_backend(select_backend(self.device, getattr(torch, config.dtype),
+                                                  self.kv_dtype, self.model.head_dim))
         budget = sizing.kv_budget(config, config.block_size, self.device, self.model)
         plan = sizing.plan_kv(self.hf_config, config, self.kv_dtype, config.block_size, budget)
         self.max_model_len = plan.max_model_len
@@ -75,12 +75,16 @@ class Engine:
         self.runner = ModelRunner(self.model, plan.num_blocks, plan.block_size, self.kv_dtype,
                                   self.device)
         self.scheduler = Scheduler(config, self.kv)
-        self.sampler = Sampler(config.seed)
         self.eos_token_ids = eos_token_ids(self.model_path, self.hf_config, self.tokenizer)
+        self.structured = StructuredOutputs(
+            self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids,
+            cache_size=config.grammar_cache_size, compile_threads=config.grammar_compile_threads,
+            compile_timeout_s=config.grammar_compile_timeout)
+        self.sampler = Sampler(config.seed, constrain=self.structured.apply)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
-        self.requests: dict[str, Request] = {}
+        self.live = LiveRequests(self.scheduler, self.outputs)
+        self.requests = self.live.by_id  # request id -> Request, until it ends
         self._arrivals = itertools.count()
-        self._pending: list[StepOutput] = []  # deltas of requests finished at add_request
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0
@@ -98,7 +102,9 @@ class Engine:
 
         ``resume`` holds, per sample, the tokens a previous owner of the job already streamed:
         they are replayed without being emitted again. ``hook`` picks the request's tokens
-        instead of the sampler (beam search).
+        instead of the sampler (beam search). A request with ``structured_outputs`` waits,
+        unscheduled, until its grammar compiles; a constraint that fails to compile is reported
+        by ``take_rejected`` (InvalidParamsError).
         """
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running; use a new id")
@@ -111,31 +117,43 @@ class Engine:
                       eos_token_ids=self.eos_token_ids, hook=hook)
         if resume and len(resume) != params.n:
             raise InvalidRequestError(f"resume has {len(resume)} samples, params.n is {params.n}")
+        compiling = self._constrain(req)
         for index, done in enumerate(resume or [[]]):
             seq = Sequence(req, index, ids + list(done), len(ids))
             self.outputs.start(seq, resumed=list(done))
             req.seqs.append(seq)
             if seq.is_finished:
-                self._pending.append(self.outputs.delta(seq))
-            else:
+                self.live.pending.append(self.outputs.delta(seq))
+            elif not compiling:
                 self.scheduler.add(seq)
         req.forked = bool(resume) or params.n == 1
-        if not req.finished:
-            self.requests[request_id] = req
+        self.live.add(req)
         return req
+
+    def _constrain(self, req: Request) -> bool:
+        """Start a structured request's grammar compile; returns whether it must wait for it."""
+        if req.params.structured_outputs is None:
+            return False
+        if req.hook is not None:
+            raise InvalidParamsError(
+                "structured_outputs with beam search is not supported: use sampling (n > 1 "
+                "samples each follow the constraint)")
+        if self.tokenizer is None:
+            raise InvalidParamsError(
+                f"structured_outputs needs a tokenizer; model {self.model_path} has none")
+        return self.structured.add(req)
+
+    def take_rejected(self) -> list[tuple[str, Exception]]:
+        """(request id, error) of requests that failed after ``add_request`` accepted them (a
+        constraint that did not compile); each is gone from the engine."""
+        return self.live.take_rejected()
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; no further outputs are produced for it."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return False
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self.finish(seq, "abort")
-        return True
+        return self.live.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending)
+        return bool(self.requests) or bool(self.live.pending)
 
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -152,10 +170,13 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """Run one engine iteration; returns the stream deltas it produced."""
-        outputs, self._pending = self._pending, []
-        self._expire_deadlines(outputs)
+        outputs = self.live.take_pending()
+        self.live.expire(outputs)
+        self._admit_compiled()
         sched = self.scheduler.schedule()
         if not sched:
+            if self.structured.num_compiling:  # only compiles to wait for: don't spin
+                self.structured.wait_compiling(timeout=0.01)
             return outputs
         logits, sample_seqs = self.runner.execute(sched)
         for seq, n in sched.scheduled:
@@ -186,12 +207,31 @@ class Engine:
         result = self.sampler(logits[rows] if len(rows) != len(logits) else logits, seqs)
         self.num_generated_tokens += len(seqs)
         for k, seq in enumerate(seqs):
+            if seq.is_finished:  # a sibling's rejection ended it in this loop
+                continue
             lp = None if result.logprobs is None else result.logprobs[k]
             top = None if result.top_logprobs is None else result.top_logprobs[k]
-            outputs.append(self.outputs.append(seq, result.token_ids[k], lp, top))
+            try:
+                complete = self.structured.advance(seq, result.token_ids[k])
+            except InvalidRequestError as exc:
+                self.live.reject(seq.request, exc)
+                continue
+            outputs.append(self.outputs.append(seq, result.token_ids[k], lp, top, complete))
             if seq.is_finished:
                 self.finish(seq)
         return outputs
+
+    def _admit_compiled(self) -> None:
+        """Schedule the requests whose grammar has compiled; reject those that failed."""
+        if not self.structured.num_compiling:
+            return
+        ready, failed = self.structured.take_compiled()
+        for req in ready:
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self.scheduler.add(seq)
+        for req, exc in failed:
+            self.live.reject(req, exc)
 
     def _fork_samples(self, seqs: list[Sequence]) -> tuple[list[int], list[Sequence]]:
         """n > 1: when a request's prompt is done, fork it into n sequences sharing its blocks.
@@ -223,100 +263,30 @@ class Engine:
         return child
 
     def finish(self, seq: Sequence, reason: str | None = None) -> None:
-        """Free a sequence's blocks, ending it with ``reason`` if it is still running; the
-        request retires once all its sequences are finished."""
-        if reason is not None:
-            seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
-        self.scheduler.remove(seq)
-        if seq.request.finished:
-            self.requests.pop(seq.request.request_id, None)
-
-    def _expire_deadlines(self, outputs: list[StepOutput]) -> None:
-        now = time.time()
-        for req in [r for r in self.requests.values() if r.deadline and r.deadline <= now]:
-            for seq in req.seqs:
-                if not seq.is_finished:
-                    self.finish(seq, "deadline")
-                    outputs.append(self.outputs.delta(seq))
-            req.forked = True  # a deadline before the fork ends the samples never forked too
-            self.requests.pop(req.request_id, None)
-
-    # -- offline API ----------------------------------------------------------------------
-    def generate(self, prompts: Seq[str] | Seq[list[int]] | str,
-                 params: SamplingParams | Seq[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Run prompts to completion with continuous batching; results in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise InvalidRequestError(f"{len(plist)} params for {len(prompts)} prompts")
-        reqs = self.run_to_completion("offline", [
-            lambda rid, prompt=prompt, p=p: self.add_request(rid, prompt, p)
-            for prompt, p in zip(prompts, plist, strict=True)])
-        return [RequestOutput.from_request(r) for r in reqs]
-
-    def chat(self, conversations: list[dict] | list[list[dict]],
-             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then ``generate``."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        return self.generate([self.apply_chat_template(c) for c in conversations], params)
-
-    def beam_search(self, prompts: Seq[str] | Seq[list[int]], beam_width: int = 4,
-                    max_tokens: int = 16, length_penalty: float = 1.0,
-                    ignore_eos: bool = False) -> list[BeamSearchOutput]:
-        """Beam search per prompt (beam_search.py); each result's ``beams`` are best first."""
-        return beam_search(self, prompts,
-                           BeamParams(beam_width, max_tokens, length_penalty, ignore_eos))
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """The prompt token ids of a conversation, ready for the assistant's turn."""
-        return chat_prompt(self.tokenizer, self.model_path, messages)
-
-    def run_to_completion(self, kind: str, adders: list[Callable[[str], Request]]
-                          ) -> list[Request]:
-        """Add one request per adder under a fresh id (all or none: a bad one aborts those
-        already added), then step until all of them have finished."""
-        ids = [f"{kind}-{next(self._arrivals)}" for _ in adders]
-        reqs: list[Request] = []
-        try:
-            for rid, add in zip(ids, adders, strict=True):
-                reqs.append(add(rid))
-        except Exception:
-            for rid in ids:
-                self.abort_request(rid)
-            raise
-        while set(ids) & self.requests.keys() or self._pending:
-            self.step()
-        return reqs
+        """Free a sequence's blocks (ending it with ``reason`` if given); see LiveRequests."""
+        self.live.finish(seq, reason)
 
     # -- introspection --------------------------------------------------------------------
     def free_capacity(self, prompt_len_hint: int = 256) -> int:
         """How many more requests could be admitted now (sequence slots and KV blocks)."""
-        return self.scheduler.free_capacity(min(prompt_len_hint, self.max_model_len))
+        free = self.scheduler.free_capacity(min(prompt_len_hint, self.max_model_len))
+        return max(0, free - self.structured.num_compiling)
 
     def stats(self) -> dict[str, Any]:
         return {**self.kv.stats(self.scheduler.running), "kv_cache_dtype": self.kv_dtype_name,
                 **self.scheduler.stats(), "requests": len(self.requests),
                 "num_steps": self.num_steps, "num_generated_tokens": self.num_generated_tokens,
                 "num_computed_tokens": self.num_computed_tokens,
-                "max_model_len": self.max_model_len, "max_num_seqs": self.config.max_num_seqs}
+                "max_model_len": self.max_model_len, "max_num_seqs": self.config.max_num_seqs,
+                **self.structured.stats()}
 
 
 def load_model(path, hf_config, config: EngineConfig, device: torch.device) -> CausalLM:
-    """The model with its weights, its RoPE tables sized for ``max_model_len``."""
+    """The model with its weights, its RoPE tables sized for ``max_model_len``. The engine then
+    hands it the kernels the backend selector picks (which builds or loads the C++ ones then,
+    not on the first step)."""
     positions = config.max_model_len or hf_config.max_position_embeddings
     model = CausalLM(hf_config, getattr(torch, config.dtype), device, positions)
     model.load_weights(iter_weights(path))
-    model.pack_for_cpu()
     model.eval()
     return model
-
-
-def build_cpu_kernels(device: torch.device) -> None:
-    """Build or load the C++ kernels at start, so the first step does not pay for it."""
-    if device.type == "cpu":
-        from pagedq.kernels.cpu_attention import cpu_kernel
-
-        cpu_kernel()

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,6 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedq.errors import ModelNotFoundError
+from pagedq.progress import waiting
+from pagedq.worker.config import settings
 from pagedq.worker.logging import get_logger
 
 if TYPE_CHECKING:
@@ -58,24 +59,17 @@ TOKENIZER_FILES = (
 
 def cache_dir() -> Path:
     """pagedq's own cache ($PAGEDQ_CACHE or ~/.cache/pagedq): converted GGUF and default models."""
-    root = Path(os.environ.get("PAGEDQ_CACHE") or Path.home() / ".cache" / "pagedq").expanduser()
+    root = settings().cache_dir
     root.mkdir(parents=True, exist_ok=True)
     return root
 
 
 def hf_hub_cache_dir() -> Path:
-    """The Hugging Face hub cache, read from the environment at call time.
+    """The Hugging Face hub cache (HF_HUB_CACHE, HF_HOME/hub or ~/.cache/huggingface/hub).
 
-    huggingface_hub freezes its constants at import; reading the variables here means a worker
-    (or a test) that sets HF_HUB_CACHE / HF_HOME later is still honoured.
+    Taken from pagedq's settings rather than huggingface_hub's constants, which freeze at import.
     """
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "huggingface" / "hub"
+    return settings().hf_hub_cache
 
 
 # --------------------------------------------------------------------------- resolution
@@ -274,12 +268,11 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
         _make_room(out_dir)  # fail fast, before the slow part
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         try:
-            t0 = time.perf_counter()
-            log.info("converting gguf", gguf=str(gguf_file), out=str(out_dir))
-            _write_converted(gguf_file, tmp)
-            _make_shareable(tmp)
-            os.rename(tmp, out_dir)
-            log.info("converted gguf", out=str(out_dir), seconds=round(time.perf_counter() - t0, 1))
+            with waiting(f"converting {gguf_file.name} to safetensors (once; kept in "
+                         f"{out_dir.parent})", log, delay=0, gguf=str(gguf_file), out=str(out_dir)):
+                _write_converted(gguf_file, tmp)
+                _make_shareable(tmp)
+                os.rename(tmp, out_dir)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
@@ -326,14 +319,24 @@ def file_lock(lock_path: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _quiet_progress_bars() -> Iterator[None]:
-    """transformers' GGUF loader draws tqdm bars; they would garble JSON logs."""
+    """transformers' GGUF loader draws tqdm bars; they would garble JSON logs, and its
+    dequantizing bar sits at 100 % through the slow part that follows (our waits say what
+    runs instead). Its GGUF module calls tqdm directly, so that name is swapped too."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
         if was_enabled:
             hf_logging.enable_progress_bar()
 
@@ -344,7 +347,7 @@ def _write_converted(gguf_file: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src, name = gguf_file.parent, gguf_file.name
-    with _quiet_progress_bars():
+    with _quiet_progress_bars(), waiting("dequantizing the GGUF's weights", log):
         model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
     config = model.config
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -353,7 +356,8 @@ def _write_converted(gguf_file: Path, out: Path) -> None:
         for k, v in model.state_dict().items()
         if not (tied and k == "lm_head.weight")
     }
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with waiting("writing model.safetensors", log):
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     del state
     # The loaded config says "quantized with gguf"; the saved weights are plain fp32.
     if hasattr(config, "quantization_config"):
@@ -364,7 +368,8 @@ def _write_converted(gguf_file: Path, out: Path) -> None:
         model.generation_config.save_pretrained(out)
     del model
     try:
-        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+        with waiting("building the tokenizer from the GGUF's vocabulary", log):
+            tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
     except (ValueError, KeyError) as exc:  # a GGUF without tokenizer metadata is legal
         log.warning("gguf has no usable tokenizer; the model will take token ids only",
                     gguf=str(gguf_file), error=str(exc))

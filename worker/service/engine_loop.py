@@ -127,6 +127,7 @@ class EngineLoop:
             t0 = time.perf_counter()
             if self.engine.has_unfinished_requests():
                 self._step(report)
+                report.rejected += self.engine.take_rejected()  # e.g. a grammar that failed
             report.step_s = time.perf_counter() - t0
             report.adds_done = self._adds_done
             report.capacity = (self.engine.free_capacity(self.prompt_len_hint)

@@ -36,11 +36,13 @@ from redis.exceptions import NoPermissionError, OutOfMemoryError, RedisError
 from pagedq.client.connection import redact_url
 from pagedq.client.protocol import Keys, Request
 from pagedq.client.redis_url import resolve_redis_url
+from pagedq.progress import waiting
 from pagedq.worker.config import WorkerConfig, settings
 from pagedq.worker.logging import get_logger
 from pagedq.worker.service.admission import Admission
 from pagedq.worker.service.checkpoints import Checkpoints, claim_name
 from pagedq.worker.service.consumer import Consumer
+from pagedq.worker.service.embedded_redis import advertised_path
 from pagedq.worker.service.engine_loop import EngineLoop, Report
 from pagedq.worker.service.intake import Intake
 from pagedq.worker.service.job import Jobs
@@ -178,12 +180,13 @@ class Worker:
         self._install_signals()
         url = resolve_redis_url(self.config.redis_url, default=None)
         try:
-            link = await RedisLink.open(url, self.config.tls)
+            link = await RedisLink.open(url, self.config.tls, discovery=advertised_path())
         except NoPermissionError as exc:
             log.error(f"Redis denied a command: {ACL_HINT}", error=redact_url(str(exc)))
             return 1
         except (RedisError, OSError, RuntimeError) as exc:
-            log.error("cannot reach Redis: check --redis-url / REDIS_URL and the TLS flags",
+            log.error("cannot reach Redis: check that it runs, --redis-url / REDIS_URL (or pass "
+                      "neither for an embedded one) and the TLS flags",
                       url=redact_url(url or "embedded"),
                       error=redact_url(str(exc)) or type(exc).__name__)
             return 1
@@ -203,10 +206,10 @@ class Worker:
 
     async def _load(self) -> bool:
         """Load the model; False when it fails (logged) or a stop came first."""
-        log.info("loading model", model=self.config.model or "default")
         load = asyncio.ensure_future(in_own_thread(build_engine, self.config))
         stop = asyncio.ensure_future(self._stopping.wait())
-        await asyncio.wait([load, stop], return_when=asyncio.FIRST_COMPLETED)
+        with waiting("loading the model", log, delay=0, model=self.config.model or "default"):
+            await asyncio.wait([load, stop], return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
         if not load.done():
             load.cancel()
