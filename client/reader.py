@@ -70,7 +70,13 @@ class Subscription:
             raise batch
         return batch
 
-    def deliver(self, entries: Entries) -> None:
+    def deliver(self, entries: Entries, read_from: str) -> None:
+        """Take the entries after this reader's cursor, from a read that began at
+        ``read_from``. A read that began past the cursor (another reader of the stream was
+        further along when it started) skipped entries this one still needs: it takes nothing
+        from it, and the next read starts from its cursor."""
+        if _id_key(read_from) > _id_key(self.cursor):
+            return
         fresh = [e for e in entries if _id_key(e[0]) > _id_key(self.cursor)]
         if fresh:
             self.cursor = fresh[-1][0]
@@ -153,7 +159,7 @@ class Shard:
             if delay > BACKOFF_BASE_S:  # back after an outage: tell every reader
                 self._reconnected()
             delay = BACKOFF_BASE_S
-            self._dispatch(reply)
+            self._dispatch(reply, streams)
 
     def _reconnected(self) -> None:
         for subs in self.subs.values():
@@ -161,7 +167,7 @@ class Shard:
                 sub.reconnected = True
                 sub.batches.put_nowait([])
 
-    def _dispatch(self, reply: Any) -> None:
+    def _dispatch(self, reply: Any, streams: dict[str, str]) -> None:
         for stream, raw in stream_replies(reply):
             key = _s(stream)
             entries = [(_s(eid), fields) for eid, fields in raw]
@@ -170,7 +176,7 @@ class Shard:
                     self.wake_cursor = entries[-1][0]
                 continue
             for sub in list(self.subs.get(key, [])):
-                sub.deliver(entries)
+                sub.deliver(entries, streams.get(key, "0-0"))
 
     async def _isolate(self, redis: Any, streams: dict[str, str], exc: ResponseError) -> None:
         """An XREAD failed for all its streams: fail only the readers of keys that are not

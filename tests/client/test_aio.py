@@ -88,3 +88,25 @@ def test_concurrent_first_submits_all_land(redis_db, redis_client):
     handles = asyncio.run(scenario())
     assert len({h.id for h in handles}) == 200
     assert redis_client.xlen(Keys().jobs("normal")) == 200
+
+
+def test_a_read_that_began_past_a_readers_cursor_hands_it_nothing():
+    """Two readers of one stream, one further along: an XREAD that began at the further
+    reader's cursor returns entries after a gap for the other, which takes none of them (the
+    next read starts from its cursor) rather than skip events."""
+    from pagedq.client.reader import Shard, StreamReader, Subscription
+
+    async def scenario():
+        shard = Shard(StreamReader(Keys("q"), None), 0)
+        ahead = Subscription("k", "5-0", shard)
+        behind = Subscription("k", "1-0", shard)
+        shard.subs["k"] = [ahead, behind]
+        assert shard.streams()["k"] == "1-0"  # the next read starts from the one behind
+        shard._dispatch([[b"k", [(b"6-0", {}), (b"7-0", {})]]], {"k": "5-0"})
+        assert [e[0] for e in ahead.batches.get_nowait()] == ["6-0", "7-0"]
+        assert behind.batches.empty() and behind.cursor == "1-0"
+        shard._dispatch([[b"k", [(b"2-0", {}), (b"6-0", {}), (b"7-0", {})]]], {"k": "1-0"})
+        assert [e[0] for e in behind.batches.get_nowait()] == ["2-0", "6-0", "7-0"]
+        assert ahead.batches.empty()  # nothing it had already
+
+    asyncio.run(scenario())

@@ -178,3 +178,21 @@ def test_names_that_do_not_say_what_runs_are_refused(cpu_ops):
         paged_attention(*odd.attention_args(), backend="cpp")
     torch.testing.assert_close(paged_attention(*odd.attention_args()),
                                reference_paged_attention(*odd.attention_args()), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_onednn_rows_are_bucketed_and_the_result_is_unchanged():
+    """The batched GEMM pads its rows to a few buckets (bounded per-shape memory in oneDNN and
+    the allocator); the padding never shows in the result."""
+    from pagedq.kernels.backend import LinearChoice, padded_rows
+
+    assert [padded_rows(r) for r in (17, 31, 32, 33, 129, 200, 1000)] == \
+        [32, 32, 32, 48, 144, 208, 1024]
+    assert len({padded_rows(r) for r in range(17, 4097)}) < 60
+    choice = LinearChoice("float32", "onednn")
+    weight, bias = torch.randn(48, 40), torch.randn(48)
+    packed = choice.prepack(weight)
+    for rows in (17, 33, 100, 257):
+        x = torch.randn(rows, 40)
+        torch.testing.assert_close(choice(x, weight, bias, packed),
+                                   torch.nn.functional.linear(x, weight, bias))
