@@ -71,21 +71,28 @@ class Audit:
     duplicated: int = 0  # more than one terminal event, or a seq/position repeated
     mismatched: int = 0  # tokens differ from the engine's (client's view or the stream's)
     failed: int = 0  # ended by an error event (or the client raised)
+    # ended exactly once with a seamless stream whose tokens differ from the reference run's
+    # at one near-tie only (see near_tie): fp32 logits round differently in another batch
+    flipped: int = 0
     problems: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
-        return self.done == self.total
+        """Every job ended exactly once with the engine's tokens; near-tie flips are allowed
+        at the rate fp32 batch composition explains (well under 1% of jobs), nothing else."""
+        return self.done + self.flipped == self.total and self.flipped <= self.total // 100
 
     def __str__(self) -> str:
-        return (f"{self.total} jobs: {self.done} exact, {self.lost} lost, {self.duplicated} "
-                f"duplicated, {self.mismatched} mismatched, {self.failed} failed")
+        return (f"{self.total} jobs: {self.done} exact, {self.flipped} near-tie flips, "
+                f"{self.lost} lost, {self.duplicated} duplicated, {self.mismatched} mismatched, "
+                f"{self.failed} failed")
 
 
 def audit(r, keys: Keys, jobs: list[Job], expected: list[list[list[int]]],
-          streams: bool = True) -> Audit:
+          streams: bool = True, model: str | None = None) -> Audit:
     """Count each job's fate. ``streams=False`` judges by what the clients got alone (a Redis
-    that kept nothing across a restart has no streams left to read)."""
+    that kept nothing across a restart has no streams left to read). With ``model``, a
+    mismatch that ``near_tie`` explains counts as a flip."""
     out = Audit(total=len(jobs))
     for job, want in zip(jobs, expected, strict=True):
         if streams:
@@ -93,10 +100,49 @@ def audit(r, keys: Keys, jobs: list[Job], expected: list[list[list[int]]],
             verdict = _verdict(job, evs, want)
         else:
             verdict = _client_verdict(job, want)
+        why = ""
+        if verdict == "mismatched" and model is not None and not isinstance(job.result,
+                                                                             Exception):
+            why = near_tie(model, job, [o.token_ids for o in job.result.outputs], want)
+            verdict = "flipped" if why else verdict
         setattr(out, verdict, getattr(out, verdict) + 1)
         if verdict != "done":
-            out.problems.append(f"{job.id}: {verdict} ({job.result!r})"[:300])
+            out.problems.append(f"{job.id}: {verdict} {why} ({job.result!r})"[:400])
     return out
+
+
+_ENGINES: dict[str, object] = {}
+
+
+def near_tie(model: str, job: Job, got: list[list[int]], want: list[list[int]]) -> str:
+    """Why ``got`` differs from the reference ``want``, when the difference is a near-tie
+    decided the other way (fp32 logits of one request round differently in another batch),
+    else "". A near-tie: at each sample's first differing position the engine, resuming the
+    job alone from the tokens before it, picks one of the two tokens seen there; and resuming
+    from the stream's own tokens through that position, it continues exactly as the stream
+    did. A protocol fault (a token lost, repeated, or continued from the wrong prefix) fails
+    the second test."""
+    from pagedq.worker import Engine
+    from pagedq.worker.engine.outputs import RequestOutput
+
+    engine = _ENGINES.get(model) or _ENGINES.setdefault(model, Engine(model, **ENGINE))
+    if [len(g) for g in got] != [len(w) for w in want]:
+        return ""
+    cuts = [next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), len(g))
+            for g, w in zip(got, want, strict=True)]
+
+    def run(resume: list[list[int]]) -> list[list[int]]:
+        (req,) = engine.run_to_completion("audit", [lambda rid: engine.add_request(
+            rid, job.prompt, job.params, resume=resume)])
+        return [o.token_ids for o in RequestOutput.from_request(req).outputs]
+
+    before = run([g[:c] for g, c in zip(got, cuts, strict=True)])
+    for b, g, w, c in zip(before, got, want, cuts, strict=True):
+        if c < len(g) and b[c] not in (g[c], w[c]):
+            return ""
+    if run([g[:c + 1] for g, c in zip(got, cuts, strict=True)]) != got:
+        return ""
+    return f"(near-tie at positions {cuts})"
 
 
 def _client_verdict(job: Job, want: list[list[int]]) -> str:

@@ -55,7 +55,7 @@ def test_a_master_killed_mid_load_loses_nothing(tmp_path, tiny_model_dir, profil
         assert sub.join(1200), "results still outstanding"
         recovered_s = time.monotonic() - killed_at
         cluster.wait_ok()
-        result = audit(r, keys, jobs, expected)
+        result = audit(r, keys, jobs, expected, model=model)
         per_worker = _tokens_per_worker(r, keys, jobs)
         r.close()
         crashed = fleet.crashed()
@@ -65,7 +65,8 @@ def test_a_master_killed_mid_load_loses_nothing(tmp_path, tiny_model_dir, profil
     mean = sum(per_worker.values()) / len(NAMES)
     spread = (max(per_worker.values()) - min(per_worker.values())) / mean if mean else 0.0
     report(f"cluster[{profile}]", jobs=count, exact=result.done, lost=result.lost,
-           duplicated=result.duplicated, mismatched=result.mismatched, failed=result.failed,
+           duplicated=result.duplicated, mismatched=result.mismatched, flipped=result.flipped,
+           failed=result.failed,
            all_done_s_after_kill=round(recovered_s, 1), tokens_per_worker=dict(per_worker),
            spread=f"{100 * spread:.1f}%", submits_retried=len(sub.refused))
     assert not crashed, crashed

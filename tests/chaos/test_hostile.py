@@ -122,7 +122,7 @@ def test_hostile_entries_crash_nothing_and_every_addressable_one_is_answered(
                     rss_max[name] = max(rss_max.get(name, 0), fleet.rss(name))
                 time.sleep(0.5)
             assert sub.join(60)
-            result = audit(r, keys, good, expected)
+            result = audit(r, keys, good, expected, model=model)
             unanswered = [rid for rid in answerable if not _ended(r, keys, rid)]
             pending = r.xpending(stream, GROUP)["pending"]
             left = r.xlen(stream)
@@ -134,6 +134,7 @@ def test_hostile_entries_crash_nothing_and_every_addressable_one_is_answered(
         server.stop()
     report(f"hostile[{profile}]", malformed=bad_count, good=good_count,
            addressable=len(answerable), unanswered=len(unanswered), good_exact=result.done,
+           flipped=result.flipped,
            crashes=len(crashed), pending=pending, dead_letters=dead,
            dead_letter_mb=round(dead_bytes / 2**20, 1),
            max_rss_mb={k: v >> 20 for k, v in rss_max.items()})

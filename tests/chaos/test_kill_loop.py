@@ -54,7 +54,7 @@ def test_killing_workers_in_a_loop_loses_nothing(tmp_path, tiny_model_dir, profi
                 fleet.kill(victim)
                 fleet.spawn(victim)  # restarted under its name: it takes its jobs back
             assert sub.join(1200), "results still outstanding"
-            result = audit(r, keys, jobs, expected)
+            result = audit(r, keys, jobs, expected, model=model)
             dead = r.xlen(keys.dead)
             pending = sum(r.xlen(s) for s in keys.all_jobs())
             redelivered = sum(int(r.hget(keys.state(j.id), "deliveries") or 0) > 1 for j in jobs)
@@ -66,7 +66,8 @@ def test_killing_workers_in_a_loop_loses_nothing(tmp_path, tiny_model_dir, profi
         server.stop()
     report(f"kill_loop[{profile}]", jobs=count, kills=fleet.kills, redelivered=redelivered,
            exact=result.done, lost=result.lost, duplicated=result.duplicated,
-           mismatched=result.mismatched, failed=result.failed, dead_lettered=dead)
+           mismatched=result.mismatched, flipped=result.flipped, failed=result.failed,
+           dead_lettered=dead)
     assert not crashed, crashed
     assert result.clean, (str(result), result.problems[:5])
     assert dead == 0 and pending == 0

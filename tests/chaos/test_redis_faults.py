@@ -80,12 +80,14 @@ def test_a_redis_fault_loses_and_duplicates_nothing(name, tmp_path, tiny_model_d
             fault_s = time.monotonic() - began
             assert sub.join(600), "results still outstanding after 10 min"
         with redis.Redis.from_url(server.url) as r:
-            result = audit(r, keys, jobs, expected, streams=name not in CLIENT_VIEW)
+            result = audit(r, keys, jobs, expected, streams=name not in CLIENT_VIEW,
+                           model=model)
             leftovers = r.xlen(keys.jobs("normal")) + r.xlen(keys.jobs("high"))
     finally:
         server.stop()
     report(name, jobs=count, fault_s=round(fault_s, 1), exact=result.done, lost=result.lost,
-           duplicated=result.duplicated, mismatched=result.mismatched, failed=result.failed,
+           duplicated=result.duplicated, mismatched=result.mismatched, flipped=result.flipped,
+           failed=result.failed,
            submits_refused=len(sub.refused))
     assert result.clean, (str(result), result.problems[:5])
     assert leftovers == 0
