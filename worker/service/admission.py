@@ -147,6 +147,7 @@ class Admission(Part):
         """Claim one entry and start it, or end it at once (bad, done, cancelled, expired...)."""
         try:
             await self._claim_and_start(entry)
+            self.redis_full.succeeded()  # a claim is a write: Redis has room
         except OutOfMemoryError as exc:  # left pending: reclaimed once Redis has room
             self.redis_full.failed(exc)
         except Exception:

@@ -24,27 +24,32 @@ log = get_logger("pagedq.worker")
 class RedisFull:
     """Whether Redis refuses writes for lack of memory (maxmemory with noeviction).
 
-    Nothing is lost meanwhile: the outbox keeps its events, admission reads nothing new, and
-    both carry on once Redis has room. Each change is logged once.
+    Nothing is lost meanwhile: the outbox keeps its events, and admission reads nothing new
+    for ``RETRY_S`` after each refusal, then tries again (an idle worker has nothing to publish,
+    so a write of its own must find out that Redis has room). Each change is logged once.
     """
 
+    RETRY_S = 1.0
+
     def __init__(self) -> None:
-        self.since: float | None = None
+        self.since: float | None = None  # the outage began
+        self.last: float | None = None  # the latest refusal
 
     @property
     def full(self) -> bool:
-        return self.since is not None
+        return self.last is not None and time.monotonic() - self.last < self.RETRY_S
 
     def failed(self, error: Exception) -> None:
+        self.last = time.monotonic()
         if self.since is None:
-            self.since = time.monotonic()
+            self.since = self.last
             log.warning("Redis is out of memory (maxmemory, noeviction): writes wait until it "
                         "has room; raise maxmemory or free memory", error=str(error))
 
     def succeeded(self) -> None:
         if self.since is not None:
             log.info("Redis has room again", full_s=round(time.monotonic() - self.since, 2))
-            self.since = None
+        self.since = self.last = None
 
 
 @dataclass
