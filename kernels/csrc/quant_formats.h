@@ -1,0 +1,165 @@
+// Packed weight formats the quantized kernels read in place, and the activation layout they
+// share (pagedq/worker/models/quant.py documents the formats; its dequantizers are the tests'
+// reference).
+//
+// Every kernel reduces a weight row to "chunks" of 64 codes. Within a chunk, lane l (codes
+// 4l..4l+3) has one scale ws[l] and one offset wm[l]: weight = ws[l] * code + wm[l]. The codes
+// of one chunk are in the order one SIMD decode produces them; for the 32-element nibble formats
+// that order interleaves two blocks (see chunk_position), and the activations are stored in the
+// same order instead of shuffling the weights. Portable decoders here (decode_row) serve the
+// AVX2 kernel; the AVX-512 kernel decodes in registers.
+
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace pagedq_quant {
+
+// GGML's type ids for the GGUF formats; kInt8 is pagedq's per-channel int8 (scales beside).
+enum Format : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
+  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kInt8 = 100,
+};
+
+constexpr int64_t kChunk = 64;  // codes per chunk
+constexpr int64_t kLanesPerChunk = kChunk / 4;
+constexpr int64_t kActBlock = 32;  // activations are quantized per 32 values
+
+// Elements per block and bytes per block of each format (kInt8: one byte per element).
+inline bool format_size(int64_t fmt, int64_t& block, int64_t& bytes) {
+  switch (fmt) {
+    case kQ4_0: block = 32; bytes = 18; return true;
+    case kQ4_1: block = 32; bytes = 20; return true;
+    case kQ5_0: block = 32; bytes = 22; return true;
+    case kQ5_1: block = 32; bytes = 24; return true;
+    case kQ8_0: block = 32; bytes = 34; return true;
+    case kQ4_K: block = 256; bytes = 144; return true;
+    case kQ5_K: block = 256; bytes = 176; return true;
+    case kQ6_K: block = 256; bytes = 210; return true;
+    case kInt8: block = 1; bytes = 1; return true;
+    default: return false;
+  }
+}
+
+// The nibble formats (Q4_0, Q4_1, Q5_0, Q5_1) decode two blocks per chunk as
+// [block0 0-15, block1 0-15, block0 16-31, block1 16-31]: low nibbles of both, then high.
+inline bool nibble_order(int64_t fmt) {
+  return fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ5_0 || fmt == kQ5_1;
+}
+
+// Chunk position of element e of a row (the activations are stored at these positions).
+inline int64_t chunk_position(int64_t e, bool nibbles) {
+  if (!nibbles) return e;
+  const int64_t chunk = e / kChunk, r = e % kChunk, blk = r / 32, t = r % 32;
+  return chunk * kChunk + (t < 16 ? 0 : 32) + blk * 16 + t % 16;
+}
+
+inline float fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins.
+inline void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+// Portable decode of one weight row: codes[K] (signed: Q8_0/int8 values as they are, the
+// 4-6 bit formats as unsigned 0..63), ws[K/4], wm[K/4]; K is a multiple of 32. A trailing half
+// chunk (K % 64 == 32) is zero-filled to a whole chunk. `scale` is the int8 row scale.
+inline void decode_row(int64_t fmt, const uint8_t* row, int64_t K, float scale, int8_t* codes,
+                       float* ws, float* wm) {
+  const int64_t padded = (K + kChunk - 1) / kChunk * kChunk;
+  std::memset(codes, 0, padded);
+  for (int64_t l = 0; l < padded / 4; ++l) ws[l] = wm[l] = 0.f;
+  auto lanes = [&](int64_t first_pos, int64_t count, float s, float m) {
+    for (int64_t i = 0; i < count / 4; ++i) {
+      ws[first_pos / 4 + i] = s;
+      wm[first_pos / 4 + i] = m;
+    }
+  };
+  switch (fmt) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: {
+      const int64_t bytes = fmt == kQ4_0 ? 18 : fmt == kQ4_1 ? 20 : fmt == kQ5_0 ? 22 : 24;
+      const bool has_min = fmt == kQ4_1 || fmt == kQ5_1, five = fmt == kQ5_0 || fmt == kQ5_1;
+      const int64_t qs_off = (has_min ? 4 : 2) + (five ? 4 : 0);
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* blk = row + b * bytes;
+        uint32_t qh = 0;
+        if (five) std::memcpy(&qh, blk + (has_min ? 4 : 2), 4);
+        const float d = fp16(blk);
+        const float m = has_min ? fp16(blk + 2) : -(five ? 16.f : 8.f) * d;
+        for (int t = 0; t < 32; ++t) {
+          const uint8_t byte = blk[qs_off + t % 16];
+          int code = t < 16 ? (byte & 0x0F) : (byte >> 4);
+          if (five) code |= ((qh >> t) & 1) << 4;
+          codes[chunk_position(b * 32 + t, true)] = static_cast<int8_t>(code);
+        }
+        const int64_t base = (b / 2) * kChunk + (b % 2) * 16;
+        lanes(base, 16, d, m);
+        lanes(base + 32, 16, d, m);
+      }
+      break;
+    }
+    case kQ8_0:
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* blk = row + b * 34;
+        std::memcpy(codes + b * 32, blk + 2, 32);
+        lanes(b * 32, 32, fp16(blk), 0.f);
+      }
+      break;
+    case kInt8:
+      std::memcpy(codes, row, K);
+      lanes(0, K, scale, 0.f);
+      break;
+    case kQ4_K: case kQ5_K: {
+      const int64_t bytes = fmt == kQ4_K ? 144 : 176;
+      for (int64_t sb = 0; sb < K / 256; ++sb) {
+        const uint8_t* blk = row + sb * bytes;
+        const float d = fp16(blk), dmin = fp16(blk + 2);
+        uint8_t sc[8], mn[8];
+        k_scales(blk + 4, sc, mn);
+        const uint8_t* qh = blk + 16;
+        const uint8_t* qs = blk + (fmt == kQ4_K ? 16 : 48);
+        for (int j = 0; j < 8; ++j) {  // sub-block j: nibbles of qs[32 (j/2) ...], qh bit j
+          for (int t = 0; t < 32; ++t) {
+            const uint8_t byte = qs[(j / 2) * 32 + t];
+            int code = j % 2 ? byte >> 4 : byte & 0x0F;
+            if (fmt == kQ5_K) code |= ((qh[t] >> j) & 1) << 4;
+            codes[sb * 256 + j * 32 + t] = static_cast<int8_t>(code);
+          }
+          lanes(sb * 256 + j * 32, 32, d * sc[j], -dmin * mn[j]);
+        }
+      }
+      break;
+    }
+    case kQ6_K:
+      for (int64_t sb = 0; sb < K / 256; ++sb) {
+        const uint8_t* blk = row + sb * 210;
+        const uint8_t* ql = blk;
+        const uint8_t* qh = blk + 128;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        const float d = fp16(blk + 208);
+        for (int e = 0; e < 256; ++e) {
+          const int half = e / 128, r = e % 128, quarter = r / 32, t = r % 32;
+          const uint8_t l = ql[half * 64 + (quarter % 2) * 32 + t];
+          const int low = quarter < 2 ? l & 0x0F : l >> 4;
+          const int high = (qh[half * 32 + t] >> (2 * quarter)) & 3;
+          codes[sb * 256 + e] = static_cast<int8_t>(low | (high << 4));
+        }
+        for (int g = 0; g < 16; ++g) lanes(sb * 256 + g * 16, 16, d * sc[g], -32.f * d * sc[g]);
+      }
+      break;
+  }
+}
+
+}  // namespace pagedq_quant

@@ -1,0 +1,478 @@
+// Quantized GEMV: out[b, n] = sum_k x[b, k] * W[n, k] for a few rows of x, reading W in its
+// packed form (GGUF blocks or per-channel int8; see quant_formats.h).
+//
+// Why: decode at small batch streams every weight once per step; packed 4-8 bit weights are a
+// quarter to an eighth of fp32's bytes. Like llama.cpp, the activations are quantized to int8
+// per 32 values (scale da), so each 64-code chunk of a weight row meets each activation row in
+// one integer dot product (AVX-512 VNNI vpdpbusd, or AVX2 maddubs), and the float scales apply
+// per 4-code lane afterwards:
+//   out += sum_lanes ws * da * isum(lane) + wm * da * sum(qa in lane)
+// Each weight row is decoded once for all activation rows.
+//
+// The library is built for AVX2; the AVX-512 functions are compiled for AVX-512 (pragma below)
+// and run only where the CPU has AVX-512 BW/VL/VNNI (checked at run time).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "quant_formats.h"
+
+namespace pagedq_quant {
+namespace {
+
+constexpr int kMaxGroup = 8;  // activation rows per pass over a weight row (accumulators live in registers)
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the current weight row to prefetch
+
+// Activation rows quantized for one call, in the chunk order of the weight format.
+struct Acts {
+  int64_t rows = 0, padded = 0;  // padded: K rounded up to a whole chunk
+  std::vector<int8_t> q;  // [rows, padded]
+  std::vector<float> da;  // [rows, padded / 4]: the activation scale of each lane
+  std::vector<float> ab;  // [rows, padded / 4]: da * (sum of the lane's 4 codes)
+  const int8_t* qrow(int64_t b) const { return q.data() + b * padded; }
+  const float* darow(int64_t b) const { return da.data() + b * padded / 4; }
+  const float* abrow(int64_t b) const { return ab.data() + b * padded / 4; }
+};
+
+void quantize_acts(const float* x, int64_t rows, int64_t K, bool nibbles, Acts& a) {
+  a.rows = rows;
+  a.padded = (K + kChunk - 1) / kChunk * kChunk;
+  a.q.assign(rows * a.padded, 0);
+  a.da.assign(rows * a.padded / 4, 0.f);
+  a.ab.assign(rows * a.padded / 4, 0.f);
+  for (int64_t b = 0; b < rows; ++b) {
+    const float* xr = x + b * K;
+    int8_t* q = a.q.data() + b * a.padded;
+    float* da = a.da.data() + b * a.padded / 4;
+    float* ab = a.ab.data() + b * a.padded / 4;
+    for (int64_t blk = 0; blk < K / kActBlock; ++blk) {
+      const float* v = xr + blk * kActBlock;
+      float amax = 0.f;
+      for (int i = 0; i < kActBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      for (int i = 0; i < kActBlock; ++i) {
+        const int64_t pos = chunk_position(blk * kActBlock + i, nibbles);
+        q[pos] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+      }
+      for (int i = 0; i < kActBlock; i += 4) {  // the lanes of this block
+        const int64_t pos = chunk_position(blk * kActBlock + i, nibbles);
+        da[pos / 4] = d;
+        ab[pos / 4] = d * static_cast<float>(q[pos] + q[pos + 1] + q[pos + 2] + q[pos + 3]);
+      }
+    }
+  }
+}
+
+struct Problem {
+  int64_t fmt, N, K, row_bytes;
+  const uint8_t* w;
+  const float* scales;  // kInt8 row scales, else null
+  const float* bias;
+  float* out;
+};
+
+inline void prefetch_row(const uint8_t* row, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchBytes + off), _MM_HINT_T0);
+}
+
+}  // namespace
+
+// ================================================================ AVX-512 VNNI
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+namespace v512 {
+namespace {
+
+// [a, a, a, a, b, b, b, b, a, a, a, a, b, b, b, b] from v = [a, b, ...]: the lane pattern of the
+// nibble formats' two blocks; [a x8, b x8] for Q8_0's.
+inline __m512 nibble_lanes(__m512 v) {
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1), v);
+}
+inline __m512 half_lanes(__m512 v, int first) {  // [v[first] x8, v[first + 1] x8]
+  const __m512i idx = _mm512_add_epi32(
+      _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm512_set1_epi32(first));
+  return _mm512_permutexvar_ps(idx, v);
+}
+inline __m512 quarter_lanes(__m512 v, int first) {  // [v[first] x4, ..., v[first + 3] x4]
+  const __m512i idx = _mm512_add_epi32(
+      _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_set1_epi32(first));
+  return _mm512_permutexvar_ps(idx, v);
+}
+
+// Each walker calls f(chunk, codes, ws, wm) for every chunk of one weight row; codes are
+// unsigned bytes (Q8_0/int8 stored +128, with wm = -128 * ws).
+
+template <int64_t Fmt>
+struct Nibble32 {  // Q4_0, Q4_1, Q5_0, Q5_1
+  static constexpr int64_t kBytes = Fmt == kQ4_0 ? 18 : Fmt == kQ4_1 ? 20 : Fmt == kQ5_0 ? 22 : 24;
+  static constexpr bool kMin = Fmt == kQ4_1 || Fmt == kQ5_1;
+  static constexpr bool kFive = Fmt == kQ5_0 || Fmt == kQ5_1;
+  static constexpr int64_t kQh = kMin ? 4 : 2;
+  static constexpr int64_t kQs = kQh + (kFive ? 4 : 0);
+
+  template <class F>
+  static inline void walk(const uint8_t* row, int64_t K, float, F&& f) {
+    const int64_t blocks = K / 32;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int64_t c = 0; c * 2 < blocks; ++c) {
+      const uint8_t* b0 = row + 2 * c * kBytes;
+      const bool pair = 2 * c + 1 < blocks;
+      const uint8_t* b1 = b0 + kBytes;
+      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + kQs));
+      const __m128i q1 = pair ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + kQs))
+                              : _mm_setzero_si128();
+      const __m256i qs = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
+      __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(qs), _mm256_srli_epi16(qs, 4), 1);
+      w = _mm512_and_si512(w, low4);
+      if constexpr (kFive) {
+        uint32_t h0, h1 = 0;
+        std::memcpy(&h0, b0 + kQh, 4);
+        if (pair) std::memcpy(&h1, b1 + kQh, 4);
+        const uint64_t bits = (h0 & 0xFFFFull) | (uint64_t(h1 & 0xFFFF) << 16) |
+                              (uint64_t(h0 >> 16) << 32) | (uint64_t(h1 >> 16) << 48);
+        w = _mm512_mask_add_epi8(w, bits, w, _mm512_set1_epi8(16));
+      }
+      // d0, m0, d1, m1 (fp16 pairs at each block's start)
+      uint32_t dm0, dm1 = 0;
+      std::memcpy(&dm0, b0, 4);
+      if (pair) std::memcpy(&dm1, b1, 4);
+      const __m128 dm = _mm_cvtph_ps(_mm_setr_epi32(dm0, dm1, 0, 0));  // d0 m0 d1 m1
+      const __m512 v = _mm512_castps128_ps512(dm);
+      const __m512 ws = _mm512_permutexvar_ps(
+          _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2), v);
+      __m512 wm;
+      if constexpr (kMin)
+        wm = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 1, 1, 1, 1, 3, 3, 3, 3), v);
+      else
+        wm = _mm512_mul_ps(ws, _mm512_set1_ps(kFive ? -16.f : -8.f));
+      f(c, w, ws, wm);
+    }
+  }
+};
+
+struct Q8_0 {
+  template <class F>
+  static inline void walk(const uint8_t* row, int64_t K, float, F&& f) {
+    const int64_t blocks = K / 32;
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t c = 0; c * 2 < blocks; ++c) {
+      const uint8_t* b0 = row + 2 * c * 34;
+      const bool pair = 2 * c + 1 < blocks;
+      const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2));
+      const __m256i q1 = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 36))
+                              : _mm256_set1_epi8(static_cast<char>(0x80));  // codes 0 after the flip
+      const __m512i w = _mm512_xor_si512(
+          _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1), flip);
+      uint16_t h[2] = {0, 0};
+      std::memcpy(&h[0], b0, 2);
+      if (pair) std::memcpy(&h[1], b0 + 34, 2);
+      uint32_t both;
+      std::memcpy(&both, h, 4);
+      const __m512 v = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(both))));
+      const __m512 ws = half_lanes(v, 0);
+      f(c, w, ws, _mm512_mul_ps(ws, _mm512_set1_ps(-128.f)));
+    }
+  }
+};
+
+struct Int8 {
+  template <class F>
+  static inline void walk(const uint8_t* row, int64_t K, float scale, F&& f) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    const __m512 ws = _mm512_set1_ps(scale), wm = _mm512_set1_ps(-128.f * scale);
+    for (int64_t c = 0; c * kChunk < K; ++c) {
+      const int64_t left = K - c * kChunk;
+      const __mmask64 m = left >= 64 ? ~0ull : (1ull << left) - 1;
+      f(c, _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, row + c * kChunk), flip), ws, wm);
+    }
+  }
+};
+
+template <int64_t Fmt>
+struct KQuant45 {  // Q4_K, Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins
+  static constexpr int64_t kBytes = Fmt == kQ4_K ? 144 : 176;
+  template <class F>
+  static inline void walk(const uint8_t* row, int64_t K, float, F&& f) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+      const uint8_t* blk = row + sb * kBytes;
+      uint8_t sc[8], mn[8];
+      k_scales(blk + 4, sc, mn);
+      uint32_t dd;
+      std::memcpy(&dd, blk, 4);
+      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dd)));  // d, dmin
+      const __m256 d8 = _mm256_broadcastss_ps(dm);
+      const __m256 dmin8 = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+      uint64_t sc64, mn64;
+      std::memcpy(&sc64, sc, 8);
+      std::memcpy(&mn64, mn, 8);
+      const __m256 scales = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(sc64))));
+      const __m256 mins = _mm256_mul_ps(dmin8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mn64))));
+      // [d*sc 0-7 | -dmin*m 0-7]
+      const __m512 table = _mm512_insertf32x8(_mm512_castps256_ps512(scales),
+                                              _mm256_sub_ps(_mm256_setzero_ps(), mins), 1);
+      const uint8_t* qs = blk + (Fmt == kQ4_K ? 16 : 48);
+      const __m256i qh = Fmt == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16))
+                                      : _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+        __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
+        w = _mm512_and_si512(w, low4);
+        if constexpr (Fmt == kQ5_K) {
+          const __mmask32 lo = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * j))));
+          const __mmask32 hi = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * j + 1))));
+          const __mmask64 bits = static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32);
+          w = _mm512_mask_add_epi8(w, bits, w, _mm512_set1_epi8(16));
+        }
+        f(sb * 4 + j, w, half_lanes(table, 2 * j), half_lanes(table, 8 + 2 * j));
+      }
+    }
+  }
+};
+
+struct Q6_K {
+  template <class F>
+  static inline void walk(const uint8_t* row, int64_t K, float, F&& f) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+      const uint8_t* blk = row + sb * 210;
+      const __m512 d = _mm512_set1_ps(fp16(blk + 208));
+      const __m512 table = _mm512_mul_ps(
+          d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))));
+      for (int c = 0; c < 4; ++c) {
+        const int half = c / 2, hi = c % 2;
+        const __m512i ql = _mm512_loadu_si512(blk + 64 * half);
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * half));
+        __m512i w = hi ? _mm512_and_si512(_mm512_srli_epi16(ql, 4), low4) : _mm512_and_si512(ql, low4);
+        const __m256i h0 = _mm256_srli_epi16(qh, 4 * hi), h1 = _mm256_srli_epi16(qh, 4 * hi + 2);
+        __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1);
+        h = _mm512_slli_epi16(_mm512_and_si512(h, two), 4);
+        w = _mm512_or_si512(w, h);
+        const __m512 ws = quarter_lanes(table, 4 * c);
+        f(sb * 4 + c, w, ws, _mm512_mul_ps(ws, _mm512_set1_ps(-32.f)));
+      }
+    }
+  }
+};
+
+// G activation rows (G <= kMaxGroup) starting at row b0 against weight rows [n0, n1).
+template <class Walker, int G>
+void rows_group(const Problem& p, const Acts& a, int64_t b0, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.w + n * p.row_bytes;
+    prefetch_row(row, p.row_bytes);
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    const float scale = p.scales ? p.scales[n] : 0.f;
+    Walker::walk(row, p.K, scale, [&](int64_t c, __m512i w, __m512 ws, __m512 wm) {
+      for (int g = 0; g < G; ++g) {
+        const int64_t b = b0 + g;
+        const __m512i q = _mm512_loadu_si512(a.qrow(b) + c * kChunk);
+        const __m512 da = _mm512_loadu_ps(a.darow(b) + c * kLanesPerChunk);
+        const __m512 ab = _mm512_loadu_ps(a.abrow(b) + c * kLanesPerChunk);
+        const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, q);
+        acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws, da), acc[g]);
+        acc[g] = _mm512_fmadd_ps(wm, ab, acc[g]);
+      }
+    });
+    const float bias = p.bias ? p.bias[n] : 0.f;
+    for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.N + n] = _mm512_reduce_add_ps(acc[g]) + bias;
+  }
+}
+
+template <class Walker>
+void run_rows(const Problem& p, const Acts& a, int64_t n0, int64_t n1) {
+  for (int64_t b = 0; b < a.rows; b += kMaxGroup) {
+    switch (std::min<int64_t>(kMaxGroup, a.rows - b)) {
+      case 1: rows_group<Walker, 1>(p, a, b, n0, n1); break;
+      case 2: rows_group<Walker, 2>(p, a, b, n0, n1); break;
+      case 3: rows_group<Walker, 3>(p, a, b, n0, n1); break;
+      case 4: rows_group<Walker, 4>(p, a, b, n0, n1); break;
+      case 5: rows_group<Walker, 5>(p, a, b, n0, n1); break;
+      case 6: rows_group<Walker, 6>(p, a, b, n0, n1); break;
+      case 7: rows_group<Walker, 7>(p, a, b, n0, n1); break;
+      default: rows_group<Walker, 8>(p, a, b, n0, n1); break;
+    }
+  }
+}
+
+}  // namespace
+
+void gemv(const Problem& p, const Acts& a, int64_t n0, int64_t n1) {
+  switch (p.fmt) {
+    case kQ4_0: run_rows<Nibble32<kQ4_0>>(p, a, n0, n1); break;
+    case kQ4_1: run_rows<Nibble32<kQ4_1>>(p, a, n0, n1); break;
+    case kQ5_0: run_rows<Nibble32<kQ5_0>>(p, a, n0, n1); break;
+    case kQ5_1: run_rows<Nibble32<kQ5_1>>(p, a, n0, n1); break;
+    case kQ8_0: run_rows<Q8_0>(p, a, n0, n1); break;
+    case kInt8: run_rows<Int8>(p, a, n0, n1); break;
+    case kQ4_K: run_rows<KQuant45<kQ4_K>>(p, a, n0, n1); break;
+    case kQ5_K: run_rows<KQuant45<kQ5_K>>(p, a, n0, n1); break;
+    case kQ6_K: run_rows<Q6_K>(p, a, n0, n1); break;
+  }
+}
+
+}  // namespace v512
+#pragma GCC pop_options
+
+// ================================================================ AVX2 (portable decode)
+namespace v256 {
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 8 lanes of 4-code integer dots: codes unsigned 0..63, or signed (Q8_0/int8) via abs/sign so
+// maddubs' 16-bit pair sums never saturate.
+template <bool Signed>
+inline __m256i dot4(__m256i w, __m256i q) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (Signed)
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(q, w)), ones);
+  else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), ones);
+}
+
+template <bool Signed, int G>
+void rows_group(const Problem& p, const Acts& a, int64_t b0, const int8_t* codes, const float* ws,
+                const float* wm, int64_t n) {
+  __m256 acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < a.padded; k += 32) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k));
+    const __m256 s = _mm256_loadu_ps(ws + k / 4), m = _mm256_loadu_ps(wm + k / 4);
+    for (int g = 0; g < G; ++g) {
+      const int64_t b = b0 + g;
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qrow(b) + k));
+      const __m256 isum = _mm256_cvtepi32_ps(dot4<Signed>(w, q));
+      acc[g] = _mm256_fmadd_ps(isum, _mm256_mul_ps(s, _mm256_loadu_ps(a.darow(b) + k / 4)), acc[g]);
+      if constexpr (!Signed) acc[g] = _mm256_fmadd_ps(m, _mm256_loadu_ps(a.abrow(b) + k / 4), acc[g]);
+    }
+  }
+  const float bias = p.bias ? p.bias[n] : 0.f;
+  for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.N + n] = hsum(acc[g]) + bias;
+}
+
+template <bool Signed>
+void run_rows(const Problem& p, const Acts& a, int64_t n0, int64_t n1) {
+  std::vector<int8_t> codes(a.padded);
+  std::vector<float> ws(a.padded / 4), wm(a.padded / 4);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.w + n * p.row_bytes;
+    prefetch_row(row, p.row_bytes);
+    decode_row(p.fmt, row, p.K, p.scales ? p.scales[n] : 0.f, codes.data(), ws.data(), wm.data());
+    for (int64_t b = 0; b < a.rows; b += kMaxGroup) {
+      const int64_t g = std::min<int64_t>(kMaxGroup, a.rows - b);
+      const int8_t* c = codes.data();
+      switch (g) {
+        case 1: rows_group<Signed, 1>(p, a, b, c, ws.data(), wm.data(), n); break;
+        case 2: rows_group<Signed, 2>(p, a, b, c, ws.data(), wm.data(), n); break;
+        case 3: rows_group<Signed, 3>(p, a, b, c, ws.data(), wm.data(), n); break;
+        case 4: rows_group<Signed, 4>(p, a, b, c, ws.data(), wm.data(), n); break;
+        case 5: rows_group<Signed, 5>(p, a, b, c, ws.data(), wm.data(), n); break;
+        case 6: rows_group<Signed, 6>(p, a, b, c, ws.data(), wm.data(), n); break;
+        case 7: rows_group<Signed, 7>(p, a, b, c, ws.data(), wm.data(), n); break;
+        default: rows_group<Signed, 8>(p, a, b, c, ws.data(), wm.data(), n); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void gemv(const Problem& p, const Acts& a, int64_t n0, int64_t n1) {
+  if (p.fmt == kQ8_0 || p.fmt == kInt8)
+    run_rows<true>(p, a, n0, n1);
+  else
+    run_rows<false>(p, a, n0, n1);
+}
+
+}  // namespace v256
+
+// ================================================================ entry point
+namespace {
+
+const bool kCpuHasVnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                         __builtin_cpu_supports("avx512vnni");
+std::atomic<bool> use_vnni{kCpuHasVnni};
+
+}  // namespace
+
+// Forces the AVX2 kernel (false) or allows AVX-512 VNNI where the CPU has it (true); returns the
+// previous setting. Tests run both paths on a machine that has both.
+bool set_quant_vnni(bool on) {
+  return use_vnni.exchange(on && kCpuHasVnni);
+}
+
+bool quant_vnni_available() {
+  return kCpuHasVnni;
+}
+
+void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
+                const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias) {
+  int64_t block = 0, bytes = 0;
+  TORCH_CHECK(format_size(fmt, block, bytes), "quant_gemv: unknown format ", fmt);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "quant_gemv: x must be contiguous fp32 [rows, K]");
+  const int64_t rows = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.element_size() == 1 && K % 32 == 0 &&
+                  K % block == 0 && w.size(1) == K / block * bytes,
+              "quant_gemv: w must be contiguous packed bytes [N, K / block * block_bytes], K % 32 == 0");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == rows &&
+                  out.size(1) == N,
+              "quant_gemv: out must be contiguous fp32 [rows, N]");
+  const float* sp = nullptr;
+  if (fmt == kInt8) {
+    TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kFloat &&
+                    scales->is_contiguous() && scales->numel() == N,
+                "quant_gemv: int8 weights need fp32 scales [N]");
+    sp = scales->data_ptr<float>();
+  }
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "quant_gemv: bias must be fp32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  if (rows == 0 || N == 0) return;
+  static thread_local Acts acts;
+  quantize_acts(x.data_ptr<float>(), rows, K, nibble_order(fmt), acts);
+  const Problem p{fmt, N, K, w.size(1), static_cast<const uint8_t*>(w.data_ptr()), sp, bp,
+                  out.data_ptr<float>()};
+  const bool vnni = use_vnni.load(std::memory_order_relaxed);
+  // Rows per task: enough weight bytes (~32 KiB) that a thread's start-up cost stays small.
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(p.row_bytes, 1));
+  const Acts& a = acts;
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    if (vnni)
+      v512::gemv(p, a, n0, n1);
+    else
+      v256::gemv(p, a, n0, n1);
+  });
+}
+
+}  // namespace pagedq_quant
+
+TORCH_LIBRARY(pagedq_quant, m) {
+  m.def("quant_gemv(Tensor(a!) out, Tensor x, Tensor w, int fmt, Tensor? scales, Tensor? bias) -> ()");
+  m.def("set_quant_vnni(bool on) -> bool", &pagedq_quant::set_quant_vnni);
+  m.def("quant_vnni_available() -> bool", &pagedq_quant::quant_vnni_available);
+}
+
+TORCH_LIBRARY_IMPL(pagedq_quant, CPU, m) {
+  m.impl("quant_gemv", &pagedq_quant::quant_gemv);
+}

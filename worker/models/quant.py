@@ -1,0 +1,188 @@
+"""Weights that stay quantized in memory: GGUF block formats and pagedq's own int8 / int4.
+
+A :class:`QuantWeight` is one linear layer's weight ``[N, K]`` kept in its packed form: GGUF
+blocks exactly as the file stores them (one row of ``K / block`` blocks per output channel), or a
+float checkpoint quantized at load (``int8``: one scale per output channel; ``int4``: groups of
+32 with a scale and a minimum, stored in GGUF's Q4_1 block layout so one kernel serves both).
+Resident bytes are the file's bytes: nothing is widened.
+
+The dequantizers here are the plain-PyTorch reference every kernel is tested against (and
+themselves tested against the ``gguf`` package's NumPy dequantizers). They also serve the rows the
+kernels do not compute, such as embedding lookups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QK = 32  # elements per block of the 32-element formats (and per activation block in the kernels)
+QK_K = 256  # elements per super-block of the K-quants
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One packed layout: ``block`` weights in ``nbytes`` bytes; ``code`` is the id the C++
+    kernels take (GGML's type id for GGUF formats)."""
+
+    name: str
+    code: int
+    block: int
+    nbytes: int
+
+    @property
+    def bits(self) -> float:
+        return 8 * self.nbytes / self.block
+
+
+# GGML type ids (gguf.GGMLQuantizationType) for the formats the kernels read directly.
+FORMATS: dict[str, BlockFormat] = {
+    f.name: f
+    for f in (
+        BlockFormat("q4_0", 2, QK, 18),
+        BlockFormat("q4_1", 3, QK, 20),
+        BlockFormat("q5_0", 6, QK, 22),
+        BlockFormat("q5_1", 7, QK, 24),
+        BlockFormat("q8_0", 8, QK, 34),
+        BlockFormat("q4_k", 12, QK_K, 144),
+        BlockFormat("q5_k", 13, QK_K, 176),
+        BlockFormat("q6_k", 14, QK_K, 210),
+        # per-channel int8: K int8 values per row, the fp32 scales in QuantWeight.scales
+        BlockFormat("int8", 100, 1, 1),
+    )
+}
+BY_CODE = {f.code: f for f in FORMATS.values()}
+
+
+@dataclass
+class QuantWeight:
+    """A linear layer's packed weight: ``data`` uint8 ``[N, row_bytes]`` (``int8``: int8 ``[N, K]``
+    plus fp32 ``scales [N]``); computes ``x @ W.T`` through the kernels without unpacking."""
+
+    fmt: BlockFormat
+    data: torch.Tensor
+    shape: tuple[int, int]  # (N, K): output channels, input features
+    scales: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        if k % self.fmt.block or k % QK:
+            raise ValueError(f"{self.fmt.name} needs K divisible by {max(self.fmt.block, QK)}, got {k}")
+        want = (n, k // self.fmt.block * self.fmt.nbytes)
+        if tuple(self.data.shape) != want:
+            raise ValueError(f"{self.fmt.name} data {tuple(self.data.shape)}, expected {want}")
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.scales.numel() * self.scales.element_size() if self.scales is not None else 0
+        return self.data.numel() * self.data.element_size() + extra
+
+    def rows(self, index: torch.Tensor) -> QuantWeight:
+        """The packed rows ``index`` (rows are independent: blocks never straddle rows)."""
+        scales = self.scales[index] if self.scales is not None else None
+        return QuantWeight(self.fmt, self.data[index].contiguous(), (len(index), self.shape[1]), scales)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self).to(dtype)
+
+
+# --------------------------------------------------------------------------- dequantization
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:
+    """Little-endian fp16 from uint8 pairs [nblocks, 2] -> float32 [nblocks, 1]."""
+    return raw.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32] codes: low nibbles are elements 0-15, high nibbles 16-31."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+
+
+def _high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1: 4 bytes holding bit j of element j -> [..., 32] of 0/16."""
+    bits = qh.long()
+    word = bits[..., 0] | bits[..., 1] << 8 | bits[..., 2] << 16 | bits[..., 3] << 24
+    return ((word[..., None] >> torch.arange(32)) & 1).to(torch.uint8) << 4
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes of packed 6-bit (scale, min) pairs -> two [..., 8] int tensors."""
+    s = scales.long()
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
+    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
+    return sc, mn
+
+
+def _dequant_blocks(name: str, b: torch.Tensor) -> torch.Tensor:
+    """b: uint8 [nblocks, nbytes] -> float32 [nblocks, block] (GGML's reference arithmetic)."""
+    if name == "q4_0":
+        return _f16(b[:, 0:2]) * (_nibbles(b[:, 2:]).float() - 8)
+    if name == "q4_1":
+        d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        return d * _nibbles(b[:, 4:]).float() + m
+    if name == "q5_0":
+        q = _nibbles(b[:, 6:]) | _high_bits(b[:, 2:6])
+        return _f16(b[:, 0:2]) * (q.float() - 16)
+    if name == "q5_1":
+        d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        return d * (_nibbles(b[:, 8:]) | _high_bits(b[:, 4:8])).float() + m
+    if name == "q8_0":
+        return _f16(b[:, 0:2]) * b[:, 2:].contiguous().view(torch.int8).float()
+    if name in ("q4_k", "q5_k"):
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, mn = _k_scales(b[:, 4:16])
+        qs = b[:, -128:].reshape(-1, 4, 1, 32)
+        q = torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(-1, 8, 32)  # chunk j: subs 2j, 2j+1
+        if name == "q5_k":
+            qh = b[:, 16:48].reshape(-1, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]
+            q = q | ((qh & 1) << 4)
+        out = (d * sc)[..., None] * q.float() - (dmin * mn)[..., None]
+        return out.reshape(-1, QK_K)
+    if name == "q6_k":
+        ql, qh = b[:, 0:128].reshape(-1, 2, 1, 64), b[:, 128:192].reshape(-1, 2, 1, 32)
+        sc = b[:, 192:208].contiguous().view(torch.int8).float()
+        d = _f16(b[:, 208:210])
+        low = torch.cat((ql & 0x0F, ql >> 4), dim=2).reshape(-1, 2, 4, 32)
+        high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3
+        q = (low | (high << 4)).reshape(-1, 16, 16).float() - 32
+        return ((d * sc)[..., None] * q).reshape(-1, QK_K)
+    raise ValueError(f"no dequantizer for {name!r}")
+
+
+def dequantize(w: QuantWeight) -> torch.Tensor:
+    """The float32 ``[N, K]`` matrix a packed weight stands for."""
+    n, k = w.shape
+    if w.fmt.name == "int8":
+        return w.data.view(torch.int8).float() * w.scales.float()[:, None]
+    blocks = w.data.reshape(-1, w.fmt.nbytes)
+    return _dequant_blocks(w.fmt.name, blocks).reshape(n, k)
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantWeight:
+    """Symmetric per-output-channel int8: ``w[n, k] ~ scales[n] * q[n, k]``, q in [-127, 127]."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return QuantWeight(FORMATS["int8"], q.view(torch.uint8), tuple(w.shape), scales.contiguous())
+
+
+def quantize_int4(weight: torch.Tensor) -> QuantWeight:
+    """Asymmetric 4-bit in groups of 32 (scale and minimum per group, both fp16): GGUF's Q4_1
+    block layout, so the Q4_1 kernels compute it."""
+    w = weight.detach().float()
+    n, k = w.shape
+    g = w.reshape(n, k // QK, QK)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    d = ((hi - lo) / 15).half()
+    m = lo.half()
+    inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(lo))
+    q = torch.round((g - m.float()[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
+    qs = q[..., :16] | (q[..., 16:] << 4)
+    blocks = torch.cat((d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), qs), dim=-1)
+    return QuantWeight(FORMATS["q4_1"], blocks.reshape(n, -1).contiguous(), (n, k))
