@@ -1,1 +1,169 @@
-// placeholder
+// Quantized GEMM for many rows of x (prefill chunks, large decode batches): W is dequantized a
+// tile of output channels at a time into bf16 (a thread-local buffer that stays in L2) and
+// multiplied by oneDNN's batch-reduce GEMM micro-kernel (ATen's cpublas::brgemm: AMX tiles where
+// the CPU has AMX-BF16, AVX-512 BF16 otherwise).
+//
+// Why: with many rows the products are compute-bound, and bf16 AMX multiplies an order of
+// magnitude faster than fp32 FMAs; dequantizing each weight once per step costs the same as
+// reading it, and the weights stay packed in memory (only the tile is ever bf16).
+//
+// The tile computes C^T[n, m] = W[n, :] . x[m, :]: the dequantized rows are brgemm's row-major
+// A operand as they come out of the decoder, and x, packed once per call, is the VNNI B operand.
+// Both use the decoder's chunk order of K (quant_formats.h), so the nibble formats' interleaved
+// blocks need no shuffling: permuting K the same way in both operands leaves the dot unchanged.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "quant_avx512.h"
+#include "quant_formats.h"
+
+namespace pagedq_quant {
+namespace {
+
+constexpr int64_t kTileRows = 32;  // output channels dequantized per tile
+constexpr int64_t kMaxCols = 128;  // rows of x per brgemm call (its N)
+
+using at::BFloat16;
+
+// One weight row into bf16 at chunk positions (value = ws * code + wm per 4-code lane), the
+// portable way.
+void dequant_row_portable(int64_t fmt, const uint8_t* row, int64_t K, float scale, int8_t* codes,
+                          float* ws, float* wm, BFloat16* dst, int64_t padded) {
+  decode_row(fmt, row, K, scale, codes, ws, wm);
+  for (int64_t i = 0; i < padded; ++i)
+    dst[i] = BFloat16(ws[i / 4] * static_cast<float>(codes[i]) + wm[i / 4]);
+}
+
+}  // namespace
+
+// The same with the AVX-512 decoders (inlined: this code has their target).
+PAGEDQ_AVX512_BEGIN
+namespace v512 {
+
+// 16 codes (group G of the chunk) -> 16 floats: code * ws + wm of their lanes.
+template <int G>
+inline __m512 dequant16(__m512i w, __m512 ws, __m512 wm) {
+  const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(w, G)));
+  return _mm512_fmadd_ps(codes, quarter_lanes(ws, 4 * G), quarter_lanes(wm, 4 * G));
+}
+
+// fp32 -> bf16, rounding to nearest even (weights are finite: no NaN case).
+inline __m256i to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+void dequant_row(int64_t fmt, const uint8_t* row, int64_t K, float scale, BFloat16* dst) {
+  walk_row(fmt, row, K, scale, [&](int64_t c, __m512i w, __m512 ws, __m512 wm) {
+    __m256i* out = reinterpret_cast<__m256i*>(dst + c * kChunk);
+    _mm256_storeu_si256(out, to_bf16(dequant16<0>(w, ws, wm)));
+    _mm256_storeu_si256(out + 1, to_bf16(dequant16<1>(w, ws, wm)));
+    _mm256_storeu_si256(out + 2, to_bf16(dequant16<2>(w, ws, wm)));
+    _mm256_storeu_si256(out + 3, to_bf16(dequant16<3>(w, ws, wm)));
+  });
+}
+
+}  // namespace v512
+PAGEDQ_AVX512_END
+
+namespace {
+
+// x [M, K] fp32 -> bf16 [padded / 2, M, 2] (brgemm's VNNI layout for B = x^T), K in chunk order.
+at::Tensor pack_activations(const at::Tensor& x, int64_t padded, bool nibbles) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor xb = at::zeros({M, padded}, x.options().dtype(at::kBFloat16));
+  if (nibbles) {
+    std::vector<int64_t> pos(K);
+    for (int64_t k = 0; k < K; ++k) pos[k] = chunk_position(k, true);
+    at::Tensor index = at::from_blob(pos.data(), {K}, at::TensorOptions().dtype(at::kLong));
+    xb.index_copy_(1, index, x.to(at::kBFloat16));
+  } else {
+    xb.narrow(1, 0, K).copy_(x);
+  }
+  // pairs of K as one 32-bit word, transposed: [M, padded / 2] -> [padded / 2, M]
+  return xb.view(at::kInt).t().contiguous();
+}
+
+const bool kCpuHasAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                           __builtin_cpu_supports("avx512vnni");
+
+}  // namespace
+
+void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
+                const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias) {
+  int64_t block = 0, bytes = 0;
+  TORCH_CHECK(format_size(fmt, block, bytes), "quant_gemm: unknown format ", fmt);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "quant_gemm: x must be contiguous fp32 [rows, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.element_size() == 1 && K % 32 == 0 &&
+                  K % block == 0 && w.size(1) == K / block * bytes,
+              "quant_gemm: w must be contiguous packed bytes [N, K / block * block_bytes]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == M &&
+                  out.size(1) == N,
+              "quant_gemm: out must be contiguous fp32 [rows, N]");
+  const float* sp = fmt == kInt8 ? scales->data_ptr<float>() : nullptr;
+  const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  if (M == 0 || N == 0) return;
+  const int64_t padded = (K + kChunk - 1) / kChunk * kChunk;
+  const at::Tensor xv = pack_activations(x, padded, nibble_order(fmt));
+  const BFloat16* xvp = static_cast<const BFloat16*>(xv.data_ptr());
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
+  float* op = out.data_ptr<float>();
+  const int64_t row_bytes = w.size(1);
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  const bool fast = kCpuHasAvx512;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int8_t> codes(padded);
+    std::vector<float> ws(padded / 4), wm(padded / 4);
+    std::vector<BFloat16> a(kTileRows * padded);
+    std::vector<float> c(kTileRows * kMaxCols);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
+      for (int64_t i = 0; i < rows; ++i) {
+        const uint8_t* row = wp + (n0 + i) * row_bytes;
+        const float scale = sp ? sp[n0 + i] : 0.f;
+        BFloat16* dst = a.data() + i * padded;
+        if (fast) {
+          v512::dequant_row(fmt, row, K, scale, dst);  // whole chunks: a half chunk's tail is 0
+        } else {
+          dequant_row_portable(fmt, row, K, scale, codes.data(), ws.data(), wm.data(), dst, padded);
+        }
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxCols) {
+        const int64_t cols = std::min(kMaxCols, M - m0);
+        at::native::cpublas::brgemm(rows, cols, padded, padded, M, cols, false, a.data(),
+                                    xvp + m0 * 2, c.data());
+        for (int64_t j = 0; j < cols; ++j) {  // C^T back to out's rows, `rows` floats at a time
+          float* dst = op + (m0 + j) * N + n0;
+          for (int64_t i = 0; i < rows; ++i) dst[i] = c[i * cols + j] + (bp ? bp[n0 + i] : 0.f);
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release();
+  });
+}
+
+}  // namespace pagedq_quant
+
+TORCH_LIBRARY_FRAGMENT(pagedq_quant, m) {
+  m.def("quant_gemm(Tensor(a!) out, Tensor x, Tensor w, int fmt, Tensor? scales, Tensor? bias) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedq_quant, CPU, m) {
+  m.impl("quant_gemm", &pagedq_quant::quant_gemm);
+}
