@@ -11,6 +11,7 @@
 
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -160,6 +161,49 @@ inline void decode_row(int64_t fmt, const uint8_t* row, int64_t K, float scale, 
       }
       break;
   }
+}
+
+// The checked arguments of quant_gemv / quant_gemm: out[rows, N] = x[rows, K] @ W^T (+ bias).
+struct LinearArgs {
+  int64_t fmt, rows, K, N, row_bytes;
+  const float* x;
+  const uint8_t* w;
+  const float* scales;  // kInt8 row scales, else null
+  const float* bias;    // or null
+  float* out;
+};
+
+inline LinearArgs check_linear(const char* op, at::Tensor& out, const at::Tensor& x,
+                               const at::Tensor& w, int64_t fmt,
+                               const c10::optional<at::Tensor>& scales,
+                               const c10::optional<at::Tensor>& bias) {
+  int64_t block = 0, bytes = 0;
+  TORCH_CHECK(format_size(fmt, block, bytes), op, ": unknown format ", fmt);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              op, ": x must be contiguous CPU fp32 [rows, K]");
+  const int64_t rows = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.element_size() == 1 && K % 32 == 0 &&
+                  K % block == 0 && w.size(1) == K / block * bytes,
+              op, ": w must be contiguous packed bytes [N, K / block * block_bytes] with K % 32 == 0");
+  const int64_t N = w.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == rows && out.size(1) == N,
+              op, ": out must be contiguous fp32 [rows, N]");
+  const float* sp = nullptr;
+  if (fmt == kInt8) {
+    TORCH_CHECK(scales.has_value() && scales->defined() && scales->scalar_type() == at::kFloat &&
+                    scales->is_contiguous() && scales->numel() == N,
+                op, ": int8 weights need fp32 scales [N]");
+    sp = scales->data_ptr<float>();
+  }
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                op, ": bias must be fp32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  return {fmt, rows, K, N, w.size(1), x.data_ptr<float>(),
+          static_cast<const uint8_t*>(w.data_ptr()), sp, bp, out.data_ptr<float>()};
 }
 
 }  // namespace pagedq_quant

@@ -105,26 +105,17 @@ const bool kCpuHasAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_su
 
 void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
                 const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias) {
-  int64_t block = 0, bytes = 0;
-  TORCH_CHECK(format_size(fmt, block, bytes), "quant_gemm: unknown format ", fmt);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "quant_gemm: x must be contiguous fp32 [rows, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.element_size() == 1 && K % 32 == 0 &&
-                  K % block == 0 && w.size(1) == K / block * bytes,
-              "quant_gemm: w must be contiguous packed bytes [N, K / block * block_bytes]");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == M &&
-                  out.size(1) == N,
-              "quant_gemm: out must be contiguous fp32 [rows, N]");
-  const float* sp = fmt == kInt8 ? scales->data_ptr<float>() : nullptr;
-  const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  const LinearArgs args = check_linear("quant_gemm", out, x, w, fmt, scales, bias);
+  const int64_t M = args.rows, K = args.K, N = args.N;
+  const float* sp = args.scales;
+  const float* bp = args.bias;
   if (M == 0 || N == 0) return;
   const int64_t padded = (K + kChunk - 1) / kChunk * kChunk;
   const at::Tensor xv = pack_activations(x, padded, nibble_order(fmt));
   const BFloat16* xvp = static_cast<const BFloat16*>(xv.data_ptr());
-  const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
-  float* op = out.data_ptr<float>();
-  const int64_t row_bytes = w.size(1);
+  const uint8_t* wp = args.w;
+  float* op = args.out;
+  const int64_t row_bytes = args.row_bytes;
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
   const bool fast = kCpuHasAvx512;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {

@@ -72,14 +72,6 @@ void quantize_acts(const float* x, int64_t rows, int64_t K, bool nibbles, Acts& 
   }
 }
 
-struct Problem {
-  int64_t fmt, N, K, row_bytes;
-  const uint8_t* w;
-  const float* scales;  // kInt8 row scales, else null
-  const float* bias;
-  float* out;
-};
-
 inline void prefetch_row(const uint8_t* row, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64)
     _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchBytes + off), _MM_HINT_T0);
@@ -94,7 +86,7 @@ namespace {
 
 // G activation rows (G <= kMaxGroup) starting at row b0 against weight rows [n0, n1).
 template <class Walker, int G>
-void rows_group(const Problem& p, const Acts& a, int64_t b0, int64_t n0, int64_t n1) {
+void rows_group(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = p.w + n * p.row_bytes;
     prefetch_row(row, p.row_bytes);
@@ -118,7 +110,7 @@ void rows_group(const Problem& p, const Acts& a, int64_t b0, int64_t n0, int64_t
 }
 
 template <class Walker>
-void run_rows(const Problem& p, const Acts& a, int64_t n0, int64_t n1) {
+void run_rows(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
   for (int64_t b = 0; b < a.rows; b += kMaxGroup) {
     switch (std::min<int64_t>(kMaxGroup, a.rows - b)) {
       case 1: rows_group<Walker, 1>(p, a, b, n0, n1); break;
@@ -135,7 +127,7 @@ void run_rows(const Problem& p, const Acts& a, int64_t n0, int64_t n1) {
 
 }  // namespace
 
-void gemv(const Problem& p, const Acts& a, int64_t n0, int64_t n1) {
+void gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
   switch (p.fmt) {
     case kQ4_0: run_rows<Nibble32<kQ4_0>>(p, a, n0, n1); break;
     case kQ4_1: run_rows<Nibble32<kQ4_1>>(p, a, n0, n1); break;
@@ -175,7 +167,7 @@ inline __m256i dot4(__m256i w, __m256i q) {
 }
 
 template <bool Signed, int G>
-void rows_group(const Problem& p, const Acts& a, int64_t b0, const int8_t* codes, const float* ws,
+void rows_group(const LinearArgs& p, const Acts& a, int64_t b0, const int8_t* codes, const float* ws,
                 const float* wm, int64_t n) {
   __m256 acc[G];
   for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
@@ -195,7 +187,7 @@ void rows_group(const Problem& p, const Acts& a, int64_t b0, const int8_t* codes
 }
 
 template <bool Signed>
-void run_rows(const Problem& p, const Acts& a, int64_t n0, int64_t n1) {
+void run_rows(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
   std::vector<int8_t> codes(a.padded);
   std::vector<float> ws(a.padded / 4), wm(a.padded / 4);
   for (int64_t n = n0; n < n1; ++n) {
@@ -221,7 +213,7 @@ void run_rows(const Problem& p, const Acts& a, int64_t n0, int64_t n1) {
 
 }  // namespace
 
-void gemv(const Problem& p, const Acts& a, int64_t n0, int64_t n1) {
+void gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
   if (p.fmt == kQ8_0 || p.fmt == kInt8)
     run_rows<true>(p, a, n0, n1);
   else
@@ -252,40 +244,16 @@ bool quant_vnni_available() {
 
 void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
                 const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias) {
-  int64_t block = 0, bytes = 0;
-  TORCH_CHECK(format_size(fmt, block, bytes), "quant_gemv: unknown format ", fmt);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "quant_gemv: x must be contiguous fp32 [rows, K]");
-  const int64_t rows = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.element_size() == 1 && K % 32 == 0 &&
-                  K % block == 0 && w.size(1) == K / block * bytes,
-              "quant_gemv: w must be contiguous packed bytes [N, K / block * block_bytes], K % 32 == 0");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == rows &&
-                  out.size(1) == N,
-              "quant_gemv: out must be contiguous fp32 [rows, N]");
-  const float* sp = nullptr;
-  if (fmt == kInt8) {
-    TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kFloat &&
-                    scales->is_contiguous() && scales->numel() == N,
-                "quant_gemv: int8 weights need fp32 scales [N]");
-    sp = scales->data_ptr<float>();
-  }
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "quant_gemv: bias must be fp32 [N]");
-    bp = bias->data_ptr<float>();
-  }
-  if (rows == 0 || N == 0) return;
+  const LinearArgs args = check_linear("quant_gemv", out, x, w, fmt, scales, bias);
+  if (args.rows == 0 || args.N == 0) return;
   static thread_local Acts acts;
-  quantize_acts(x.data_ptr<float>(), rows, K, nibble_order(fmt), acts);
-  const Problem p{fmt, N, K, w.size(1), static_cast<const uint8_t*>(w.data_ptr()), sp, bp,
-                  out.data_ptr<float>()};
+  quantize_acts(args.x, args.rows, args.K, nibble_order(fmt), acts);
+  const LinearArgs& p = args;
   const bool vnni = use_vnni.load(std::memory_order_relaxed);
   // Rows per task: enough weight bytes (~32 KiB) that a thread's start-up cost stays small.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(p.row_bytes, 1));
   const Acts& a = acts;
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, p.N, grain, [&](int64_t n0, int64_t n1) {
     if (vnni)
       v512::gemv(p, a, n0, n1);
     else

@@ -1,0 +1,135 @@
+"""The packed-weight CPU kernels against dequantize-then-matmul in plain PyTorch (float64).
+
+quant_gemv quantizes the activations to int8 per 32 values (as llama.cpp does), so its oracle
+applies that same rounding in PyTorch first and must then agree to float rounding; a second check
+bounds the gap to the unrounded activations. quant_gemm multiplies bf16-rounded operands with fp32
+accumulation, and its oracle rounds the same way. Every path this CPU can run is tested (AVX-512
+VNNI and the AVX2 fallback).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedq.worker.models.quant import FORMATS, QuantWeight, dequantize, quantize_int4, quantize_int8
+
+ALL = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "int8")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from pagedq.kernels.quant_cpu import quant_ops
+
+    loaded = quant_ops()
+    if loaded is None:
+        pytest.skip("quantized CPU kernels unavailable (no compiler or no AVX2)")
+    return loaded
+
+
+@pytest.fixture(params=["vnni", "avx2"])
+def isa(request, ops):
+    if request.param == "vnni" and not ops.quant_vnni_available():
+        pytest.skip("CPU lacks AVX-512 VNNI")
+    before = ops.set_quant_vnni(request.param == "vnni")
+    yield request.param
+    ops.set_quant_vnni(before)
+
+
+def random_weight(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantWeight:
+    """Random codes, bits and 6-bit scales (every byte pattern is a valid block) with fp16
+    super-scales in a sane range, so every decoding branch sees varied input."""
+    if fmt == "int8":
+        return quantize_int8(torch.randn(n, k, generator=gen))
+    f = FORMATS[fmt]
+    raw = torch.randint(0, 256, (n * k // f.block, f.nbytes), dtype=torch.uint8, generator=gen)
+
+    def put(offset: int, lo: float, hi: float) -> None:
+        values = torch.rand(raw.shape[0], 1, generator=gen) * (hi - lo) + lo
+        raw[:, offset:offset + 2] = values.half().view(torch.uint8)
+
+    if fmt == "q6_k":
+        put(208, 0.001, 0.01)
+    else:
+        put(0, 0.01, 0.1)
+        if fmt in ("q4_1", "q5_1"):
+            put(2, -0.5, 0.5)
+        if fmt in ("q4_k", "q5_k"):
+            put(2, 0.001, 0.01)
+    return QuantWeight(f, raw.reshape(n, -1), (n, k))
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x with each run of 32 values rounded to int8 steps of max|x| / 127 (the kernels' rule)."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # torch.full_like(...) / amax, not 127 / amax: the latter is reciprocal() * 127, one ulp off
+    # the kernels' division, which flips the rounding of values that land on .5
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / 127)).view_as(x)
+
+
+def widths(fmt: str) -> tuple[int, ...]:
+    """K values: an odd number of 32-blocks (a half chunk), one chunk, several super-blocks."""
+    return (256, 512) if FORMATS[fmt].block == 256 else (96, 64, 512)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_gemv_matches_dequantized_matmul(ops, isa, fmt):
+    gen = torch.Generator().manual_seed(1)
+    for k in widths(fmt):
+        w = random_weight(fmt, 37, k, gen)
+        dense = dequantize(w).double()
+        bias = torch.randn(37, generator=gen)
+        for rows in (1, 3, 8, 11, 17):
+            x = torch.randn(rows, k, generator=gen)
+            out = torch.empty(rows, 37)
+            ops.quant_gemv(out, x, w.data, w.fmt.code, w.scales, bias)
+            want = quantized_activations(x).double() @ dense.T + bias.double()
+            assert relative_error(out, want) < 1e-5, (fmt, k, rows)
+            # the int8 activation rounding itself stays small against the exact product
+            assert relative_error(out, x.double() @ dense.T + bias.double()) < 0.03
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_gemm_matches_dequantized_matmul(ops, fmt):
+    gen = torch.Generator().manual_seed(2)
+    for k in widths(fmt):
+        w = random_weight(fmt, 45, k, gen)
+        dense = dequantize(w).bfloat16().double()
+        bias = torch.randn(45, generator=gen)
+        for rows in (1, 17, 64, 130):
+            x = torch.randn(rows, k, generator=gen)
+            out = torch.empty(rows, 45)
+            ops.quant_gemm(out, x, w.data, w.fmt.code, w.scales, bias)
+            want = x.bfloat16().double() @ dense.T + bias.double()
+            assert relative_error(out, want) < 1e-5, (fmt, k, rows)
+
+
+def test_int4_is_q4_1_blocks(ops):
+    """int4 quantization at load makes Q4_1 blocks: the same kernel computes both."""
+    gen = torch.Generator().manual_seed(3)
+    dense = torch.randn(40, 128, generator=gen)
+    w = quantize_int4(dense)
+    assert w.fmt.name == "q4_1"
+    x = torch.randn(5, 128, generator=gen)
+    out = torch.empty(5, 40)
+    ops.quant_gemv(out, x, w.data, w.fmt.code, None, None)
+    want = quantized_activations(x).double() @ dequantize(w).double().T
+    assert relative_error(out, want) < 1e-5
+
+
+def test_kernels_refuse_mismatched_shapes(ops):
+    w = random_weight("q4_0", 8, 64, torch.Generator().manual_seed(4))
+    with pytest.raises(RuntimeError, match="quant_gemv"):
+        ops.quant_gemv(torch.empty(1, 8), torch.randn(1, 96), w.data, w.fmt.code, None, None)
+    with pytest.raises(RuntimeError, match="quant_gemm"):
+        ops.quant_gemm(torch.empty(2, 7), torch.randn(2, 64), w.data, w.fmt.code, None, None)
+    with pytest.raises(RuntimeError, match="unknown format"):
+        ops.quant_gemv(torch.empty(1, 8), torch.randn(1, 64), w.data, 99, None, None)
+    with pytest.raises(RuntimeError, match="scales"):
+        ops.quant_gemv(torch.empty(1, 8), torch.randn(1, 64), w.data.new_zeros(8, 64), 100, None, None)
