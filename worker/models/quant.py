@@ -116,21 +116,39 @@ def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _dequant_blocks(name: str, b: torch.Tensor) -> torch.Tensor:
-    """b: uint8 [nblocks, nbytes] -> float32 [nblocks, block] (GGML's reference arithmetic)."""
-    if name == "q4_0":
-        return _f16(b[:, 0:2]) * (_nibbles(b[:, 2:]).float() - 8)
-    if name == "q4_1":
-        d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-        return d * _nibbles(b[:, 4:]).float() + m
-    if name == "q5_0":
-        q = _nibbles(b[:, 6:]) | _high_bits(b[:, 2:6])
-        return _f16(b[:, 0:2]) * (q.float() - 16)
-    if name == "q5_1":
-        d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-        return d * (_nibbles(b[:, 8:]) | _high_bits(b[:, 4:8])).float() + m
+@dataclass
+class Codes:
+    """A weight as integer codes and per-group affine terms: ``w = scale * code + offset``.
+
+    ``codes`` [N, K] (int16), ``scale`` and ``offset`` [N, K / group] (fp32; ``offset`` None when
+    zero). Every format decomposes this way exactly: GGML's arithmetic multiplies an fp16 scale by
+    a small integer, which fp32 represents without rounding.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    group: int
+
+    def dequantize(self) -> torch.Tensor:
+        scale = self.scale.repeat_interleave(self.group, dim=1)
+        w = scale * self.codes.float()
+        return w if self.offset is None else w + self.offset.repeat_interleave(self.group, dim=1)
+
+
+def _block_codes(name: str, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """b: uint8 [nblocks, nbytes] -> codes [nblocks, block], scale and offset [nblocks, groups]."""
+    if name in ("q4_0", "q4_1", "q5_0", "q5_1"):
+        five, has_min = name.startswith("q5"), name.endswith("_1")
+        qh_at = 4 if has_min else 2  # after d (and m); the nibbles follow qh when there is one
+        q = _nibbles(b[:, qh_at + (4 if five else 0):])
+        if five:
+            q = q | _high_bits(b[:, qh_at:qh_at + 4])
+        d = _f16(b[:, 0:2])
+        offset = _f16(b[:, 2:4]) if has_min else -(16 if five else 8) * d
+        return q.short(), d, offset, QK
     if name == "q8_0":
-        return _f16(b[:, 0:2]) * b[:, 2:].contiguous().view(torch.int8).float()
+        return b[:, 2:].contiguous().view(torch.int8).short(), _f16(b[:, 0:2]), None, QK
     if name in ("q4_k", "q5_k"):
         d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
         sc, mn = _k_scales(b[:, 4:16])
@@ -139,26 +157,31 @@ def _dequant_blocks(name: str, b: torch.Tensor) -> torch.Tensor:
         if name == "q5_k":
             qh = b[:, 16:48].reshape(-1, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]
             q = q | ((qh & 1) << 4)
-        out = (d * sc)[..., None] * q.float() - (dmin * mn)[..., None]
-        return out.reshape(-1, QK_K)
+        return q.reshape(-1, QK_K).short(), d * sc, -(dmin * mn), QK
     if name == "q6_k":
         ql, qh = b[:, 0:128].reshape(-1, 2, 1, 64), b[:, 128:192].reshape(-1, 2, 1, 32)
         sc = b[:, 192:208].contiguous().view(torch.int8).float()
-        d = _f16(b[:, 208:210])
         low = torch.cat((ql & 0x0F, ql >> 4), dim=2).reshape(-1, 2, 4, 32)
         high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3
-        q = (low | (high << 4)).reshape(-1, 16, 16).float() - 32
-        return ((d * sc)[..., None] * q).reshape(-1, QK_K)
-    raise ValueError(f"no dequantizer for {name!r}")
+        q = (low | (high << 4)).reshape(-1, QK_K).short() - 32
+        return q, _f16(b[:, 208:210]) * sc, None, 16
+    raise ValueError(f"no decoder for {name!r}")
+
+
+def codes(w: QuantWeight) -> Codes:
+    """The integer codes and per-group scale/offset of a packed weight."""
+    n, k = w.shape
+    if w.fmt.name == "int8":
+        return Codes(w.data.view(torch.int8).short(), w.scales.float()[:, None], None, k)
+    q, scale, offset, group = _block_codes(w.fmt.name, w.data.reshape(-1, w.fmt.nbytes))
+    per_row = k // group
+    return Codes(q.reshape(n, k), scale.reshape(n, per_row),
+                 None if offset is None else offset.reshape(n, per_row), group)
 
 
 def dequantize(w: QuantWeight) -> torch.Tensor:
-    """The float32 ``[N, K]`` matrix a packed weight stands for."""
-    n, k = w.shape
-    if w.fmt.name == "int8":
-        return w.data.view(torch.int8).float() * w.scales.float()[:, None]
-    blocks = w.data.reshape(-1, w.fmt.nbytes)
-    return _dequant_blocks(w.fmt.name, blocks).reshape(n, k)
+    """The float32 ``[N, K]`` matrix a packed weight stands for (GGML's arithmetic, exactly)."""
+    return codes(w).dequantize()
 
 
 # --------------------------------------------------------------------------- quantization
@@ -186,3 +209,41 @@ def quantize_int4(weight: torch.Tensor) -> QuantWeight:
     qs = q[..., :16] | (q[..., 16:] << 4)
     blocks = torch.cat((d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), qs), dim=-1)
     return QuantWeight(FORMATS["q4_1"], blocks.reshape(n, -1).contiguous(), (n, k))
+
+
+# --------------------------------------------------------------------------- GPU layout
+
+FOUR_BIT = ("q4_0", "q4_1", "q4_k")  # formats whose codes fit in a nibble
+
+
+@dataclass
+class GpuWeight:
+    """A packed weight in the Triton weight-only GEMM's layout: ``w = scale * code + offset`` per
+    group of ``group`` inputs. 4-bit codes go two per byte (input 2j in the low nibble), 5-8-bit
+    codes one int8 each; scales and offsets are fp32 ``[N, K / group]`` (exact, see Codes)."""
+
+    bits: int
+    group: int
+    data: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.data, self.scale] + ([self.offset] if self.offset is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def to_gpu_layout(w: QuantWeight, device: torch.device | str) -> GpuWeight:
+    """Re-pack a weight for the Triton kernels (the CPU block layouts interleave scales with
+    codes, which GPU loads do not coalesce)."""
+    c = codes(w)
+    if w.fmt.name in FOUR_BIT:
+        q = c.codes.to(torch.uint8)
+        data, bits = q[:, 0::2] | (q[:, 1::2] << 4), 4
+    else:
+        data, bits = c.codes.to(torch.int8), 8
+    offset = None if c.offset is None else c.offset.contiguous().to(device)
+    return GpuWeight(bits, c.group, data.contiguous().to(device), c.scale.contiguous().to(device),
+                     offset, w.shape)
