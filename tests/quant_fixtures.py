@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from pagedq.worker.models.quant import FORMATS, QuantWeight, quantize_int8
+from pagedq.worker.models.quant import FORMATS, QuantWeight, as_bf16, quantize_int8
 
-ALL = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "int8")
+INTEGER = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "int8")
+ALL = INTEGER + ("bf16",)
 
 
 def random_weight(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantWeight:
@@ -14,6 +15,8 @@ def random_weight(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantWeight
     super-scales in a sane range, so every decoding branch sees varied input."""
     if fmt == "int8":
         return quantize_int8(torch.randn(n, k, generator=gen))
+    if fmt == "bf16":
+        return as_bf16(torch.randn(n, k, generator=gen))
     f = FORMATS[fmt]
     raw = torch.randint(0, 256, (n * k // f.block, f.nbytes), dtype=torch.uint8, generator=gen)
 

@@ -19,10 +19,11 @@
 
 namespace pagedq_quant {
 
-// GGML's type ids for the GGUF formats; kInt8 is pagedq's per-channel int8 (scales beside).
+// GGML's type ids for the GGUF formats (kBF16: plain bf16 rows, multiplied as they are); kInt8 is
+// pagedq's per-channel int8 (scales beside).
 enum Format : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
-  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kInt8 = 100,
+  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30, kInt8 = 100,
 };
 
 constexpr int64_t kChunk = 64;  // codes per chunk
@@ -40,6 +41,7 @@ inline bool format_size(int64_t fmt, int64_t& block, int64_t& bytes) {
     case kQ4_K: block = 256; bytes = 144; return true;
     case kQ5_K: block = 256; bytes = 176; return true;
     case kQ6_K: block = 256; bytes = 210; return true;
+    case kBF16: block = 1; bytes = 2; return true;
     case kInt8: block = 1; bytes = 1; return true;
     default: return false;
   }
@@ -164,8 +166,10 @@ inline void decode_row(int64_t fmt, const uint8_t* row, int64_t K, float scale, 
 }
 
 // The checked arguments of quant_gemv / quant_gemm: out[rows, N] = x[rows, K] @ W^T (+ bias).
+// out may be a column slice of a wider matrix (row stride ldo): fused projections (q, k and v
+// of different formats) write their parts of one output.
 struct LinearArgs {
-  int64_t fmt, rows, K, N, row_bytes;
+  int64_t fmt, rows, K, N, row_bytes, ldo;
   const float* x;
   const uint8_t* w;
   const float* scales;  // kInt8 row scales, else null
@@ -186,9 +190,9 @@ inline LinearArgs check_linear(const char* op, at::Tensor& out, const at::Tensor
                   K % block == 0 && w.size(1) == K / block * bytes,
               op, ": w must be contiguous packed bytes [N, K / block * block_bytes] with K % 32 == 0");
   const int64_t N = w.size(0);
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
-                  out.size(0) == rows && out.size(1) == N,
-              op, ": out must be contiguous fp32 [rows, N]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == rows &&
+                  out.size(1) == N && out.stride(1) == 1 && (rows <= 1 || out.stride(0) >= N),
+              op, ": out must be fp32 [rows, N] with unit column stride");
   const float* sp = nullptr;
   if (fmt == kInt8) {
     TORCH_CHECK(scales.has_value() && scales->defined() && scales->scalar_type() == at::kFloat &&
@@ -202,7 +206,7 @@ inline LinearArgs check_linear(const char* op, at::Tensor& out, const at::Tensor
                 op, ": bias must be fp32 [N]");
     bp = bias->data_ptr<float>();
   }
-  return {fmt, rows, K, N, w.size(1), x.data_ptr<float>(),
+  return {fmt, rows, K, N, w.size(1), rows > 1 ? out.stride(0) : N, x.data_ptr<float>(),
           static_cast<const uint8_t*>(w.data_ptr()), sp, bp, out.data_ptr<float>()};
 }
 

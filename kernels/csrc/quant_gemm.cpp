@@ -110,7 +110,8 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
   const float* sp = args.scales;
   const float* bp = args.bias;
   if (M == 0 || N == 0) return;
-  const int64_t padded = (K + kChunk - 1) / kChunk * kChunk;
+  const bool bf16 = fmt == kBF16;  // the rows already are brgemm's A operand: no tile to fill
+  const int64_t padded = bf16 ? K : (K + kChunk - 1) / kChunk * kChunk;
   const at::Tensor xv = pack_activations(x, padded, nibble_order(fmt));
   const BFloat16* xvp = static_cast<const BFloat16*>(xv.data_ptr());
   const uint8_t* wp = args.w;
@@ -125,22 +126,22 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
     std::vector<float> c(kTileRows * kMaxCols);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
-      for (int64_t i = 0; i < rows; ++i) {
+      const BFloat16* tile = bf16 ? reinterpret_cast<const BFloat16*>(wp + n0 * row_bytes) : a.data();
+      for (int64_t i = 0; i < rows && !bf16; ++i) {
         const uint8_t* row = wp + (n0 + i) * row_bytes;
         const float scale = sp ? sp[n0 + i] : 0.f;
         BFloat16* dst = a.data() + i * padded;
-        if (fast) {
+        if (fast)
           v512::dequant_row(fmt, row, K, scale, dst);  // whole chunks: a half chunk's tail is 0
-        } else {
+        else
           dequant_row_portable(fmt, row, K, scale, codes.data(), ws.data(), wm.data(), dst, padded);
-        }
       }
       for (int64_t m0 = 0; m0 < M; m0 += kMaxCols) {
         const int64_t cols = std::min(kMaxCols, M - m0);
-        at::native::cpublas::brgemm(rows, cols, padded, padded, M, cols, false, a.data(),
+        at::native::cpublas::brgemm(rows, cols, padded, padded, M, cols, false, tile,
                                     xvp + m0 * 2, c.data());
         for (int64_t j = 0; j < cols; ++j) {  // C^T back to out's rows, `rows` floats at a time
-          float* dst = op + (m0 + j) * N + n0;
+          float* dst = op + (m0 + j) * args.ldo + n0;
           for (int64_t i = 0; i < rows; ++i) dst[i] = c[i * cols + j] + (bp ? bp[n0 + i] : 0.f);
         }
       }

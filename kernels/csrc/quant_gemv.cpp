@@ -77,6 +77,24 @@ inline void prefetch_row(const uint8_t* row, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchBytes + off), _MM_HINT_T0);
 }
 
+// f(first_row, std::integral_constant<int, G>) over groups of up to kMaxGroup activation rows:
+// G is a compile-time constant, so each group's accumulators live in registers.
+template <class F>
+inline void for_each_group(int64_t rows, F&& f) {
+  for (int64_t b = 0; b < rows; b += kMaxGroup) {
+    switch (std::min<int64_t>(kMaxGroup, rows - b)) {
+      case 1: f(b, std::integral_constant<int, 1>{}); break;
+      case 2: f(b, std::integral_constant<int, 2>{}); break;
+      case 3: f(b, std::integral_constant<int, 3>{}); break;
+      case 4: f(b, std::integral_constant<int, 4>{}); break;
+      case 5: f(b, std::integral_constant<int, 5>{}); break;
+      case 6: f(b, std::integral_constant<int, 6>{}); break;
+      case 7: f(b, std::integral_constant<int, 7>{}); break;
+      default: f(b, std::integral_constant<int, 8>{}); break;
+    }
+  }
+}
+
 }  // namespace
 
 // ================================================================ AVX-512 VNNI
@@ -105,24 +123,35 @@ void rows_group(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n0, int6
       }
     });
     const float bias = p.bias ? p.bias[n] : 0.f;
-    for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.N + n] = _mm512_reduce_add_ps(acc[g]) + bias;
+    for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = _mm512_reduce_add_ps(acc[g]) + bias;
+  }
+}
+
+// bf16 weights: each row widened to fp32 in registers (a shift) against fp32 activations.
+template <int G>
+void bf16_group(const LinearArgs& p, int64_t b0, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.w + n * p.row_bytes;
+    prefetch_row(row, p.row_bytes);
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < p.K; k += 16) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+      const __m512 wf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      for (int g = 0; g < G; ++g)
+        acc[g] = _mm512_fmadd_ps(wf, _mm512_loadu_ps(p.x + (b0 + g) * p.K + k), acc[g]);
+    }
+    const float bias = p.bias ? p.bias[n] : 0.f;
+    for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = _mm512_reduce_add_ps(acc[g]) + bias;
   }
 }
 
 template <class Walker>
 void run_rows(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
-  for (int64_t b = 0; b < a.rows; b += kMaxGroup) {
-    switch (std::min<int64_t>(kMaxGroup, a.rows - b)) {
-      case 1: rows_group<Walker, 1>(p, a, b, n0, n1); break;
-      case 2: rows_group<Walker, 2>(p, a, b, n0, n1); break;
-      case 3: rows_group<Walker, 3>(p, a, b, n0, n1); break;
-      case 4: rows_group<Walker, 4>(p, a, b, n0, n1); break;
-      case 5: rows_group<Walker, 5>(p, a, b, n0, n1); break;
-      case 6: rows_group<Walker, 6>(p, a, b, n0, n1); break;
-      case 7: rows_group<Walker, 7>(p, a, b, n0, n1); break;
-      default: rows_group<Walker, 8>(p, a, b, n0, n1); break;
-    }
-  }
+  for_each_group(a.rows, [&](int64_t b, auto group) {
+    rows_group<Walker, decltype(group)::value>(p, a, b, n0, n1);
+  });
 }
 
 }  // namespace
@@ -138,6 +167,11 @@ void gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
     case kQ4_K: run_rows<KQuant45<kQ4_K>>(p, a, n0, n1); break;
     case kQ5_K: run_rows<KQuant45<kQ5_K>>(p, a, n0, n1); break;
     case kQ6_K: run_rows<Q6_K>(p, a, n0, n1); break;
+    case kBF16:
+      for_each_group(p.rows, [&](int64_t b, auto group) {
+        bf16_group<decltype(group)::value>(p, b, n0, n1);
+      });
+      break;
   }
 }
 
@@ -183,7 +217,7 @@ void rows_group(const LinearArgs& p, const Acts& a, int64_t b0, const int8_t* co
     }
   }
   const float bias = p.bias ? p.bias[n] : 0.f;
-  for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.N + n] = hsum(acc[g]) + bias;
+  for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = hsum(acc[g]) + bias;
 }
 
 template <bool Signed>
@@ -194,27 +228,39 @@ void run_rows(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
     const uint8_t* row = p.w + n * p.row_bytes;
     prefetch_row(row, p.row_bytes);
     decode_row(p.fmt, row, p.K, p.scales ? p.scales[n] : 0.f, codes.data(), ws.data(), wm.data());
-    for (int64_t b = 0; b < a.rows; b += kMaxGroup) {
-      const int64_t g = std::min<int64_t>(kMaxGroup, a.rows - b);
-      const int8_t* c = codes.data();
-      switch (g) {
-        case 1: rows_group<Signed, 1>(p, a, b, c, ws.data(), wm.data(), n); break;
-        case 2: rows_group<Signed, 2>(p, a, b, c, ws.data(), wm.data(), n); break;
-        case 3: rows_group<Signed, 3>(p, a, b, c, ws.data(), wm.data(), n); break;
-        case 4: rows_group<Signed, 4>(p, a, b, c, ws.data(), wm.data(), n); break;
-        case 5: rows_group<Signed, 5>(p, a, b, c, ws.data(), wm.data(), n); break;
-        case 6: rows_group<Signed, 6>(p, a, b, c, ws.data(), wm.data(), n); break;
-        case 7: rows_group<Signed, 7>(p, a, b, c, ws.data(), wm.data(), n); break;
-        default: rows_group<Signed, 8>(p, a, b, c, ws.data(), wm.data(), n); break;
-      }
+    for_each_group(a.rows, [&](int64_t b, auto group) {
+      rows_group<Signed, decltype(group)::value>(p, a, b, codes.data(), ws.data(), wm.data(), n);
+    });
+  }
+}
+
+template <int G>
+void bf16_group(const LinearArgs& p, int64_t b0, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.w + n * p.row_bytes;
+    prefetch_row(row, p.row_bytes);
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
+    __m256 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < p.K; k += 8) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k));
+      const __m256 wf = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+      for (int g = 0; g < G; ++g)
+        acc[g] = _mm256_fmadd_ps(wf, _mm256_loadu_ps(p.x + (b0 + g) * p.K + k), acc[g]);
     }
+    const float bias = p.bias ? p.bias[n] : 0.f;
+    for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = hsum(acc[g]) + bias;
   }
 }
 
 }  // namespace
 
 void gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
-  if (p.fmt == kQ8_0 || p.fmt == kInt8)
+  if (p.fmt == kBF16)
+    for_each_group(p.rows, [&](int64_t b, auto group) {
+      bf16_group<decltype(group)::value>(p, b, n0, n1);
+    });
+  else if (p.fmt == kQ8_0 || p.fmt == kInt8)
     run_rows<true>(p, a, n0, n1);
   else
     run_rows<false>(p, a, n0, n1);
@@ -247,7 +293,7 @@ void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
   const LinearArgs args = check_linear("quant_gemv", out, x, w, fmt, scales, bias);
   if (args.rows == 0 || args.N == 0) return;
   static thread_local Acts acts;
-  quantize_acts(args.x, args.rows, args.K, nibble_order(fmt), acts);
+  if (fmt != kBF16) quantize_acts(args.x, args.rows, args.K, nibble_order(fmt), acts);
   const LinearArgs& p = args;
   const bool vnni = use_vnni.load(std::memory_order_relaxed);
   // Rows per task: enough weight bytes (~32 KiB) that a thread's start-up cost stays small.

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedq.worker.models.quant import dequantize, quantize_int4, quantize_int8, to_gpu_layout
-from tests.quant_fixtures import ALL, random_weight
+from tests.quant_fixtures import INTEGER, random_weight
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 if not (torch.cuda.is_available() or INTERPRETING):
@@ -34,7 +34,7 @@ def check(w, x: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     assert err < TOL[x.dtype], (w.fmt.name, tuple(x.shape), err.item())
 
 
-@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("fmt", INTEGER)
 def test_every_format_matches_dequantized_matmul(fmt):
     gen = torch.Generator().manual_seed(0)
     k = 512 if fmt.endswith("_k") else 96

@@ -50,6 +50,8 @@ FORMATS: dict[str, BlockFormat] = {
         BlockFormat("q6_k", 14, QK_K, 210),
         # per-channel int8: K int8 values per row, the fp32 scales in QuantWeight.scales
         BlockFormat("int8", 100, 1, 1),
+        # plain bf16 rows (GGML's BF16): the same kernels multiply them, unconverted
+        BlockFormat("bf16", 30, 1, 2),
     )
 }
 BY_CODE = {f.code: f for f in FORMATS.values()}
@@ -169,8 +171,10 @@ def _block_codes(name: str, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def codes(w: QuantWeight) -> Codes:
-    """The integer codes and per-group scale/offset of a packed weight."""
+    """The integer codes and per-group scale/offset of a packed weight (not bf16: no codes)."""
     n, k = w.shape
+    if w.fmt.name == "bf16":
+        raise ValueError("bf16 weights have no integer codes")
     if w.fmt.name == "int8":
         return Codes(w.data.view(torch.int8).short(), w.scales.float()[:, None], None, k)
     q, scale, offset, group = _block_codes(w.fmt.name, w.data.reshape(-1, w.fmt.nbytes))
@@ -181,6 +185,8 @@ def codes(w: QuantWeight) -> Codes:
 
 def dequantize(w: QuantWeight) -> torch.Tensor:
     """The float32 ``[N, K]`` matrix a packed weight stands for (GGML's arithmetic, exactly)."""
+    if w.fmt.name == "bf16":
+        return w.data.view(torch.bfloat16).float()
     return codes(w).dequantize()
 
 
@@ -193,6 +199,12 @@ def quantize_int8(weight: torch.Tensor) -> QuantWeight:
     scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
     q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
     return QuantWeight(FORMATS["int8"], q.view(torch.uint8), tuple(w.shape), scales.contiguous())
+
+
+def as_bf16(weight: torch.Tensor) -> QuantWeight:
+    """A float weight rounded to bf16 rows, for the kernels' bf16 paths."""
+    w = weight.detach().to(torch.bfloat16).contiguous()
+    return QuantWeight(FORMATS["bf16"], w.view(torch.uint8), tuple(w.shape))
 
 
 def quantize_int4(weight: torch.Tensor) -> QuantWeight:
