@@ -2,7 +2,9 @@
 
 ``csrc/quant_gemv.cpp`` computes ``x @ W.T`` for a few rows of ``x`` straight from GGUF blocks or
 per-channel int8 (AVX-512 VNNI where the CPU has it, AVX2 otherwise); ``csrc/quant_gemm.cpp``
-computes many rows by dequantizing tiles of W to bf16 for oneDNN's AMX/AVX-512 micro-kernel.
+computes many rows by dequantizing tiles of W to bf16 for oneDNN's AMX/AVX-512 micro-kernel;
+``csrc/quant_linear.cpp`` wraps both as ``torch.classes.pagedq_quant.Linear``, a layer that picks
+one per step by its row count.
 :func:`quant_ops` returns None (with one warning) where the library cannot be built, and callers
 then dequantize in PyTorch.
 """
@@ -25,7 +27,7 @@ from pagedq.kernels.cpu_attention import (
 from pagedq.worker.logging import get_logger
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = (_CSRC / "quant_gemv.cpp", _CSRC / "quant_gemm.cpp")
+SOURCES = (_CSRC / "quant_gemv.cpp", _CSRC / "quant_gemm.cpp", _CSRC / "quant_linear.cpp")
 NAME = "pagedq_quant"
 _log = get_logger("pagedq.kernels.quant")
 _lock = threading.Lock()

@@ -27,6 +27,7 @@
 
 #include "quant_avx512.h"
 #include "quant_formats.h"
+#include "quant_ops.h"
 
 namespace pagedq_quant {
 namespace {

@@ -125,3 +125,31 @@ def test_kernels_refuse_mismatched_shapes(ops):
         ops.quant_gemv(torch.empty(1, 8), torch.randn(1, 64), w.data, 99, None, None)
     with pytest.raises(RuntimeError, match="scales"):
         ops.quant_gemv(torch.empty(1, 8), torch.randn(1, 64), w.data.new_zeros(8, 64), 100, None, None)
+
+
+def test_linear_segments_pick_gemv_or_gemm_by_rows(ops):
+    """A Linear of three segments in different formats equals each part's own product; rows up
+    to a segment's limit take its GEMV (int8-rounded activations), more rows the bf16 GEMM."""
+    gen = torch.Generator().manual_seed(6)
+    parts = [random_weight(f, n, 64, gen) for f, n in (("q5_0", 16), ("q8_0", 8), ("int8", 8))]
+    bias = torch.randn(32, generator=gen)
+    limits = [4, 2, 8]
+    linear = torch.classes.pagedq_quant.Linear(
+        [p.data for p in parts], [p.fmt.code for p in parts], [p.scales for p in parts], bias, 64,
+        limits)
+    assert (linear.in_features, linear.out_features) == (64, 32)
+    assert linear.nbytes() == sum(p.nbytes for p in parts)
+    dense = torch.cat([dequantize(p) for p in parts]).double()
+    for rows in (1, 3, 6):
+        x = torch.randn(rows, 64, generator=gen)
+        out = linear.forward(x)
+        col = 0
+        for part, limit in zip(parts, limits, strict=True):
+            n = part.shape[0]
+            if rows <= limit:
+                want = quantized_activations(x).double() @ dense[col:col + n].T
+            else:
+                want = x.bfloat16().double() @ dense[col:col + n].bfloat16().double().T
+            got = out[:, col:col + n].double() - bias[col:col + n].double()
+            assert relative_error(got, want) < 1e-5, (rows, part.fmt.name)
+            col += n
