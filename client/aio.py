@@ -1,76 +1,50 @@
-"""The asyncio SDK: the same API as ``Client``, with ``await`` and ``async for``."""
+"""The asyncio SDK: the same API as ``Client``, with ``await`` and ``async for``.
+
+Everything but the awaiting is shared with the blocking client (HandleBase, ResultBuilder,
+the queries of pagedq.client.queue), so the two can never disagree about the protocol.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import redis.asyncio as aredis
-from redis.exceptions import ResponseError
 
-from pagedq.client.client import (
-    BLOCK_MS,
-    READ_COUNT,
-    Result,
-    ResultBuilder,
-    parse_entries,
-    parse_worker_hash,
-    queue_stats,
-    resolve_redis_url,
-    to_deadline,
-)
-from pagedq.client.errors import ResultTimeoutError
+from pagedq.client.client import HandleBase, Result, build_requests, end_time, to_deadline
 from pagedq.client.protocol import (
-    CANCEL_SCRIPT,
-    CANCELLED,
     DEFAULT_PREFIX,
     DEFAULT_QUEUE,
     DEFAULT_TTL_S,
-    GROUP,
-    LEVELS,
     Event,
     Keys,
     build_request,
-    decode_event,
-    encode_event,
-    job_fields,
 )
+from pagedq.client.queue import (
+    check_groups,
+    create_groups,
+    enqueue,
+    queue_stats,
+    stats_query,
+    workers_query,
+)
+from pagedq.client.redis_url import resolve_redis_url
+from pagedq.client.scripts import CANCEL, CANCEL_FLAGGED, cancel_call
 from pagedq.params import SamplingParams
 
 
-class AsyncRequestHandle:
+class AsyncRequestHandle(HandleBase):
     """Async twin of ``RequestHandle`` (same cursor semantics)."""
 
-    def __init__(self, client: AsyncClient, request_id: str, after: str = "0-0"):
-        self.client = client
-        self.id = request_id
-        self.cursor = after
-        self.builder = ResultBuilder(request_id, 1 if after == "0-0" else None)
-
-    def __repr__(self) -> str:
-        return f"AsyncRequestHandle({self.id!r})"
+    client: AsyncClient
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[Event]:
-        end = None if timeout is None else time.monotonic() + timeout
-        key = self.client.keys.out(self.id)
+        end = end_time(timeout)
         while not self.builder.done:
-            if end is not None and time.monotonic() >= end:
-                raise ResultTimeoutError(
-                    f"no terminal event for request {self.id} within {timeout}s; the job may "
-                    "still be queued or running: call result()/stream() again to keep waiting"
-                )
-            block = BLOCK_MS if end is None else int(min(BLOCK_MS, max(1, (end - time.monotonic()) * 1000)))
-            reply = await self.client.redis.xread({key: self.cursor}, count=READ_COUNT,
-                                                  block=block)
-            for entry_id, fields in parse_entries(reply):
-                ev = decode_event(fields, entry_id)
-                self.builder.feed(ev)
-                self.cursor = entry_id
+            reply = await self.client.redis.xread(**self._xread_args(end, timeout))
+            for ev in self._events(reply):
                 yield ev
-                if ev.terminal:
-                    return
 
     async def result(self, timeout: float | None = 60) -> Result:
         async for _ in self.stream(timeout=timeout):
@@ -91,7 +65,7 @@ class AsyncClient:
         self.keys = Keys(queue, prefix)
         self.ttl = ttl
         self._groups_ready = False
-        self._cancel_script = self.redis.register_script(CANCEL_SCRIPT)
+        self._cancel_script = self.redis.register_script(CANCEL)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -102,16 +76,16 @@ class AsyncClient:
     async def aclose(self) -> None:
         await self.redis.aclose()
 
+    async def _run(self, query: Callable[..., None], *args: Any, raise_on_error: bool = True
+                   ) -> list[Any]:
+        pipe = self.redis.pipeline(transaction=False)
+        query(pipe, *args)
+        return await pipe.execute(raise_on_error=raise_on_error)
+
     async def _ensure_groups(self) -> None:
-        if self._groups_ready:
-            return
-        for key in self.keys.all_jobs():
-            try:
-                await self.redis.xgroup_create(key, GROUP, id="0", mkstream=True)
-            except ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
-        self._groups_ready = True
+        if not self._groups_ready:
+            check_groups(await self._run(create_groups, self.keys, raise_on_error=False))
+            self._groups_ready = True
 
     async def submit(self, prompt: Any, params: SamplingParams | None = None, *,
                      deadline: Any = None, priority: int = 0,
@@ -120,21 +94,14 @@ class AsyncClient:
         req = build_request(prompt, params, request_id=request_id, deadline=to_deadline(deadline),
                             priority=priority, metadata=metadata)
         await self._ensure_groups()
-        await self.redis.xadd(self.keys.jobs(req.level), job_fields(req))
+        await self._run(enqueue, self.keys, [req])
         return AsyncRequestHandle(self, req.id)
 
     async def submit_many(self, prompts: Sequence[Any], params: SamplingParams | None = None,
                           **kwargs: Any) -> list[AsyncRequestHandle]:
-        reqs = [
-            build_request(p, params, deadline=to_deadline(kwargs.get("deadline")),
-                          priority=kwargs.get("priority", 0), metadata=kwargs.get("metadata"))
-            for p in prompts
-        ]
+        reqs = build_requests(prompts, params, **kwargs)
         await self._ensure_groups()
-        pipe = self.redis.pipeline(transaction=False)
-        for req in reqs:
-            pipe.xadd(self.keys.jobs(req.level), job_fields(req))
-        await pipe.execute()
+        await self._run(enqueue, self.keys, reqs)
         return [AsyncRequestHandle(self, r.id) for r in reqs]
 
     def handle(self, request_id: str, after: str = "0-0") -> AsyncRequestHandle:
@@ -146,28 +113,12 @@ class AsyncClient:
         return list(await asyncio.gather(*(h.result(timeout=timeout) for h in handles)))
 
     async def _cancel(self, request_id: str) -> int:
-        ev = encode_event(Event(type=CANCELLED, request_id=request_id))
-        keys = [self.keys.state(request_id), self.keys.out(request_id)]
-        status = int(await self._cancel_script(keys=keys, args=[self.ttl, ev]))
-        if status == 1:  # a worker holds it: the hint makes it look now, not at its next sweep
+        status = int(await self._cancel_script(**cancel_call(self.keys, request_id, self.ttl)))
+        if status == CANCEL_FLAGGED:  # the hint makes its worker look now, not at its sweep
             await self.redis.incr(self.keys.cancels)
         return status
 
     async def stats(self) -> dict[str, Any]:
         await self._ensure_groups()
-        pipe = self.redis.pipeline(transaction=False)
-        for key in self.keys.all_jobs():
-            pipe.xlen(key)
-        for key in self.keys.all_jobs():
-            pipe.xpending(key, GROUP)
-        pipe.xlen(self.keys.dead)
-        pipe.zrange(self.keys.workers, 0, -1)
-        *vals, dead, names = await pipe.execute()
-        n = len(LEVELS)
-        names = [x.decode() for x in names]
-        pipe = self.redis.pipeline(transaction=False)
-        for name in names:
-            pipe.hgetall(self.keys.worker(name))
-        raws = await pipe.execute()
-        workers = [parse_worker_hash(nm, raw) for nm, raw in zip(names, raws, strict=True) if raw]
-        return queue_stats(self.keys, vals[:n], vals[n:], dead, workers)
+        first = await self._run(stats_query, self.keys)
+        return queue_stats(self.keys, first, await self._run(workers_query, self.keys, first))

@@ -1,14 +1,15 @@
 """The blocking SDK: submit jobs, stream their tokens, collect results, cancel, read stats.
 
-``AsyncClient`` (aio.py) has the same API with ``async``; both share the pure logic here
-(ResultBuilder, stats parsing), so they can never disagree about what a stream means.
+``AsyncClient`` (aio.py) has the same API with ``async``; both share the logic here
+(HandleBase, ResultBuilder) and in queue.py, so they can never disagree about what a stream
+means.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,6 @@ from pagedq.client.errors import (
     StreamGapError,
 )
 from pagedq.client.protocol import (
-    CANCEL_SCRIPT,
     CANCELLED,
     DEFAULT_PREFIX,
     DEFAULT_QUEUE,
@@ -30,27 +30,26 @@ from pagedq.client.protocol import (
     E_DEAD_LETTER,
     ERROR,
     FINISHED,
-    GROUP,
-    LEVELS,
     TOKENS,
     Event,
     Keys,
     Request,
     build_request,
     decode_event,
-    encode_event,
-    job_fields,
 )
+from pagedq.client.queue import (
+    check_groups,
+    create_groups,
+    enqueue,
+    parse_entries,
+    queue_stats,
+    stats_query,
+    workers_query,
+)
+from pagedq.client.redis_url import resolve_redis_url
+from pagedq.client.scripts import CANCEL, CANCEL_FLAGGED, cancel_call
 from pagedq.params import SamplingParams
 
-DEFAULT_REDIS_URL = "redis://localhost:6379/0"
-
-
-def resolve_redis_url(redis_url: str | None) -> str:
-    """The URL given, else $REDIS_URL, else a local Redis (shared by Client and AsyncClient)."""
-    import os
-
-    return redis_url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
 READ_COUNT = 512
 # XREAD blocks in slices: redis-py 8 defaults to a 5 s socket timeout, and a short block also
 # lets a stream() with a timeout return on time.
@@ -160,28 +159,6 @@ class ResultBuilder:
         return res
 
 
-def stream_replies(reply: Any) -> list[tuple[Any, list[Any]]]:
-    """XREAD/XREADGROUP reply -> [(stream, entries)] under RESP2 (a list of pairs) and RESP3
-    (a map of stream -> [entries]), so a ``?protocol=3`` URL works too."""
-    if not reply:
-        return []
-    if isinstance(reply, dict):
-        return [(stream, value[0] if value and isinstance(value[0], list) else value)
-                for stream, value in reply.items()]
-    return [(stream, entries) for stream, entries in reply]
-
-
-def parse_entries(reply: Any) -> list[tuple[str, dict[bytes, bytes]]]:
-    """XREAD's reply -> [(entry id, fields)]."""
-    out = []
-    for _stream, entries in stream_replies(reply):
-        for entry_id, fields in entries:
-            if isinstance(entry_id, bytes):
-                entry_id = entry_id.decode()
-            out.append((entry_id, fields))
-    return out
-
-
 def to_deadline(deadline: float | _dt.datetime | _dt.timedelta | None) -> float | None:
     """Accept unix seconds, an aware/naive datetime (local time) or a timedelta from now."""
     if deadline is None:
@@ -193,77 +170,74 @@ def to_deadline(deadline: float | _dt.datetime | _dt.timedelta | None) -> float 
     return float(deadline)
 
 
-def _num(value: bytes | str) -> Any:
-    text = value.decode() if isinstance(value, bytes) else value
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
+class HandleBase:
+    """What both handles (blocking and asyncio) share: the request id, its read cursor and its
+    ResultBuilder.
 
-
-def parse_worker_hash(name: str, raw: dict[bytes, bytes]) -> dict[str, Any]:
-    info = {k.decode() if isinstance(k, bytes) else k: _num(v) for k, v in raw.items()}
-    info["name"] = name
-    return info
-
-
-def queue_stats(keys: Keys, lengths: list[int], pendings: list[Any], dead: int,
-                workers: list[dict[str, Any]]) -> dict[str, Any]:
-    """Assemble stats(): acked jobs are deleted, so length = waiting + pending (in flight)."""
-    levels = {}
-    for level, length, pend in zip(LEVELS, lengths, pendings, strict=True):
-        pending = pend.get("pending", 0) if isinstance(pend, dict) else 0
-        levels[level] = {"length": length, "pending": pending, "lag": max(0, length - pending)}
-    return {
-        "queue": keys.queue,
-        "depth": sum(v["lag"] for v in levels.values()),
-        "pending": sum(v["pending"] for v in levels.values()),
-        "levels": levels,
-        "dead_letters": dead,
-        "workers": workers,
-    }
-
-
-class RequestHandle:
-    """A submitted request: stream its events, wait for its result, cancel it.
-
-    The handle keeps a cursor, so ``stream()`` after a dropped connection, or ``result()``
-    after a partial ``stream()``, continues where it stopped without losing or repeating.
+    The cursor is the last entry id handed to the caller, so ``stream()`` after a dropped
+    connection, or ``result()`` after a partial ``stream()``, continues where it stopped
+    without losing or repeating an event.
     """
 
-    def __init__(self, client: Client, request_id: str, after: str = "0-0"):
+    def __init__(self, client: Any, request_id: str, after: str = "0-0"):
         self.client = client
         self.id = request_id
         self.cursor = after
         self.builder = ResultBuilder(request_id, 1 if after == "0-0" else None)
 
     def __repr__(self) -> str:
-        return f"RequestHandle({self.id!r})"
+        return f"{type(self).__name__}({self.id!r})"
+
+    def _xread_args(self, end: float | None, timeout: float | None) -> dict[str, Any]:
+        """The next XREAD's arguments; raises ResultTimeoutError once ``end`` has passed."""
+        if end is not None and time.monotonic() >= end:
+            raise ResultTimeoutError(
+                f"no terminal event for request {self.id} within {timeout}s; the job may "
+                "still be queued or running: call result()/stream() again to keep waiting"
+            )
+        block = BLOCK_MS if end is None else int(min(BLOCK_MS, max(1, (end - time.monotonic())
+                                                                   * 1000)))
+        return {"streams": {self.client.keys.out(self.id): self.cursor}, "count": READ_COUNT,
+                "block": block}
+
+    def _events(self, reply: Any) -> Iterator[Event]:
+        """The reply's events in order, each fed to the builder and the cursor moved past it as
+        it is handed out; stops after the terminal event."""
+        for entry_id, fields in parse_entries(reply):
+            ev = decode_event(fields, entry_id)
+            self.builder.feed(ev)
+            self.cursor = entry_id
+            yield ev
+            if ev.terminal:
+                return
+
+
+def build_requests(prompts: Sequence[Any], params: SamplingParams | None, *,
+                   deadline: Any = None, priority: int = 0,
+                   metadata: dict[str, Any] | None = None) -> list[Request]:
+    """``submit_many``'s requests: one per prompt, all with the same params and options."""
+    return [build_request(p, params, deadline=to_deadline(deadline), priority=priority,
+                          metadata=metadata) for p in prompts]
+
+
+def end_time(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+class RequestHandle(HandleBase):
+    """A submitted request: stream its events, wait for its result, cancel it."""
+
+    client: Client
 
     def stream(self, timeout: float | None = None) -> Iterator[Event]:
         """Yield events as they arrive, ending with the terminal one.
 
         Raises ResultTimeoutError if ``timeout`` seconds pass before the terminal event.
         """
-        end = None if timeout is None else time.monotonic() + timeout
-        key = self.client.keys.out(self.id)
+        end = end_time(timeout)
         while not self.builder.done:
-            block = BLOCK_MS if end is None else int(min(BLOCK_MS, max(1, (end - time.monotonic()) * 1000)))
-            if end is not None and time.monotonic() >= end:
-                raise ResultTimeoutError(
-                    f"no terminal event for request {self.id} within {timeout}s; the job may "
-                    "still be queued or running: call result()/stream() again to keep waiting"
-                )
-            reply = self.client.redis.xread({key: self.cursor}, count=READ_COUNT, block=block)
-            for entry_id, fields in parse_entries(reply):
-                ev = decode_event(fields, entry_id)
-                self.builder.feed(ev)
-                self.cursor = entry_id
-                yield ev
-                if ev.terminal:
-                    return
+            reply = self.client.redis.xread(**self._xread_args(end, timeout))
+            yield from self._events(reply)
 
     def result(self, timeout: float | None = 60) -> Result:
         """Wait for the terminal event; return the Result or raise its typed error."""
@@ -289,7 +263,7 @@ class Client:
         self.keys = Keys(queue, prefix)
         self.ttl = ttl
         self._groups_ready = False
-        self._cancel_script = self.redis.register_script(CANCEL_SCRIPT)
+        self._cancel_script = self.redis.register_script(CANCEL)
 
     def __enter__(self) -> Client:
         return self
@@ -300,16 +274,17 @@ class Client:
     def close(self) -> None:
         self.redis.close()
 
+    def _run(self, query: Callable[..., None], *args: Any, raise_on_error: bool = True
+             ) -> list[Any]:
+        """One round trip: ``query(pipe, *args)`` (from pagedq.client.queue) queues, we execute."""
+        pipe = self.redis.pipeline(transaction=False)
+        query(pipe, *args)
+        return pipe.execute(raise_on_error=raise_on_error)
+
     def _ensure_groups(self) -> None:
-        if self._groups_ready:
-            return
-        for key in self.keys.all_jobs():
-            try:
-                self.redis.xgroup_create(key, GROUP, id="0", mkstream=True)
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
-        self._groups_ready = True
+        if not self._groups_ready:
+            check_groups(self._run(create_groups, self.keys, raise_on_error=False))
+            self._groups_ready = True
 
     def submit(self, prompt: str | list[int] | list[dict[str, str]],
                params: SamplingParams | None = None, *, deadline: Any = None,
@@ -319,22 +294,15 @@ class Client:
         req = build_request(prompt, params, request_id=request_id, deadline=to_deadline(deadline),
                             priority=priority, metadata=metadata)
         self._ensure_groups()
-        self.redis.xadd(self.keys.jobs(req.level), job_fields(req))
+        self._run(enqueue, self.keys, [req])
         return RequestHandle(self, req.id)
 
     def submit_many(self, prompts: Sequence[Any], params: SamplingParams | None = None,
                     **kwargs: Any) -> list[RequestHandle]:
         """Enqueue many jobs in one round trip."""
-        reqs: list[Request] = [
-            build_request(p, params, deadline=to_deadline(kwargs.get("deadline")),
-                          priority=kwargs.get("priority", 0), metadata=kwargs.get("metadata"))
-            for p in prompts
-        ]
+        reqs = build_requests(prompts, params, **kwargs)
         self._ensure_groups()
-        pipe = self.redis.pipeline(transaction=False)
-        for req in reqs:
-            pipe.xadd(self.keys.jobs(req.level), job_fields(req))
-        pipe.execute()
+        self._run(enqueue, self.keys, reqs)
         return [RequestHandle(self, r.id) for r in reqs]
 
     def handle(self, request_id: str, after: str = "0-0") -> RequestHandle:
@@ -353,29 +321,13 @@ class Client:
         return results
 
     def _cancel(self, request_id: str) -> int:
-        ev = encode_event(Event(type=CANCELLED, request_id=request_id))
-        keys = [self.keys.state(request_id), self.keys.out(request_id)]
-        status = int(self._cancel_script(keys=keys, args=[self.ttl, ev]))
-        if status == 1:  # a worker holds it: the hint makes it look now, not at its next sweep
+        status = int(self._cancel_script(**cancel_call(self.keys, request_id, self.ttl)))
+        if status == CANCEL_FLAGGED:  # the hint makes its worker look now, not at its sweep
             self.redis.incr(self.keys.cancels)
         return status
 
     def stats(self) -> dict[str, Any]:
         """Queue depth per priority level, dead letters, and each live worker's checkpoint."""
         self._ensure_groups()
-        pipe = self.redis.pipeline(transaction=False)
-        for key in self.keys.all_jobs():
-            pipe.xlen(key)
-        for key in self.keys.all_jobs():
-            pipe.xpending(key, GROUP)
-        pipe.xlen(self.keys.dead)
-        pipe.zrange(self.keys.workers, 0, -1)
-        *vals, dead, names = pipe.execute()
-        n = len(LEVELS)
-        names = [x.decode() for x in names]
-        pipe = self.redis.pipeline(transaction=False)
-        for name in names:
-            pipe.hgetall(self.keys.worker(name))
-        workers = [parse_worker_hash(name, raw)
-                   for name, raw in zip(names, pipe.execute(), strict=True) if raw]
-        return queue_stats(self.keys, vals[:n], vals[n:], dead, workers)
+        first = self._run(stats_query, self.keys)
+        return queue_stats(self.keys, first, self._run(workers_query, self.keys, first))

@@ -1,9 +1,9 @@
-"""The wire protocol between clients and workers: key names, msgpack payloads, versions.
+"""The wire protocol between clients and workers: key names, ids, msgpack payloads, versions.
 
-Everything another language needs to enqueue a job or read its output is defined here (and
-documented in the README's wire protocol section). Payloads are msgpack maps carrying
-``"v": PROTOCOL_VERSION``; nothing is ever pickled, so a hostile payload can at worst be
-rejected.
+Everything another language needs to enqueue a job or read its output is defined here, in
+scripts.py (the Lua scripts) and in queue.py (consumer group, depth); docs/queue.md is the
+reference. Payloads are msgpack maps carrying ``"v": PROTOCOL_VERSION``; nothing is ever
+pickled, so a hostile payload can at worst be rejected.
 
 Key schema (``P`` = prefix, default ``pagedq``; ``Q`` = queue name; ``ID`` = request id)::
 
@@ -13,6 +13,7 @@ Key schema (``P`` = prefix, default ``pagedq``; ``Q`` = queue name; ``ID`` = req
     P:Q:stats                                         hash: queue depth per level (checkpoint)
     P:Q:workers                                       zset: worker name -> last heartbeat
     P:Q:worker:NAME                                   hash: that worker's checkpoint (TTL)
+    P:Q:lock:NAME                                     string: NAME is taken by a live worker
     P:Q:cancels                                       counter: bumped after each cancel of a
                                                      running job, so workers re-check at once
     P:req:{ID}:out                                    the request's output stream (TTL)
@@ -39,6 +40,7 @@ PROTOCOL_VERSION = 1
 DEFAULT_PREFIX = "pagedq"
 DEFAULT_QUEUE = "default"
 GROUP = "workers"
+DEFAULT_TTL_S = 3600  # seconds a request's output stream and state live after their last write
 
 # Priority levels, read highest first. A request's integer priority maps to a level by sign;
 # the integer itself also orders the engine's waiting queue (higher runs first).
@@ -117,6 +119,10 @@ class Keys:
     def worker(self, name: str) -> str:
         return f"{self.prefix}:{self.queue}:worker:{name}"
 
+    def lock(self, name: str) -> str:
+        """Held (with the checkpoint TTL) by the live worker using consumer name ``name``."""
+        return f"{self.prefix}:{self.queue}:lock:{name}"
+
     @property
     def cancels(self) -> str:
         return f"{self.prefix}:{self.queue}:cancels"
@@ -147,6 +153,15 @@ def check_request_id(request_id: Any) -> str:
             E_INVALID_REQUEST,
         )
     return request_id
+
+
+def engine_id(request_id: str, epoch: int) -> str:
+    """The id a worker gives a job in its engine: ``<request id>#<epoch>``.
+
+    A later owner epoch of the same request is another engine request, so a stale output never
+    reaches it. Request ids never contain ``#``, so the split is unambiguous.
+    """
+    return f"{request_id}#{epoch}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,27 +424,3 @@ def decode_event(fields: dict[bytes, bytes], entry_id: str | bytes | None = None
         ev.logprobs = [{int(t): float(lp) for t, lp in pairs} for pairs in ev.logprobs]
     return ev
 
-
-# ---------------------------------------------------------------------------------------------
-# Client-side script: cancel
-# ---------------------------------------------------------------------------------------------
-
-# KEYS: state, out.  ARGV: ttl seconds, encoded CANCELLED event.
-# Returns 0: already done; 1: flagged, the owning worker will stop it and write the terminal
-# event; 2: no worker held it, so the terminal event was written here.
-CANCEL_SCRIPT = """
-local st = KEYS[1]
-if redis.call('HGET', st, 'done') == '1' then return 0 end
-redis.call('HSET', st, 'cancel', '1')
-redis.call('EXPIRE', st, ARGV[1])
-if redis.call('HEXISTS', st, 'owner') == 0 or redis.call('HGET', st, 'handed_back') == '1' then
-  local seq = redis.call('HINCRBY', st, 'seq', 1)
-  redis.call('XADD', KEYS[2], '*', 'seq', seq, 'e', ARGV[2])
-  redis.call('HSET', st, 'done', '1')
-  redis.call('EXPIRE', KEYS[2], ARGV[1])
-  return 2
-end
-return 1
-"""
-
-DEFAULT_TTL_S = 3600

@@ -1,29 +1,38 @@
-"""pagedq.kernels: paged attention and KV-cache writes (Triton on CUDA, plain PyTorch elsewhere).
+"""pagedq.kernels: the kernel backend selector, paged attention and KV-cache writes.
 
-The engine needs three names::
+The engine needs four names::
 
+    backend = select_backend(device, dtype, kv_dtype, head_dim)             # once, at start
     plan = plan_attention(block_table, seq_lens, cu_seqlens_q, block_size)  # once per step
-    write_kv(key, value, k_cache, v_cache, slot_mapping)                    # per layer
-    out = paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, plan=plan)
+    write_kv(key, value, k_cache, v_cache, slot_mapping, backend.kv_write)  # per layer
+    out = paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
+                          backend=backend.attention, plan=plan)
 """
 
-from pagedq.kernels.attention import (
+from pagedq.kernels.attention import paged_attention, write_kv
+from pagedq.kernels.backend import (
+    Backend,
     BackendUnavailableError,
-    paged_attention,
-    resolve_backend,
-    write_kv,
+    LinearChoice,
+    Selector,
+    Switches,
+    select_backend,
 )
 from pagedq.kernels.plan import AttentionPlan, KernelArgumentError, plan_attention
 from pagedq.kernels.reference import reference_paged_attention, reference_write_kv
 
 __all__ = [
     "AttentionPlan",
+    "Backend",
     "BackendUnavailableError",
     "KernelArgumentError",
+    "LinearChoice",
+    "Selector",
+    "Switches",
     "paged_attention",
     "plan_attention",
     "reference_paged_attention",
     "reference_write_kv",
-    "resolve_backend",
+    "select_backend",
     "write_kv",
 ]

@@ -1,59 +1,77 @@
-"""Backend dispatch for ``paged_attention`` and ``write_kv``: the only entry points the engine uses.
+"""``paged_attention`` and ``write_kv``: the only kernel entry points the engine's layers call.
 
-backend=None picks Triton for CUDA tensors (when triton imports) and plain PyTorch elsewhere.
-Triton on a CPU tensor runs only in Triton's interpreter (``TRITON_INTERPRET=1`` set before
-triton is first imported); that is how the Triton kernels are tested on machines without a GPU.
+``backend`` names the implementation (see :mod:`pagedq.kernels.backend`): attention ``"cpp"``,
+``"sdpa"`` or ``"triton"``, KV writes ``"torch"`` or ``"triton"``. The engine passes what its
+:class:`~pagedq.kernels.backend.Backend` chose at start; ``None`` asks the process's selector for
+these tensors. Triton on a CPU tensor runs only in Triton's interpreter (``TRITON_INTERPRET=1``
+set before triton is first imported); that is how the Triton kernels are tested without a GPU.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from functools import cache
 
 import torch
 
+from pagedq.kernels.backend import (
+    ATTENTION,
+    KV_WRITE,
+    BackendUnavailableError,
+    default_attention,
+    process_selector,
+    triton_available,
+)
+from pagedq.kernels.cpu_attention import kernel_fits
 from pagedq.kernels.plan import AttentionPlan, KernelArgumentError, mixed_ok, plan_attention
 from pagedq.kernels.torch_attention import torch_paged_attention
 from pagedq.kernels.torch_cache import torch_write_kv
 
-BACKENDS = ("triton", "torch")
+
+def _check_triton(tensor: torch.Tensor) -> None:
+    if not triton_available():
+        raise BackendUnavailableError(
+            "backend='triton' needs the triton package (pip install triton); use backend=None"
+        )
+    if not tensor.is_cuda and not process_selector().switches.triton_interpret:
+        raise BackendUnavailableError(
+            "backend='triton' on CPU tensors runs only in Triton's interpreter: set "
+            "TRITON_INTERPRET=1 before importing triton, or use backend=None"
+        )
 
 
-class BackendUnavailableError(RuntimeError):
-    """The requested kernel backend cannot run here; the message says what to use instead."""
-
-
-@cache
-def triton_available() -> bool:
-    """True when triton imports (it is an optional, x86-64-only dependency)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def resolve_backend(backend: str | None, tensor: torch.Tensor) -> str:
-    """Map ``None`` to the best backend for ``tensor``'s device and check an explicit choice."""
+def resolve_attention(backend: str | None, query: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor) -> str:
+    """The attention that runs: ``backend`` checked against these tensors, or for None the
+    selector's choice for their device, dtypes and head size."""
     if backend is None:
-        return "triton" if tensor.is_cuda and triton_available() else "torch"
-    if backend not in BACKENDS:
-        raise BackendUnavailableError(f"unknown backend {backend!r}; use one of {BACKENDS}")
+        name = default_attention(query.device.type, query.dtype, k_cache.dtype, query.shape[-1])
+        return name if name != "cpp" or kernel_fits(query, k_cache, v_cache) else "sdpa"
+    if backend not in ATTENTION:
+        raise BackendUnavailableError(f"unknown attention backend {backend!r}; use one of {ATTENTION}")
     if backend == "triton":
-        if not triton_available():
+        _check_triton(query)
+    elif backend == "cpp":
+        if process_selector().library() is None:
             raise BackendUnavailableError(
-                "backend='triton' needs the triton package (pip install triton); use backend='torch' or None"
+                "backend='cpp' needs the C++ CPU kernels, which do not run here (see the "
+                "cpu_ops_unavailable warning); use backend='sdpa' or None"
             )
-        if not tensor.is_cuda and not _interpreting():
-            raise BackendUnavailableError(
-                "backend='triton' on CPU tensors runs only in Triton's interpreter: set "
-                "TRITON_INTERPRET=1 before importing triton, or use backend='torch' or None"
+        if not kernel_fits(query, k_cache, v_cache):
+            raise KernelArgumentError(
+                "the C++ attention kernel takes CPU float32/float16/bfloat16 queries with head_dim "
+                "% 8 == 0 and a contiguous head_dim; use backend='sdpa' for these tensors"
             )
+    return backend
+
+
+def resolve_kv_write(backend: str | None, key: torch.Tensor) -> str:
+    """The KV write that runs: ``backend`` checked, or for None Triton on CUDA (when it imports)."""
+    if backend is None:
+        return "triton" if key.is_cuda and triton_available() else "torch"
+    if backend not in KV_WRITE:
+        raise BackendUnavailableError(f"unknown KV-write backend {backend!r}; use one of {KV_WRITE}")
+    if backend == "triton":
+        _check_triton(key)
     return backend
 
 
@@ -115,7 +133,8 @@ def paged_attention(
         plan = plan_attention(block_table, seq_lens, cu_seqlens_q, k_cache.shape[1], device=query.device)
     _check_attention_args(query, k_cache, v_cache, plan)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    if resolve_backend(backend, query) == "triton":
+    name = resolve_attention(backend, query, k_cache, v_cache)
+    if name == "triton":
         from pagedq.kernels.triton_attention import triton_paged_attention
 
         if k_cache.dtype != query.dtype:
@@ -125,7 +144,8 @@ def paged_attention(
             )
 
         return triton_paged_attention(query, k_cache, v_cache, plan, scale)
-    return torch_paged_attention(query, k_cache, v_cache, plan, scale)
+    kernel = process_selector().library().paged_attention_rows if name == "cpp" else None
+    return torch_paged_attention(query, k_cache, v_cache, plan, scale, kernel)
 
 
 def write_kv(
@@ -150,7 +170,7 @@ def write_kv(
         raise KernelArgumentError(
             f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens"
         )
-    if resolve_backend(backend, key) == "triton":
+    if resolve_kv_write(backend, key) == "triton":
         from pagedq.kernels.triton_cache import triton_write_kv
 
         triton_write_kv(key, value, k_cache, v_cache, slot_mapping)

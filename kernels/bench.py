@@ -1,25 +1,24 @@
 """Micro-benchmark of paged attention per call (one layer) on SmolLM2-like shapes.
 
-``python -m pagedq.kernels.bench [--backend torch] [--device cpu] [--dtype float32] [--threads 1]``
+``python -m pagedq.kernels.bench [--paths cpp,sdpa] [--device cpu] [--dtype float32] [--threads 1]``
 prints the best time of one ``paged_attention`` call with a prebuilt plan (as the engine does
-for every layer after the first) and the one-off plan-building time per step. On CPU it times
-both torch-backend paths side by side: the C++ kernel reading the paged cache in place
-(``kernel``) and the pure-torch gather + SDPA (``gather``, what ``PAGEDQ_CPU_KERNEL=0`` forces).
+for every layer after the first) and the one-off plan-building time per step, for each attention
+backend side by side. By default those are what the backend selector picks for the device (on an
+AVX2 CPU the C++ kernel reading the paged cache in place, ``cpp``; Triton on CUDA) and the portable
+gather + SDPA (``sdpa``, what ``PAGEDQ_CPU_KERNEL=0`` leaves).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
-from contextlib import contextmanager
 from functools import partial
 
 import torch
 
 from pagedq.kernels.attention import paged_attention
+from pagedq.kernels.backend import ATTENTION, select_backend
 from pagedq.kernels.cases import make_case
-from pagedq.kernels.cpu_attention import ENV_SWITCH, cpu_kernel
 from pagedq.kernels.plan import plan_attention
 from pagedq.kernels.torch_attention import derive_torch_plan
 
@@ -47,20 +46,6 @@ def time_call(fn, device: torch.device, repeats: int) -> float:
     return min(samples)
 
 
-@contextmanager
-def cpu_path(path: str):
-    """Run the torch backend with the C++ kernel (``kernel``) or the pure-torch path (``gather``)."""
-    before = os.environ.get(ENV_SWITCH)
-    os.environ[ENV_SWITCH] = "1" if path == "kernel" else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(ENV_SWITCH, None)
-        else:
-            os.environ[ENV_SWITCH] = before
-
-
 def bench_case(q_lens, ctx, args, repeats: int, paths: list[str]) -> tuple[list[float], float]:
     """([seconds per attention call with a plan, per path], seconds to build the first path's plan)."""
     device = torch.device(args.device)
@@ -77,26 +62,28 @@ def bench_case(q_lens, ctx, args, repeats: int, paths: list[str]) -> tuple[list[
     build = lambda: plan_attention(case.block_table, case.seq_lens, case.cu_seqlens_q, args.block_size)
     per_call = []
     for path in paths:
-        with cpu_path(path):
-            plan = build()
-            call = partial(paged_attention, *case.attention_args(), backend=args.backend, plan=plan)
-            per_call.append(time_call(call, device, repeats))
-    kv_heads = args.kv_heads if paths[0] == "kernel" else 0
+        plan = build()
+        call = partial(paged_attention, *case.attention_args(), backend=path, plan=plan)
+        per_call.append(time_call(call, device, repeats))
+    kv_heads = args.kv_heads if paths[0] == "cpp" else 0
     plan_time = time_call(lambda: derive_torch_plan(build(), kv_heads), device, repeats)
     return per_call, plan_time
 
 
 def _paths(args) -> list[str]:
-    if args.device != "cpu" or args.backend == "triton":
-        return ["default"]
-    if args.paths == "both":
-        return ["kernel", "gather"] if cpu_kernel() is not None else ["gather"]
-    return [args.paths]
+    """The attention backends to time: ``--paths``, or the selector's pick and SDPA."""
+    if args.paths != "auto":
+        paths = args.paths.split(",")
+        unknown = sorted(set(paths) - set(ATTENTION))
+        if unknown:
+            raise SystemExit(f"--paths: unknown attention {unknown}; choose from {ATTENTION}")
+        return paths
+    chosen = select_backend(args.device, DTYPES[args.dtype], head_dim=args.head_dim).attention
+    return [chosen, "sdpa"] if chosen != "sdpa" else ["sdpa"]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default=None, choices=["torch", "triton"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--heads", type=int, default=9)
@@ -106,8 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--batches", default="1,8,32,64,128")
-    parser.add_argument("--paths", default="both", choices=["both", "kernel", "gather"],
-                        help="CPU torch-backend paths to time (default: both)")  # fmt: skip
+    parser.add_argument("--paths", default="auto",
+                        help=f"attention backends to time, comma-separated from {','.join(ATTENTION)} "
+                        "(default: the selector's choice for the device, then sdpa)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -2,7 +2,7 @@
 
 ``python -m pagedq.kernels.check`` (CUDA only; elsewhere it says so and exits with status 2):
 
-1. Triton and torch paged attention vs ``reference_paged_attention`` in bf16 and fp16 on
+1. Triton and SDPA paged attention vs ``reference_paged_attention`` in bf16 and fp16 on
    realistic shapes (32 query / 8 KV heads, head_dim 128, block 16; contexts 1k-32k; decode
    batches 1-256; mixed prefill-chunk + decode steps; split-KV), and the Triton cache write.
 2. Decode attention bandwidth: bytes of K/V read / kernel time, as a fraction of the device's
@@ -117,7 +117,7 @@ def check_attention(
     shape: Shape,
     device: str = "cuda",
 ) -> bool:
-    """Both backends vs the reference on each case; prints one line per case."""
+    """Both CUDA backends (triton, sdpa) vs the reference on each case; one line per case."""
     from pagedq.kernels.triton_attention import triton_paged_attention
 
     ok = True
@@ -128,8 +128,8 @@ def check_attention(
         plan = plan_attention(case.block_table, case.seq_lens, case.cu_seqlens_q, shape.block_size)
         scale = shape.head_dim**-0.5
         tri = triton_paged_attention(case.query, case.k_cache, case.v_cache, plan, scale, splits)
-        tor = paged_attention(*case.attention_args(), backend="torch", plan=plan)
-        errors = {"triton": _max_error(tri, ref), "torch": _max_error(tor, ref)}
+        tor = paged_attention(*case.attention_args(), backend="sdpa", plan=plan)
+        errors = {"triton": _max_error(tri, ref), "sdpa": _max_error(tor, ref)}
         passed = all(e <= TOLERANCE[dtype] for e in errors.values())  # NaN fails
         ok &= passed
         detail = "  ".join(f"{k} {v:.2e}" for k, v in errors.items())
@@ -221,9 +221,9 @@ def check_bandwidth(dtype: torch.dtype, quick: bool, shape: Shape) -> None:
         case = make_case([1] * batch, [ctx - 1] * batch, shape.num_heads, shape.num_kv_heads,
                          shape.head_dim, shape.block_size, dtype, "cuda")  # fmt: skip
         plan = plan_attention(case.block_table, case.seq_lens, case.cu_seqlens_q, shape.block_size)
-        for backend in ("triton", "torch"):
-            if backend == "torch" and batch * ctx > 64 * 4096:
-                continue  # the torch path gathers K/V into a copy; skip the huge ones
+        for backend in ("triton", "sdpa"):
+            if backend == "sdpa" and batch * ctx > 64 * 4096:
+                continue  # the sdpa path gathers K/V into a copy; skip the huge ones
             seconds = time_cuda(partial(paged_attention, *case.attention_args(), backend=backend,
                                         plan=plan))  # fmt: skip
             rate = kv_bytes(case) / seconds

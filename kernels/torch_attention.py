@@ -1,6 +1,6 @@
-"""Paged attention in plain PyTorch: the engine's CPU path (and a fallback anywhere).
+"""Paged attention with torch's SDPA: the "sdpa" backend, and the "cpp" backend's host.
 
-Layout of the work, chosen for a 2-core CPU:
+Layout of the work (few, large calls: each torch call has a fixed cost that small CPU steps feel):
 
 * Decode rows (``q_len == 1``) are batched in a few groups of similar context length: one
   block-wise gather of the group's K/V from the paged cache into ``[n, max_len, kv_heads,
@@ -9,9 +9,9 @@ Layout of the work, chosen for a 2-core CPU:
 * Prefill chunks (``q_len > 1``) are few per step and long, so each one runs on its own through
   ``scaled_dot_product_attention`` (fused, memory-efficient) with an offset-causal mask.
 
-On x86-64 CPUs with AVX2 the decode rows and short chunks instead go to the C++ kernel of
-:mod:`pagedq.kernels.cpu_attention`, which reads K/V in place through the block table (no gather
-copy); ``PAGEDQ_CPU_KERNEL=0`` forces the pure-torch layout above.
+With the "cpp" backend (a ``kernel`` passed in) the decode rows and the short chunks
+:func:`~pagedq.kernels.cpu_attention.kernel_takes` picks go to the C++ kernel instead, which
+reads K/V in place through the block table (no gather copy); longer chunks keep SDPA.
 
 Uninitialised (even NaN) cache slots never leak through ``0 * NaN``: see :class:`DecodeGroup`.
 Gather indices and masks live in a :class:`TorchPlan` built once per step.
@@ -19,20 +19,14 @@ Gather indices and masks live in a :class:`TorchPlan` built once per step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from pagedq.kernels.cpu_attention import (
-    KernelRows,
-    cpu_kernel,
-    kernel_fits,
-    kernel_rows,
-    kernel_takes,
-    run_kernel,
-)
+from pagedq.kernels.cpu_attention import KernelRows, kernel_rows, kernel_takes, run_kernel
 from pagedq.kernels.plan import AttentionPlan
 
 MAX_DECODE_GROUPS = 4
@@ -148,8 +142,8 @@ def build_torch_plan(plan: AttentionPlan, kernel_kv_heads: int = 0) -> TorchPlan
 def derive_torch_plan(plan: AttentionPlan, kernel_kv_heads: int = 0) -> TorchPlan:
     """The step's TorchPlan for one path (C++ kernel or not), built once per step and reused."""
     if kernel_kv_heads:
-        return plan.derived("torch+cpu", partial(build_torch_plan, kernel_kv_heads=kernel_kv_heads))
-    return plan.derived("torch", build_torch_plan)
+        return plan.derived("cpp", partial(build_torch_plan, kernel_kv_heads=kernel_kv_heads))
+    return plan.derived("sdpa", build_torch_plan)
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -182,7 +176,7 @@ def _decode(
         kv.append(gathered.view(n, -1, *cache.shape[2:]).transpose(1, 2))  # [n, Hkv, L, D]
     # GQA as rows: the ``group`` query heads of a KV head are ``group`` query rows of one
     # (sequence, KV head) attention, so each K/V row is streamed once per KV head, not once
-    # per query head (14% faster than enable_gqa on a 64-sequence decode batch).
+    # per query head as SDPA's enable_gqa does.
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     q = q.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -221,17 +215,19 @@ def torch_paged_attention(
     v_cache: torch.Tensor,
     plan: AttentionPlan,
     scale: float,
+    kernel: Callable | None = None,
 ) -> torch.Tensor:
-    """Paged attention for a packed batch of prefill chunks and decodes (see module docstring)."""
-    op = cpu_kernel() if kernel_fits(query, k_cache, v_cache) else None
-    tplan = derive_torch_plan(plan, k_cache.shape[2] if op is not None else 0)
+    """Paged attention for a packed batch of prefill chunks and decodes (see module docstring);
+    ``kernel``: the C++ ``paged_attention_rows`` op for the rows it takes (the caller checked
+    that these tensors fit it), or None for SDPA throughout."""
+    tplan = derive_torch_plan(plan, k_cache.shape[2] if kernel is not None else 0)
     decodes = tplan.decodes
     if len(decodes) == 1 and decodes[0].rows is None and query.shape[0] == plan.num_tokens:
         return _decode(query, k_cache, v_cache, decodes[0], scale)
     covered = sum(plan.q_lens)
     out = torch.zeros_like(query) if covered < query.shape[0] else torch.empty_like(query)
     if tplan.kernel is not None:
-        run_kernel(op, out, query, k_cache, v_cache, tplan.kernel, scale)
+        run_kernel(kernel, out, query, k_cache, v_cache, tplan.kernel, scale)
     for group in decodes:
         rows = group.rows if group.rows is not None else slice(0, plan.num_tokens)
         out[rows] = _decode(query[: plan.num_tokens], k_cache, v_cache, group, scale)

@@ -14,13 +14,15 @@ import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from pagedq.client.protocol import DEFAULT_PREFIX, DEFAULT_QUEUE, DEFAULT_TTL_S
 from pagedq.errors import InvalidRequestError
 
-DTYPES = ("float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: the model's dtype
+Dtype = Literal["float32", "bfloat16", "float16"]
+KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: the model's dtype
+DTYPES: tuple[str, ...] = get_args(Dtype)
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class Settings:
     cache_dir: Path  # $PAGEDQ_CACHE or ~/.cache/pagedq: converted models, kernels' builds
     hf_hub_cache: Path  # $HF_HUB_CACHE, $HF_HOME/hub or ~/.cache/huggingface/hub
     queue: str  # $PAGEDQ_QUEUE: the default queue name of every command
+    model: str | None  # $PAGEDQ_MODEL: the default model of every command
     consumer_name: str | None  # $PAGEDQ_CONSUMER_NAME: a worker's stable consumer name
     default_gguf: Path | None  # $PAGEDQ_DEFAULT_GGUF: the default model's GGUF, pre-fetched
     llama_cpp_dir: Path | None  # $PAGEDQ_LLAMA_CPP: llama.cpp binaries for the bench
@@ -45,6 +48,7 @@ class Settings:
         return cls(cache_dir=path("PAGEDQ_CACHE") or Path.home() / ".cache" / "pagedq",
                    hf_hub_cache=hub, queue=env.get("PAGEDQ_QUEUE") or DEFAULT_QUEUE,
                    consumer_name=env.get("PAGEDQ_CONSUMER_NAME") or None,
+                   model=env.get("PAGEDQ_MODEL") or None,
                    default_gguf=path("PAGEDQ_DEFAULT_GGUF"), llama_cpp_dir=path("PAGEDQ_LLAMA_CPP"))
 
 
@@ -56,42 +60,99 @@ def settings() -> Settings:
     return Settings.from_environ()
 
 
-@dataclass
-class EngineConfig:
-    """What the engine was asked for. Derived sizes (blocks, max_model_len) live on the Engine."""
+# Tokens per KV block when EngineConfig.block_size is None. A sequence wastes half a block on
+# average: 8 on the CPU costs the C++ attention kernel nothing measurable and keeps that waste
+# small for short sequences; 16 on CUDA is the Triton kernels' tile.
+DEFAULT_BLOCK_SIZE = {"cpu": 8, "cuda": 16}
 
-    model: str | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None  # bytes for the KV cache on CPU (default: see Engine)
-    gpu_memory_utilization: float = 0.9  # fraction of the GPU the engine may fill (CUDA only)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    long_prefill_token_threshold: int = 0  # 0: a prompt chunk may use the whole budget
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    dtype: str = "float32"
-    kv_cache_dtype: str = "auto"
+
+def default_device() -> str:
+    """The device an engine uses when not told: cuda when this machine has one, else cpu."""
+    import torch  # here, so the SDK-side commands that read this module never import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_block_size(device_type: str) -> int:
+    """The block size an engine on ``device_type`` ("cpu", "cuda") uses when not told."""
+    return DEFAULT_BLOCK_SIZE.get(device_type, 16)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every knob of the engine, defined once.
+
+    ``Engine(model, **knobs)`` builds one; every command derives its engine flags from these
+    fields (``--max-num-seqs`` for ``max_num_seqs``) and their docstrings, which are the flags'
+    help text. Sizes the engine derives (KV blocks, the final max_model_len) live on the Engine.
+    """
+
+    model: str | None = field(default_factory=lambda: settings().model)
+    """Model to serve: a local Hugging Face directory, a .gguf file or a repo id already in the
+    Hugging Face cache (default: $PAGEDQ_MODEL, else the bundled SmolLM2-135M-Instruct)."""
+    dtype: Dtype = "float32"
+    """Weights' and activations' dtype."""
+    kv_cache_dtype: KVCacheDtype = "auto"
+    """KV cache dtype (auto: the model's). float16 under a float32 model on the CPU halves the
+    memory attention reads per token."""
     device: str | None = None
-    num_threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
+    """cpu, cuda or cuda:N (default: cuda when available, else cpu)."""
+    block_size: int | None = None
+    """Tokens per KV block (default: 8 on the CPU, 16 on CUDA)."""
+    num_kv_blocks: int | None = None
+    """KV cache size in blocks; overrides kv_cache_memory and gpu_memory_utilization."""
+    kv_cache_memory: int | None = None
+    """Bytes for the KV cache on the CPU (default: 2 GiB or a quarter of the available memory,
+    whichever is smaller)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of the GPU's memory the engine may fill: weights, activations, then KV cache."""
+    max_num_seqs: int = 64
+    """Most sequences running at once."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one step: decodes take 1 each, prompts take chunks of the rest."""
+    max_model_len: int | None = None
+    """Most tokens one sequence (prompt + output) may hold (default: the model's context length,
+    bounded by the KV cache)."""
+    long_prefill_token_threshold: int = 0
+    """Most tokens of one prompt computed in one step (0: the whole step budget)."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the step budget over several steps, so running decodes keep
+    streaming while a long prompt is computed."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of prompt prefixes already computed."""
+    num_threads: int | None = None
+    """CPU threads for torch's intra-op parallelism (default: torch's choice)."""
+    seed: int = 0
+    """Seed of the random draws of requests that bring no seed of their own."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
             if not ok:
                 raise InvalidRequestError(f"engine config: {what}")
 
-        need(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        need(self.block_size is None or self.block_size >= 1,
+             f"block_size must be >= 1 or None, got {self.block_size}")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
              f"num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
+        need(self.kv_cache_memory is None or self.kv_cache_memory >= 1,
+             f"kv_cache_memory must be >= 1 byte or None, got {self.kv_cache_memory}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens >= 1,
              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        need(self.max_model_len is None or self.max_model_len >= 2,
+             f"max_model_len must be >= 2 or None, got {self.max_model_len}")
         need(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0")
         need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
+        need(self.num_threads is None or self.num_threads >= 1,
+             f"num_threads must be >= 1 or None, got {self.num_threads}")
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+
+    def resolved_block_size(self) -> int:
+        """``block_size``, or the default of the device the engine will run on."""
+        device_type = (self.device or default_device()).split(":")[0]
+        return self.block_size or default_block_size(device_type)
 
 
 @dataclass
@@ -99,24 +160,45 @@ class WorkerConfig:
     """Everything ``pagedq worker`` takes; engine fields go straight to ``Engine``."""
 
     model: str | None = None
+    """The engine's model (the ``--model`` flag); None: EngineConfig's default."""
     redis_url: str | None = None
+    """Redis holding the queue (default: $REDIS_URL; without either, an embedded redis-server
+    starts and its URL is logged)."""
     queue: str = field(default_factory=lambda: settings().queue)
+    """Queue to serve (default: $PAGEDQ_QUEUE, else "default")."""
     prefix: str = DEFAULT_PREFIX
+    """Prefix of every Redis key the queue uses."""
     consumer_name: str | None = None
+    """Stable consumer name in the queue's group, so a restarted worker resumes its own pending
+    jobs (default: $PAGEDQ_CONSUMER_NAME, else the host name)."""
     reclaim_after: float = 30.0
+    """Seconds without a lease renewal after which another worker takes over a job."""
     max_deliveries: int = 3
+    """Deliveries after which a job that keeps failing is dead-lettered."""
     ttl: int = DEFAULT_TTL_S
+    """Seconds each request's output stream and state live after their last write."""
     checkpoint_interval: float = 1.0
-    checkpoint_ttl: float | None = None  # default: max(5 s, 3 intervals)
+    """Seconds between the worker's heartbeat and load reports."""
+    checkpoint_ttl: float | None = None
+    """Seconds a report stays visible without a refresh (default: max(5, 3 intervals))."""
     drain_timeout: float = 30.0
-    poll_interval: float = 0.1  # how often the queue's cancel hint is read
-    ownership_check_interval: float = 1.0  # sweep of jobs with no recent publish
+    """On SIGTERM, seconds running jobs get to finish before the rest are handed back."""
+    poll_interval: float = 0.1
+    """Seconds between reads of the queue's cancel hint."""
+    ownership_check_interval: float = 1.0
+    """Seconds between checks that jobs which published nothing lately are still this
+    worker's."""
     read_block_ms: int = 1000
+    """Milliseconds one read of the queue waits for new jobs."""
     prompt_len_hint: int = 256
+    """Prompt length assumed for jobs not read yet when counting how many more fit."""
     metrics_port: int | None = None
+    """Serve Prometheus /metrics and /healthz on this port (0: any free one)."""
     metrics_host: str = "0.0.0.0"
+    """Address the metrics server listens on."""
     engine: dict[str, Any] = field(default_factory=dict)
 
     @property
     def checkpoint_ttl_s(self) -> float:
+        """How long a checkpoint (and the consumer-name lock) outlives its worker."""
         return self.checkpoint_ttl or max(5.0, 3 * self.checkpoint_interval)

@@ -1,4 +1,9 @@
-"""structlog set-up: JSON lines for services, readable console lines for the CLI."""
+"""structlog set-up: JSON lines for services, readable console lines for the CLI.
+
+Library code only calls ``get_logger``; the entry point (``pagedq worker``, the CLI) calls
+``configure_logging`` with the user's choice. A logger used before that gets the console
+default, so importing pagedq never needs a set-up step.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,18 @@ import logging
 import sys
 
 import structlog
+import structlog.typing
 
 _configured = False
 
 
 def configure_logging(json: bool = False, level: str = "INFO") -> None:
-    """Configure structlog once per process; later calls only change the level."""
+    """Set the renderer (JSON or console) and the level for the whole process.
+
+    Every call replaces the previous configuration, so an entry point's choice wins over the
+    console default a library logger may have installed first. Loggers are not cached, so
+    loggers created before the call follow it too.
+    """
     global _configured
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(
         colors=False
@@ -31,7 +42,8 @@ def configure_logging(json: bool = False, level: str = "INFO") -> None:
     _configured = True
 
 
-def get_logger(name: str) -> structlog.stdlib.BoundLogger:
+def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
+    """A structlog logger named ``name``; installs the console default if nothing has yet."""
     if not _configured:
         configure_logging()
     return structlog.get_logger(name)

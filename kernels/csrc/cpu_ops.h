@@ -1,13 +1,30 @@
-// Shared declarations of the pagedq_cpu library: the entry points other translation units call
-// directly (no dispatcher round trip) and the small AVX2 helpers they share.
+// Shared declarations of the pagedq_cpu_ops library: the ops (library.cpp registers them; the
+// fused layer calls them directly, without a dispatcher round trip), the instruction-set choice
+// the callers pass, and the small AVX2 helpers several ops use.
 #pragma once
 
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 #include <immintrin.h>
 
 #include <cstdint>
 
 namespace pagedq_cpu {
+
+// The `isa` argument of the ops that have more than one vector path (pagedq.kernels.cpu_ops.Isa
+// mirrors it). The backend selector picks it once from the CPU's features, so which path runs is
+// the caller's stated choice, not a hidden global.
+enum Isa : int64_t { kAvx2 = 0, kAvx512 = 1 };
+
+// A wrong `isa` would crash on an illegal instruction; refuse it with a message instead.
+inline void check_isa(int64_t isa) {
+  static const bool has_avx512 = __builtin_cpu_supports("avx512f") &&
+                                 __builtin_cpu_supports("avx512vl") &&
+                                 __builtin_cpu_supports("avx512dq");
+  TORCH_CHECK(isa == kAvx2 || (isa == kAvx512 && has_avx512), "isa ", isa,
+              " is not one this CPU runs: pass 0 (AVX2), or 1 (AVX-512) on a CPU with AVX-512F/VL/DQ");
+}
 
 // Horizontal sum of 8 floats.
 inline float hsum(__m256 v) {
@@ -42,10 +59,27 @@ void paged_attention_rows(at::Tensor& out, const at::Tensor& query, const at::Te
                           const at::Tensor& v_cache, const at::Tensor& block_table,
                           const at::Tensor& rows, double scale, int64_t heads_per_item,
                           int64_t grain);
-// Rows of x skinny_linear takes (streams each weight row once for all of them).
+// Rows of x skinny_linear takes (it streams each weight row once for all of them);
+// pagedq.kernels.cpu_ops.SKINNY_MAX_ROWS mirrors it.
 constexpr int64_t kMaxSkinnyRows = 16;
 void skinny_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
-                   const c10::optional<at::Tensor>& bias);
+                   const c10::optional<at::Tensor>& bias, int64_t isa);
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& rope, at::TensorList in_norm,
+                          at::TensorList qkv_w, const c10::List<c10::optional<at::Tensor>>& qkv_packed,
+                          const c10::List<c10::optional<at::Tensor>>& qkv_bias,
+                          const c10::List<c10::optional<at::Tensor>>& q_norm,
+                          const c10::List<c10::optional<at::Tensor>>& k_norm, at::TensorList o_w,
+                          const c10::List<c10::optional<at::Tensor>>& o_packed,
+                          const c10::List<c10::optional<at::Tensor>>& o_bias,
+                          at::TensorList post_norm, at::TensorList gate_up_w,
+                          const c10::List<c10::optional<at::Tensor>>& gate_up_packed,
+                          at::TensorList down_w,
+                          const c10::List<c10::optional<at::Tensor>>& down_packed,
+                          at::TensorList k_caches, at::TensorList v_caches,
+                          const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                          const at::Tensor& rows, int64_t num_heads, int64_t heads_per_item,
+                          int64_t grain, int64_t skinny_max_rows, int64_t isa, double eps,
+                          double scale);
 
 }  // namespace pagedq_cpu

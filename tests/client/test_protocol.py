@@ -26,10 +26,12 @@ from pagedq.client.protocol import (
     Keys,
     ProtocolError,
     build_request,
+    check_request_id,
     decode_event,
     decode_request,
     encode_event,
     encode_request,
+    engine_id,
     job_fields,
     priority_level,
 )
@@ -149,3 +151,11 @@ def test_keys_schema_uses_hash_tags_and_levels():
     assert k.out("abc") == "pq:req:{abc}:out" and k.state("abc") == "pq:req:{abc}:state"
     assert k.worker("w1") == "pq:q1:worker:w1"
     assert [priority_level(p) for p in (5, 0, -3)] == ["high", "normal", "low"]
+
+
+def test_lock_key_and_engine_ids():
+    k = Keys("q1", "pq")
+    assert k.lock("w1") == "pq:q1:lock:w1" and k.cancels == "pq:q1:cancels"
+    assert engine_id("abc-1", 3) == "abc-1#3"
+    with pytest.raises(ProtocolError):  # "#" never appears in a request id: the split is safe
+        check_request_id("a#1")

@@ -9,7 +9,7 @@ import torch
 
 from pagedq.client import SamplingParams
 from pagedq.worker import Engine
-from pagedq.worker.engine.beam_search import BeamParams
+from pagedq.worker.engine.beam_search import BeamParams, add_beam_request, beam_search
 from tests.engine.test_block_accounting import check_invariants
 from tests.oracle import assert_greedy, hf_logits
 
@@ -158,7 +158,7 @@ def test_beam_search_equals_reference(path, eos_is_likely):
         greedy = engine.generate([prompt], GREEDY)[0].outputs[0].token_ids
         engine.eos_token_ids = frozenset({greedy[1]})
     eos = engine.eos_token_ids
-    got = engine.beam_search([prompt], beam_width=3, max_tokens=6, length_penalty=1.0)[0]
+    got = beam_search(engine, [prompt], BeamParams(beam_width=3, max_tokens=6, length_penalty=1.0))[0]
     ref = reference_beam_search(path, prompt, 3, 6, 1.0, eos)
     assert len(got) == 3
     assert math.isclose(got[0].cum_logprob, ref[0][1], abs_tol=1e-3)
@@ -172,7 +172,7 @@ def test_beam_blocks_shared(path):
     """Beams share their prompt's blocks: far fewer blocks than width independent copies."""
     engine = Engine(path, block_size=4, num_kv_blocks=256)
     prompt = toks(100, 31)
-    engine.add_beam_request("b", prompt, BeamParams(beam_width=4, max_tokens=8))
+    add_beam_request(engine, "b", prompt, BeamParams(beam_width=4, max_tokens=8))
     peak = 0
     while engine.has_unfinished_requests():
         engine.step()

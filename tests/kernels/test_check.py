@@ -54,8 +54,18 @@ def test_triton_kernels_compile_for_hopper_without_a_gpu():
 
 
 def test_cpu_benchmark_runs(capsys):
+    """By default it times the selector's attention for the CPU beside SDPA; --paths picks."""
     from pagedq.kernels import bench
+    from pagedq.kernels.backend import select_backend
 
-    bench.main(["--backend", "torch", "--batches", "1,3", "--repeats", "1"])
+    bench.main(["--batches", "1,3", "--repeats", "1"])
     out = capsys.readouterr().out
     assert "decode b=3" in out and "prefill q=512" in out and "mixed" in out
+    header = out.splitlines()[0]
+    assert "ms sdpa" in header
+    assert ("ms cpp" in header) == (select_backend("cpu", head_dim=64).attention == "cpp")
+    bench.main(["--paths", "sdpa", "--batches", "2", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "ms sdpa" in out and "ms cpp" not in out and "decode b=2" in out
+    with pytest.raises(SystemExit, match="unknown attention"):
+        bench.main(["--paths", "torch"])

@@ -1,7 +1,9 @@
-"""The torch paged-attention backend and write_kv against the plain reference (reference.py).
+"""The SDPA paged-attention backend (and the "cpp" backend it hosts) and write_kv against the
+plain reference (reference.py).
 
 Every case scatters K/V over shuffled physical blocks of a NaN-filled cache, so reading an unused
-slot or a wrong block shows up as NaN or a large error.
+slot or a wrong block shows up as NaN or a large error. Calls without a backend run what the
+process's selector picks (the C++ kernel for decodes and short chunks on an AVX2 CPU).
 """
 
 from __future__ import annotations
@@ -49,11 +51,19 @@ def assert_matches_reference(case, out: torch.Tensor) -> None:
     torch.testing.assert_close(out.float(), ref.float(), **TOL[case.query.dtype])
 
 
+@pytest.fixture(params=["sdpa", "cpp"])
+def attention(request) -> str:
+    """Both CPU attentions: SDPA throughout, and the C++ kernel with SDPA for long chunks."""
+    if request.param == "cpp":
+        request.getfixturevalue("cpu_ops")  # skips where the C++ library cannot build
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("scenario", list(scenarios(8)))
-def test_matches_reference(dtype, block_size, group, scenario):
+def test_matches_reference(dtype, block_size, group, scenario, attention):
     q_lens, ctx = scenarios(block_size)[scenario]
     case = make_case(
         q_lens,
@@ -65,18 +75,18 @@ def test_matches_reference(dtype, block_size, group, scenario):
         dtype=dtype,
         seed=block_size * group,
     )
-    out = paged_attention(*case.attention_args(), backend="torch")
+    out = paged_attention(*case.attention_args(), backend=attention)
     assert out.shape == case.query.shape and out.dtype == dtype
     assert_matches_reference(case, out)
 
 
 @pytest.mark.parametrize("layout", ["joint", "interleaved"])
-def test_cache_views_of_one_kv_tensor(layout):
+def test_cache_views_of_one_kv_tensor(layout, attention):
     """k_cache = kv[0] (flattenable) and kv[:, 0] (not flattenable) both work in place."""
     q_lens, ctx = scenarios(8)["mixed"]
     case = make_case(q_lens, ctx, block_size=8, layout=layout, write_new=False)
     write_kv(case.new_keys, case.new_values, case.k_cache, case.v_cache, case.slot_mapping)
-    assert_matches_reference(case, paged_attention(*case.attention_args(), backend="torch"))
+    assert_matches_reference(case, paged_attention(*case.attention_args(), backend=attention))
 
 
 def test_write_then_attend_matches_reference():

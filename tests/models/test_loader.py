@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pagedq.errors import ModelNotFoundError
+from pagedq.worker.config import settings
 from pagedq.worker.models import default_model
 from pagedq.worker.models.loader import (
     cache_dir,
@@ -44,6 +45,7 @@ def isolated_env(tmp_path, monkeypatch):
     """No Hugging Face cache or pagedq cache of the machine leaks into a test."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-hub"))
     monkeypatch.setenv("PAGEDQ_CACHE", str(tmp_path / "pagedq-cache"))
+    settings.cache_clear()
     return tmp_path
 
 
@@ -226,6 +228,7 @@ def test_gguf_only_repo_in_hf_cache_converts(tiny_gguf_factory, isolated_env, tm
 def test_repo_id_resolves_from_hf_home(tiny_model_dir, isolated_env, monkeypatch):
     monkeypatch.delenv("HF_HUB_CACHE")
     monkeypatch.setenv("HF_HOME", str(isolated_env / "hf-home"))
+    settings.cache_clear()
     commit = "89abcdef0123456789abcdef0123456789abcdef"
     snapshot = _fake_hf_cache(isolated_env / "hf-home" / "hub", "tiny-org/tiny-qwen2",
                               tiny_model_dir("qwen2"), commit)
@@ -465,6 +468,7 @@ def test_default_model_second_use_is_cached(default_model_dir, monkeypatch):
     stamp = weights.stat().st_mtime_ns
     # Second use needs no GGUF at all (a bogus source proves it is not looked at).
     monkeypatch.setenv(default_model.GGUF_ENV, str(path / "no-such.gguf"))
+    settings.cache_clear()
     assert default_model.ensure_default_model() == path
     assert resolve_model(None) == path
     assert weights.stat().st_mtime_ns == stamp

@@ -17,7 +17,7 @@ import redis
 
 from pagedq.client import Client, SamplingParams
 from pagedq.client.protocol import GROUP, Keys, decode_event
-from tests.service.test_worker import running_worker
+from tests.service.harness import running_worker
 
 ENGINE_ARGS = ["--num-kv-blocks", "160", "--max-num-seqs", "2", "--max-model-len", "512"]
 

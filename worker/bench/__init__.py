@@ -1,5 +1,6 @@
-"""``pagedq bench``: the seed's claims measured against their baselines in one run.
+"""The benchmark: pagedq measured against its baselines in one run.
 
-Entry points: ``pagedq bench`` (cli.py) and ``run_bench(config, json_path, plot_dir)`` for code
-and tests. See docs/bench.md for what each figure means and how it is measured.
+Entry points: ``pagedq bench`` (pagedq.worker.cli.bench) and ``run_bench(config, json_path,
+plot_dir)`` (run.py) for code and tests. The README's benchmark section says what each figure
+means and how it is measured.
 """

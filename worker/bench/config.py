@@ -1,14 +1,16 @@
 """What a benchmark run does: model, engine knobs and the size of every scenario.
 
-``quick()`` fits the issue's budget (under 3 minutes on 2 CPU cores with the default model);
-``full()`` runs the issue's shapes (the 64-request mixed trace, 128-token decode sweeps). Tests
+``quick()`` is sized to finish in under 3 minutes on 2 CPU cores with the default model;
+``full()`` runs the target shapes (the 64-request mixed trace, 128-token decode sweeps). Tests
 build a config by hand with tiny sizes. Every number here ends up in the report's ``config``.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
+
+from pagedq.worker.config import EngineConfig
 
 from .workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT, LengthDist
 
@@ -16,25 +18,18 @@ SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "qu
 
 
 @dataclass(frozen=True)
-class BenchConfig:
-    """Every knob of a run. Engine knobs apply to every engine the run builds unless a
-    scenario needs a different value to mean anything (noted per field)."""
+class BenchConfig(EngineConfig):
+    """Every knob of a run: the engine's knobs (EngineConfig's fields, with its defaults) plus
+    the size of every scenario. The engine knobs apply to every engine the run builds unless a
+    scenario needs a different value to mean anything (capacity sizes its own KV cache, ITL
+    switches chunking); ``seed`` also seeds the synthetic traces, and ``num_threads`` applies to
+    the Hugging Face baseline and llama.cpp alike."""
 
-    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
-    device: str | None = None
-    dtype: str = "float32"
-    threads: int | None = None  # torch intra-op threads for pagedq and HF alike
-    seed: int = 0
+    max_model_len: int | None = 2048
+    """Most tokens per sequence in the serving engine (default: 2048, a fixed length so figures
+    do not depend on the model's context length; llama-server gets the same context)."""
     scenarios: tuple[str, ...] = SCENARIOS
     profile: str = "full"
-
-    # the serving engine (throughput, decode sweep, prefix and queue scenarios)
-    block_size: int | None = None  # None: the engine's default for the device (8 CPU, 16 CUDA)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
-    long_prefill_token_threshold: int = 0  # every engine: cap on one prompt's chunk per step
-    kv_cache_dtype: str = "auto"  # every pagedq engine and the worker (auto: the model's dtype)
 
     # throughput: a ShareGPT-like mixed trace, pagedq vs HF generate in static batches
     throughput_requests: int = 64
@@ -92,6 +87,11 @@ class BenchConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def engine_config(self, **overrides: Any) -> EngineConfig:
+        """The run's engine knobs as an EngineConfig, with a scenario's ``overrides``."""
+        knobs = {f.name: getattr(self, f.name) for f in fields(EngineConfig)}
+        return EngineConfig(**{**knobs, **overrides})
+
     def with_(self, **changes: Any) -> BenchConfig:
         return replace(self, **changes)
 
@@ -133,7 +133,7 @@ def _parse_like(current: Any, raw: str, name: str) -> Any:
 
 
 def full(**overrides: Any) -> BenchConfig:
-    """The issue's shapes: expect 10-20 minutes on 2 CPU cores."""
+    """The target shapes: expect 10-20 minutes on 2 CPU cores."""
     return BenchConfig(profile="full", **overrides)
 
 

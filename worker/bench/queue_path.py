@@ -62,30 +62,21 @@ def redis_url(configured: str | None) -> Iterator[str]:
 
 def worker_flags(bench: BenchRun, url: str, queue: str) -> list[str]:
     """Flags for the worker subprocess: exactly the serving engine's knobs."""
-    c = bench.config
-    kv = bench.serving_engine_kwargs()
-    wanted = {
-        "--model": str(bench.model_dir), "--redis-url": url, "--queue": queue,
-        "--num-kv-blocks": kv["num_kv_blocks"], "--block-size": c.block_size,
-        "--max-num-seqs": kv["max_num_seqs"],
-        "--max-num-batched-tokens": c.max_num_batched_tokens, "--max-model-len": c.max_model_len,
-        "--long-prefill-token-threshold": c.long_prefill_token_threshold,
-        "--dtype": c.dtype, "--kv-cache-dtype": c.kv_cache_dtype, "--device": c.device,
-        "--threads": c.threads,
-    }
-    return [x for flag, value in wanted.items() if value is not None for x in (flag, str(value))]
+    from pagedq.worker.cli.flags import to_flags
+
+    engine = bench.config.engine_config(model=str(bench.model_dir),
+                                        **bench.serving_engine_kwargs())
+    return ["--redis-url", url, "--queue", queue, *to_flags(engine)]
 
 
 @contextmanager
 def worker_process(bench: BenchRun, url: str, queue: str, log_path: Path) -> Iterator[Any]:
     """A worker subprocess on the run's model; SIGTERM (then SIGKILL) on the way out."""
-    env = dict(os.environ)
     cmd = [sys.executable, "-m", "pagedq.worker"]
     flags = worker_flags(bench, url, queue)
     bench.results["queue_worker_flags"] = flags
     with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen([*cmd, *flags], stdout=log_file, stderr=subprocess.STDOUT,
-                                env=env)
+        proc = subprocess.Popen([*cmd, *flags], stdout=log_file, stderr=subprocess.STDOUT)
         try:
             yield proc
         finally:

@@ -1,6 +1,6 @@
-"""Turn a BenchRun's raw measurements into the issue's figures: JSON, a terminal table, PNGs.
+"""Turn a BenchRun's raw measurements into the report's figures: JSON, a terminal table, PNGs.
 
-Every figure key of the issue is always present in the JSON. A figure that could not be
+Every figure key is always present in the JSON. A figure that could not be
 measured is ``null`` and ``unavailable[key]`` says why (a missing dependency, a failed
 scenario, or a scenario that was not selected), so a reader never mistakes a gap for a number.
 """
@@ -57,12 +57,12 @@ SCENARIO_OF = {
     "kv_blocks_n4_vs_unshared": "sharing", "kv_blocks_beam4_vs_unshared": "sharing",
 }
 
-# The issue's reference numbers: SmolLM2-135M-Instruct, f32, on its 2-core CPU. They are
-# comparable only for that model on that machine; the report carries them as context.
+# Reference numbers the targets were set against: SmolLM2-135M-Instruct, f32, on a 2-core CPU.
+# They are comparable only for that model on that machine; the report carries them as context.
 LLAMA_CPP_BATCHED_TG = {"1": 40.0, "8": 147.0, "32": 193.0, "64": 204.0}
-HF_BATCHED_TG_ISSUE = {"1": 16.0, "8": 62.0, "32": 130.0, "64": 161.0}
+HF_BATCHED_TG_REFERENCE = {"1": 16.0, "8": 62.0, "32": 130.0, "64": 161.0}
 LLAMA_CPP_SERVER_MIXED_TOK_S = 78.0
-HF_STATIC_MIXED_TOK_S_ISSUE = 26.0
+HF_STATIC_MIXED_TOK_S_REFERENCE = 26.0
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -261,7 +261,7 @@ def _decode(res: dict[str, Any], out: dict[str, Any]) -> None:
 
 
 def _targets(out: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets next to the measured value (None when it cannot be judged)."""
+    """The targets next to the measured value (None when it cannot be judged)."""
 
     def check(value: float | None, ok: Any, text: str) -> dict[str, Any]:
         return {"target": text, "value": value, "met": None if value is None else bool(ok(value))}
@@ -297,7 +297,7 @@ def _targets(out: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# The issue's targets against llama.cpp: pagedq's figure >= factor x llama.cpp's.
+# The targets against llama.cpp: pagedq's figure >= factor x llama.cpp's.
 LLAMA_CPP_FACTORS = {"decode_1_stream_tok_s": 0.9, "decode_64_streams_tok_s": 1.2,
                      "mixed_trace_tok_s": 1.3}
 
@@ -311,15 +311,15 @@ def judged_series(dec: dict[str, Any]) -> str:
 def llama_cpp_figures(out: dict[str, Any]) -> dict[str, tuple[float | None, str]]:
     """llama.cpp's decode at 1 and 64 streams and its server's mixed-trace tok/s, each with
     where it comes from: measured in this run when the llama_cpp scenario ran, else the
-    issue's figures (from another day's machine, so only indicative)."""
+    reference figures (from another day's machine, so only indicative)."""
     measured = (out.get("decode_tok_s_by_batch") or {}).get("llama_cpp") or {}
     server = out["tokens_per_s"].get("llama_cpp_server")
     figures: dict[str, tuple[float | None, str]] = {}
     for b in ("1", "64"):
         figures[b] = ((measured[b], "measured in this run") if b in measured
-                      else (LLAMA_CPP_BATCHED_TG[b], "the issue's figure"))
+                      else (LLAMA_CPP_BATCHED_TG[b], "the reference figure"))
     figures["server"] = ((server, "measured in this run") if server is not None
-                         else (LLAMA_CPP_SERVER_MIXED_TOK_S, "the issue's figure"))
+                         else (LLAMA_CPP_SERVER_MIXED_TOK_S, "the reference figure"))
     return figures
 
 
@@ -333,7 +333,7 @@ def _vs_llama_cpp(value: float | None, factor: float, ref: tuple[float | None, s
 
 
 def assemble(run: BenchRun) -> dict[str, Any]:
-    """The JSON document: figures under the issue's keys, absolutes, machine and provenance."""
+    """The JSON document: figures under their keys, absolutes, machine and provenance."""
     res = run.results
     out: dict[str, Any] = {key: None for key in FIGURE_KEYS}
     out.update(tokens_per_s={}, ttft_s={}, itl_s={}, details={}, unavailable={})
@@ -371,10 +371,10 @@ def assemble(run: BenchRun) -> dict[str, Any]:
                         if k in ("version", "gguf", "threads")} or None
     out["references"] = {
         "llama_cpp_batched_bench_tg_tok_s": LLAMA_CPP_BATCHED_TG,
-        "hf_batched_tg_tok_s_from_issue": HF_BATCHED_TG_ISSUE,
+        "hf_batched_tg_tok_s_reference": HF_BATCHED_TG_REFERENCE,
         "llama_cpp_server_mixed_trace_tok_s": LLAMA_CPP_SERVER_MIXED_TOK_S,
-        "hf_static_mixed_trace_tok_s_from_issue": HF_STATIC_MIXED_TOK_S_ISSUE,
-        "note": "from the issue: SmolLM2-135M-Instruct f32 on its 2-core CPU, on another day's "
+        "hf_static_mixed_trace_tok_s_reference": HF_STATIC_MIXED_TOK_S_REFERENCE,
+        "note": "the targets' reference: SmolLM2-135M-Instruct f32 on a 2-core CPU, on another day's "
                 "machine; targets use the llama_cpp scenario's figures when it ran",
     }
     out["config"] = _jsonable(run.config.to_dict())
@@ -479,11 +479,11 @@ def table(doc: dict[str, Any]) -> str:
 
 
 def _llama_cpp_cell(dec: dict[str, Any], b: str) -> str:
-    """llama.cpp's decode tok/s at batch b: this run's when measured, else the issue's."""
+    """llama.cpp's decode tok/s at batch b: this run's when measured, else the reference."""
     measured = (dec.get("llama_cpp") or {}).get(b)
     if measured is not None:
         return f"llama.cpp (this run): {_fmt(measured)}"
-    return f"llama.cpp (issue): {_fmt(LLAMA_CPP_BATCHED_TG.get(b))}"
+    return f"llama.cpp (reference): {_fmt(LLAMA_CPP_BATCHED_TG.get(b))}"
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -651,7 +651,7 @@ def _plot_decode(plt: Any, run: BenchRun, doc: dict[str, Any]) -> Any:
     if dec.get("llama_cpp"):
         series.append(("llama.cpp llama-batched-bench (this run)", dec["llama_cpp"], "x-"))
     elif run.config.model is None and run.config.device in (None, "cpu"):
-        series.append(("llama.cpp (issue's reference)", dec.get("llama_cpp_reference"), "x--"))
+        series.append(("llama.cpp (reference)", dec.get("llama_cpp_reference"), "x--"))
     for label, values, style in series:
         if values:
             xs = sorted(int(b) for b in values)

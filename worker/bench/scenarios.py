@@ -3,7 +3,7 @@
 ``BenchRun.execute()`` runs the selected scenarios in an order that keeps the comparisons
 clean: every pagedq measurement first (so the peak RSS recorded after them is pagedq's own),
 then the Redis path (a worker subprocess), then the Hugging Face baseline. Each scenario writes
-its raw results into ``self.results``; ``report.assemble`` turns them into the issue's figures.
+its raw results into ``self.results``; ``report.assemble`` turns them into the report's figures.
 
 A scenario whose dependency is missing (no Redis worker, no prefix caching) raises
 ``Unavailable`` and its figures are reported as unavailable with the reason; any other error is
@@ -82,19 +82,15 @@ class BenchRun:
 
     def __post_init__(self) -> None:
         if self.config.block_size is None:  # the engine's own default for the run's device
-            from pagedq.worker.engine.engine import DEFAULT_BLOCK_SIZE
-
-            device = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            kind = torch.device(device).type
-            self.config = self.config.with_(block_size=DEFAULT_BLOCK_SIZE.get(kind, 16))
+            self.config = self.config.with_(block_size=self.config.resolved_block_size())
 
     # -- set-up -----------------------------------------------------------------------------
     def setup(self) -> None:
         """Resolve the model once (both systems load the same directory) and set threads."""
         from pagedq.worker.models.loader import load_config, load_tokenizer, resolve_model
 
-        if self.config.threads:
-            torch.set_num_threads(self.config.threads)
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
         self.model_dir = resolve_model(self.config.model)
         cfg = load_config(self.model_dir)
         tok = load_tokenizer(self.model_dir)
@@ -115,16 +111,7 @@ class BenchRun:
         """A fresh Engine on the run's model with the run's knobs, overridden per scenario."""
         from pagedq.worker import Engine
 
-        c = self.config
-        kwargs: dict[str, Any] = dict(
-            block_size=c.block_size, max_num_seqs=c.max_num_seqs,
-            max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
-            long_prefill_token_threshold=c.long_prefill_token_threshold,
-            dtype=c.dtype, kv_cache_dtype=c.kv_cache_dtype, device=c.device,
-            num_threads=c.threads,
-        )
-        kwargs.update(overrides)
-        engine = Engine(str(self.model_dir), **kwargs)
+        engine = Engine(config=self.config.engine_config(model=str(self.model_dir), **overrides))
         driver.warm_up(engine, self.space.low)
         return engine
 
@@ -233,7 +220,7 @@ class BenchRun:
         """Peak KV blocks of one n=4 request and one beam-width-4 search on a long prompt, next
         to what four unshared copies of the same sequences would hold."""
         from pagedq.client import SamplingParams
-        from pagedq.worker.engine.beam_search import BeamParams
+        from pagedq.worker.engine.beam_search import BeamParams, add_beam_request
 
         c = self.config
         new = min(c.sharing_new_tokens, engine.max_model_len // 4)
@@ -245,7 +232,7 @@ class BenchRun:
         cases = {
             "n4": lambda rid: engine.add_request(rid, prompt, SamplingParams(
                 n=4, temperature=1.0, seed=c.seed, max_tokens=new, ignore_eos=True)),
-            "beam4": lambda rid: engine.add_beam_request(rid, prompt, BeamParams(4, new)),
+            "beam4": lambda rid: add_beam_request(engine, rid, prompt, BeamParams(4, new)),
         }
         for name, add in cases.items():
             base = engine.stats()["kv_blocks_used"]
@@ -417,7 +404,7 @@ class BenchRun:
         else:
             raise Unavailable("llama.cpp needs a GGUF of this run's model: --set "
                               "llama_cpp_model=PATH.gguf (f32, the same weights)")
-        threads = c.threads or torch.get_num_threads()
+        threads = c.num_threads or torch.get_num_threads()
         out: dict[str, Any] = {"version": cpp.version(), "gguf": str(gguf), "threads": threads}
         if "decode" in wanted:
             out["decode_rows"] = llama_cpp.batched_bench(

@@ -85,7 +85,7 @@ class LengthDist:
 
 
 # ShareGPT-like shapes (medians near the ShareGPT v3 conversations after the usual filtering),
-# clipped to the "mixed trace": prompts 32-512 tokens, outputs 16-256 tokens.
+# clipped to the target's "mixed trace": prompts 32-512 tokens, outputs 16-256 tokens.
 SHAREGPT_PROMPT = LengthDist(median=160.0, sigma=0.9, low=32, high=512)
 SHAREGPT_OUTPUT = LengthDist(median=96.0, sigma=0.8, low=16, high=256)
 

@@ -131,6 +131,15 @@ class KVCacheManager:
         return copies
 
     # -- accounting -----------------------------------------------------------------------
+    def stats(self, running: list[Sequence]) -> dict[str, int | float]:
+        pool = self.pool
+        return {"kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.num_used,
+                "kv_blocks_free": pool.num_free, "kv_tokens_live": self.live_tokens(running),
+                "kv_usage": pool.num_used / pool.num_blocks, "block_size": self.block_size,
+                "prefix_cache_queries": self.prefix_cache_queries,
+                "prefix_cache_hits": self.prefix_cache_hits,
+                "prefix_cache_evictions": pool.num_evictions}
+
     def live_tokens(self, seqs: list[Sequence]) -> int:
         """Slots holding computed KV of running sequences, shared blocks counted once."""
         bs = self.block_size

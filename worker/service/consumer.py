@@ -14,11 +14,13 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from pagedq.client.client import stream_replies
 from pagedq.client.protocol import GROUP, LEVELS, Keys
+from pagedq.client.queue import check_groups, create_groups, stream_replies
 from pagedq.worker.logging import get_logger
 
 log = get_logger("pagedq.worker.consumer")
+
+DEAD_LETTERS_MAXLEN = 10_000  # the dead-letter stream keeps about this many entries
 
 
 @dataclass
@@ -77,13 +79,10 @@ class Consumer:
         r.response_callbacks.pop("XAUTOCLAIM", None)
 
     async def ensure_groups(self) -> None:
-        """Create the streams and the group (id 0: jobs enqueued before any worker count)."""
-        for stream in self.streams:
-            try:
-                await self.r.xgroup_create(stream, GROUP, id="0", mkstream=True)
-            except ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+        """Create the streams and the consumer group unless they exist."""
+        pipe = self.r.pipeline(transaction=False)
+        create_groups(pipe, self.keys)
+        check_groups(await pipe.execute(raise_on_error=False))
 
     async def read(self, capacity: int, block_ms: int) -> list[Entry]:
         """Up to ``capacity`` new entries, higher levels first; blocks only when all are empty."""
@@ -160,17 +159,19 @@ class Consumer:
         pipe.xdel(stream, entry_id)
         await pipe.execute()
 
-    async def dead_letter(self, entry: Entry, reason: str, maxlen: int = 10_000) -> None:
-        """Move an entry to the dead-letter stream (with why) and drop it from the queue."""
+    async def dead_letter(self, entry: Entry, reason: str, ack: bool = True) -> None:
+        """Copy an entry to the dead-letter stream (with why) and, with ``ack``, drop it from
+        the queue. Without ``ack`` the caller's terminal publish acks it."""
         fields: dict[Any, Any] = {b"stream": entry.stream, b"entry_id": entry.entry_id,
                                   b"reason": reason[:2000], b"consumer": self.name}
         for k, v in (entry.fields or {}).items():
             if k not in fields:
                 fields[k] = v
         pipe = self.r.pipeline(transaction=False)
-        pipe.xadd(self.keys.dead, fields, maxlen=maxlen, approximate=True)
-        pipe.xack(entry.stream, GROUP, entry.entry_id)
-        pipe.xdel(entry.stream, entry.entry_id)
+        pipe.xadd(self.keys.dead, fields, maxlen=DEAD_LETTERS_MAXLEN, approximate=True)
+        if ack:
+            pipe.xack(entry.stream, GROUP, entry.entry_id)
+            pipe.xdel(entry.stream, entry.entry_id)
         await pipe.execute()
 
 

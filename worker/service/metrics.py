@@ -78,6 +78,10 @@ class Metrics:
     def inc(self, name: str, by: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + by
 
+    def count_failure(self, code: str) -> None:
+        """A request ended by an error event with protocol error ``code``."""
+        self.failed[code] = self.failed.get(code, 0) + 1
+
     def render(self) -> str:
         L = self.labels
         e = self.engine

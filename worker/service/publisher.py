@@ -1,8 +1,8 @@
 """Writing output events: each step's new tokens for all requests in ONE pipelined round trip.
 
-Every job's events for the batch go in a single fenced PUBLISH script call (scripts.py), so a
-job's events stay in order, a worker that lost the job writes nothing, and a retry after a
-dropped connection writes nothing twice.
+Every job's events for the batch go in a single fenced PUBLISH script call
+(pagedq.client.scripts), so a job's events stay in order, a worker that lost the job writes
+nothing, and a retry after a dropped connection writes nothing twice.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from pagedq.client.protocol import (
     Keys,
     encode_event,
 )
+from pagedq.client.scripts import PUBLISH, LuaScript, run_calls
 from pagedq.worker.logging import get_logger
 from pagedq.worker.service.job import LiveJob
-from pagedq.worker.service.scripts import PUBLISH, LuaScript, run_calls
 
 log = get_logger("pagedq.worker.publisher")
 

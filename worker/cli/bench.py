@@ -1,19 +1,24 @@
-"""``pagedq bench``: measure the seed's claims for pagedq against its baselines, in one run."""
+"""``pagedq bench``: measure pagedq against its baselines in one run, print the report."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from .config import SCENARIOS, BenchConfig, full, quick
+from pagedq.worker.bench.config import SCENARIOS, BenchConfig, full, quick
+from pagedq.worker.cli.flags import add_engine_flags, given
+from pagedq.worker.config import EngineConfig
+
+SEED_HELP = "Seed of the synthetic traces and of the engines' random draws (default: 0)"
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "bench", help="benchmark pagedq against HF generate and a max-length reservation",
-        description="Measure the seed's claims for pagedq against its baselines (HF generate "
-                    "with static batches, max-length KV reservation, unchunked prefill, cold "
-                    "prefix, in-process engine) in one run. See docs/bench.md.")
+        description="Measure pagedq against its baselines (HF generate with static batches, "
+                    "max-length KV reservation, unchunked prefill, cold prefix, the in-process "
+                    "engine, llama.cpp) in one run, and print how each figure compares with "
+                    "its target.")
     p.add_argument("--quick", action="store_true",
                    help="small traces and short decodes (target: < 3 minutes on 2 CPU cores)")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON here")
@@ -22,28 +27,8 @@ def register(subparsers: Any) -> None:
                    help="write the README's traditional-vs-paged table (Markdown) here")
     p.add_argument("--from-json", metavar="PATH",
                    help="measure nothing: re-print the table (and --markdown) from a saved JSON")
-    p.add_argument("--model", default=None,
-                   help="model directory, .gguf file or cached org/name (default: SmolLM2-135M)")
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if present)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="for pagedq and the HF baseline alike (default: float32)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads for pagedq and the HF baseline alike (default: torch's)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic traces (default: 0)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help=f"comma-separated subset of: {', '.join(SCENARIOS)} (default: all)")
-    p.add_argument("--block-size", type=int, default=None,
-                   help="KV block size (default: the engine's, 8 on CPU and 16 on CUDA)")
-    p.add_argument("--kv-cache-dtype", default=None,
-                   choices=("auto", "float32", "bfloat16", "float16"),
-                   help="KV cache dtype of every pagedq engine (default: auto, the model's); "
-                   "the decode sweep also runs once with decode_kv_cache_dtype (float16)")
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="serving engine's sequence cap (default: 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="per-step token budget, the chunk size in the ITL scenario (default: 512)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="serving engine's max_model_len (default: 2048)")
     p.add_argument("--requests", type=int, default=None,
                    help="requests in the throughput trace (default: 16 quick, 64 full)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -56,7 +41,8 @@ def register(subparsers: Any) -> None:
                         "$PAGEDQ_LLAMA_CPP; scripts/build-llama-cpp.sh builds them)")
     p.add_argument("--redis-url", default=None,
                    help="Redis for the queue scenario (default: a private redis-server)")
-    p.set_defaults(func=run_command)
+    add_engine_flags(p, defaults=BenchConfig(), helps={"seed": SEED_HELP})
+    p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -64,14 +50,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     unknown = sorted(set(scenarios) - set(SCENARIOS))
     if unknown:
         raise SystemExit(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
-    overrides: dict[str, Any] = dict(model=args.model, device=args.device, dtype=args.dtype,
-                                     threads=args.threads, seed=args.seed, scenarios=scenarios,
-                                     redis_url=args.redis_url)
-    optional = {"block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
-                "max_num_seqs": args.max_num_seqs,
-                "max_num_batched_tokens": args.max_num_batched_tokens,
-                "max_model_len": args.max_model_len, "throughput_requests": args.requests,
-                "llama_cpp": args.llama_cpp}
+    overrides: dict[str, Any] = {**given(args, EngineConfig), "scenarios": scenarios,
+                                 "redis_url": args.redis_url}
+    optional = {"throughput_requests": args.requests, "llama_cpp": args.llama_cpp}
     overrides.update({k: v for k, v in optional.items() if v is not None})
     config = quick(**overrides) if args.quick else full(**overrides)
     try:
@@ -80,29 +61,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise SystemExit(str(exc)) from exc
 
 
-def run_bench(config: BenchConfig, json_path: str | None = None,
-              plot_dir: str | None = None) -> tuple[dict[str, Any], list[str]]:
-    """Run, assemble, write; returns the JSON document and the plot paths (the tests' entry)."""
-    from . import report
-    from .scenarios import BenchRun
-
-    run = BenchRun(config)
-    run.execute()
-    doc = report.assemble(run)
-    plots: list[str] = []
-    if plot_dir:
-        plots = [str(p) for p in report.plot(run, doc, plot_dir)]
-        doc["plots"] = plots
-    if json_path:
-        report.write_json(doc, json_path)
-    return doc, plots
-
-
-def run_command(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from . import report
+    from pagedq.worker.bench import report
+    from pagedq.worker.bench.run import run_bench
 
     if args.from_json:
         doc, plots = json.loads(Path(args.from_json).read_text()), []

@@ -1,12 +1,14 @@
-// One whole Llama-family decoder layer in a single op, for CPU fp32 steps whose attention rows
+// Every Llama-family decoder layer of a step in one op, for CPU fp32 steps whose attention rows
 // all go to the paged kernel (decodes and short prefill chunks).
 //
-// Why: the Python layer issues ~60 ATen calls (norms, views, RoPE's mul/roll/addcmul, the KV
-// scatter with its padding check, chunk, silu, mul, adds). At decode batch sizes each costs
-// microseconds of dispatch and an OpenMP wake-up, ~10 ms per step for SmolLM2's 30 layers: a
-// fifth of a one-stream step. Here the glue is plain loops between the same heavy kernels:
+// Why: the Python layer issues ~60 ATen calls per layer (norms, views, RoPE's mul/roll/addcmul,
+// the KV scatter with its padding check, chunk, silu, mul, adds). At decode batch sizes each
+// costs microseconds of dispatch and an OpenMP wake-up, which over a model's layers adds up to
+// a sizeable share of a small step. Here the glue is plain loops between the same heavy kernels:
 // RMSNorm, the projections (skinny GEMV for few rows, the oneDNN-prepacked weight otherwise),
-// RoPE fused with the KV-cache write, paged attention, SiLU-and-multiply and the residuals.
+// RoPE fused with the KV-cache write, paged attention, SiLU-and-multiply and the residuals. One
+// call for all layers also means the engine thread releases the GIL once per step, not once
+// per layer.
 //
 // Numerics follow the Python path (pagedq/worker/models/llama.py): RMSNorm and RoPE in fp32
 // with the same folded-sign table, q/k RMSNorm (Qwen3) before RoPE, silu(gate) * up.
@@ -19,7 +21,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
-#include <torch/library.h>
 #include <immintrin.h>
 
 #include <cmath>
@@ -32,12 +33,14 @@
 namespace pagedq_cpu {
 namespace {
 
-// x @ w.T + bias by the route llama.py's linear() takes for this many rows.
+// x @ w.T + bias by the route the Python linear takes for this many rows (the backend's
+// LinearChoice): the skinny GEMV up to skinny_max_rows, the oneDNN-packed copy when there is
+// one, ATen's linear otherwise.
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& packed,
-                   const c10::optional<at::Tensor>& bias, int64_t skinny_max_rows) {
+                   const c10::optional<at::Tensor>& bias, int64_t skinny_max_rows, int64_t isa) {
   if (x.size(0) <= skinny_max_rows) {
     at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
-    skinny_linear(out, x, w, bias);
+    skinny_linear(out, x, w, bias, isa);
     return out;
   }
   if (!packed.has_value() || !packed->defined()) return at::linear(x, w, bias);
@@ -146,41 +149,38 @@ const float* data_or_null(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->data_ptr<float>() : nullptr;
 }
 
-}  // namespace
-
-at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& rope, const at::Tensor& in_norm,
-                         const at::Tensor& qkv_w, const c10::optional<at::Tensor>& qkv_packed,
-                         const c10::optional<at::Tensor>& qkv_bias,
-                         const c10::optional<at::Tensor>& q_norm,
-                         const c10::optional<at::Tensor>& k_norm, const at::Tensor& o_w,
-                         const c10::optional<at::Tensor>& o_packed,
-                         const c10::optional<at::Tensor>& o_bias, const at::Tensor& post_norm,
-                         const at::Tensor& gate_up_w, const c10::optional<at::Tensor>& gate_up_packed,
-                         const at::Tensor& down_w, const c10::optional<at::Tensor>& down_packed,
-                         at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                         const at::Tensor& block_table, const at::Tensor& rows, int64_t num_heads,
-                         int64_t heads_per_item, int64_t grain, int64_t skinny_max_rows, double eps,
-                         double scale) {
+// One decoder layer: x [T, hidden] -> x after attention and MLP, K/V of the new tokens written.
+at::Tensor layer(const at::Tensor& x, const at::Tensor& rope, const at::Tensor& in_norm,
+                 const at::Tensor& qkv_w, const c10::optional<at::Tensor>& qkv_packed,
+                 const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& q_norm,
+                 const c10::optional<at::Tensor>& k_norm, const at::Tensor& o_w,
+                 const c10::optional<at::Tensor>& o_packed, const c10::optional<at::Tensor>& o_bias,
+                 const at::Tensor& post_norm, const at::Tensor& gate_up_w,
+                 const c10::optional<at::Tensor>& gate_up_packed, const at::Tensor& down_w,
+                 const c10::optional<at::Tensor>& down_packed, at::Tensor& k_cache,
+                 at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                 const at::Tensor& rows, int64_t num_heads, int64_t heads_per_item, int64_t grain,
+                 int64_t skinny_max_rows, int64_t isa, double eps, double scale) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "decoder_layer: x must be contiguous CPU fp32 [T, hidden]");
+              "decoder_layers: x must be contiguous CPU fp32 [T, hidden]");
   const auto cache_dtype = k_cache.scalar_type();
   TORCH_CHECK((cache_dtype == at::kFloat || cache_dtype == at::kHalf ||
                cache_dtype == at::kBFloat16) &&
                   v_cache.scalar_type() == cache_dtype && k_cache.stride(3) == 1 &&
                   v_cache.stride(3) == 1,
-              "decoder_layer: float32, float16 or bfloat16 caches with a contiguous head_dim");
+              "decoder_layers: float32, float16 or bfloat16 caches with a contiguous head_dim");
   const int64_t T = x.size(0), num_kv_heads = k_cache.size(2), D = k_cache.size(3);
   TORCH_CHECK(rope.is_contiguous() && rope.size(0) == T && rope.size(1) == 2 && rope.size(2) == D,
-              "decoder_layer: rope must be contiguous [T, 2, head_dim]");
+              "decoder_layers: rope must be contiguous [T, 2, head_dim]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == T,
-              "decoder_layer: slot_mapping must be contiguous int64 [T]");
+              "decoder_layers: slot_mapping must be contiguous int64 [T]");
   const float feps = static_cast<float>(eps);
 
   at::Tensor h = at::empty_like(x);
   rms_norm(h, x, in_norm, eps);
-  const at::Tensor qkv = project(h, qkv_w, qkv_packed, qkv_bias, skinny_max_rows);
-  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "decoder_layer: qkv width");
+  const at::Tensor qkv = project(h, qkv_w, qkv_packed, qkv_bias, skinny_max_rows, isa);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "decoder_layers: qkv width");
   at::Tensor q = at::empty({T, num_heads, D}, x.options());
   const float* qn = data_or_null(q_norm);
   const float* kn = data_or_null(k_norm);
@@ -195,15 +195,13 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& rope, const at::
                           slot_mapping);
   at::Tensor o = at::empty({T, num_heads, D}, x.options());
   paged_attention_rows(o, q, k_cache, v_cache, block_table, rows, scale, heads_per_item, grain);
-  at::Tensor x1 = project(o.view({T, num_heads * D}), o_w, o_packed, o_bias, skinny_max_rows);
+  at::Tensor x1 = project(o.view({T, num_heads * D}), o_w, o_packed, o_bias, skinny_max_rows, isa);
   x1.add_(x);
   rms_norm(h, x1, post_norm, eps);
-  const at::Tensor act = silu_mul(project(h, gate_up_w, gate_up_packed, {}, skinny_max_rows));
-  at::Tensor out = project(act, down_w, down_packed, {}, skinny_max_rows);
+  const at::Tensor act = silu_mul(project(h, gate_up_w, gate_up_packed, {}, skinny_max_rows, isa));
+  at::Tensor out = project(act, down_w, down_packed, {}, skinny_max_rows, isa);
   return out.add_(x1);
 }
-
-namespace {
 
 c10::optional<at::Tensor> item(const c10::List<c10::optional<at::Tensor>>& list, size_t i) {
   return list.size() > i ? list.get(i) : c10::nullopt;
@@ -211,10 +209,6 @@ c10::optional<at::Tensor> item(const c10::List<c10::optional<at::Tensor>>& list,
 
 }  // namespace
 
-// Every decoder layer of a step in one call: the engine thread releases the GIL once per step
-// for all of them instead of once per layer, so in the queue worker the asyncio thread cannot
-// make it wait for the GIL between layers. (Measured: the worker's engine thread is off-CPU
-// ~8 s of a busy minute on 2 cores either way; that is CPU contention, not the GIL.)
 // Lists hold one entry per layer (optional lists may be empty when no layer has the tensor).
 at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& rope, at::TensorList in_norm,
                           at::TensorList qkv_w, const c10::List<c10::optional<at::Tensor>>& qkv_packed,
@@ -230,51 +224,24 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& rope, at::Tenso
                           at::TensorList k_caches, at::TensorList v_caches,
                           const at::Tensor& slot_mapping, const at::Tensor& block_table,
                           const at::Tensor& rows, int64_t num_heads, int64_t heads_per_item,
-                          int64_t grain, int64_t skinny_max_rows, double eps, double scale) {
+                          int64_t grain, int64_t skinny_max_rows, int64_t isa, double eps,
+                          double scale) {
   const size_t layers = qkv_w.size();
   TORCH_CHECK(in_norm.size() == layers && o_w.size() == layers && post_norm.size() == layers &&
                   gate_up_w.size() == layers && down_w.size() == layers &&
                   k_caches.size() == layers && v_caches.size() == layers,
               "decoder_layers: one entry per layer in every weight and cache list");
+  check_isa(isa);
   at::Tensor h = x;
   for (size_t i = 0; i < layers; ++i) {
     at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
-    h = decoder_layer(h, rope, in_norm[i], qkv_w[i], item(qkv_packed, i), item(qkv_bias, i),
-                      item(q_norm, i), item(k_norm, i), o_w[i], item(o_packed, i), item(o_bias, i),
-                      post_norm[i], gate_up_w[i], item(gate_up_packed, i), down_w[i],
-                      item(down_packed, i), k_cache, v_cache, slot_mapping, block_table, rows,
-                      num_heads, heads_per_item, grain, skinny_max_rows, eps, scale);
+    h = layer(h, rope, in_norm[i], qkv_w[i], item(qkv_packed, i), item(qkv_bias, i),
+              item(q_norm, i), item(k_norm, i), o_w[i], item(o_packed, i), item(o_bias, i),
+              post_norm[i], gate_up_w[i], item(gate_up_packed, i), down_w[i],
+              item(down_packed, i), k_cache, v_cache, slot_mapping, block_table, rows, num_heads,
+              heads_per_item, grain, skinny_max_rows, isa, eps, scale);
   }
   return h;
 }
 
 }  // namespace pagedq_cpu
-
-TORCH_LIBRARY_FRAGMENT(pagedq_cpu, m) {
-  m.def(
-      "decoder_layers(Tensor x, Tensor rope, Tensor[] in_norm, Tensor[] qkv_w, "
-      "Tensor?[] qkv_packed, Tensor?[] qkv_bias, Tensor?[] q_norm, Tensor?[] k_norm, "
-      "Tensor[] o_w, Tensor?[] o_packed, Tensor?[] o_bias, Tensor[] post_norm, "
-      "Tensor[] gate_up_w, Tensor?[] gate_up_packed, Tensor[] down_w, Tensor?[] down_packed, "
-      "Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, Tensor block_table, "
-      "Tensor rows, int num_heads, int heads_per_item, int grain, int skinny_max_rows, "
-      "float eps, float scale) -> Tensor");
-  m.def(
-      "decoder_layer(Tensor x, Tensor rope, Tensor in_norm, Tensor qkv_w, Tensor? qkv_packed, "
-      "Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, Tensor o_w, Tensor? o_packed, "
-      "Tensor? o_bias, Tensor post_norm, Tensor gate_up_w, Tensor? gate_up_packed, Tensor down_w, "
-      "Tensor? down_packed, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-      "Tensor block_table, Tensor rows, int num_heads, int heads_per_item, int grain, "
-      "int skinny_max_rows, float eps, float scale) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pagedq_cpu, CPU, m) {
-  m.impl("decoder_layer", &pagedq_cpu::decoder_layer);
-  m.impl("decoder_layers", &pagedq_cpu::decoder_layers);
-}
-
-// The oneDNN-packed weights are MkldnnCPU tensors, so the dispatcher picks that key.
-TORCH_LIBRARY_IMPL(pagedq_cpu, MkldnnCPU, m) {
-  m.impl("decoder_layer", &pagedq_cpu::decoder_layer);
-  m.impl("decoder_layers", &pagedq_cpu::decoder_layers);
-}

@@ -1,10 +1,8 @@
 // Paged attention for CPU query rows that read K/V straight from the paged cache (AVX2 + FMA).
 //
-// Why: the torch path gathers every sequence's K/V blocks into a padded contiguous tensor and
-// then runs SDPA over it, which reads the cache, writes a copy and reads the copy again. Decode
-// is memory-bound, so walking the block table in place and reading each K/V row exactly once
-// is the floor. Built at first use by pagedq/kernels/cpu_attention.py (torch cpp_extension)
-// with -O3 -mavx2 -mfma -mf16c -fopenmp, only on x86-64 CPUs that have AVX2.
+// Why: gathering every sequence's K/V blocks into a padded tensor before SDPA reads the cache,
+// writes a copy and reads the copy again. Decode is memory-bound, so walking the block table in
+// place and reading each K/V row exactly once is the floor.
 //
 // A "row" is one query token: (index into query/out, sequence, number of visible keys). A
 // decode token sees its whole sequence; token j of a prefill chunk of q_len tokens in a
@@ -18,7 +16,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <torch/library.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
@@ -26,7 +23,6 @@
 #include "cpu_ops.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -182,9 +178,9 @@ inline void pv_group(const T* v, int64_t v_stride, int64_t n, const float* p, in
 // Software prefetch of rows [o0, o1) (heads h0..h1 of each) of a block further down the block
 // table: every block is a jump the hardware prefetchers cannot predict. Issued a few rows at a
 // time, interleaved with the compute, so the misses overlap it without flooding the fill buffers.
-// Into L2 (T1), not L1: the L1 fill buffers are few and the loads that follow hit L2 fast enough;
-// 64 decodes over 128-512-token contexts (a 31 MB working set, past L3) take 3.3-3.5 ms per
-// layer this way against 4.6-5.0 with T0 and 4.0-4.5 with no software prefetch.
+// Into L2 (T1), not L1: the L1 fill buffers are few, and the loads that follow hit L2 fast
+// enough; T0 prefetches of a working set past L3 stall on those buffers and end up slower than
+// no software prefetch at all.
 template <typename T>
 inline void prefetch_rows(const T* block, int64_t o0, int64_t o1, int64_t row_stride,
                           int64_t head_stride, int64_t h0, int64_t h1, int64_t D) {
@@ -386,268 +382,4 @@ void paged_attention_rows(at::Tensor& out, const at::Tensor& query, const at::Te
   }
 }
 
-
-// ---------------------------------------------------------------------------------------------
-namespace {
-
-// skinny_linear: out[b, n] = sum_k x[b, k] * w[n, k] (+ bias[n]) for a few rows of x (decode
-// at small batch). Such steps are bound by streaming the weights; BLAS GEMM kernels tuned for
-// big tiles reach about half the memory bandwidth there. Here each weight row is read once,
-// for all rows of x.
-//
-// Each thread streams one contiguous slice of w, and each loop step also prefetches the cache
-// line kPrefetchFloats ahead in that stream. The hardware prefetchers alone stop at every 4 KiB
-// page and ramp up again: measured on the 2-core dev box over SmolLM2's 540 MB of projections
-// and LM head, 33 ms per pass without, 26 ms 1 KiB ahead, 22 ms 4 KiB ahead (24-27 GB/s, the
-// bandwidth a plain two-thread sum reaches), 24 ms 8 KiB ahead. Prefetches past the end of w
-// are harmless (they never fault).
-constexpr int64_t kPrefetchFloats = 1024;
-
-inline void prefetch_ahead(const float* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchFloats), _MM_HINT_T0);
-}
-
-// 1-4 rows: one weight row at a time against every row of x (two accumulators per x row).
-template <int B>
-void skinny_rows(const float* x, const float* w, const float* bias, float* out, int64_t N,
-                 int64_t K) {
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const float* wr = w + n * K;
-      __m256 acc0[B], acc1[B];
-      for (int b = 0; b < B; ++b) {
-        acc0[b] = _mm256_setzero_ps();
-        acc1[b] = _mm256_setzero_ps();
-      }
-      int64_t k = 0;
-      for (; k + 16 <= K; k += 16) {
-        prefetch_ahead(wr + k);  // 16 floats = one cache line per step
-        const __m256 w0 = _mm256_loadu_ps(wr + k), w1 = _mm256_loadu_ps(wr + k + 8);
-        for (int b = 0; b < B; ++b) {
-          acc0[b] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + b * K + k), acc0[b]);
-          acc1[b] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + b * K + k + 8), acc1[b]);
-        }
-      }
-      for (int b = 0; b < B; ++b) {
-        float v = hsum(_mm256_add_ps(acc0[b], acc1[b]));
-        for (int64_t kk = k; kk < K; ++kk) v += wr[kk] * x[b * K + kk];
-        out[b * N + n] = v + (bias ? bias[n] : 0.f);
-      }
-    }
-  });
-}
-
-// out[i, j] for MR rows of x and NR rows of w: MR * NR accumulators stay in registers while
-// the loop streams K; the NR weight rows stay in L1 across the row groups of x. With Prefetch
-// (the first row group) step k also prefetches the NR * 8 floats at w + NR * k, kPrefetchFloats
-// ahead: the tile's NR rows are contiguous, so that pointer walks the stream at the rate the
-// loop consumes it.
-template <int MR, int NR, bool Prefetch = false>
-inline void dot_tile(const float* x, const float* w, int64_t K, float* out, int64_t N,
-                     const float* bias) {
-  __m256 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    if constexpr (Prefetch)
-      for (int j = 0; j < NR * 8; j += 16) prefetch_ahead(w + NR * k + j);
-    __m256 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
-    for (int i = 0; i < MR; ++i) {
-      const __m256 xv = _mm256_loadu_ps(x + i * K + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) {
-      float v = hsum(acc[i][j]);
-      for (int64_t kk = k; kk < K; ++kk) v += x[i * K + kk] * w[j * K + kk];
-      out[i * N + j] = v + (bias ? bias[j] : 0.f);
-    }
-}
-
-// 5-16 rows, AVX2: 3 x rows by 4 weight rows per register tile (12 accumulators). Measured on
-// the 2-core AVX2 dev box over SmolLM2's projections: 8 rows 51 ms vs oneDNN's 62, 16 rows 68
-// vs 76.
-struct Avx2Tile {
-  static constexpr int kRows = 3, kCols = 4;
-  template <int MR, int NR, bool Prefetch = false>
-  static void dot(const float* x, const float* w, int64_t K, float* out, int64_t N,
-                  const float* bias) {
-    dot_tile<MR, NR, Prefetch>(x, w, K, out, N, bias);
-  }
-};
-
-// ---- the same tiles with AVX-512, chosen at run time -----------------------------------------
-// The library is built for AVX2 (every x86-64 CPU the kernels support); only these functions are
-// compiled for AVX-512F and they run only where the CPU has it. 5-16 row steps are compute-bound
-// (each weight element feeds up to 16 FMAs), and 16-lane FMAs halve the instruction count; 32
-// vector registers hold a 4 x 4 tile of accumulators.
-#define PAGEDQ_AVX512 __attribute__((target("avx512f,avx512vl,avx512dq,fma")))
-
-template <int MR, int NR, bool Prefetch = false>
-PAGEDQ_AVX512 inline void dot_tile16(const float* x, const float* w, int64_t K, float* out,
-                                     int64_t N, const float* bias) {
-  __m512 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    if constexpr (Prefetch)
-      for (int j = 0; j < NR * 16; j += 16) prefetch_ahead(w + NR * k + j);
-    __m512 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_ps(w + j * K + k);
-    for (int i = 0; i < MR; ++i) {
-      const __m512 xv = _mm512_loadu_ps(x + i * K + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
-  }
-  if (k < K) {  // the K tail: masked loads read nothing past the row
-    const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
-    __m512 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = _mm512_maskz_loadu_ps(m, w + j * K + k);
-    for (int i = 0; i < MR; ++i) {
-      const __m512 xv = _mm512_maskz_loadu_ps(m, x + i * K + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j)
-      out[i * N + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[j] : 0.f);
-}
-
-// The tile's calls into dot_tile16 stay calls (a function built for AVX2 cannot inline AVX-512
-// code); one call covers a whole 4 x 4 tile over K, so the call costs nothing measurable.
-struct Avx512Tile {
-  static constexpr int kRows = 4, kCols = 4;
-  template <int MR, int NR, bool Prefetch = false>
-  static void dot(const float* x, const float* w, int64_t K, float* out, int64_t N,
-                  const float* bias) {
-    dot_tile16<MR, NR, Prefetch>(x, w, K, out, N, bias);
-  }
-};
-
-// ---- 5-16 rows with either tile ----------------------------------------------------------------
-// Rows m.. of x in groups of Tile::kRows (then the leftover group) against NR weight rows.
-template <class Tile, int NR>
-void row_groups(int64_t m, int64_t M, const float* x, const float* w, int64_t K, float* out,
-                int64_t N, const float* bias) {
-  for (; m + Tile::kRows <= M; m += Tile::kRows)
-    Tile::template dot<Tile::kRows, NR>(x + m * K, w, K, out + m * N, N, bias);
-  const int64_t rest = M - m;
-  if (rest == 3) Tile::template dot<3, NR>(x + m * K, w, K, out + m * N, N, bias);
-  if (rest == 2) Tile::template dot<2, NR>(x + m * K, w, K, out + m * N, N, bias);
-  if (rest == 1) Tile::template dot<1, NR>(x + m * K, w, K, out + m * N, N, bias);
-}
-
-// Threads split the weight rows in tiles of Tile::kCols; each tile's first row group (M >= 5, so
-// a full one) prefetches the weight stream, the other groups find those rows in L1.
-template <class Tile>
-void tiled_rows(const float* x, const float* w, const float* bias, float* out, int64_t M,
-                int64_t N, int64_t K) {
-  const int64_t col_blocks = (N + Tile::kCols - 1) / Tile::kCols;
-  at::parallel_for(0, col_blocks, 4, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t n = c * Tile::kCols;
-      if (n + Tile::kCols > N) {  // ragged last columns: one weight row at a time
-        for (int64_t nn = n; nn < N; ++nn)
-          row_groups<Tile, 1>(0, M, x, w + nn * K, K, out + nn, N, bias ? bias + nn : nullptr);
-        continue;
-      }
-      const float* bn = bias ? bias + n : nullptr;
-      Tile::template dot<Tile::kRows, Tile::kCols, true>(x, w + n * K, K, out + n, N, bn);
-      row_groups<Tile, Tile::kCols>(Tile::kRows, M, x, w + n * K, K, out + n, N, bn);
-    }
-  });
-}
-
-// AVX-512 tiles where the CPU has them; set_skinny_avx512(false) forces the AVX2 tiles (tests
-// compare both paths on a machine that has both).
-const bool kCpuHasAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                           __builtin_cpu_supports("avx512dq");
-std::atomic<bool> use_avx512{kCpuHasAvx512};
-
-}  // namespace
-
-bool set_skinny_avx512(bool on) {
-  return use_avx512.exchange(on && kCpuHasAvx512);
-}
-
-void skinny_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
-                   const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: shapes");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
-              "skinny_linear: fp32 only");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(),
-              "skinny_linear: contiguous tensors only");
-  const int64_t rows = x.size(0), N = w.size(0), K = w.size(1);
-  TORCH_CHECK(rows >= 1 && rows <= kMaxSkinnyRows && out.size(0) == rows && out.size(1) == N,
-              "skinny_linear: 1 to 16 rows, out [rows, N]");
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N, "skinny_linear: bias [N]");
-    bp = bias->data_ptr<float>();
-  }
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  switch (rows) {
-    case 1: skinny_rows<1>(xp, wp, bp, op, N, K); break;
-    case 2: skinny_rows<2>(xp, wp, bp, op, N, K); break;
-    case 3: skinny_rows<3>(xp, wp, bp, op, N, K); break;
-    case 4: skinny_rows<4>(xp, wp, bp, op, N, K); break;
-    default:
-      if (use_avx512.load(std::memory_order_relaxed))
-        tiled_rows<Avx512Tile>(xp, wp, bp, op, rows, N, K);
-      else
-        tiled_rows<Avx2Tile>(xp, wp, bp, op, rows, N, K);
-      break;
-  }
-}
-
-
-// rms_norm: out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, one pass per row (fp32). The
-// composite ATen version is six kernel launches; at decode batch sizes launches dominate.
-void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
-              "rms_norm: fp32 [rows, hidden]");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(),
-              "rms_norm: contiguous tensors only");
-  const int64_t rows = x.size(0), H = x.size(1);
-  TORCH_CHECK(w.numel() == H && out.size(0) == rows && out.size(1) == H, "rms_norm: shapes");
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = xp + r * H;
-      float* orow = op + r * H;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) orow[i] = wp[i] * (xr[i] * inv);
-    }
-  });
-}
-
 }  // namespace pagedq_cpu
-
-// Registered as torch.ops.pagedq_cpu.paged_attention_rows (no pybind: the light headers keep
-// the one-off compile short).
-TORCH_LIBRARY(pagedq_cpu, m) {
-  m.def(
-      "paged_attention_rows(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
-      "Tensor block_table, Tensor rows, float scale, int heads_per_item, int grain) -> ()");
-  m.def("skinny_linear(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
-  m.def("set_skinny_avx512(bool on) -> bool", &pagedq_cpu::set_skinny_avx512);
-  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor w, float eps) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(pagedq_cpu, CPU, m) {
-  m.impl("paged_attention_rows", &pagedq_cpu::paged_attention_rows);
-  m.impl("skinny_linear", &pagedq_cpu::skinny_linear);
-  m.impl("rms_norm", &pagedq_cpu::rms_norm);
-}

@@ -1,8 +1,11 @@
-"""The worker's Lua scripts (atomic, fenced state changes) and how they are called.
+"""Every Lua script of the protocol, and the EVALSHA runner that calls them.
 
-Every write a worker makes on a job's behalf checks the job's fencing ``epoch`` in the same
-atomic script, so a worker that lost a job (its lease was reclaimed, it handed it back) can
-never write to it again. State hash fields (``P:req:{ID}:state``):
+A job's state changes atomically, in Redis, through these scripts only: clients cancel with
+CANCEL; workers claim (CLAIM), write events (PUBLISH), keep (RENEW) and give back (HANDBACK)
+jobs. Every write a worker makes on a job's behalf checks the job's fencing ``epoch`` in the
+same script, so a worker that lost a job (its lease was reclaimed, it handed it back) can never
+write to it again. They live on the client side because they are the protocol: another
+language's client or worker runs the same source. State hash fields (``P:req:{ID}:state``):
 
     epoch        bumped by every claim and hand-back; the owner's fencing token
     owner        consumer name of the last claimant
@@ -20,6 +23,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
+
+from pagedq.client.protocol import CANCELLED, Event, Keys, encode_event
 
 # KEYS: state.  ARGV: owner, ttl.  -> {epoch, deliveries, seq, done, cancel}
 CLAIM = """
@@ -107,6 +112,31 @@ redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
 redis.call('XDEL', KEYS[2], ARGV[3])
 return 1
 """
+
+# KEYS: state, out.  ARGV: ttl seconds, encoded CANCELLED event.
+# -> 0: already done; 1: flagged, the owning worker stops it and writes the terminal event;
+# 2: no worker held it (never claimed, or handed back), so the terminal event is written here.
+CANCEL = """
+local st = KEYS[1]
+if redis.call('HGET', st, 'done') == '1' then return 0 end
+redis.call('HSET', st, 'cancel', '1')
+redis.call('EXPIRE', st, ARGV[1])
+if redis.call('HEXISTS', st, 'owner') == 0 or redis.call('HGET', st, 'handed_back') == '1' then
+  local seq = redis.call('HINCRBY', st, 'seq', 1)
+  redis.call('XADD', KEYS[2], '*', 'seq', seq, 'e', ARGV[2])
+  redis.call('HSET', st, 'done', '1')
+  redis.call('EXPIRE', KEYS[2], ARGV[1])
+  return 2
+end
+return 1
+"""
+CANCEL_FLAGGED = 1  # CANCEL's reply when a worker holds the job: bump the cancel hint
+
+
+def cancel_call(keys: Keys, request_id: str, ttl: int) -> dict[str, list[Any]]:
+    """CANCEL's keys and args for ``request_id`` (for redis-py's ``Script(keys=, args=)``)."""
+    event = encode_event(Event(type=CANCELLED, request_id=request_id))
+    return {"keys": [keys.state(request_id), keys.out(request_id)], "args": [ttl, event]}
 
 
 class LuaScript:

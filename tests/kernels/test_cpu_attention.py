@@ -1,15 +1,15 @@
-"""The C++ CPU paged-attention kernel (kernels/csrc) against the plain reference (reference.py).
+"""The C++ paged-attention kernel (csrc/attention.cpp) against the plain reference (reference.py).
 
 The kernel is called directly with rows for *every* query token (decodes and whole prefill
 chunks, whatever their length), so it is checked on its own; then through ``paged_attention``,
-where the torch backend sends decodes and short chunks to it. Every case scatters K/V over
-shuffled physical blocks of a NaN-filled cache: a read of an unused slot shows up as NaN.
+where the "cpp" backend sends decodes and short chunks to it and longer chunks to SDPA. Every
+case scatters K/V over shuffled physical blocks of a NaN-filled cache: a read of an unused slot
+shows up as NaN.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -17,16 +17,11 @@ import torch
 from pagedq.kernels import paged_attention, plan_attention, reference_paged_attention
 from pagedq.kernels.cases import make_case
 from pagedq.kernels.cpu_attention import (
-    ENV_SWITCH,
     MAX_KERNEL_CHUNK,
     MAX_KERNEL_CHUNK_KEYS,
-    STALE_LOCK_SECONDS,
-    _clear_stale_lock,
-    _load_once,
-    cpu_kernel,
     kernel_rows,
     kernel_takes,
-    unavailable_reason,
+    kernel_takes_step,
 )
 from tests.kernels.test_torch_attention import scenarios
 
@@ -38,11 +33,8 @@ TOL = {
 
 
 @pytest.fixture(scope="module")
-def op():
-    kernel = cpu_kernel()
-    if kernel is None:
-        pytest.skip(f"C++ CPU kernel unavailable on this machine: {unavailable_reason()}")
-    return kernel
+def op(cpu_ops):
+    return cpu_ops.paged_attention_rows
 
 
 def run_all_rows(op, case, heads_per_item: int | None = None, grain: int = 1) -> torch.Tensor:
@@ -112,7 +104,8 @@ def test_half_precision_caches_under_fp32_queries(op, dtype):
     rounded = dataclasses.replace(case, k_cache=low.k_cache.float(), v_cache=low.v_cache.float())
     assert_matches_reference(rounded, out)
     # and the engine-facing entry point takes the same mix (kernel rows and SDPA chunks alike)
-    torch.testing.assert_close(paged_attention(*low.attention_args()), out, **TOL[torch.float32])
+    torch.testing.assert_close(paged_attention(*low.attention_args(), backend="cpp"), out,
+                               **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("layout", ["joint", "interleaved"])
@@ -152,14 +145,14 @@ def test_thread_split_is_deterministic(op):
 
 
 def test_paged_attention_routes_decodes_and_short_chunks_to_the_kernel(op):
-    """The torch backend: kernel rows for decodes and chunks <= MAX_KERNEL_CHUNK, SDPA beyond."""
+    """The cpp backend: kernel rows for decodes and chunks <= MAX_KERNEL_CHUNK, SDPA beyond."""
     q_lens = [1, MAX_KERNEL_CHUNK, 1, MAX_KERNEL_CHUNK + 1, 0, 5]
     ctx = [40, 3, 0, 17, 9, 16]
     case = make_case(q_lens, ctx, num_heads=6, num_kv_heads=2, head_dim=32, block_size=16)
     plan = plan_attention(case.block_table, case.seq_lens, case.cu_seqlens_q, 16)
-    out = paged_attention(*case.attention_args(), backend="torch", plan=plan)
+    out = paged_attention(*case.attention_args(), backend="cpp", plan=plan)
     assert_matches_reference(case, out)
-    tplan = plan._derived["torch+cpu"]
+    tplan = plan._derived["cpp"]
     assert tplan.decodes == []
     assert [(c.q_start, c.q_end) for c in tplan.chunks] == [(34, 34 + MAX_KERNEL_CHUNK + 1)]
     assert tplan.kernel.rows.shape[0] == 1 + MAX_KERNEL_CHUNK + 1 + 5
@@ -177,85 +170,16 @@ def test_short_chunks_over_long_contexts_go_to_sdpa(op):
     q_lens, ctx = [1, 8, 8], [900, 2100, 10]  # 8 x 2108 keys > 16384: SDPA
     case = make_case(q_lens, ctx, num_heads=6, num_kv_heads=2, head_dim=32, block_size=16)
     plan = plan_attention(case.block_table, case.seq_lens, case.cu_seqlens_q, 16)
-    out = paged_attention(*case.attention_args(), backend="torch", plan=plan)
+    out = paged_attention(*case.attention_args(), backend="cpp", plan=plan)
     assert_matches_reference(case, out)
-    tplan = plan._derived["torch+cpu"]
+    tplan = plan._derived["cpp"]
     assert [(c.q_start, c.q_end) for c in tplan.chunks] == [(1, 9)]
     assert sorted(tplan.kernel.rows[:, 0].tolist()) == [0, *range(9, 17)]
 
 
-def test_switch_off_uses_the_torch_path(op, monkeypatch):
-    q_lens, ctx = scenarios(8)["mixed"]
-    case = make_case(q_lens, ctx, block_size=8)
-    monkeypatch.setenv(ENV_SWITCH, "0")
-    assert cpu_kernel() is None and "PAGEDQ_CPU_KERNEL=0" in unavailable_reason()
-    plan = plan_attention(case.block_table, case.seq_lens, case.cu_seqlens_q, 8)
-    assert_matches_reference(case, paged_attention(*case.attention_args(), plan=plan))
-    assert "torch" in plan._derived and "torch+cpu" not in plan._derived
-    monkeypatch.setenv(ENV_SWITCH, "1")
-    assert cpu_kernel() is op
-
-
-def test_build_failure_returns_none_with_a_reason(op, tmp_path, monkeypatch):
-    """A source that does not compile yields None and a reason, never an exception."""
-    broken = tmp_path / "broken.cpp"
-    broken.write_text('#error "deliberately broken"\n')
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    assert _load_once(broken, name="pagedq_cpu_attention_broken_test") is None
-    assert "deliberately broken" in unavailable_reason()
-    assert _load_once(tmp_path / "missing.cpp", name="pagedq_missing") is None
-    assert "is not installed" in unavailable_reason()
-
-
-def test_stale_build_lock_is_removed(tmp_path):
-    """cpp_extension would wait forever on the lock of a build killed mid-compile."""
-    fresh, stale = tmp_path / "fresh", tmp_path / "stale"
-    for d in (fresh, stale):
-        d.mkdir()
-        (d / "lock").touch()
-    old = (stale / "lock").stat().st_mtime - STALE_LOCK_SECONDS - 60
-    os.utime(stale / "lock", (old, old))
-    _clear_stale_lock(fresh)
-    _clear_stale_lock(stale)
-    assert (fresh / "lock").exists() and not (stale / "lock").exists()
-
-
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 16])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("isa", ["native", "avx2"])
-def test_skinny_linear_matches_torch(rows, bias, isa):
-    """The 1-16 row GEMV the engine uses at small decode batches, against F.linear: K=200 has
-    a tail past the vector loop, N=77 a ragged last column tile. "native" takes the AVX-512
-    tiles on a CPU that has them; "avx2" forces the AVX2 tiles every x86-64 CPU runs."""
-    from pagedq.kernels.cpu_attention import skinny_linear_op
-
-    op = skinny_linear_op()
-    if op is None:
-        pytest.skip("the C++ CPU kernels are unavailable on this machine")
-    g = torch.Generator().manual_seed(rows)
-    x, w = torch.randn(rows, 200, generator=g), torch.randn(77, 200, generator=g)
-    b = torch.randn(77, generator=g) if bias else None
-    out = torch.empty(rows, 77)
-    before = torch.ops.pagedq_cpu.set_skinny_avx512(isa == "native")
-    try:
-        op(out, x, w, b)
-    finally:
-        torch.ops.pagedq_cpu.set_skinny_avx512(before)
-    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
-    if rows == 16:
-        with pytest.raises(RuntimeError, match="1 to 16 rows"):
-            op(torch.empty(17, 77), torch.randn(17, 200), w, b)
-
-
-@pytest.mark.parametrize("shape", [(1, 576), (5, 64), (33, 100)])
-def test_cpu_rms_norm_matches_torch(shape):
-    from pagedq.kernels.cpu_attention import cpu_kernel
-
-    if cpu_kernel() is None:
-        pytest.skip("the C++ CPU kernels are unavailable on this machine")
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
-    out = torch.empty_like(x)
-    torch.ops.pagedq_cpu.rms_norm(out, x, w, 1e-6)
-    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+def test_a_step_of_decodes_and_short_chunks_fits_the_fused_layer():
+    """The fused C++ layer runs a step only when the kernel takes every one of its rows."""
+    plan = plan_attention(*make_case([1, 5, 1], [40, 3, 0], block_size=8).attention_args()[3:6], 8)
+    assert kernel_takes_step(plan)
+    long = make_case([1, MAX_KERNEL_CHUNK + 1], [40, 3], block_size=8)
+    assert not kernel_takes_step(plan_attention(*long.attention_args()[3:6], 8))

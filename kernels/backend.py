@@ -1,0 +1,280 @@
+"""The backend selector: which kernels run the model, decided once at engine start.
+
+Each kind of work a step does has a few implementations, and the :class:`Backend` names the one
+that runs:
+
+- ``attention``: ``"cpp"`` (the C++ kernel reads K/V in place through the block table; it takes
+  decodes and short prefill chunks, and SDPA takes longer chunks, see
+  :func:`pagedq.kernels.cpu_attention.kernel_takes`), ``"sdpa"`` (the K/V blocks gathered into a
+  padded copy, then torch's fused ``scaled_dot_product_attention``) or ``"triton"`` (one Triton
+  launch per step: CUDA, or CPU tensors in Triton's interpreter);
+- ``kv_write``: ``"torch"`` (indexed copy) or ``"triton"``;
+- ``linears``: one :class:`LinearChoice` per weight format, which picks by the step's row count
+  (the C++ skinny GEMV for few rows, oneDNN-prepacked weights or ``F.linear`` for more);
+- ``norm``: ``"cpp"`` or ``"torch"``; ``layer``: ``"cpp-fused"`` (every decoder layer of a step
+  in one C++ call, for steps whose rows all fit the attention kernel) or ``"python"``.
+
+The :class:`Selector` decides from the device, the model's dtype, the KV-cache dtype and head
+size, the CPU's vector extensions (:mod:`pagedq.kernels.cpu_features`) and these environment
+switches, which :meth:`Switches.from_environ` reads once per process:
+
+    PAGEDQ_CPU_KERNEL=0    no C++ kernels: attention "sdpa", linears oneDNN or torch
+    PAGEDQ_ONEDNN=0        no oneDNN-prepacked weights: batched CPU linears use F.linear
+    PAGEDQ_FUSED_LAYER=0   the per-op Python decoder layer instead of the fused C++ one
+    TRITON_INTERPRET=1     allow attention "triton" on CPU tensors (Triton's interpreter)
+    TORCH_EXTENSIONS_DIR   where the C++ library is built and cached
+
+and logs one line saying what it chose and why. Model code asks the Backend it was given; it
+reads neither the environment nor module globals. Tests and benchmarks build a Selector with
+explicit switches or CPU features instead of changing the environment.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pagedq.kernels.cpu_attention import unsupported
+from pagedq.kernels.cpu_features import CpuFeatures, detect_cpu_features
+from pagedq.kernels.cpu_ops import SKINNY_MAX_ROWS, CpuOps, Isa, load_cpu_ops, unavailable_reason
+from pagedq.worker.logging import get_logger
+
+ATTENTION = ("cpp", "sdpa", "triton")
+KV_WRITE = ("torch", "triton")
+OFF = ("0", "false", "no", "off")
+ONEDNN_BATCH_HINT = 64  # the row count oneDNN lays out the prepacked weights for
+
+_log = get_logger("pagedq.kernels.backend")
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested kernel backend cannot run here; the message says what to use instead."""
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when triton imports (it is an optional, x86-64-only dependency)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Switches:
+    """The environment's say in the choice; the defaults are what an unset environment means."""
+
+    cpu_kernels: bool = True  # PAGEDQ_CPU_KERNEL
+    onednn: bool = True  # PAGEDQ_ONEDNN
+    fused_layer: bool = True  # PAGEDQ_FUSED_LAYER
+    triton_interpret: bool = False  # TRITON_INTERPRET
+    extensions_dir: Path | None = None  # TORCH_EXTENSIONS_DIR
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] = os.environ) -> Switches:
+        def on(name: str, default: bool) -> bool:
+            value = env.get(name, "").strip().lower()
+            return default if value == "" else value not in OFF
+
+        ext = env.get("TORCH_EXTENSIONS_DIR")
+        return cls(cpu_kernels=on("PAGEDQ_CPU_KERNEL", True), onednn=on("PAGEDQ_ONEDNN", True),
+                   fused_layer=on("PAGEDQ_FUSED_LAYER", True),
+                   triton_interpret=on("TRITON_INTERPRET", False),
+                   extensions_dir=Path(ext).expanduser() if ext else None)
+
+
+@dataclass(frozen=True)
+class LinearChoice:
+    """How ``x @ W.T + b`` runs for one weight format, by the step's row count.
+
+    Steps of at most ``skinny_rows`` rows take the C++ skinny GEMV (``skinny`` names its ISA);
+    more rows take ``batched``: oneDNN on a prepacked copy of W, or ``F.linear``. The quantized
+    formats add their own choices here, each with the kernels that read that format.
+    """
+
+    weight_format: str  # "float32", "bfloat16", ...
+    batched: str  # "onednn" | "torch"
+    skinny: str | None = None  # "cpp-skinny-avx512" | "cpp-skinny-avx2" | None
+    skinny_rows: int = 0
+    ops: CpuOps | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def name(self) -> str:
+        return f"{self.skinny}<={self.skinny_rows}+{self.batched}" if self.skinny else self.batched
+
+    @property
+    def isa(self) -> int:
+        """The GEMV's ``isa`` argument (the fused layer passes it on)."""
+        return int(Isa.AVX512 if self.skinny == "cpp-skinny-avx512" else Isa.AVX2)
+
+    def kernel(self, rows: int) -> str:
+        """What runs for a step of ``rows`` rows."""
+        return self.skinny if self.skinny and rows <= self.skinny_rows else self.batched
+
+    def prepack(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The copy of ``weight`` that ``batched`` reads (oneDNN's blocked layout), else None."""
+        if self.batched != "onednn":
+            return None
+        return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 packed: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias`` by the route for x's row count; ``packed``: the
+        :meth:`prepack` copy of ``weight``, if any."""
+        if 0 < x.shape[0] <= self.skinny_rows:
+            out = x.new_empty((x.shape[0], weight.shape[0]))
+            self.ops.skinny_linear(out, x.contiguous(), weight, bias, self.isa)
+            return out
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        return F.linear(x, weight, bias)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The kernels chosen for one model on one device (see the module docstring for the names)."""
+
+    device: str
+    dtype: torch.dtype
+    attention: str
+    kv_write: str
+    linears: tuple[LinearChoice, ...]
+    norm: str = "torch"
+    layer: str = "python"
+    reasons: tuple[str, ...] = ()  # why: one line per decision, for the start-up log
+    cpu: CpuFeatures | None = None
+    ops: CpuOps | None = field(default=None, compare=False, repr=False)
+
+    def linear_for(self, weight_format: str) -> LinearChoice:
+        """The choice for weights of ``weight_format`` (``F.linear`` for a format it lacks)."""
+        for choice in self.linears:
+            if choice.weight_format == weight_format:
+                return choice
+        return LinearChoice(weight_format, "torch")
+
+    def summary(self) -> dict[str, str]:
+        """What runs, by kind of work: the fields of the start-up log line."""
+        return {"device": self.device, "dtype": str(self.dtype).removeprefix("torch."),
+                "attention": self.attention, "kv_write": self.kv_write,
+                "linear": ", ".join(f"{c.weight_format}: {c.name}" for c in self.linears),
+                "norm": self.norm, "layer": self.layer,
+                "cpu": self.cpu.summary() if self.cpu else "-"}
+
+
+def portable_backend(device: torch.device | str, dtype: torch.dtype) -> Backend:
+    """Only PyTorch's own kernels: they run anywhere, with nothing to build or detect."""
+    name = torch.device(device).type
+    return Backend(name, dtype, "sdpa", "torch", (LinearChoice(_format(dtype), "torch"),),
+                   reasons=("the portable PyTorch kernels",))
+
+
+def _format(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class Selector:
+    """Chooses a :class:`Backend` from the device, dtypes, CPU features and switches.
+
+    ``cpu`` defaults to this machine's features; ``has_triton`` to whether triton imports.
+    """
+
+    def __init__(self, switches: Switches | None = None, cpu: CpuFeatures | None = None,
+                 has_triton: bool | None = None) -> None:
+        self.switches = switches or Switches()
+        self.cpu = cpu or detect_cpu_features()
+        self.has_triton = triton_available() if has_triton is None else has_triton
+
+    def library(self) -> CpuOps | None:
+        """The C++ ops when this CPU runs them and they build; None otherwise."""
+        return load_cpu_ops(self.switches.extensions_dir) if self.cpu.runs_cpp_kernels else None
+
+    def select(self, device: torch.device | str, dtype: torch.dtype = torch.float32,
+               kv_dtype: torch.dtype | None = None, head_dim: int | None = None) -> Backend:
+        """The kernels for a ``dtype`` model with a ``kv_dtype`` cache (default: ``dtype``) and
+        ``head_dim``-wide heads (None: any the kernels take) on ``device``; logs one line."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            backend = self._cpu(dtype, kv_dtype or dtype, head_dim)
+        else:
+            backend = self._accelerator(device.type, dtype)
+        _log.info("kernel_backend", **backend.summary(), why="; ".join(backend.reasons))
+        return backend
+
+    def _accelerator(self, device: str, dtype: torch.dtype) -> Backend:
+        use = self.has_triton and device == "cuda"
+        why = "triton imports" if use else f"Triton kernels need CUDA and the triton package on {device}"
+        kernels = "triton" if use else None
+        return Backend(device, dtype, kernels or "sdpa", kernels or "torch",
+                       (LinearChoice(_format(dtype), "torch"),), reasons=(why,))
+
+    def _cpu(self, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int | None) -> Backend:
+        reasons: list[str] = []
+        ops = self._cpu_ops(reasons)
+        attention = "sdpa"
+        if ops is not None:
+            why_not = unsupported(dtype, kv_dtype, head_dim)
+            attention = "sdpa" if why_not else "cpp"
+            reasons.append(why_not or "C++ attention kernel (SDPA for long prefill chunks)")
+        fp32_ops = ops if dtype == torch.float32 else None
+        if ops is not None and fp32_ops is None:
+            reasons.append("the C++ GEMV, RMSNorm and fused layer take float32 models only")
+        linear = self._cpu_linear(dtype, fp32_ops, reasons)
+        layer = "python"
+        if fp32_ops is not None and attention == "cpp":
+            layer = "cpp-fused" if self.switches.fused_layer else "python"
+            if layer == "python":
+                reasons.append("PAGEDQ_FUSED_LAYER=0 keeps the per-op Python layer")
+        return Backend("cpu", dtype, attention, "torch", (linear,),
+                       norm="cpp" if fp32_ops is not None else "torch", layer=layer,
+                       reasons=tuple(reasons), cpu=self.cpu, ops=ops)
+
+    def _cpu_ops(self, reasons: list[str]) -> CpuOps | None:
+        """The C++ library, when the switch, the CPU and the build allow it."""
+        if not self.switches.cpu_kernels:
+            reasons.append("PAGEDQ_CPU_KERNEL=0 switches the C++ kernels off")
+            return None
+        if not self.cpu.runs_cpp_kernels:
+            reasons.append(f"no C++ kernels: {self.cpu.missing_for_kernels()}")
+            return None
+        ops = self.library()
+        if ops is None:
+            reasons.append(f"no C++ kernels: {unavailable_reason()}")
+        return ops
+
+    def _cpu_linear(self, dtype: torch.dtype, ops: CpuOps | None, reasons: list[str]) -> LinearChoice:
+        onednn = dtype == torch.float32 and torch.backends.mkldnn.is_available()
+        if onednn and not self.switches.onednn:
+            onednn = False
+            reasons.append("PAGEDQ_ONEDNN=0: batched linears use F.linear")
+        batched = "onednn" if onednn else "torch"
+        if ops is None:
+            return LinearChoice(_format(dtype), batched)
+        isa = "avx512" if self.cpu.has_avx512 else "avx2"
+        reasons.append(f"skinny GEMV tiles in {isa.upper()}")
+        return LinearChoice(_format(dtype), batched, f"cpp-skinny-{isa}", SKINNY_MAX_ROWS, ops)
+
+
+@functools.cache
+def process_selector() -> Selector:
+    """The selector of this process: the environment's switches (read here, once) and this CPU."""
+    return Selector(Switches.from_environ())
+
+
+def select_backend(device: torch.device | str, dtype: torch.dtype = torch.float32,
+                   kv_dtype: torch.dtype | None = None, head_dim: int | None = None) -> Backend:
+    """:meth:`Selector.select` of :func:`process_selector`: what the engine runs at start."""
+    return process_selector().select(device, dtype, kv_dtype, head_dim)
+
+
+@functools.cache
+def default_attention(device: str, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> str:
+    """The attention ``paged_attention(backend=None)`` runs for such tensors (chosen once per
+    combination, as the engine would choose it)."""
+    return select_backend(device, dtype, kv_dtype, head_dim).attention

@@ -1,0 +1,77 @@
+"""The x86 vector extensions of this CPU, detected once at run time.
+
+The C++ library is built for AVX2 + FMA + F16C, so it runs only where the CPU has all three. The
+skinny GEMV also has AVX-512F tiles (they need VL and DQ too), chosen per call. VNNI,
+AVX512_BF16 and AMX are detected and logged for the integer and bf16 kernels that will use them.
+
+Linux lists the flags in /proc/cpuinfo. Elsewhere torch's own dispatch level
+(``torch.backends.cpu.get_cpu_capability()``) stands in: it tells AVX2 from AVX-512 but not the
+newer extensions, which then count as absent (a safe answer: nothing needs them yet).
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# The flags worth knowing, in /proc/cpuinfo's spelling, in the order the log lists them.
+FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
+         "amx_bf16", "amx_int8")
+KERNEL_FLAGS = frozenset({"avx2", "fma", "f16c"})  # what the whole C++ library is built for
+AVX512_FLAGS = frozenset({"avx512f", "avx512vl", "avx512dq"})  # the GEMV's AVX-512 tiles
+X86_64 = ("x86_64", "amd64")
+# What each of torch's dispatch levels implies (its AVX512 level needs F, BW, VL and DQ).
+TORCH_CAPABILITY_FLAGS = {
+    "AVX2": KERNEL_FLAGS,
+    "AVX512": KERNEL_FLAGS | AVX512_FLAGS,
+}
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """The CPU's architecture and the :data:`FLAGS` it has, and where they were read."""
+
+    arch: str
+    flags: frozenset[str]
+    source: str  # "/proc/cpuinfo", "torch capability AVX512", ...
+
+    @classmethod
+    def of(cls, *flags: str, arch: str = "x86_64") -> CpuFeatures:
+        """A CPU with exactly these flags (tests describe machines they do not run on)."""
+        return cls(arch, frozenset(flags), "given")
+
+    @property
+    def runs_cpp_kernels(self) -> bool:
+        return self.arch.lower() in X86_64 and KERNEL_FLAGS <= self.flags
+
+    @property
+    def has_avx512(self) -> bool:
+        return AVX512_FLAGS <= self.flags
+
+    def missing_for_kernels(self) -> str:
+        """Why the C++ library cannot run here ("" when it can)."""
+        if self.arch.lower() not in X86_64:
+            return f"the CPU architecture {self.arch} is not x86-64"
+        missing = sorted(KERNEL_FLAGS - self.flags)
+        return f"the CPU lacks {', '.join(missing)}" if missing else ""
+
+    def summary(self) -> str:
+        """The known flags this CPU has, space-separated, for the start-up log."""
+        return " ".join(f for f in FLAGS if f in self.flags) or "none of " + "/".join(FLAGS[:4])
+
+
+def detect_cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuFeatures:
+    """This machine's features: /proc/cpuinfo's flags, else torch's capability level."""
+    arch = platform.machine()
+    try:
+        line = next(ln for ln in cpuinfo.read_text().splitlines() if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        if arch.lower() not in X86_64:
+            return CpuFeatures(arch, frozenset(), "platform")
+        capability = torch.backends.cpu.get_cpu_capability()
+        return CpuFeatures(arch, TORCH_CAPABILITY_FLAGS.get(capability, frozenset()),
+                           f"torch capability {capability}")
+    return CpuFeatures(arch, frozenset(line.split(":", 1)[1].split()) & frozenset(FLAGS), str(cpuinfo))

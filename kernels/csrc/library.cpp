@@ -1,0 +1,36 @@
+// The ops of pagedq_cpu_ops, registered as torch.ops.pagedq_cpu.* (no pybind: the light
+// headers keep the one-off compile short). One place lists every op and its schema; each op
+// lives in the source file named after it.
+
+#include <torch/library.h>
+
+#include "cpu_ops.h"
+
+TORCH_LIBRARY(pagedq_cpu, m) {
+  m.def(
+      "paged_attention_rows(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_table, Tensor rows, float scale, int heads_per_item, int grain) -> ()");
+  m.def("skinny_linear(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias, int isa) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor w, float eps) -> ()");
+  m.def(
+      "decoder_layers(Tensor x, Tensor rope, Tensor[] in_norm, Tensor[] qkv_w, "
+      "Tensor?[] qkv_packed, Tensor?[] qkv_bias, Tensor?[] q_norm, Tensor?[] k_norm, "
+      "Tensor[] o_w, Tensor?[] o_packed, Tensor?[] o_bias, Tensor[] post_norm, "
+      "Tensor[] gate_up_w, Tensor?[] gate_up_packed, Tensor[] down_w, Tensor?[] down_packed, "
+      "Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, Tensor block_table, "
+      "Tensor rows, int num_heads, int heads_per_item, int grain, int skinny_max_rows, int isa, "
+      "float eps, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedq_cpu, CPU, m) {
+  m.impl("paged_attention_rows", &pagedq_cpu::paged_attention_rows);
+  m.impl("skinny_linear", &pagedq_cpu::skinny_linear);
+  m.impl("rms_norm", &pagedq_cpu::rms_norm);
+  m.impl("decoder_layers", &pagedq_cpu::decoder_layers);
+}
+
+// The oneDNN-packed weights are MkldnnCPU tensors, so the dispatcher picks that key for
+// decoder_layers, which takes them.
+TORCH_LIBRARY_IMPL(pagedq_cpu, MkldnnCPU, m) {
+  m.impl("decoder_layers", &pagedq_cpu::decoder_layers);
+}

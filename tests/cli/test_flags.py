@@ -1,0 +1,170 @@
+"""Every config field is a flag of every command that takes it, with the dataclass's default.
+
+The sample values below are written out by hand (not derived from the code under test): a new
+EngineConfig or WorkerConfig field fails ``test_samples_cover_every_field`` until it is added
+here, and then every other test checks that each command carries it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from pagedq.params import SamplingParams
+from pagedq.worker.bench.config import BenchConfig
+from pagedq.worker.cli import COMMANDS, build_parser
+from pagedq.worker.cli.bench import config_from_args
+from pagedq.worker.cli.flags import engine_knobs, field_docs, to_flags
+from pagedq.worker.cli.generate import sampling_from_args
+from pagedq.worker.cli.worker import standalone_parser, worker_config
+from pagedq.worker.config import EngineConfig, WorkerConfig
+
+ENGINE_SAMPLE = {
+    "model": "/models/tiny", "dtype": "bfloat16", "kv_cache_dtype": "float16", "device": "cpu",
+    "block_size": 4, "num_kv_blocks": 99, "kv_cache_memory": 123456,
+    "gpu_memory_utilization": 0.5, "max_num_seqs": 7, "max_num_batched_tokens": 33,
+    "max_model_len": 777, "long_prefill_token_threshold": 16, "enable_chunked_prefill": False,
+    "enable_prefix_caching": False, "num_threads": 3, "seed": 11,
+}
+WORKER_SAMPLE = {
+    "redis_url": "redis://h:1/2", "queue": "q2", "prefix": "px", "consumer_name": "c1",
+    "reclaim_after": 4.5, "max_deliveries": 9, "ttl": 77, "checkpoint_interval": 0.25,
+    "checkpoint_ttl": 8.0, "drain_timeout": 2.5, "poll_interval": 0.3,
+    "ownership_check_interval": 1.5, "read_block_ms": 250, "prompt_len_hint": 64,
+    "metrics_port": 9100, "metrics_host": "127.0.0.1",
+}
+# WorkerConfig fields carried by other flags: --model, and the engine group
+WORKER_VIA_ENGINE = {"model", "engine"}
+ENGINE_COMMANDS = ("generate", "chat", "worker", "bench", "demo")
+POSITIONAL = {"generate": ["hi"], "chat": ["hi"], "submit": ["hi"]}
+
+
+def argv(sample: dict) -> list[str]:
+    out: list[str] = []
+    for name, value in sample.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def parse(command: str, *flags: str) -> argparse.Namespace:
+    return build_parser().parse_args([command, *POSITIONAL.get(command, []), *flags])
+
+
+def engine_config_of(command: str, args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the command builds from its flags."""
+    if command == "worker":
+        wc = worker_config(args)
+        return EngineConfig(**({"model": wc.model} if wc.model else {}), **wc.engine)
+    if command == "bench":
+        return config_from_args(args).engine_config()
+    return EngineConfig(**engine_knobs(args))
+
+
+def test_samples_cover_every_field():
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    worker_fields = {f.name for f in dataclasses.fields(WorkerConfig)}
+    assert set(ENGINE_SAMPLE) == engine_fields
+    assert set(WORKER_SAMPLE) | WORKER_VIA_ENGINE == worker_fields
+    for sample, cls in ((ENGINE_SAMPLE, EngineConfig), (WORKER_SAMPLE, WorkerConfig)):
+        defaults = cls()
+        for name, value in sample.items():
+            assert value != getattr(defaults, name), f"{name}: pick a non-default sample"
+
+
+@pytest.mark.parametrize("command", ENGINE_COMMANDS)
+def test_every_engine_field_is_a_flag(command):
+    config = engine_config_of(command, parse(command, *argv(ENGINE_SAMPLE)))
+    assert dataclasses.asdict(config) == ENGINE_SAMPLE
+
+
+@pytest.mark.parametrize("command", ("generate", "chat", "worker", "demo"))
+def test_engine_defaults_are_the_dataclass_defaults(command):
+    assert engine_config_of(command, parse(command)) == EngineConfig()
+
+
+def test_bench_engine_defaults_are_the_dataclass_defaults_but_its_context_length():
+    """The bench pins max_model_len (llama-server needs a context size, and figures must not
+    depend on the model's); every other engine knob keeps EngineConfig's default."""
+    got = dataclasses.asdict(engine_config_of("bench", parse("bench")))
+    want = dataclasses.asdict(EngineConfig())
+    assert {k for k in got if got[k] != want[k]} == {"max_model_len"}
+    assert got["max_model_len"] == BenchConfig().max_model_len == 2048
+
+
+def test_every_worker_field_is_a_flag():
+    args = parse("worker", *argv(WORKER_SAMPLE), "--model", "/models/tiny", "--max-num-seqs", "5")
+    config = worker_config(args)
+    for name, value in WORKER_SAMPLE.items():
+        assert getattr(config, name) == value, name
+    assert config.model == "/models/tiny" and config.engine == {"max_num_seqs": 5}
+
+
+def test_worker_defaults_are_the_dataclass_defaults():
+    assert worker_config(parse("worker")) == WorkerConfig()
+
+
+def test_python_m_worker_takes_the_same_flags_as_pagedq_worker():
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+
+    def options(parser: argparse.ArgumentParser) -> set[str]:
+        return {s for a in parser._actions for s in a.option_strings}
+
+    assert options(sub.choices["worker"]) == options(standalone_parser())
+    args = standalone_parser().parse_args(argv(WORKER_SAMPLE))
+    assert worker_config(args) == worker_config(parse("worker", *argv(WORKER_SAMPLE)))
+
+
+def test_to_flags_rebuilds_the_config():
+    """The bench starts its worker subprocess with to_flags(config): it must round-trip."""
+    config = EngineConfig(**ENGINE_SAMPLE)
+    assert engine_config_of("worker", parse("worker", *to_flags(config))) == config
+    assert to_flags(EngineConfig()) == []
+
+
+def test_deprecated_spellings_still_work():
+    config = engine_config_of("worker", parse("worker", "--threads", "2", "--no-prefix-caching"))
+    assert config.num_threads == 2 and config.enable_prefix_caching is False
+    assert config_from_args(parse("bench", "--threads", "2")).num_threads == 2
+
+
+def test_every_field_has_user_facing_help():
+    for cls in (EngineConfig, WorkerConfig):
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            if f.name != "engine":
+                assert len(docs.get(f.name, "")) > 10, f"{cls.__name__}.{f.name} has no help"
+    help_text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+    assert "--max-num-seqs" in help_text and "Most sequences running at once" in help_text
+    assert "(default: 64)" in help_text and "--no-enable-chunked-prefill" in help_text
+
+
+def test_generate_seed_seeds_the_engine_and_each_request():
+    args = parse("generate", "--seed", "5", "--temperature", "0.7", "--stop", "a", "--stop", "b")
+    params = sampling_from_args(args)
+    assert params.seed == 5 and params.temperature == 0.7 and params.stop == ["a", "b"]
+    assert EngineConfig(**engine_knobs(args)).seed == 5
+    unseeded = sampling_from_args(parse("generate"))
+    assert unseeded.seed is None and unseeded.max_tokens == 128 and unseeded.temperature == 0.0
+
+
+def test_submit_sampling_flags_build_sampling_params():
+    args = parse("submit", "--n", "2", "--top-k", "5", "--seed", "3", "--ignore-eos")
+    from pagedq.worker.cli.flags import sampling_params
+    from pagedq.worker.cli.queue import SAMPLING_DEFAULTS
+
+    params = sampling_params(args, SAMPLING_DEFAULTS)
+    assert params == SamplingParams(n=2, top_k=5, seed=3, ignore_eos=True, max_tokens=64,
+                                    temperature=0.0)
+
+
+def test_every_command_is_registered():
+    sub = build_parser()._subparsers._group_actions[0]
+    registered = set(sub.choices)
+    assert {c for cmds in COMMANDS.values() for c in cmds} <= registered
+    assert {"generate", "chat", "worker", "submit", "stats", "demo", "bench"} <= registered

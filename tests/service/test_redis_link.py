@@ -1,0 +1,79 @@
+"""The worker's Redis link: redis-py's Retry rides an outage, which is logged once; at
+start-up an unreachable Redis is a configuration error (exit 1), and no URL starts an
+embedded server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from structlog.testing import capture_logs
+
+from pagedq.worker.config import WorkerConfig
+from pagedq.worker.service import redis_link
+from pagedq.worker.service.embedded_redis import EmbeddedRedis, free_port
+from pagedq.worker.service.redis_link import RedisLink
+from pagedq.worker.service.worker import Worker
+
+DOWN = "Redis unreachable; every call waits and retries until it is back"
+UP = "Redis reachable again"
+
+
+def test_an_outage_is_waited_out_and_logged_once(tmp_path):
+    port = free_port()
+    server = EmbeddedRedis.start(port=port, workdir=str(tmp_path), appendonly=True)
+
+    async def scenario():
+        link = await RedisLink.open(server.url)
+        await link.redis.set("k", "v")
+        server.stop()
+        calls = [asyncio.create_task(link.redis.get("k")) for _ in range(3)]  # 3 connections
+        await asyncio.sleep(1.0)
+        down_while_waiting = link.outage.down and not any(c.done() for c in calls)
+        restarted = EmbeddedRedis.start(port=port, workdir=str(tmp_path), appendonly=True)
+        try:
+            values = await asyncio.wait_for(asyncio.gather(*calls), 30)
+            return down_while_waiting, values, link.outage.down
+        finally:
+            await link.close()
+            restarted.stop()
+
+    with capture_logs() as logs:
+        down_while_waiting, values, still_down = asyncio.run(scenario())
+    assert down_while_waiting and values == [b"v"] * 3 and not still_down
+    events = [e["event"] for e in logs]
+    assert events.count(DOWN) == 1 and events.count(UP) == 1
+    assert events.index(DOWN) < events.index(UP)
+
+
+def test_unreachable_redis_at_start_exits_1(monkeypatch):
+    monkeypatch.setattr(redis_link, "CONNECT_TIMEOUT_S", 0.5)
+    worker = Worker(WorkerConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0"))
+    began = time.monotonic()
+    assert asyncio.run(worker.run()) == 1
+    assert time.monotonic() - began < 10
+    assert worker.engine is None  # it gave up before loading the model
+
+
+def test_no_url_starts_an_embedded_server():
+    async def scenario():
+        link = await RedisLink.open(None)
+        try:
+            assert link.embedded is not None and link.url == link.embedded.url
+            assert await link.redis.ping()
+            return link.embedded
+        finally:
+            await link.close()
+
+    embedded = asyncio.run(scenario())
+    assert embedded.process.poll() is not None  # closing the link stopped it
+
+
+@pytest.mark.parametrize("copies", [1, 3])
+def test_every_copy_of_the_retry_reports_to_one_outage(copies):
+    import copy
+
+    outage = redis_link.Outage("redis://x")
+    retries = [copy.deepcopy(redis_link.RetryForever(outage)) for _ in range(copies)]
+    assert all(r.outage is outage for r in retries)

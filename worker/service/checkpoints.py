@@ -1,0 +1,125 @@
+"""Checkpoints: each worker's state and the queue's depth, written to Redis with a TTL.
+
+``pagedq stats`` and ``Client.stats()`` read them to show the fleet, autoscalers read the
+depth, and because every key expires unless refreshed, a dead worker vanishes on its own.
+The same TTL holds the worker's consumer name (``claim_name``): a restarted worker gets its
+old name back, and with it its own pending jobs, while two live workers never share one.
+
+Keys (docs/queue.md)::
+
+    P:Q:worker:NAME   hash, TTL = checkpoint_ttl: heartbeat, started, host, pid, model, state,
+                      jobs, running, waiting, kv_blocks_used, kv_blocks_total, kv_usage,
+                      kv_tokens_live, preemptions, tokens_per_s, generated_tokens, ...
+    P:Q:workers       zset NAME -> heartbeat (stale members pruned), TTL = checkpoint_ttl
+    P:Q:stats         hash, TTL = checkpoint_ttl: per level length/pending/lag, depth, pending,
+                      dead_letters, updated (written by every worker; the latest wins)
+    P:Q:lock:NAME     NAME, TTL = checkpoint_ttl: the consumer name is taken
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from typing import Any
+
+from redis.asyncio import Redis
+
+from pagedq.client.protocol import Keys
+from pagedq.client.queue import depth_query, queue_depth
+from pagedq.worker.service.shared import Part, Shared
+
+ENGINE_FIELDS = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage",
+                 "kv_tokens_live", "preemptions", "prefix_cache_queries", "prefix_cache_hits",
+                 "num_generated_tokens")
+MAX_NAME_SUFFIX = 1000
+
+
+async def claim_name(r: Redis, keys: Keys, base: str, ttl_s: float) -> str:
+    """``base``, or ``base-2``, ``base-3``, ... while a live worker holds the smaller ones."""
+    for i in range(MAX_NAME_SUFFIX):
+        name = base if i == 0 else f"{base}-{i + 1}"
+        if await r.set(keys.lock(name), name, nx=True, px=int(ttl_s * 1000)):
+            return name
+    raise RuntimeError(f"{MAX_NAME_SUFFIX} live workers already use the consumer name {base!r}")
+
+
+class Checkpoints(Part):
+    """Writes this worker's checkpoint every ``interval`` seconds; removes it on a clean stop."""
+
+    def __init__(self, shared: Shared, r: Redis, keys: Keys, name: str, model: str):
+        super().__init__(shared)
+        self.interval = shared.config.checkpoint_interval
+        self.ttl_ms = int(shared.config.checkpoint_ttl_s * 1000)
+        self.r = r
+        self.keys = keys
+        self.name = name
+        self.static = {"name": name, "host": socket.gethostname(), "pid": os.getpid(),
+                       "model": model, "started": time.time()}
+        self.ok = False  # the last write succeeded
+        self._last_tokens: tuple[float, int] | None = None
+
+    def tokens_per_s(self, generated_tokens: int) -> float:
+        now = time.monotonic()
+        last, self._last_tokens = self._last_tokens, (now, generated_tokens)
+        if last is None or now <= last[0]:
+            return 0.0
+        return max(0.0, (generated_tokens - last[1]) / (now - last[0]))
+
+    async def tick(self) -> None:
+        await asyncio.sleep(self.interval)
+        await self.write()
+
+    async def write(self) -> None:
+        """Write this worker's hash and the queue's stats in one transaction."""
+        try:
+            await self._write()
+        except BaseException:
+            self.ok = False
+            raise
+        self.ok = True
+
+    async def _write(self) -> None:
+        now = time.time()
+        generated = self.metrics.generation_tokens
+        fields: dict[str, Any] = dict(self.static)
+        fields.update({k: self.metrics.engine[k] for k in ENGINE_FIELDS if k in self.metrics.engine})
+        fields.update(heartbeat=now, state="draining" if self.stopping.is_set() else "serving",
+                      jobs=len(self.jobs), generated_tokens=generated,
+                      tokens_per_s=round(self.tokens_per_s(generated), 2))
+        queue = await self._queue_stats()
+        pipe = self.r.pipeline(transaction=True)  # readers never see a half-written hash
+        key = self.keys.worker(self.name)
+        pipe.delete(key)
+        pipe.hset(key, mapping={k: str(v) for k, v in fields.items()})
+        pipe.pexpire(key, self.ttl_ms)
+        pipe.zadd(self.keys.workers, {self.name: now})
+        pipe.zremrangebyscore(self.keys.workers, "-inf", now - self.ttl_ms / 1000)
+        pipe.pexpire(self.keys.workers, self.ttl_ms)
+        pipe.hset(self.keys.stats, mapping={k: str(v) for k, v in queue.items()})
+        pipe.pexpire(self.keys.stats, self.ttl_ms)
+        pipe.set(self.keys.lock(self.name), self.name, px=self.ttl_ms)
+        await pipe.execute()
+        self.metrics.queue = queue
+
+    async def _queue_stats(self) -> dict[str, Any]:
+        """The queue's depth as flat hash fields: ``length_<level>``, ``pending_<level>``,
+        ``lag_<level>``, ``depth``, ``pending``, ``dead_letters``, ``updated``."""
+        pipe = self.r.pipeline(transaction=False)
+        depth_query(pipe, self.keys)
+        depth = queue_depth(await pipe.execute(raise_on_error=False))
+        out: dict[str, Any] = {"updated": time.time()}
+        for level, counts in depth["levels"].items():
+            out.update({f"{name}_{level}": value for name, value in counts.items()})
+        out.update(depth=depth["depth"], pending=depth["pending"],
+                   dead_letters=depth["dead_letters"])
+        return out
+
+    async def remove(self) -> None:
+        """A clean stop: vanish from the fleet and free the name at once, not after the TTL."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.delete(self.keys.worker(self.name))
+        pipe.zrem(self.keys.workers, self.name)
+        pipe.delete(self.keys.lock(self.name))
+        await pipe.execute()
