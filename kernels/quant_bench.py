@@ -26,7 +26,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from pagedq.kernels.quant_cpu import quant_ops
+from pagedq.kernels.backend import process_selector
+from pagedq.kernels.cpu_ops import Isa
 from pagedq.worker.models.quant import FORMATS, QuantWeight, quantize_int8
 
 HIDDEN, INTERMEDIATE, VOCAB, LAYERS = 576, 1536, 49152, 30
@@ -72,19 +73,12 @@ def build_path(name: str, shapes: list[tuple[int, int]], gen: torch.Generator) -
     """One function of {K: x} per matrix of ``shapes`` that multiplies by it the ``name`` way."""
     floats = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
     if name == "fp32":
-        from pagedq.kernels.cpu_attention import skinny_linear_op
-
-        skinny = skinny_linear_op()
+        choice = process_selector().select("cpu").linear_for("float32")
 
         def fp32(w: torch.Tensor) -> Callable:
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+            packed = choice.prepack(w)
 
-            def call(xs):
-                x = xs[w.shape[1]]
-                if x.shape[0] <= 16 and skinny is not None:
-                    return skinny(x.new_empty(x.shape[0], w.shape[0]), x, w, None)
-                return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-            return call
+            return lambda xs: choice(xs[w.shape[1]], w, None, packed)
         return [fp32(w) for w in floats]
     if name == "bf16":
         return [partial(lambda xs, w: F.linear(xs[w.shape[1]].bfloat16(), w), w=w.bfloat16())
@@ -103,13 +97,15 @@ def build_path(name: str, shapes: list[tuple[int, int]], gen: torch.Generator) -
                     xs[k].bfloat16(), p, 32, sz), k=w.shape[1], p=p, sz=sz)
                 for w in floats for p, sz in [int4_torch(w)]]
     kind, fmt = name.split("-", 1)
-    ops = quant_ops()
+    selector = process_selector()
+    ops = selector.library()
     op = ops.quant_gemv if kind == "gemv" else ops.quant_gemm
+    isa = int(Isa.AVX512_VNNI if selector.cpu.has_avx512_vnni else Isa.AVX2)
 
     def packed(w: QuantWeight) -> Callable:
         def call(xs):
             x = xs[w.shape[1]]
-            op(x.new_empty(x.shape[0], w.shape[0]), x, w.data, w.fmt.code, w.scales, None)
+            op(x.new_empty(x.shape[0], w.shape[0]), x, w.data, w.fmt.code, w.scales, None, isa)
         return call
     del floats
     return [packed(random_packed(fmt, n, k, gen)) for n, k in shapes]

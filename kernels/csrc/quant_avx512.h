@@ -18,7 +18,7 @@
 #define PAGEDQ_AVX512_END _Pragma("GCC pop_options")
 
 PAGEDQ_AVX512_BEGIN
-namespace pagedq_quant::v512 {
+namespace pagedq_cpu::v512 {
 
 // [v[first] x8, v[first + 1] x8]: the lanes of two 32-code halves of a chunk
 inline __m512 half_lanes(__m512 v, int first) {
@@ -204,5 +204,5 @@ inline void walk_row(int64_t fmt, const uint8_t* row, int64_t K, float scale, F&
   }
 }
 
-}  // namespace pagedq_quant::v512
+}  // namespace pagedq_cpu::v512
 PAGEDQ_AVX512_END

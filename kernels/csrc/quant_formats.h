@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <cstring>
 
-namespace pagedq_quant {
+namespace pagedq_cpu {
 
 // GGML's type ids for the GGUF formats (kBF16: plain bf16 rows, multiplied as they are); kInt8 is
 // pagedq's per-channel int8 (scales beside).
@@ -210,4 +210,4 @@ inline LinearArgs check_linear(const char* op, at::Tensor& out, const at::Tensor
           static_cast<const uint8_t*>(w.data_ptr()), sp, bp, out.data_ptr<float>()};
 }
 
-}  // namespace pagedq_quant
+}  // namespace pagedq_cpu

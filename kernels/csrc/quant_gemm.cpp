@@ -18,7 +18,6 @@
 #include <ATen/ops/from_blob.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -27,9 +26,9 @@
 
 #include "quant_avx512.h"
 #include "quant_formats.h"
-#include "quant_ops.h"
+#include "cpu_ops.h"
 
-namespace pagedq_quant {
+namespace pagedq_cpu {
 namespace {
 
 constexpr int64_t kTileRows = 32;  // output channels dequantized per tile
@@ -98,14 +97,13 @@ at::Tensor pack_activations(const at::Tensor& x, int64_t padded, bool nibbles) {
   return xb.view(at::kInt).t().contiguous();
 }
 
-const bool kCpuHasAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                           __builtin_cpu_supports("avx512vnni");
 
 }  // namespace
 
 void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
-                const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias) {
+                const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias,
+                int64_t isa) {
+  check_isa(isa);
   const LinearArgs args = check_linear("quant_gemm", out, x, w, fmt, scales, bias);
   const int64_t M = args.rows, K = args.K, N = args.N;
   const float* sp = args.scales;
@@ -119,7 +117,7 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
   float* op = args.out;
   const int64_t row_bytes = args.row_bytes;
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
-  const bool fast = kCpuHasAvx512;
+  const bool fast = isa == kAvx512Vnni;  // the AVX-512 decoders, else the portable ones
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<int8_t> codes(padded);
     std::vector<float> ws(padded / 4), wm(padded / 4);
@@ -151,12 +149,4 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
   });
 }
 
-}  // namespace pagedq_quant
-
-TORCH_LIBRARY_FRAGMENT(pagedq_quant, m) {
-  m.def("quant_gemm(Tensor(a!) out, Tensor x, Tensor w, int fmt, Tensor? scales, Tensor? bias) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(pagedq_quant, CPU, m) {
-  m.impl("quant_gemm", &pagedq_quant::quant_gemm);
-}
+}  // namespace pagedq_cpu

@@ -10,24 +10,22 @@
 // Each weight row is decoded once for all activation rows.
 //
 // The library is built for AVX2; the AVX-512 functions are compiled for AVX-512 (pragma below)
-// and run only where the CPU has AVX-512 BW/VL/VNNI (checked at run time).
+// and run only when the caller passes Isa kAvx512Vnni (check_isa refuses it on CPUs without).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <torch/library.h>
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include "quant_avx512.h"
 #include "quant_formats.h"
-#include "quant_ops.h"
+#include "cpu_ops.h"
 
-namespace pagedq_quant {
+namespace pagedq_cpu {
 namespace {
 
 constexpr int kMaxGroup = 8;  // activation rows per pass over a weight row (accumulators live in registers)
@@ -183,13 +181,6 @@ PAGEDQ_AVX512_END
 namespace v256 {
 namespace {
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // 8 lanes of 4-code integer dots: codes unsigned 0..63, or signed (Q8_0/int8) via abs/sign so
 // maddubs' 16-bit pair sums never saturate.
 template <bool Signed>
@@ -270,33 +261,16 @@ void gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
 }  // namespace v256
 
 // ================================================================ entry point
-namespace {
-
-const bool kCpuHasVnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                         __builtin_cpu_supports("avx512vnni");
-std::atomic<bool> use_vnni{kCpuHasVnni};
-
-}  // namespace
-
-// Forces the AVX2 kernel (false) or allows AVX-512 VNNI where the CPU has it (true); returns the
-// previous setting. Tests run both paths on a machine that has both.
-bool set_quant_vnni(bool on) {
-  return use_vnni.exchange(on && kCpuHasVnni);
-}
-
-bool quant_vnni_available() {
-  return kCpuHasVnni;
-}
 
 void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
-                const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias) {
-  const LinearArgs args = check_linear("quant_gemv", out, x, w, fmt, scales, bias);
-  if (args.rows == 0 || args.N == 0) return;
+                const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias,
+                int64_t isa) {
+  check_isa(isa);
+  const LinearArgs p = check_linear("quant_gemv", out, x, w, fmt, scales, bias);
+  if (p.rows == 0 || p.N == 0) return;
   static thread_local Acts acts;
-  if (fmt != kBF16) quantize_acts(args.x, args.rows, args.K, nibble_order(fmt), acts);
-  const LinearArgs& p = args;
-  const bool vnni = use_vnni.load(std::memory_order_relaxed);
+  if (fmt != kBF16) quantize_acts(p.x, p.rows, p.K, nibble_order(fmt), acts);
+  const bool vnni = isa == kAvx512Vnni;
   // Rows per task: enough weight bytes (~32 KiB) that a thread's start-up cost stays small.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(p.row_bytes, 1));
   const Acts& a = acts;
@@ -308,14 +282,4 @@ void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
   });
 }
 
-}  // namespace pagedq_quant
-
-TORCH_LIBRARY(pagedq_quant, m) {
-  m.def("quant_gemv(Tensor(a!) out, Tensor x, Tensor w, int fmt, Tensor? scales, Tensor? bias) -> ()");
-  m.def("set_quant_vnni(bool on) -> bool", &pagedq_quant::set_quant_vnni);
-  m.def("quant_vnni_available() -> bool", &pagedq_quant::quant_vnni_available);
-}
-
-TORCH_LIBRARY_IMPL(pagedq_quant, CPU, m) {
-  m.impl("quant_gemv", &pagedq_quant::quant_gemv);
-}
+}  // namespace pagedq_cpu

@@ -12,27 +12,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedq.kernels.cpu_features import detect_cpu_features
+from pagedq.kernels.cpu_ops import Isa
 from pagedq.worker.models.quant import FORMATS, dequantize, quantize_int4
 from tests.quant_fixtures import ALL, random_weight
 
 
-@pytest.fixture(scope="module")
-def ops():
-    from pagedq.kernels.quant_cpu import quant_ops
-
-    loaded = quant_ops()
-    if loaded is None:
-        pytest.skip("quantized CPU kernels unavailable (no compiler or no AVX2)")
-    return loaded
+@pytest.fixture(params=[Isa.AVX512_VNNI, Isa.AVX2], ids=lambda i: i.name)
+def isa(request) -> int:
+    if request.param == Isa.AVX512_VNNI and not detect_cpu_features().has_avx512_vnni:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    return int(request.param)
 
 
-@pytest.fixture(params=["vnni", "avx2"])
-def isa(request, ops):
-    if request.param == "vnni" and not ops.quant_vnni_available():
-        pytest.skip("CPU lacks AVX-512 VNNI")
-    before = ops.set_quant_vnni(request.param == "vnni")
-    yield request.param
-    ops.set_quant_vnni(before)
+BEST = int(Isa.AVX512_VNNI if detect_cpu_features().has_avx512_vnni else Isa.AVX2)
 
 
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
@@ -50,16 +43,16 @@ def widths(fmt: str) -> tuple[int, ...]:
     return (256, 512) if FORMATS[fmt].block == 256 else (96, 64, 512)
 
 
-def test_output_can_be_a_column_slice(ops):
+def test_output_can_be_a_column_slice(cpu_ops):
     """Fused projections write their parts of one output (row stride > N)."""
     gen = torch.Generator().manual_seed(5)
     w = random_weight("q8_0", 24, 64, gen)
     x = torch.randn(5, 64, generator=gen)
-    for op in (ops.quant_gemv, ops.quant_gemm):
+    for op in (cpu_ops.quant_gemv, cpu_ops.quant_gemm):
         wide = torch.full((5, 40), 7.0)
-        op(wide[:, 10:34], x, w.data, w.fmt.code, None, None)
+        op(wide[:, 10:34], x, w.data, w.fmt.code, None, None, BEST)
         solo = torch.empty(5, 24)
-        op(solo, x, w.data, w.fmt.code, None, None)
+        op(solo, x, w.data, w.fmt.code, None, None, BEST)
         torch.testing.assert_close(wide[:, 10:34], solo, rtol=0, atol=0)
         assert torch.all(wide[:, :10] == 7) and torch.all(wide[:, 34:] == 7)
 
@@ -69,7 +62,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("fmt", ALL)
-def test_gemv_matches_dequantized_matmul(ops, isa, fmt):
+def test_gemv_matches_dequantized_matmul(cpu_ops, isa, fmt):
     gen = torch.Generator().manual_seed(1)
     for k in widths(fmt):
         w = random_weight(fmt, 37, k, gen)
@@ -78,7 +71,7 @@ def test_gemv_matches_dequantized_matmul(ops, isa, fmt):
         for rows in (1, 3, 8, 11, 17):
             x = torch.randn(rows, k, generator=gen)
             out = torch.empty(rows, 37)
-            ops.quant_gemv(out, x, w.data, w.fmt.code, w.scales, bias)
+            cpu_ops.quant_gemv(out, x, w.data, w.fmt.code, w.scales, bias, isa)
             # bf16 rows meet the fp32 activations as they are; the integer formats round them
             xq = x if fmt == "bf16" else quantized_activations(x)
             want = xq.double() @ dense.T + bias.double()
@@ -88,7 +81,7 @@ def test_gemv_matches_dequantized_matmul(ops, isa, fmt):
 
 
 @pytest.mark.parametrize("fmt", ALL)
-def test_gemm_matches_dequantized_matmul(ops, fmt):
+def test_gemm_matches_dequantized_matmul(cpu_ops, isa, fmt):
     gen = torch.Generator().manual_seed(2)
     for k in widths(fmt):
         w = random_weight(fmt, 45, k, gen)
@@ -97,12 +90,12 @@ def test_gemm_matches_dequantized_matmul(ops, fmt):
         for rows in (1, 17, 64, 130):
             x = torch.randn(rows, k, generator=gen)
             out = torch.empty(rows, 45)
-            ops.quant_gemm(out, x, w.data, w.fmt.code, w.scales, bias)
+            cpu_ops.quant_gemm(out, x, w.data, w.fmt.code, w.scales, bias, isa)
             want = x.bfloat16().double() @ dense.T + bias.double()
             assert relative_error(out, want) < 1e-5, (fmt, k, rows)
 
 
-def test_int4_is_q4_1_blocks(ops):
+def test_int4_is_q4_1_blocks(cpu_ops):
     """int4 quantization at load makes Q4_1 blocks: the same kernel computes both."""
     gen = torch.Generator().manual_seed(3)
     dense = torch.randn(40, 128, generator=gen)
@@ -110,33 +103,35 @@ def test_int4_is_q4_1_blocks(ops):
     assert w.fmt.name == "q4_1"
     x = torch.randn(5, 128, generator=gen)
     out = torch.empty(5, 40)
-    ops.quant_gemv(out, x, w.data, w.fmt.code, None, None)
+    cpu_ops.quant_gemv(out, x, w.data, w.fmt.code, None, None, BEST)
     want = quantized_activations(x).double() @ dequantize(w).double().T
     assert relative_error(out, want) < 1e-5
 
 
-def test_kernels_refuse_mismatched_shapes(ops):
+def test_kernels_refuse_mismatched_shapes(cpu_ops):
     w = random_weight("q4_0", 8, 64, torch.Generator().manual_seed(4))
     with pytest.raises(RuntimeError, match="quant_gemv"):
-        ops.quant_gemv(torch.empty(1, 8), torch.randn(1, 96), w.data, w.fmt.code, None, None)
+        cpu_ops.quant_gemv(torch.empty(1, 8), torch.randn(1, 96), w.data, w.fmt.code, None, None, BEST)
     with pytest.raises(RuntimeError, match="quant_gemm"):
-        ops.quant_gemm(torch.empty(2, 7), torch.randn(2, 64), w.data, w.fmt.code, None, None)
+        cpu_ops.quant_gemm(torch.empty(2, 7), torch.randn(2, 64), w.data, w.fmt.code, None, None, BEST)
     with pytest.raises(RuntimeError, match="unknown format"):
-        ops.quant_gemv(torch.empty(1, 8), torch.randn(1, 64), w.data, 99, None, None)
+        cpu_ops.quant_gemv(torch.empty(1, 8), torch.randn(1, 64), w.data, 99, None, None, BEST)
     with pytest.raises(RuntimeError, match="scales"):
-        ops.quant_gemv(torch.empty(1, 8), torch.randn(1, 64), w.data.new_zeros(8, 64), 100, None, None)
+        cpu_ops.quant_gemv(torch.empty(1, 8), torch.randn(1, 64), w.data.new_zeros(8, 64), 100, None,
+                       None, BEST)
+    with pytest.raises(RuntimeError, match="is not one this CPU runs"):
+        cpu_ops.quant_gemv(torch.empty(1, 8), torch.randn(1, 64), w.data, w.fmt.code, None, None, 7)
 
 
-def test_linear_segments_pick_gemv_or_gemm_by_rows(ops):
+def test_linear_segments_pick_gemv_or_gemm_by_rows(cpu_ops):
     """A Linear of three segments in different formats equals each part's own product; rows up
     to a segment's limit take its GEMV (int8-rounded activations), more rows the bf16 GEMM."""
     gen = torch.Generator().manual_seed(6)
     parts = [random_weight(f, n, 64, gen) for f, n in (("q5_0", 16), ("q8_0", 8), ("int8", 8))]
     bias = torch.randn(32, generator=gen)
     limits = [4, 2, 8]
-    linear = torch.classes.pagedq_quant.Linear(
-        [p.data for p in parts], [p.fmt.code for p in parts], [p.scales for p in parts], bias, 64,
-        limits)
+    linear = cpu_ops.quant_linear([p.data for p in parts], [p.fmt.code for p in parts],
+                              [p.scales for p in parts], bias, 64, limits, BEST)
     assert (linear.in_features, linear.out_features) == (64, 32)
     assert linear.nbytes() == sum(p.nbytes for p in parts)
     dense = torch.cat([dequantize(p) for p in parts]).double()
