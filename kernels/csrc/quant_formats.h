@@ -22,7 +22,7 @@ namespace pagedq_cpu {
 // GGML's type ids for the GGUF formats (kBF16: plain bf16 rows, multiplied as they are); kInt8 is
 // pagedq's per-channel int8 (scales beside).
 enum Format : int64_t {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
+  kF32 = 0, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
   kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30, kInt8 = 100,
 };
 

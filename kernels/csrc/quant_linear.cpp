@@ -3,10 +3,25 @@
 #include "quant_linear.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+
+#include "quant_formats.h"
 
 #include "cpu_ops.h"
 
 namespace pagedq_cpu {
+namespace {
+
+// fp32 rows: the skinny GEMV for few rows (its AVX-512 tiles when isa allows), else ATen.
+at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                 bool skinny, int64_t isa) {
+  if (!skinny || x.size(0) > kMaxSkinnyRows) return at::linear(x, w, bias);
+  at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
+  skinny_linear(out, x, w, bias, isa);
+  return out;
+}
+
+}  // namespace
 
 QuantLinear::QuantLinear(std::vector<at::Tensor> data_, std::vector<int64_t> fmts_,
                          c10::List<c10::optional<at::Tensor>> scales_,
@@ -32,7 +47,9 @@ at::Tensor QuantLinear::forward(const at::Tensor& x) const {
     at::Tensor part = out.narrow(1, col, n);
     c10::optional<at::Tensor> b;
     if (bias.has_value() && bias->defined()) b = bias->narrow(0, col, n);
-    if (x.size(0) <= gemv_max_rows[i])
+    if (fmts[i] == kF32)  // a tensor the packed kernels do not read, kept as fp32 rows
+      part.copy_(dense(x, data[i], b, x.size(0) <= gemv_max_rows[i], isa));
+    else if (x.size(0) <= gemv_max_rows[i])
       quant_gemv(part, x, data[i], fmts[i], scales.get(i), b, isa);
     else
       quant_gemm(part, x, data[i], fmts[i], scales.get(i), b, isa);

@@ -19,7 +19,7 @@ namespace pagedq_cpu {
 
 struct QuantLinear : torch::CustomClassHolder {
   std::vector<at::Tensor> data;  // per segment: packed rows [n_i, bytes per row]
-  std::vector<int64_t> fmts;     // per segment: quant_formats.h Format
+  std::vector<int64_t> fmts;     // per segment: quant_formats.h Format (kF32: plain fp32 rows)
   c10::List<c10::optional<at::Tensor>> scales;  // per segment: int8 row scales, else None
   c10::optional<at::Tensor> bias;               // [out_features] or None
   std::vector<int64_t> gemv_max_rows;           // per segment: the GEMV up to this many rows

@@ -76,6 +76,14 @@ def _field_int(reader, key: str) -> int | None:
 Weight = torch.Tensor | QuantWeight
 
 
+def gguf_head_dim(path: Path) -> int | None:
+    """The attention head size a GGUF states (``<arch>.attention.key_length``), if it does."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    return _field_int(reader, f"{_architecture(reader)}.attention.key_length")
+
+
 def iter_gguf_weights(path: Path, keep_packed: bool = True) -> Iterator[tuple[str, Weight]]:
     """Yield (HF name, weight) for every tensor of the forward pass, one at a time."""
     from gguf import GGUFReader

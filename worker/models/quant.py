@@ -13,9 +13,14 @@ kernels do not compute, such as embedding lookups.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+from pagedq.worker.logging import get_logger
+
+log = get_logger(__name__)
 
 QK = 32  # elements per block of the 32-element formats (and per activation block in the kernels)
 QK_K = 256  # elements per super-block of the K-quants
@@ -87,6 +92,10 @@ class QuantWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self).to(dtype)
+
+    def to(self, device: torch.device | str) -> QuantWeight:
+        scales = None if self.scales is None else self.scales.to(device)
+        return QuantWeight(self.fmt, self.data.to(device), self.shape, scales)
 
 
 # --------------------------------------------------------------------------- dequantization
@@ -221,6 +230,57 @@ def quantize_int4(weight: torch.Tensor) -> QuantWeight:
     qs = q[..., :16] | (q[..., 16:] << 4)
     blocks = torch.cat((d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), qs), dim=-1)
     return QuantWeight(FORMATS["q4_1"], blocks.reshape(n, -1).contiguous(), (n, k))
+
+
+# --------------------------------------------------------------------------- loading
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TABLES = ("model.embed_tokens.weight", "lm_head.weight")  # the embedding and the LM head
+MODES = ("keep", "float", "int8", "int4", "bf16")
+
+
+def is_matrix(name: str) -> bool:
+    """Whether a checkpoint tensor is a projection, the embedding or the LM head (the tensors
+    that are ever packed; norms and biases stay float)."""
+    return name in TABLES or (name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS)
+
+
+def pack_weights(weights: Iterable[tuple[str, torch.Tensor | QuantWeight]],
+                 mode: str) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """The checkpoint's tensors in the form ``mode`` asks for, one at a time.
+
+    ``keep``: as they come (GGUF blocks packed, float tensors float); ``float``: every packed
+    weight dequantized; ``int8`` / ``int4``: projections quantized per channel / in groups of 32
+    (the embedding and LM head int8 either way, as llama.cpp's 4-bit recipes keep them at 6-8
+    bits); ``bf16``: matrices as bf16 rows. A matrix whose width is not a multiple of 32 stays
+    float (the kernels' block), with a log line.
+    """
+    if mode not in MODES:
+        raise ValueError(f"pack mode must be one of {MODES}, got {mode!r}")
+    requantized = 0
+    for name, weight in weights:
+        if mode == "keep" or not is_matrix(name):
+            yield name, weight
+            continue
+        if isinstance(weight, QuantWeight):
+            if mode != "float":
+                requantized += 1
+            weight = dequantize(weight)
+        if mode == "float":
+            yield name, weight
+        elif weight.shape[1] % QK:
+            log.info("weight kept in float: its width is not a multiple of 32", weight=name,
+                     shape=tuple(weight.shape))
+            yield name, weight
+        elif mode == "bf16":
+            yield name, as_bf16(weight)
+        elif mode == "int4" and name not in TABLES:
+            yield name, quantize_int4(weight)
+        else:
+            yield name, quantize_int8(weight)
+    if requantized:
+        log.info("packed checkpoint weights dequantized and quantized again", mode=mode,
+                 tensors=requantized)
 
 
 # --------------------------------------------------------------------------- GPU layout
