@@ -7,6 +7,12 @@
 // magnitude faster than fp32 FMAs; dequantizing each weight once per step costs the same as
 // reading it, and the weights stay packed in memory (only the tile is ever bf16).
 //
+// Precision ("bf16x3"): a dequantized weight (fp16 scale x code: up to 19 significant bits) and
+// an fp32 activation each lose ~2^-9 of their value in one bf16. Each is split into a bf16 head
+// and a bf16 tail (v = hi + lo, exact to ~2^-17), and three products, hi.hi + hi.lo + lo.hi,
+// recover the fp32 result to ~2^-16: the model then follows its dequantized fp32 twin, not a
+// bf16 one. The products are the cheap part (AMX); the tails cost one more store per weight.
+//
 // The tile computes C^T[n, m] = W[n, :] . x[m, :]: the dequantized rows are brgemm's row-major
 // A operand as they come out of the decoder, and x, packed once per call, is the VNNI B operand.
 // Both use the decoder's chunk order of K (quant_formats.h), so the nibble formats' interleaved
@@ -14,6 +20,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/sub.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/native/CPUBlas.h>
@@ -36,13 +43,16 @@ constexpr int64_t kMaxCols = 128;  // rows of x per brgemm call (its N)
 
 using at::BFloat16;
 
-// One weight row into bf16 at chunk positions (value = ws * code + wm per 4-code lane), the
-// portable way.
+// One weight row into bf16 head and tail rows at chunk positions (value = ws * code + wm per
+// 4-code lane), the portable way.
 void dequant_row_portable(int64_t fmt, const uint8_t* row, int64_t K, float scale, int8_t* codes,
-                          float* ws, float* wm, BFloat16* dst, int64_t padded) {
+                          float* ws, float* wm, BFloat16* hi, BFloat16* lo, int64_t padded) {
   decode_row(fmt, row, K, scale, codes, ws, wm);
-  for (int64_t i = 0; i < padded; ++i)
-    dst[i] = BFloat16(ws[i / 4] * static_cast<float>(codes[i]) + wm[i / 4]);
+  for (int64_t i = 0; i < padded; ++i) {
+    const float v = ws[i / 4] * static_cast<float>(codes[i]) + wm[i / 4];
+    hi[i] = BFloat16(v);
+    lo[i] = BFloat16(v - static_cast<float>(hi[i]));
+  }
 }
 
 }  // namespace
@@ -66,13 +76,24 @@ inline __m256i to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-void dequant_row(int64_t fmt, const uint8_t* row, int64_t K, float scale, BFloat16* dst) {
+// 16 floats -> bf16 heads at hi and tails at lo. The head is v truncated to bf16, which is
+// exact as a float (no conversion back), and the tail v - head, rounded: together within ~2^-17
+// of v (one op cheaper per value than rounding the head too).
+inline void split_bf16(__m512 v, BFloat16* hi, BFloat16* lo) {
+  const __m512i head = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(-65536));
+  const __m512 tail = _mm512_sub_ps(v, _mm512_castsi512_ps(head));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), _mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), to_bf16(tail));
+}
+
+void dequant_row(int64_t fmt, const uint8_t* row, int64_t K, float scale, BFloat16* hi,
+                 BFloat16* lo) {
   walk_row(fmt, row, K, scale, [&](int64_t c, __m512i w, __m512 ws, __m512 wm) {
-    __m256i* out = reinterpret_cast<__m256i*>(dst + c * kChunk);
-    _mm256_storeu_si256(out, to_bf16(dequant16<0>(w, ws, wm)));
-    _mm256_storeu_si256(out + 1, to_bf16(dequant16<1>(w, ws, wm)));
-    _mm256_storeu_si256(out + 2, to_bf16(dequant16<2>(w, ws, wm)));
-    _mm256_storeu_si256(out + 3, to_bf16(dequant16<3>(w, ws, wm)));
+    const int64_t at = c * kChunk;
+    split_bf16(dequant16<0>(w, ws, wm), hi + at, lo + at);
+    split_bf16(dequant16<1>(w, ws, wm), hi + at + 16, lo + at + 16);
+    split_bf16(dequant16<2>(w, ws, wm), hi + at + 32, lo + at + 32);
+    split_bf16(dequant16<3>(w, ws, wm), hi + at + 48, lo + at + 48);
   });
 }
 
@@ -97,6 +118,14 @@ at::Tensor pack_activations(const at::Tensor& x, int64_t padded, bool nibbles) {
   return xb.view(at::kInt).t().contiguous();
 }
 
+// x's bf16 head and tail (x - head), each packed as above.
+std::pair<at::Tensor, at::Tensor> pack_split(const at::Tensor& x, int64_t padded, bool nibbles) {
+  const at::Tensor head = x.to(at::kBFloat16);
+  const at::Tensor tail = at::sub(x, head.to(at::kFloat));
+  return {pack_activations(head.to(at::kFloat), padded, nibbles),
+          pack_activations(tail, padded, nibbles)};
+}
+
 
 }  // namespace
 
@@ -109,10 +138,11 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
   const float* sp = args.scales;
   const float* bp = args.bias;
   if (M == 0 || N == 0) return;
-  const bool bf16 = fmt == kBF16;  // the rows already are brgemm's A operand: no tile to fill
+  const bool bf16 = fmt == kBF16;  // the rows already are brgemm's A operand, exactly
   const int64_t padded = bf16 ? K : (K + kChunk - 1) / kChunk * kChunk;
-  const at::Tensor xv = pack_activations(x, padded, nibble_order(fmt));
-  const BFloat16* xvp = static_cast<const BFloat16*>(xv.data_ptr());
+  const auto [x_hi, x_lo] = pack_split(x, padded, nibble_order(fmt));
+  const BFloat16* xh = static_cast<const BFloat16*>(x_hi.data_ptr());
+  const BFloat16* xl = static_cast<const BFloat16*>(x_lo.data_ptr());
   const uint8_t* wp = args.w;
   float* op = args.out;
   const int64_t row_bytes = args.row_bytes;
@@ -121,24 +151,27 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<int8_t> codes(padded);
     std::vector<float> ws(padded / 4), wm(padded / 4);
-    std::vector<BFloat16> a(kTileRows * padded);
+    std::vector<BFloat16> a_hi(kTileRows * padded), a_lo(kTileRows * padded);
     std::vector<float> c(kTileRows * kMaxCols);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
-      const BFloat16* tile = bf16 ? reinterpret_cast<const BFloat16*>(wp + n0 * row_bytes) : a.data();
+      const BFloat16* hi = bf16 ? reinterpret_cast<const BFloat16*>(wp + n0 * row_bytes) : a_hi.data();
       for (int64_t i = 0; i < rows && !bf16; ++i) {
         const uint8_t* row = wp + (n0 + i) * row_bytes;
         const float scale = sp ? sp[n0 + i] : 0.f;
-        BFloat16* dst = a.data() + i * padded;
+        BFloat16* h = a_hi.data() + i * padded;
+        BFloat16* l = a_lo.data() + i * padded;
         if (fast)
-          v512::dequant_row(fmt, row, K, scale, dst);  // whole chunks: a half chunk's tail is 0
+          v512::dequant_row(fmt, row, K, scale, h, l);  // whole chunks: a half chunk's tail is 0
         else
-          dequant_row_portable(fmt, row, K, scale, codes.data(), ws.data(), wm.data(), dst, padded);
+          dequant_row_portable(fmt, row, K, scale, codes.data(), ws.data(), wm.data(), h, l, padded);
       }
       for (int64_t m0 = 0; m0 < M; m0 += kMaxCols) {
         const int64_t cols = std::min(kMaxCols, M - m0);
-        at::native::cpublas::brgemm(rows, cols, padded, padded, M, cols, false, tile,
-                                    xvp + m0 * 2, c.data());
+        using at::native::cpublas::brgemm;
+        brgemm(rows, cols, padded, padded, M, cols, false, hi, xh + m0 * 2, c.data());
+        brgemm(rows, cols, padded, padded, M, cols, true, hi, xl + m0 * 2, c.data());
+        if (!bf16) brgemm(rows, cols, padded, padded, M, cols, true, a_lo.data(), xh + m0 * 2, c.data());
         for (int64_t j = 0; j < cols; ++j) {  // C^T back to out's rows, `rows` floats at a time
           float* dst = op + (m0 + j) * args.ldo + n0;
           for (int64_t i = 0; i < rows; ++i) dst[i] = c[i * cols + j] + (bp ? bp[n0 + i] : 0.f);
