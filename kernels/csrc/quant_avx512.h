@@ -188,6 +188,13 @@ struct Q6_K {
   }
 };
 
+// 16 codes (group G of the chunk) -> 16 floats: code * ws + wm of their lanes.
+template <int G>
+inline __m512 dequant16(__m512i w, __m512 ws, __m512 wm) {
+  const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(w, G)));
+  return _mm512_fmadd_ps(codes, quarter_lanes(ws, 4 * G), quarter_lanes(wm, 4 * G));
+}
+
 // Walks one row of format fmt; f(chunk, codes, ws, wm) as above.
 template <class F>
 inline void walk_row(int64_t fmt, const uint8_t* row, int64_t K, float scale, F&& f) {

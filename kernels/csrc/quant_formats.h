@@ -6,8 +6,8 @@
 // 4l..4l+3) has one scale ws[l] and one offset wm[l]: weight = ws[l] * code + wm[l]. The codes
 // of one chunk are in the order one SIMD decode produces them; for the 32-element nibble formats
 // that order interleaves two blocks (see chunk_position), and the activations are stored in the
-// same order instead of shuffling the weights. Portable decoders here (decode_row) serve the
-// AVX2 kernel; the AVX-512 kernel decodes in registers.
+// same order instead of shuffling the weights. The AVX-512 kernels decode in registers
+// (quant_avx512.h); the portable dequantizer here (dequant_row_f32) serves the AVX2 paths.
 
 #pragma once
 
@@ -76,54 +76,44 @@ inline void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
   }
 }
 
-// Portable decode of one weight row: codes[K] (signed: Q8_0/int8 values as they are, the
-// 4-6 bit formats as unsigned 0..63), ws[K/4], wm[K/4]; K is a multiple of 32. A trailing half
-// chunk (K % 64 == 32) is zero-filled to a whole chunk. `scale` is the int8 row scale.
-inline void decode_row(int64_t fmt, const uint8_t* row, int64_t K, float scale, int8_t* codes,
-                       float* ws, float* wm) {
-  const int64_t padded = (K + kChunk - 1) / kChunk * kChunk;
-  std::memset(codes, 0, padded);
-  for (int64_t l = 0; l < padded / 4; ++l) ws[l] = wm[l] = 0.f;
-  auto lanes = [&](int64_t first_pos, int64_t count, float s, float m) {
-    for (int64_t i = 0; i < count / 4; ++i) {
-      ws[first_pos / 4 + i] = s;
-      wm[first_pos / 4 + i] = m;
-    }
-  };
+// Portable dequantization of one weight row to K floats in natural order (the AVX2 paths: no
+// chunk order there). Each block's arithmetic is GGML's: an fp16 scale times a small integer,
+// plus an offset; `scale` is the int8 row scale.
+inline void dequant_row_f32(int64_t fmt, const uint8_t* row, int64_t K, float scale, float* out) {
   switch (fmt) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: {
       const int64_t bytes = fmt == kQ4_0 ? 18 : fmt == kQ4_1 ? 20 : fmt == kQ5_0 ? 22 : 24;
       const bool has_min = fmt == kQ4_1 || fmt == kQ5_1, five = fmt == kQ5_0 || fmt == kQ5_1;
       const int64_t qs_off = (has_min ? 4 : 2) + (five ? 4 : 0);
-      for (int64_t b = 0; b < K / 32; ++b) {
+      for (int64_t b = 0; b < K / 32; ++b, out += 32) {
         const uint8_t* blk = row + b * bytes;
         uint32_t qh = 0;
         if (five) std::memcpy(&qh, blk + (has_min ? 4 : 2), 4);
         const float d = fp16(blk);
         const float m = has_min ? fp16(blk + 2) : -(five ? 16.f : 8.f) * d;
-        for (int t = 0; t < 32; ++t) {
-          const uint8_t byte = blk[qs_off + t % 16];
-          int code = t < 16 ? (byte & 0x0F) : (byte >> 4);
-          if (five) code |= ((qh >> t) & 1) << 4;
-          codes[chunk_position(b * 32 + t, true)] = static_cast<int8_t>(code);
+        for (int t = 0; t < 16; ++t) {
+          const uint8_t byte = blk[qs_off + t];
+          const int lo = (byte & 0x0F) | (five ? ((qh >> t) & 1) << 4 : 0);
+          const int hi = (byte >> 4) | (five ? ((qh >> (t + 16)) & 1) << 4 : 0);
+          out[t] = d * static_cast<float>(lo) + m;
+          out[t + 16] = d * static_cast<float>(hi) + m;
         }
-        const int64_t base = (b / 2) * kChunk + (b % 2) * 16;
-        lanes(base, 16, d, m);
-        lanes(base + 32, 16, d, m);
       }
       break;
     }
     case kQ8_0:
-      for (int64_t b = 0; b < K / 32; ++b) {
+      for (int64_t b = 0; b < K / 32; ++b, out += 32) {
         const uint8_t* blk = row + b * 34;
-        std::memcpy(codes + b * 32, blk + 2, 32);
-        lanes(b * 32, 32, fp16(blk), 0.f);
+        const float d = fp16(blk);
+        const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+        for (int t = 0; t < 32; ++t) out[t] = d * static_cast<float>(q[t]);
       }
       break;
-    case kInt8:
-      std::memcpy(codes, row, K);
-      lanes(0, K, scale, 0.f);
+    case kInt8: {
+      const int8_t* q = reinterpret_cast<const int8_t*>(row);
+      for (int64_t k = 0; k < K; ++k) out[k] = scale * static_cast<float>(q[k]);
       break;
+    }
     case kQ4_K: case kQ5_K: {
       const int64_t bytes = fmt == kQ4_K ? 144 : 176;
       for (int64_t sb = 0; sb < K / 256; ++sb) {
@@ -133,20 +123,20 @@ inline void decode_row(int64_t fmt, const uint8_t* row, int64_t K, float scale, 
         k_scales(blk + 4, sc, mn);
         const uint8_t* qh = blk + 16;
         const uint8_t* qs = blk + (fmt == kQ4_K ? 16 : 48);
-        for (int j = 0; j < 8; ++j) {  // sub-block j: nibbles of qs[32 (j/2) ...], qh bit j
+        for (int j = 0; j < 8; ++j, out += 32) {  // sub-block j: nibbles of qs[32 (j/2) ...], qh bit j
+          const float s = d * sc[j], m = -(dmin * mn[j]);
           for (int t = 0; t < 32; ++t) {
             const uint8_t byte = qs[(j / 2) * 32 + t];
             int code = j % 2 ? byte >> 4 : byte & 0x0F;
             if (fmt == kQ5_K) code |= ((qh[t] >> j) & 1) << 4;
-            codes[sb * 256 + j * 32 + t] = static_cast<int8_t>(code);
+            out[t] = s * static_cast<float>(code) + m;
           }
-          lanes(sb * 256 + j * 32, 32, d * sc[j], -dmin * mn[j]);
         }
       }
       break;
     }
     case kQ6_K:
-      for (int64_t sb = 0; sb < K / 256; ++sb) {
+      for (int64_t sb = 0; sb < K / 256; ++sb, out += 256) {
         const uint8_t* blk = row + sb * 210;
         const uint8_t* ql = blk;
         const uint8_t* qh = blk + 128;
@@ -157,9 +147,8 @@ inline void decode_row(int64_t fmt, const uint8_t* row, int64_t K, float scale, 
           const uint8_t l = ql[half * 64 + (quarter % 2) * 32 + t];
           const int low = quarter < 2 ? l & 0x0F : l >> 4;
           const int high = (qh[half * 32 + t] >> (2 * quarter)) & 3;
-          codes[sb * 256 + e] = static_cast<int8_t>(low | (high << 4));
+          out[e] = (d * sc[e / 16]) * static_cast<float>((low | (high << 4)) - 32);
         }
-        for (int g = 0; g < 16; ++g) lanes(sb * 256 + g * 16, 16, d * sc[g], -32.f * d * sc[g]);
       }
       break;
   }

@@ -43,15 +43,14 @@ constexpr int64_t kMaxCols = 128;  // rows of x per brgemm call (its N)
 
 using at::BFloat16;
 
-// One weight row into bf16 head and tail rows at chunk positions (value = ws * code + wm per
-// 4-code lane), the portable way.
-void dequant_row_portable(int64_t fmt, const uint8_t* row, int64_t K, float scale, int8_t* codes,
-                          float* ws, float* wm, BFloat16* hi, BFloat16* lo, int64_t padded) {
-  decode_row(fmt, row, K, scale, codes, ws, wm);
-  for (int64_t i = 0; i < padded; ++i) {
-    const float v = ws[i / 4] * static_cast<float>(codes[i]) + wm[i / 4];
-    hi[i] = BFloat16(v);
-    lo[i] = BFloat16(v - static_cast<float>(hi[i]));
+// One weight row into bf16 head and tail rows in natural order, the portable way (the tail
+// past K stays 0).
+void dequant_row_portable(int64_t fmt, const uint8_t* row, int64_t K, float scale, float* values,
+                          BFloat16* hi, BFloat16* lo) {
+  dequant_row_f32(fmt, row, K, scale, values);
+  for (int64_t i = 0; i < K; ++i) {
+    hi[i] = BFloat16(values[i]);
+    lo[i] = BFloat16(values[i] - static_cast<float>(hi[i]));
   }
 }
 
@@ -60,13 +59,6 @@ void dequant_row_portable(int64_t fmt, const uint8_t* row, int64_t K, float scal
 // The same with the AVX-512 decoders (inlined: this code has their target).
 PAGEDQ_AVX512_BEGIN
 namespace v512 {
-
-// 16 codes (group G of the chunk) -> 16 floats: code * ws + wm of their lanes.
-template <int G>
-inline __m512 dequant16(__m512i w, __m512 ws, __m512 wm) {
-  const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(w, G)));
-  return _mm512_fmadd_ps(codes, quarter_lanes(ws, 4 * G), quarter_lanes(wm, 4 * G));
-}
 
 // fp32 -> bf16, rounding to nearest even (weights are finite: no NaN case).
 inline __m256i to_bf16(__m512 v) {
@@ -140,18 +132,17 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
   if (M == 0 || N == 0) return;
   const bool bf16 = fmt == kBF16;  // the rows already are brgemm's A operand, exactly
   const int64_t padded = bf16 ? K : (K + kChunk - 1) / kChunk * kChunk;
-  const auto [x_hi, x_lo] = pack_split(x, padded, nibble_order(fmt));
+  const bool fast = isa == kAvx512Vnni;  // the AVX-512 decoders (chunk order), else portable ones
+  const auto [x_hi, x_lo] = pack_split(x, padded, fast && nibble_order(fmt));
   const BFloat16* xh = static_cast<const BFloat16*>(x_hi.data_ptr());
   const BFloat16* xl = static_cast<const BFloat16*>(x_lo.data_ptr());
   const uint8_t* wp = args.w;
   float* op = args.out;
   const int64_t row_bytes = args.row_bytes;
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
-  const bool fast = isa == kAvx512Vnni;  // the AVX-512 decoders, else the portable ones
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int8_t> codes(padded);
-    std::vector<float> ws(padded / 4), wm(padded / 4);
-    std::vector<BFloat16> a_hi(kTileRows * padded), a_lo(kTileRows * padded);
+    std::vector<float> values(padded);
+    std::vector<BFloat16> a_hi(kTileRows * padded, BFloat16(0.f)), a_lo(kTileRows * padded, BFloat16(0.f));
     std::vector<float> c(kTileRows * kMaxCols);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
@@ -164,7 +155,7 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
         if (fast)
           v512::dequant_row(fmt, row, K, scale, h, l);  // whole chunks: a half chunk's tail is 0
         else
-          dequant_row_portable(fmt, row, K, scale, codes.data(), ws.data(), wm.data(), h, l, padded);
+          dequant_row_portable(fmt, row, K, scale, values.data(), h, l);
       }
       for (int64_t m0 = 0; m0 < M; m0 += kMaxCols) {
         const int64_t cols = std::min(kMaxCols, M - m0);

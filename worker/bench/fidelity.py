@@ -44,7 +44,7 @@ TEXT = (
 
 def matching_prefix(tokens: list[int], reference: list[int]) -> float:
     """The share of ``tokens`` equal to ``reference`` before the first difference."""
-    same = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b),
+    same = next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=False)) if a != b),
                 min(len(tokens), len(reference)))
     return same / max(len(reference), 1)
 
