@@ -2,8 +2,8 @@
 
 The default engine runs the GGUF as shipped (Q4_1 projections, a Q8_0 embedding tied to the LM
 head, kept packed). Its dequantized twin (``quantization="none"``: the same weights widened to
-fp32) is checked token by token against transformers' own dequantization of the file; the
-packed engine is checked against the twin (tests/models/test_quant_fidelity.py measures more).
+fp32) is checked token by token against transformers' own dequantization of the file; tests/models/test_quant_fidelity.py checks the packed engine against
+the twin.
 """
 
 from __future__ import annotations
@@ -49,13 +49,3 @@ def test_greedy_matches_transformers(dequantized):
         assert_greedy(dequantized.model_path, out.prompt_token_ids, out.outputs[0].token_ids)
         assert out.outputs[0].text == dequantized.tokenizer.decode(out.outputs[0].token_ids,
                                                                    skip_special_tokens=True)
-
-
-def test_packed_follows_the_dequantized_model(engine, dequantized):
-    """The packed kernels round activations to int8 per 32 values (as llama.cpp does), so
-    greedy paths may part at a near-tie; on average they share most of their tokens."""
-    packed = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, GREEDY)]
-    widened = [o.outputs[0].token_ids for o in dequantized.generate(PROMPTS, GREEDY)]
-    prefixes = [next((i for i, (a, b) in enumerate(zip(p, w, strict=True)) if a != b), len(p))
-                / len(p) for p, w in zip(packed, widened, strict=True)]
-    assert sum(prefixes) / len(prefixes) >= 0.8, prefixes

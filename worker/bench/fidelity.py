@@ -50,7 +50,13 @@ def matching_prefix(tokens: list[int], reference: list[int]) -> float:
 
 
 def greedy(engine, prompts=PROMPTS, max_tokens: int = 32) -> list[list[int]]:
+    """Greedy continuations of ``prompts``; a model without a tokenizer gets each text as token
+    ids (its bytes folded into the vocabulary, past the first ids where specials live)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    if engine.tokenizer is None:
+        vocab = engine.hf_config.vocab_size
+        prompts = [[3 + byte % (vocab - 3) for byte in p.encode()] if isinstance(p, str) else p
+                   for p in prompts]
     return [out.outputs[0].token_ids for out in engine.generate(list(prompts), params)]
 
 

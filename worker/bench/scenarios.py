@@ -26,7 +26,7 @@ import torch
 
 from pagedq.worker.logging import get_logger
 
-from . import contiguous, driver, hf_baseline
+from . import contiguous, driver, hf_baseline, quant
 from .config import BenchConfig
 from .timeline import Timeline
 from .workload import BenchRequest, TokenSpace, fixed_shape, sharegpt_like, trace_summary
@@ -91,7 +91,10 @@ class BenchRun:
 
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
-        self.model_dir = resolve_model(self.config.model)
+        # pagedq serves the model as its quantization asks (a GGUF's blocks kept packed); the
+        # HF baseline loads the fp32 conversion (see hf())
+        self.model_dir = resolve_model(self.config.model,
+                                       packed=self.config.quantization == "auto")
         cfg = load_config(self.model_dir)
         tok = load_tokenizer(self.model_dir)
         specials: list[int | None] = [cfg.bos_token_id, getattr(cfg, "pad_token_id", None)]
@@ -111,14 +114,17 @@ class BenchRun:
         """A fresh Engine on the run's model with the run's knobs, overridden per scenario."""
         from pagedq.worker import Engine
 
-        engine = Engine(config=self.config.engine_config(model=str(self.model_dir), **overrides))
+        engine = Engine(config=self.config.engine_config(
+            **{"model": str(self.model_dir), **overrides}))
         driver.warm_up(engine, self.space.low)
         return engine
 
     def hf(self) -> hf_baseline.HFModel:
         if self._hf is None:
-            self._hf = hf_baseline.load_hf_model(self.model_dir, self.config.dtype,
-                                                 self.config.device)
+            from pagedq.worker.models.loader import resolve_model
+
+            self._hf = hf_baseline.load_hf_model(resolve_model(self.config.model),
+                                                 self.config.dtype, self.config.device)
             hf_baseline.warm_up(self._hf, self.space.low)
         return self._hf
 
@@ -177,6 +183,8 @@ class BenchRun:
         gc.collect()
         if "llama_cpp" in wanted and wanted & {"throughput", "decode"}:
             self._timed("llama_cpp", lambda: self.llama_cpp(wanted))
+        if "quant" in wanted:
+            self._timed("quant", lambda: quant.measure(self))
         self.results["peak_rss_mb_total"] = peak_rss_mb()
         self.elapsed_s["total"] = round(time.perf_counter() - began, 3)
 
@@ -382,9 +390,10 @@ class BenchRun:
     # -- llama.cpp, the CPU peer ---------------------------------------------------------------
     def llama_cpp(self, wanted: set[str]) -> None:
         """The decode sweep through llama-batched-bench and the throughput trace through
-        llama-server, on an F32 GGUF of the same weights (see llama_cpp.py)."""
+        llama-server, on the GGUF pagedq serves packed (auto quantization), else an F32 GGUF of
+        the same weights (see llama_cpp.py)."""
         from pagedq.worker.models.default_model import default_gguf
-        from pagedq.worker.models.loader import cache_dir
+        from pagedq.worker.models.loader import cache_dir, packed_source
 
         from . import llama_cpp
 
@@ -392,27 +401,32 @@ class BenchRun:
         if torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu")).type != "cpu":
             raise Unavailable("llama.cpp is the CPU peer: its figures are measured on CPU runs")
         if c.dtype != "float32":
-            raise Unavailable(f"llama.cpp runs the F32 GGUF; this run's dtype is {c.dtype}")
+            raise Unavailable(f"llama.cpp runs the GGUF in float32; this run's dtype is {c.dtype}")
         try:
             cpp = llama_cpp.LlamaCpp.locate(c.llama_cpp)
         except llama_cpp.LlamaCppUnavailable as exc:
             raise Unavailable(str(exc)) from exc
+        packed = packed_source(self.model_dir)  # the GGUF pagedq serves as shipped, if any
         if c.llama_cpp_model:
             gguf = Path(c.llama_cpp_model).expanduser()
+        elif packed is not None:
+            gguf = packed
         elif c.model is None:
             gguf = llama_cpp.f32_gguf(cpp, default_gguf(), cache_dir() / "llama_cpp")
         else:
             raise Unavailable("llama.cpp needs a GGUF of this run's model: --set "
                               "llama_cpp_model=PATH.gguf (f32, the same weights)")
+        no_repack = not gguf.name.endswith(".F32.gguf")  # -nr: see quant.py
         threads = c.num_threads or torch.get_num_threads()
         out: dict[str, Any] = {"version": cpp.version(), "gguf": str(gguf), "threads": threads}
         if "decode" in wanted:
             out["decode_rows"] = llama_cpp.batched_bench(
-                cpp, gguf, c.decode_prompt_tokens, c.decode_new_tokens, c.decode_batches, threads)
+                cpp, gguf, c.decode_prompt_tokens, c.decode_new_tokens, c.decode_batches, threads,
+                no_repack=no_repack)
         if "throughput" in wanted:
             out["throughput"] = llama_cpp.serve_trace(
                 cpp, gguf, self.throughput_trace(), c.llama_cpp_server_slots, c.max_model_len,
-                threads, c.queue_timeout_s)
+                threads, c.queue_timeout_s, no_repack=no_repack)
         self.results["llama_cpp"] = out
 
     def decode_hf(self) -> None:
