@@ -29,3 +29,14 @@ def resolve_redis_url(url: str | None, default: str | None = DEFAULT_REDIS_URL) 
     worker runs out of the box on a laptop.
     """
     return url or os.environ.get("REDIS_URL") or default
+
+
+def redacted(url: str) -> str:
+    """``url`` with its password replaced by ``***``, for messages and logs."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()

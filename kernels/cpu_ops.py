@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from pagedq.progress import waiting
 from pagedq.worker.logging import get_logger
 
 LIBRARY = "pagedq_cpu_ops"
@@ -104,8 +105,11 @@ def build(sources: tuple[Path, ...], name: str, root: Path | None) -> CpuOps:
     build_dir.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(build_dir)
     start = time.perf_counter()
-    load(name=name, sources=[str(s) for s in sources], extra_cflags=CFLAGS,
-         extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False)
+    # A cached build loads in well under the wait's delay, so only a real compile is announced.
+    with waiting("compiling pagedq's C++ CPU kernels (once per machine and torch version, about "
+                 f"2 minutes on 2 cores; kept in {build_dir})", _log):
+        load(name=name, sources=[str(s) for s in sources], extra_cflags=CFLAGS,
+             extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False)
     _log.info("cpu_ops_ready", seconds=round(time.perf_counter() - start, 2), path=str(build_dir))
     ops = torch.ops.pagedq_cpu
     return CpuOps(ops.paged_attention_rows, ops.skinny_linear, ops.rms_norm, ops.decoder_layers,

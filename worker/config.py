@@ -6,15 +6,17 @@
 - ``EngineConfig``: what the engine was asked for; every command derives its engine flags from
   its fields (pagedq.worker.cli).
 - ``WorkerConfig``: the queue service's knobs, likewise.
+- ``GatewayConfig``: ``pagedq serve``'s knobs (the OpenAI-compatible HTTP gateway).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pagedq.client.protocol import DEFAULT_PREFIX, DEFAULT_QUEUE, DEFAULT_TTL_S
 from pagedq.errors import InvalidRequestError
@@ -23,6 +25,25 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: the model's dtype
 Quantization = Literal["auto", "none", "int8", "int4"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
+
+
+def parse_bytes(text: str | int) -> int:
+    """A byte count from ``2GiB``, ``512MiB``, ``1.5G``, ``300MB`` or a plain integer.
+
+    Binary units (KiB, MiB, GiB, TiB) count in 1024s, SI ones (KB, MB, GB, TB) in 1000s, and a
+    bare letter (K, M, G, T) in 1024s, as ``docker run --memory`` reads it."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*", str(text), re.I)
+    if not match or (match.group(3) and not match.group(4)):
+        raise ValueError(f"{text!r} is not a size: write e.g. 2GiB, 512MiB or a number of bytes")
+    number, unit, binary, b = match.groups()
+    power = "kmgt".index(unit.lower()) + 1 if unit else 0
+    return int(float(number) * (1024 if binary or not b else 1000) ** power)
+
+
+# An int read from text by parse_bytes; flags of this type take "2GiB" (cli/flags.py).
+ByteSize = Annotated[int, parse_bytes]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
@@ -38,6 +59,7 @@ class Settings:
     consumer_name: str | None  # $PAGEDQ_CONSUMER_NAME: a worker's stable consumer name
     default_gguf: Path | None  # $PAGEDQ_DEFAULT_GGUF: the default model's GGUF, pre-fetched
     llama_cpp_dir: Path | None  # $PAGEDQ_LLAMA_CPP: llama.cpp binaries for the bench
+    api_keys: tuple[str, ...] = ()  # $PAGEDQ_API_KEY: the gateway's Bearer keys (comma-separated)
 
     @classmethod
     def from_environ(cls, env: dict[str, str] | os._Environ = os.environ) -> Settings:
@@ -51,7 +73,9 @@ class Settings:
                    hf_hub_cache=hub, queue=env.get("PAGEDQ_QUEUE") or DEFAULT_QUEUE,
                    consumer_name=env.get("PAGEDQ_CONSUMER_NAME") or None,
                    model=env.get("PAGEDQ_MODEL") or None,
-                   default_gguf=path("PAGEDQ_DEFAULT_GGUF"), llama_cpp_dir=path("PAGEDQ_LLAMA_CPP"))
+                   default_gguf=path("PAGEDQ_DEFAULT_GGUF"), llama_cpp_dir=path("PAGEDQ_LLAMA_CPP"),
+                   api_keys=tuple(k.strip() for k in env.get("PAGEDQ_API_KEY", "").split(",")
+                                  if k.strip()))
 
 
 @functools.cache
@@ -109,9 +133,10 @@ class EngineConfig:
     """Tokens per KV block (default: 8 on the CPU, 16 on CUDA)."""
     num_kv_blocks: int | None = None
     """KV cache size in blocks; overrides kv_cache_memory and gpu_memory_utilization."""
-    kv_cache_memory: int | None = None
-    """Bytes for the KV cache on the CPU (default: 2 GiB or a quarter of the available memory,
-    whichever is smaller)."""
+    kv_cache_memory: ByteSize | None = None
+    """Size of the KV cache on the CPU, e.g. 512MiB or 2GiB (default: 2 GiB or a quarter of the
+    memory still available to this process, a container's limit included, whichever is
+    smaller; pagedq chat/generate size it to their prompts)."""
     gpu_memory_utilization: float = 0.9
     """Fraction of the GPU's memory the engine may fill: weights, activations, then KV cache."""
     max_num_seqs: int = 64
@@ -138,6 +163,11 @@ class EngineConfig:
             if not ok:
                 raise InvalidRequestError(f"engine config: {what}")
 
+        if isinstance(self.kv_cache_memory, str):
+            try:
+                object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+            except ValueError as exc:
+                raise InvalidRequestError(f"engine config: kv_cache_memory: {exc}") from None
         need(self.block_size is None or self.block_size >= 1,
              f"block_size must be >= 1 or None, got {self.block_size}")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
@@ -172,8 +202,9 @@ class WorkerConfig:
     model: str | None = None
     """The engine's model (the ``--model`` flag); None: EngineConfig's default."""
     redis_url: str | None = None
-    """Redis holding the queue (default: $REDIS_URL; without either, an embedded redis-server
-    starts and its URL is logged)."""
+    """Redis holding the queue (default: $REDIS_URL; without either, the embedded redis-server
+    another worker on this machine started, else a new one, which pagedq submit and stats on
+    this machine then find)."""
     queue: str = field(default_factory=lambda: settings().queue)
     """Queue to serve (default: $PAGEDQ_QUEUE, else "default")."""
     prefix: str = DEFAULT_PREFIX
@@ -212,3 +243,48 @@ class WorkerConfig:
     def checkpoint_ttl_s(self) -> float:
         """How long a checkpoint (and the consumer-name lock) outlives its worker."""
         return self.checkpoint_ttl or max(5.0, 3 * self.checkpoint_interval)
+
+
+@dataclass
+class GatewayConfig:
+    """Everything ``pagedq serve`` takes. The gateway runs no model: its limits bound what one
+    HTTP client can ask of the queue and of Redis."""
+
+    redis_url: str | None = None
+    """Redis holding the queue (default: $REDIS_URL; without either, an embedded redis-server
+    and one worker on --model start)."""
+    queue: str = field(default_factory=lambda: settings().queue)
+    """Queue the jobs go to (default: $PAGEDQ_QUEUE, else "default")."""
+    prefix: str = DEFAULT_PREFIX
+    """Prefix of every Redis key the queue uses."""
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 8000
+    """Port to listen on."""
+    api_keys: tuple[str, ...] = field(default_factory=lambda: settings().api_keys)
+    """Accepted Bearer keys (default: $PAGEDQ_API_KEY, comma-separated); none: open."""
+    max_body_bytes: int = 4 << 20
+    """Largest JSON request body (413 above); uploads have max_file_bytes."""
+    max_queue_depth: int | None = None
+    """Answer 429 while more interactive (high and normal priority) jobs wait (default: no
+    limit)."""
+    disconnect_grace: float = 10.0
+    """Seconds a dropped stream may take to resume before its job is cancelled."""
+    ttl: int = DEFAULT_TTL_S
+    """Seconds a stream stays resumable (match the workers' --ttl)."""
+    files_dir: str | None = None
+    """Keep files in this directory (shared by every gateway) instead of Redis."""
+    max_file_bytes: int = 64 << 20
+    """Largest uploaded file (413 above)."""
+    files_ttl: int = 7 * 24 * 3600
+    """Seconds files and finished batches are kept."""
+    max_batch_lines: int = 50_000
+    """Most lines in one batch."""
+    batch_window: int = 128
+    """Lines of one batch in the queue at once."""
+    batch_lease: float = 10.0
+    """Seconds of silence after which another gateway takes over a gateway's batches."""
+    fleet_cache: float = 0.25
+    """Seconds a reading of the live workers and the queue depth is reused."""
+    redis_max_connections: int = 4096
+    """Redis connections of one gateway; each open stream holds one (a blocking read)."""

@@ -148,6 +148,15 @@ def test_itl_and_prefix_ratios(bench):
         assert all(h > 0 for h in doc["details"]["prefix"]["prefix_cache_hits"])
 
 
+def test_gateway_path_streams_the_same_text_as_the_sdk(bench):
+    _, doc, _, _ = bench
+    g = doc["details"]["gateway"]
+    assert g["texts_equal"] and g["http"]["output_tokens"] == g["sdk_before"]["output_tokens"]
+    assert doc["gateway_throughput_vs_sdk"] == pytest.approx(
+        g["http"]["tokens_per_s"] / g["sdk_tok_s_baseline"])
+    assert doc["targets"]["gateway_added_ttft_p50_ms"]["target"] == "<= 10 ms"
+
+
 def test_queue_path_gives_the_same_tokens(bench):
     _, doc, _, _ = bench
     if doc["queue_throughput_vs_inprocess"] is None:

@@ -2,8 +2,8 @@
 
 The default engine runs the GGUF as shipped (Q4_1 projections, a Q8_0 embedding tied to the LM
 head, kept packed). Its dequantized twin (``quantization="none"``: the same weights widened to
-fp32) is checked token by token against transformers' own dequantization of the file; tests/models/test_quant_fidelity.py checks the packed engine against
-the twin.
+fp32) is checked token by token against transformers' own dequantization of the file;
+tests/models/test_quant_fidelity.py checks the packed engine against the twin.
 """
 
 from __future__ import annotations

@@ -435,7 +435,7 @@ def test_concurrent_conversions_do_not_clash(tiny_gguf_factory, isolated_env):
     results = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), results
     assert {out.strip() for out, _ in results} == {str(gguf_cache_path(gguf))}
-    assert sum(err.count("converted gguf") for _, err in results) == 1
+    assert sum(err.count("done: converting") for _, err in results) == 1
     siblings = sorted(p.name for p in gguf_cache_path(gguf).parent.iterdir())
     assert siblings == [gguf_cache_path(gguf).name, gguf_cache_path(gguf).name + ".lock"]
 

@@ -59,3 +59,29 @@ def test_reclaim_acks_entries_deleted_while_pending(redis_db, redis_client):
     entries, pending, gone, kept = asyncio.run(scenario())
     assert {(e.entry_id, e.fields is None) for e in entries} == {(gone, True), (kept, False)}
     assert pending["pending"] == 1
+
+
+def test_a_burst_that_wakes_an_idle_reader_is_taken_whole(redis_db):
+    """Jobs submitted together (one MULTI) while the worker waits are read in one call, in
+    priority order, so they start in the same engine step."""
+    from pagedq.worker.service.consumer import Consumer
+
+    keys = Keys()
+
+    async def scenario():
+        r = redis.asyncio.Redis.from_url(redis_db)
+        consumer = Consumer(r, keys, "me")
+        await consumer.ensure_groups()
+        reading = asyncio.create_task(consumer.read(8, 5000))
+        await asyncio.sleep(0.3)  # the reader is blocked on empty streams
+        pipe = r.pipeline(transaction=True)
+        for level, k in (("low", "1"), ("normal", "2"), ("high", "3"), ("normal", "4")):
+            pipe.xadd(keys.jobs(level), {"k": k})
+        await pipe.execute()
+        entries = await asyncio.wait_for(reading, 10)
+        await r.aclose()
+        return [e.fields[b"k"] for e in entries]
+
+    taken = asyncio.run(scenario())
+    assert sorted(taken) == [b"1", b"2", b"3", b"4"]
+    assert taken[1:] == sorted(taken[1:], key=lambda k: {b"3": 0, b"2": 1, b"4": 1, b"1": 2}[k])

@@ -14,8 +14,8 @@ from pagedq.worker.config import EngineConfig
 
 from .workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT, LengthDist
 
-SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue", "llama_cpp",
-             "quant")
+SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue", "gateway",
+             "llama_cpp", "quant")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import torch
 
 from pagedq.worker.logging import get_logger
 
-from . import driver, fidelity, llama_cpp
+from . import driver, fidelity, llama_cpp, scenarios
 
 log = get_logger("pagedq.bench.quant")
 
@@ -60,11 +60,9 @@ def files(run: Any, cpp: llama_cpp.LlamaCpp | None) -> dict[str, Path]:
 
     c = run.config
     if c.model is not None:
-        from .scenarios import Unavailable
-
         path = Path(c.model).expanduser()
         if path.suffix.lower() != ".gguf":
-            raise Unavailable("the quant scenario serves GGUF files: run it with the default "
+            raise scenarios.Unavailable("the quant scenario serves GGUF files: run it with the default "
                                   "model or --model FILE.gguf")
         return {path.stem: path}
     bundled = default_gguf()
@@ -118,7 +116,7 @@ def pagedq_side(run: Any, path: Path) -> dict[str, Any]:
     c = run.config
     engine = run.engine(model=str(path), quantization="auto", **run.serving_engine_kwargs())
     out: dict[str, Any] = {"weight_bytes": engine.stats()["weight_bytes"]}
-    out["decode_rows"] = run.decode_rows(engine)
+    out["decode_rows"] = scenarios.decode_rows(run, engine)
     trace = run.throughput_trace()
     out["mixed_tok_s"] = driver.serve(engine, trace).timeline.tokens_per_s
     prompts = fidelity.PROMPTS

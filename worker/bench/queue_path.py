@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from .workload import BenchRequest
 
 if TYPE_CHECKING:
-    from .scenarios import BenchRun
+    from .run import BenchRun
 
 READY_TIMEOUT_S = 600.0
 POLL_S = 1.0

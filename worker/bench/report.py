@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from . import quant
-from .scenarios import BenchRun
+from .run import BenchRun
 from .timeline import p99_over_p50, summarize
 
 FIGURE_KEYS = (
@@ -30,6 +30,8 @@ FIGURE_KEYS = (
     "itl_p99_over_p50_unchunked",
     "prefix_ttft_ratio",
     "queue_throughput_vs_inprocess",
+    "gateway_throughput_vs_sdk",
+    "gateway_added_ttft_p50_ms",
     "decode_tok_s_by_batch",
     "kv_blocks_n4_vs_unshared",
     "kv_blocks_beam4_vs_unshared",
@@ -45,6 +47,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "itl_p99_over_p50_unchunked": ("itl",),
     "prefix_ttft_ratio": ("serving", "prefix"),
     "queue_throughput_vs_inprocess": ("serving", "throughput_pagedq", "queue"),
+    "gateway_throughput_vs_sdk": ("gateway",), "gateway_added_ttft_p50_ms": ("gateway",),
     "decode_tok_s_by_batch": ("serving", "decode_pagedq", "decode_hf"),
     "kv_blocks_n4_vs_unshared": ("serving", "sharing"),
     "kv_blocks_beam4_vs_unshared": ("serving", "sharing"),
@@ -54,6 +57,7 @@ SCENARIO_OF = {
     "concurrency_vs_contiguous": "capacity", "throughput_vs_hf_static": "throughput",
     "itl_p99_over_p50_chunked": "itl", "itl_p99_over_p50_unchunked": "itl",
     "prefix_ttft_ratio": "prefix", "queue_throughput_vs_inprocess": "queue",
+    "gateway_throughput_vs_sdk": "gateway", "gateway_added_ttft_p50_ms": "gateway",
     "decode_tok_s_by_batch": "decode",
     "kv_blocks_n4_vs_unshared": "sharing", "kv_blocks_beam4_vs_unshared": "sharing",
 }
@@ -225,6 +229,14 @@ def _queue(res: dict[str, Any], out: dict[str, Any]) -> None:
     }
 
 
+def _gateway(res: dict[str, Any], out: dict[str, Any]) -> None:
+    g = res["gateway"]
+    out["tokens_per_s"]["pagedq_via_gateway"] = g["http"]["tokens_per_s"]
+    out["gateway_throughput_vs_sdk"] = g["throughput_vs_sdk"]
+    out["gateway_added_ttft_p50_ms"] = g["added_ttft_p50_ms"]
+    out["details"]["gateway"] = g
+
+
 def _queue_baseline(doc: dict[str, Any]) -> float | None:
     """The in-process tok/s the Redis figure is divided by (mean of the runs around it)."""
     q = (doc.get("details") or {}).get("queue") or {}
@@ -295,6 +307,10 @@ def _targets(out: dict[str, Any]) -> dict[str, Any]:
         "prefix_ttft_ratio": check(out["prefix_ttft_ratio"], lambda v: v <= 0.2, "<= 0.2"),
         "queue_throughput_vs_inprocess": check(out["queue_throughput_vs_inprocess"],
                                                lambda v: v >= 0.95, ">= 0.95"),
+        "gateway_throughput_vs_sdk": check(out["gateway_throughput_vs_sdk"],
+                                           lambda v: v >= 0.95, ">= 0.95"),
+        "gateway_added_ttft_p50_ms": check(out["gateway_added_ttft_p50_ms"],
+                                           lambda v: v <= 10, "<= 10 ms"),
     }
 
 
@@ -339,7 +355,7 @@ def assemble(run: BenchRun) -> dict[str, Any]:
     out: dict[str, Any] = {key: None for key in FIGURE_KEYS}
     out.update(tokens_per_s={}, ttft_s={}, itl_s={}, details={}, unavailable={})
     builders = [("capacity", _capacity), ("itl", _itl), ("prefix", _prefix),
-                ("sharing", _sharing), ("queue", _queue)]
+                ("sharing", _sharing), ("queue", _queue), ("gateway", _gateway)]
     for key, build in builders:
         if key in res:
             build(res, out)
@@ -456,6 +472,11 @@ def table(doc: dict[str, Any]) -> str:
          tg["prefix_ttft_ratio"]["target"]),
         ("tok/s via Redis vs in-process", tps.get("pagedq_via_redis"), _queue_baseline(doc),
          doc["queue_throughput_vs_inprocess"], tg["queue_throughput_vs_inprocess"]["target"]),
+        ("tok/s via HTTP gateway vs SDK", tps.get("pagedq_via_gateway"),
+         ((doc.get("details") or {}).get("gateway") or {}).get("sdk_tok_s_baseline"),
+         doc.get("gateway_throughput_vs_sdk"), tg["gateway_throughput_vs_sdk"]["target"]),
+        ("added p50 TTFT ms, HTTP vs SDK", doc.get("gateway_added_ttft_p50_ms"), None, None,
+         tg["gateway_added_ttft_p50_ms"]["target"]),
         ("output tok/s, trace vs llama-server", tps.get("pagedq"), tps.get("llama_cpp_server"),
          _ratio(tps.get("pagedq"), tps.get("llama_cpp_server")),
          tg["mixed_trace_tok_s"]["target"]),

@@ -1,35 +1,29 @@
 """The benchmark scenarios: each measures pagedq and its baseline in the same run.
 
-``BenchRun.execute()`` runs the selected scenarios in an order that keeps the comparisons
-clean: every pagedq measurement first (so the peak RSS recorded after them is pagedq's own),
-then the Redis path (a worker subprocess), then the Hugging Face baseline. Each scenario writes
-its raw results into ``self.results``; ``report.assemble`` turns them into the report's figures.
-
-A scenario whose dependency is missing (no Redis worker, no prefix caching) raises
-``Unavailable`` and its figures are reported as unavailable with the reason; any other error is
-logged, recorded under ``errors`` and the run carries on, so one broken part never hides the rest.
+Every scenario is a function of the ``BenchRun`` (pagedq.worker.bench.run), named ``bench``,
+that writes its raw measurements into ``bench.results``; the run decides their order and catches
+their failures.
 """
 
 from __future__ import annotations
 
-import gc
-import math
-import resource
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from pagedq.worker.logging import get_logger
 
-from . import contiguous, driver, hf_baseline, quant
+from . import contiguous, driver, hf_baseline
 from .config import BenchConfig
 from .timeline import Timeline
-from .workload import BenchRequest, TokenSpace, fixed_shape, sharegpt_like, trace_summary
+from .workload import BenchRequest, fixed_shape, sharegpt_like, trace_summary
+
+if TYPE_CHECKING:
+    from .run import BenchRun
 
 log = get_logger("pagedq.bench")
 
@@ -62,379 +56,258 @@ class BatchedBenchRow:
                    s=b * (pp + tg) / max(total, 1e-9))
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident set so far (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+# -- pagedq on the serving engine ----------------------------------------------------------
+def serving_scenarios(bench: BenchRun, wanted: set[str]) -> None:
+    """Throughput, decode sweep and prefix share one engine (built once)."""
+    engine = bench.engine(**bench.serving_engine_kwargs())
+    bench.results["serving_engine"] = {
+        k: engine.stats()[k] for k in ("kv_blocks_total", "block_size", "max_num_seqs",
+                                       "max_model_len")
+    }
+    if wanted & {"throughput", "queue"}:
+        bench._timed("throughput_pagedq", lambda: throughput_pagedq(bench, engine))
+    if "queue" in wanted:  # right after its in-process baseline, see queue()
+        bench._timed("queue", lambda: queue(bench, engine))
+    if "decode" in wanted:
+        bench._timed("decode_pagedq", lambda: decode_pagedq(bench, engine))
+        kv = bench.config.decode_kv_cache_dtype
+        if kv and kv != bench.config.kv_cache_dtype:
+            bench._timed("decode_pagedq_kv", lambda: decode_pagedq_kv(bench, kv))
+    if "prefix" in wanted:
+        bench._timed("prefix", lambda: prefix(bench, engine))
+    if "sharing" in wanted:
+        bench._timed("sharing", lambda: sharing(bench, engine))
 
 
-@dataclass
-class BenchRun:
-    """One ``pagedq bench`` invocation: its config, shared inputs and everything it measured."""
+def sharing(bench: BenchRun, engine: Any) -> None:
+    """Peak KV blocks of one n=4 request and one beam-width-4 search on a long prompt, next
+    to what four unshared copies of the same sequences would hold."""
+    from pagedq.client import SamplingParams
+    from pagedq.worker.engine.beam_search import BeamParams, add_beam_request
 
-    config: BenchConfig
-    results: dict[str, Any] = field(default_factory=dict)
-    unavailable: dict[str, str] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)
-    elapsed_s: dict[str, float] = field(default_factory=dict)
-    model_dir: Path | None = None
-    space: TokenSpace | None = None
-    _hf: hf_baseline.HFModel | None = None
+    c = bench.config
+    new = min(c.sharing_new_tokens, engine.max_model_len // 4)
+    plen = min(c.sharing_prompt_tokens, engine.max_model_len - new)  # fits the engine
+    prompt = bench.space.sample(np.random.default_rng(c.seed + 9), plen)
+    unshared = 4 * bench.blocks_for(plen + new)
+    out: dict[str, Any] = {"prompt_tokens": plen, "new_tokens": new,
+                           "unshared_blocks": unshared}
+    cases = {
+        "n4": lambda rid: engine.add_request(rid, prompt, SamplingParams(
+            n=4, temperature=1.0, seed=c.seed, max_tokens=new, ignore_eos=True)),
+        "beam4": lambda rid: add_beam_request(engine, rid, prompt, BeamParams(4, new)),
+    }
+    for name, add in cases.items():
+        base = engine.stats()["kv_blocks_used"]
+        add(f"share-{name}")
+        peak = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            peak = max(peak, engine.stats()["kv_blocks_used"] - base)
+        out[f"{name}_peak_blocks"] = peak
+    bench.results["sharing"] = out
 
-    def __post_init__(self) -> None:
-        if self.config.block_size is None:  # the engine's own default for the run's device
-            self.config = self.config.with_(block_size=self.config.resolved_block_size())
 
-    # -- set-up -----------------------------------------------------------------------------
-    def setup(self) -> None:
-        """Resolve the model once (both systems load the same directory) and set threads."""
-        from pagedq.worker.models.loader import load_config, load_tokenizer, resolve_model
+def throughput_pagedq(bench: BenchRun, engine: Any) -> None:
+    trace = bench.throughput_trace()
+    run = driver.serve(engine, trace, keep_outputs=True)
+    bench.results["throughput_trace"] = trace_summary(trace)
+    bench.results["throughput_pagedq"] = run
 
-        if self.config.num_threads:
-            torch.set_num_threads(self.config.num_threads)
-        # pagedq serves the model as its quantization asks (a GGUF's blocks kept packed); the
-        # HF baseline loads the fp32 conversion (see hf())
-        self.model_dir = resolve_model(self.config.model,
-                                       packed=self.config.quantization == "auto")
-        cfg = load_config(self.model_dir)
-        tok = load_tokenizer(self.model_dir)
-        specials: list[int | None] = [cfg.bos_token_id, getattr(cfg, "pad_token_id", None)]
-        eos = cfg.eos_token_id
-        specials += eos if isinstance(eos, list) else [eos]
-        if tok is not None:
-            specials += list(tok.all_special_ids)
-        self.space = TokenSpace.for_model(int(cfg.vocab_size), specials)
-        self.results["model"] = {
-            "dir": str(self.model_dir),
-            "architecture": (cfg.architectures or ["?"])[0],
-            "vocab_size": int(cfg.vocab_size),
-            "max_position_embeddings": int(cfg.max_position_embeddings),
-        }
 
-    def engine(self, **overrides: Any) -> Any:
-        """A fresh Engine on the run's model with the run's knobs, overridden per scenario."""
-        from pagedq.worker import Engine
+def decode_pagedq(bench: BenchRun, engine: Any) -> None:
+    bench.results["decode_pagedq"] = decode_rows(bench, engine)
 
-        engine = Engine(config=self.config.engine_config(
-            **{"model": str(self.model_dir), **overrides}))
-        driver.warm_up(engine, self.space.low)
-        return engine
 
-    def hf(self) -> hf_baseline.HFModel:
-        if self._hf is None:
-            from pagedq.worker.models.loader import resolve_model
+def decode_pagedq_kv(bench: BenchRun, kv_cache_dtype: str) -> None:
+    """The same sweep on an engine whose KV cache is ``kv_cache_dtype``; unavailable (not an
+    error) where the engine refuses that cache, e.g. a bfloat16 model or CUDA."""
+    from pagedq.errors import InvalidRequestError
 
-            self._hf = hf_baseline.load_hf_model(resolve_model(self.config.model),
-                                                 self.config.dtype, self.config.device)
-            hf_baseline.warm_up(self._hf, self.space.low)
-        return self._hf
+    try:
+        engine = bench.engine(**bench.serving_engine_kwargs(), kv_cache_dtype=kv_cache_dtype)
+    except InvalidRequestError as exc:
+        raise Unavailable(str(exc)) from exc
+    bench.results["decode_pagedq_kv"] = {"kv_cache_dtype": kv_cache_dtype,
+                                        "rows": decode_rows(bench, engine)}
 
-    def blocks_for(self, tokens: int) -> int:
-        return math.ceil(tokens / self.config.block_size)
 
-    # -- traces -----------------------------------------------------------------------------
-    def throughput_trace(self) -> list[BenchRequest]:
-        c = self.config
-        return sharegpt_like(c.throughput_requests, self.space, seed=c.seed,
-                             prompt=c.prompt_dist, output=c.output_dist, prefix="tp")
+def decode_rows(bench: BenchRun, engine: Any) -> list[dict[str, float]]:
+    rows = []
+    for batch in bench.config.decode_batches:
+        run = driver.serve(engine, bench.decode_trace(batch), record_kv=False)
+        rows.append(pagedq_batched_row(run.timeline, batch, bench.config))
+    return rows
 
-    def decode_trace(self, batch: int) -> list[BenchRequest]:
-        c = self.config
-        return fixed_shape(batch, c.decode_prompt_tokens, c.decode_new_tokens, self.space,
-                           seed=c.seed + batch, prefix=f"dec{batch}")
 
-    def serving_engine_kwargs(self) -> dict[str, Any]:
-        """The serving engine holds the whole throughput trace or the largest decode batch at
-        once, so neither run is limited by KV memory (HF's dynamic cache is not either)."""
-        c = self.config
-        trace_blocks = sum(self.blocks_for(r.total_len) for r in self.throughput_trace())
-        sweep_blocks = max(c.decode_batches) * self.blocks_for(
-            c.decode_prompt_tokens + c.decode_new_tokens)
-        prefix_blocks = 4 * self.blocks_for(c.prefix_tokens + c.prefix_suffix_tokens + 1)
-        sharing_blocks = 4 * self.blocks_for(c.sharing_prompt_tokens + c.sharing_new_tokens)
-        return dict(num_kv_blocks=max(trace_blocks, sweep_blocks, prefix_blocks,
-                                      sharing_blocks) + 16,
-                    max_num_seqs=max(c.max_num_seqs, max(c.decode_batches)))
+def prefix(bench: BenchRun, engine: Any) -> None:
+    """TTFT of prefix+suffix with the prefix cached (primed by another request sharing it)
+    over the TTFT of an equally long request whose prefix was never seen."""
+    c = bench.config
+    rng = np.random.default_rng(c.seed + 7)
+    cold, warm, hits = [], [], []
+    for rep in range(c.prefix_repeats):
+        fresh = bench.space.sample(rng, c.prefix_tokens)
+        cached = bench.space.sample(rng, c.prefix_tokens)
+        suffix = bench.space.sample(rng, c.prefix_suffix_tokens)
+        other = bench.space.sample(rng, c.prefix_suffix_tokens)
+        cold.append(single_ttft(engine, f"pfx-cold-{rep}", fresh + suffix))
+        single_ttft(engine, f"pfx-prime-{rep}", cached + other)
+        before = engine.stats().get("prefix_cache_hits", 0)
+        warm.append(single_ttft(engine, f"pfx-warm-{rep}", cached + suffix))
+        hits.append(engine.stats().get("prefix_cache_hits", 0) - before)
+    if not any(h > 0 for h in hits):
+        raise Unavailable(
+            "prefix caching did not hit (engine.stats()['prefix_cache_hits'] stayed the same "
+            "for a request whose prefix was just computed): enable_prefix_caching is off or "
+            "not implemented in this engine")
+    bench.results["prefix"] = {"ttft_cold_s": cold, "ttft_cached_s": warm,
+                              "prefix_cache_hits": hits,
+                              "prefix_tokens": c.prefix_tokens,
+                              "suffix_tokens": c.prefix_suffix_tokens}
 
-    # -- orchestration ----------------------------------------------------------------------
-    def execute(self) -> None:
-        """Run the selected scenarios (pagedq first, then Redis, then HF) and keep going on
-        failure."""
-        wanted = set(self.config.scenarios)
-        began = time.perf_counter()
-        self._timed("setup", self.setup)
-        if self.model_dir is None:
-            return
-        engine_parts: list[tuple[str, Callable[[], None]]] = []
-        if wanted & {"throughput", "decode", "prefix", "sharing", "queue"}:
-            engine_parts.append(("serving", lambda: self.serving_scenarios(wanted)))
-        if "capacity" in wanted:
-            engine_parts.append(("capacity", self.capacity))
-        if "itl" in wanted:
-            engine_parts.append(("itl", self.itl))
-        for name, part in engine_parts:
-            self._timed(name, part)
-            gc.collect()  # the part's engine (and its KV cache) is gone before the next one
-        self.results["peak_rss_mb_pagedq"] = peak_rss_mb()
-        if "throughput" in wanted:
-            self._timed("throughput_hf", self.throughput_hf)
-        if "decode" in wanted:
-            self._timed("decode_hf", self.decode_hf)
-        self._hf = None
-        gc.collect()
-        if "llama_cpp" in wanted and wanted & {"throughput", "decode"}:
-            self._timed("llama_cpp", lambda: self.llama_cpp(wanted))
-        if "quant" in wanted:
-            self._timed("quant", lambda: quant.measure(self))
-        self.results["peak_rss_mb_total"] = peak_rss_mb()
-        self.elapsed_s["total"] = round(time.perf_counter() - began, 3)
 
-    def _timed(self, name: str, fn: Callable[[], None]) -> None:
-        began = time.perf_counter()
-        log.info("bench scenario", scenario=name)
-        try:
-            fn()
-        except Unavailable as exc:
-            self.unavailable[name] = str(exc)
-            log.warning("bench scenario unavailable", scenario=name, why=str(exc))
-        except Exception as exc:  # noqa: BLE001 - one broken part must not hide the others
-            self.errors[name] = f"{type(exc).__name__}: {exc}"
-            log.exception("bench scenario failed", scenario=name)
-        finally:
-            self.elapsed_s[name] = round(time.perf_counter() - began, 3)
+# -- capacity: KV utilization and concurrency at equal memory ----------------------------
+def capacity(bench: BenchRun) -> None:
+    c = bench.config
+    budget = c.capacity_reserved_slots * c.capacity_max_model_len
+    trace = sharegpt_like(c.capacity_requests, bench.space, seed=c.seed + 1,
+                          prompt=c.prompt_dist, output=c.output_dist, prefix="cap")
+    engine = bench.engine(num_kv_blocks=budget // c.block_size,
+                         max_num_seqs=c.capacity_max_num_seqs,
+                         max_model_len=c.capacity_max_model_len)
+    run = driver.serve(engine, trace)
+    del engine
+    sim = contiguous.simulate_reservation(trace, budget, c.capacity_max_model_len)
+    bench.results["capacity"] = {"run": run, "sim": sim, "budget_tokens": budget,
+                                "trace": trace_summary(trace)}
 
-    # -- pagedq on the serving engine ----------------------------------------------------------
-    def serving_scenarios(self, wanted: set[str]) -> None:
-        """Throughput, decode sweep and prefix share one engine (built once)."""
-        engine = self.engine(**self.serving_engine_kwargs())
-        self.results["serving_engine"] = {
-            k: engine.stats()[k] for k in ("kv_blocks_total", "block_size", "max_num_seqs",
-                                           "max_model_len")
-        }
-        if wanted & {"throughput", "queue"}:
-            self._timed("throughput_pagedq", lambda: self.throughput_pagedq(engine))
-        if "queue" in wanted:  # right after its in-process baseline, see queue()
-            self._timed("queue", lambda: self.queue(engine))
-        if "decode" in wanted:
-            self._timed("decode_pagedq", lambda: self.decode_pagedq(engine))
-            kv = self.config.decode_kv_cache_dtype
-            if kv and kv != self.config.kv_cache_dtype:
-                self._timed("decode_pagedq_kv", lambda: self.decode_pagedq_kv(kv))
-        if "prefix" in wanted:
-            self._timed("prefix", lambda: self.prefix(engine))
-        if "sharing" in wanted:
-            self._timed("sharing", lambda: self.sharing(engine))
 
-    def sharing(self, engine: Any) -> None:
-        """Peak KV blocks of one n=4 request and one beam-width-4 search on a long prompt, next
-        to what four unshared copies of the same sequences would hold."""
-        from pagedq.client import SamplingParams
-        from pagedq.worker.engine.beam_search import BeamParams, add_beam_request
+# -- ITL: decodes while a long prompt arrives --------------------------------------------
+def itl(bench: BenchRun) -> None:
+    out = {}
+    for chunked in (True, False):
+        out["chunked" if chunked else "unchunked"] = _itl_run(bench, chunked)
+    bench.results["itl"] = out
 
-        c = self.config
-        new = min(c.sharing_new_tokens, engine.max_model_len // 4)
-        plen = min(c.sharing_prompt_tokens, engine.max_model_len - new)  # fits the engine
-        prompt = self.space.sample(np.random.default_rng(c.seed + 9), plen)
-        unshared = 4 * self.blocks_for(plen + new)
-        out: dict[str, Any] = {"prompt_tokens": plen, "new_tokens": new,
-                               "unshared_blocks": unshared}
-        cases = {
-            "n4": lambda rid: engine.add_request(rid, prompt, SamplingParams(
-                n=4, temperature=1.0, seed=c.seed, max_tokens=new, ignore_eos=True)),
-            "beam4": lambda rid: add_beam_request(engine, rid, prompt, BeamParams(4, new)),
-        }
-        for name, add in cases.items():
-            base = engine.stats()["kv_blocks_used"]
-            add(f"share-{name}")
-            peak = 0
-            while engine.has_unfinished_requests():
-                engine.step()
-                peak = max(peak, engine.stats()["kv_blocks_used"] - base)
-            out[f"{name}_peak_blocks"] = peak
-        self.results["sharing"] = out
 
-    def throughput_pagedq(self, engine: Any) -> None:
-        trace = self.throughput_trace()
-        run = driver.serve(engine, trace, keep_outputs=True)
-        self.results["throughput_trace"] = trace_summary(trace)
-        self.results["throughput_pagedq"] = run
+def _itl_run(bench: BenchRun, chunked: bool) -> dict[str, Any]:
+    c = bench.config
+    if not 0 < c.itl_inject_after_tokens < c.itl_decode_new_tokens:
+        raise ValueError("itl_inject_after_tokens must be in (0, itl_decode_new_tokens): the "
+                         "long prompt has to arrive while the decodes are still running")
+    long_new = 4
+    long_len = c.itl_long_prompt_tokens + long_new
+    per_decode = c.itl_decode_prompt_tokens + c.itl_decode_new_tokens
+    blocks = bench.blocks_for(long_len) + c.itl_decodes * bench.blocks_for(per_decode) + 8
+    budget = (c.max_num_batched_tokens if chunked
+              else max(c.max_num_batched_tokens, long_len + c.itl_decodes))
+    engine = bench.engine(num_kv_blocks=blocks, max_num_seqs=c.itl_decodes + 1,
+                         max_model_len=max(long_len, per_decode),
+                         max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                         enable_prefix_caching=False,
+                         long_prefill_token_threshold=c.itl_prefill_chunk if chunked else 0)
+    decodes = fixed_shape(c.itl_decodes, c.itl_decode_prompt_tokens,
+                          c.itl_decode_new_tokens, bench.space, seed=c.seed + 11, prefix="itl")
+    long = fixed_shape(1, c.itl_long_prompt_tokens, long_new, bench.space, seed=c.seed + 12,
+                       prefix="long")
+    drv = driver.EngineDriver(engine, record_kv=False)
+    drv.add(decodes)
+    times = drv.run.timeline.requests
+    drv.run_until(lambda: all(len(times[r.request_id].token_times)
+                              >= c.itl_inject_after_tokens for r in decodes))
+    injected_at = time.perf_counter() - drv.run.timeline.start
+    drv.add(long)
+    run = drv.run_until()
+    ids = [r.request_id for r in decodes]
+    itls = run.timeline.itls(ids)
+    if len(ids) < 0.01 * itls.size:
+        log.warning("itl: one stall per stream is under 1% of the gaps, so p99 may not see "
+                    "it; use fewer itl_decode_new_tokens", gaps=int(itls.size), streams=len(ids))
+    return {"itls": itls, "streams": ids, "injected_at_s": injected_at,
+            "long_ttft_s": run.timeline.requests[long[0].request_id].ttft,
+            "max_num_batched_tokens": budget}
 
-    def decode_pagedq(self, engine: Any) -> None:
-        self.results["decode_pagedq"] = self.decode_rows(engine)
 
-    def decode_pagedq_kv(self, kv_cache_dtype: str) -> None:
-        """The same sweep on an engine whose KV cache is ``kv_cache_dtype``; unavailable (not an
-        error) where the engine refuses that cache, e.g. a bfloat16 model or CUDA."""
-        from pagedq.errors import InvalidRequestError
+# -- the Redis path -----------------------------------------------------------------------
+def queue(bench: BenchRun, engine: Any) -> None:
+    from .queue_path import serve_through_redis
 
-        try:
-            engine = self.engine(**self.serving_engine_kwargs(), kv_cache_dtype=kv_cache_dtype)
-        except InvalidRequestError as exc:
-            raise Unavailable(str(exc)) from exc
-        self.results["decode_pagedq_kv"] = {"kv_cache_dtype": kv_cache_dtype,
-                                            "rows": self.decode_rows(engine)}
+    inproc = bench.results.get("throughput_pagedq")
+    if inproc is None:
+        raise Unavailable("the in-process throughput run failed, so there is no baseline")
+    bench.results["queue"] = serve_through_redis(bench, bench.throughput_trace())
+    # the in-process run again, right after the Redis run (its prefix cache reset, or the
+    # repeated prompts would hit it): the baseline is the mean of the two in-process runs
+    # that bracket the Redis run, so a drift of the machine's speed cancels to first order
+    if not engine.reset_prefix_cache():
+        raise RuntimeError("the serving engine still has requests; cannot rerun the trace")
+    after = driver.serve(engine, bench.throughput_trace(), record_kv=False)
+    bench.results["queue_inprocess_after_tok_s"] = after.timeline.tokens_per_s
 
-    def decode_rows(self, engine: Any) -> list[dict[str, float]]:
-        rows = []
-        for batch in self.config.decode_batches:
-            run = driver.serve(engine, self.decode_trace(batch), record_kv=False)
-            rows.append(pagedq_batched_row(run.timeline, batch, self.config))
-        return rows
 
-    def prefix(self, engine: Any) -> None:
-        """TTFT of prefix+suffix with the prefix cached (primed by another request sharing it)
-        over the TTFT of an equally long request whose prefix was never seen."""
-        c = self.config
-        rng = np.random.default_rng(c.seed + 7)
-        cold, warm, hits = [], [], []
-        for rep in range(c.prefix_repeats):
-            fresh = self.space.sample(rng, c.prefix_tokens)
-            cached = self.space.sample(rng, c.prefix_tokens)
-            suffix = self.space.sample(rng, c.prefix_suffix_tokens)
-            other = self.space.sample(rng, c.prefix_suffix_tokens)
-            cold.append(single_ttft(engine, f"pfx-cold-{rep}", fresh + suffix))
-            single_ttft(engine, f"pfx-prime-{rep}", cached + other)
-            before = engine.stats().get("prefix_cache_hits", 0)
-            warm.append(single_ttft(engine, f"pfx-warm-{rep}", cached + suffix))
-            hits.append(engine.stats().get("prefix_cache_hits", 0) - before)
-        if not any(h > 0 for h in hits):
-            raise Unavailable(
-                "prefix caching did not hit (engine.stats()['prefix_cache_hits'] stayed the same "
-                "for a request whose prefix was just computed): enable_prefix_caching is off or "
-                "not implemented in this engine")
-        self.results["prefix"] = {"ttft_cold_s": cold, "ttft_cached_s": warm,
-                                  "prefix_cache_hits": hits,
-                                  "prefix_tokens": c.prefix_tokens,
-                                  "suffix_tokens": c.prefix_suffix_tokens}
+# -- the Hugging Face baseline --------------------------------------------------------------
+def gateway(bench: BenchRun) -> None:
+    from .gateway_path import serve_through_gateway
 
-    # -- capacity: KV utilization and concurrency at equal memory ----------------------------
-    def capacity(self) -> None:
-        c = self.config
-        budget = c.capacity_reserved_slots * c.capacity_max_model_len
-        trace = sharegpt_like(c.capacity_requests, self.space, seed=c.seed + 1,
-                              prompt=c.prompt_dist, output=c.output_dist, prefix="cap")
-        engine = self.engine(num_kv_blocks=budget // c.block_size,
-                             max_num_seqs=c.capacity_max_num_seqs,
-                             max_model_len=c.capacity_max_model_len)
-        run = driver.serve(engine, trace)
-        del engine
-        sim = contiguous.simulate_reservation(trace, budget, c.capacity_max_model_len)
-        self.results["capacity"] = {"run": run, "sim": sim, "budget_tokens": budget,
-                                    "trace": trace_summary(trace)}
+    bench.results["gateway"] = serve_through_gateway(bench, bench.throughput_trace())
 
-    # -- ITL: decodes while a long prompt arrives --------------------------------------------
-    def itl(self) -> None:
-        out = {}
-        for chunked in (True, False):
-            out["chunked" if chunked else "unchunked"] = self._itl_run(chunked)
-        self.results["itl"] = out
 
-    def _itl_run(self, chunked: bool) -> dict[str, Any]:
-        c = self.config
-        if not 0 < c.itl_inject_after_tokens < c.itl_decode_new_tokens:
-            raise ValueError("itl_inject_after_tokens must be in (0, itl_decode_new_tokens): the "
-                             "long prompt has to arrive while the decodes are still running")
-        long_new = 4
-        long_len = c.itl_long_prompt_tokens + long_new
-        per_decode = c.itl_decode_prompt_tokens + c.itl_decode_new_tokens
-        blocks = self.blocks_for(long_len) + c.itl_decodes * self.blocks_for(per_decode) + 8
-        budget = (c.max_num_batched_tokens if chunked
-                  else max(c.max_num_batched_tokens, long_len + c.itl_decodes))
-        engine = self.engine(num_kv_blocks=blocks, max_num_seqs=c.itl_decodes + 1,
-                             max_model_len=max(long_len, per_decode),
-                             max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
-                             enable_prefix_caching=False,
-                             long_prefill_token_threshold=c.itl_prefill_chunk if chunked else 0)
-        decodes = fixed_shape(c.itl_decodes, c.itl_decode_prompt_tokens,
-                              c.itl_decode_new_tokens, self.space, seed=c.seed + 11, prefix="itl")
-        long = fixed_shape(1, c.itl_long_prompt_tokens, long_new, self.space, seed=c.seed + 12,
-                           prefix="long")
-        drv = driver.EngineDriver(engine, record_kv=False)
-        drv.add(decodes)
-        times = drv.run.timeline.requests
-        drv.run_until(lambda: all(len(times[r.request_id].token_times)
-                                  >= c.itl_inject_after_tokens for r in decodes))
-        injected_at = time.perf_counter() - drv.run.timeline.start
-        drv.add(long)
-        run = drv.run_until()
-        ids = [r.request_id for r in decodes]
-        itls = run.timeline.itls(ids)
-        if len(ids) < 0.01 * itls.size:
-            log.warning("itl: one stall per stream is under 1% of the gaps, so p99 may not see "
-                        "it; use fewer itl_decode_new_tokens", gaps=int(itls.size), streams=len(ids))
-        return {"itls": itls, "streams": ids, "injected_at_s": injected_at,
-                "long_ttft_s": run.timeline.requests[long[0].request_id].ttft,
-                "max_num_batched_tokens": budget}
+def throughput_hf(bench: BenchRun) -> None:
+    timeline, outputs = hf_baseline.serve_static(bench.hf(), bench.throughput_trace(),
+                                                 bench.config.hf_batch_size)
+    bench.results["throughput_hf"] = {"timeline": timeline, "outputs": outputs}
 
-    # -- the Redis path -----------------------------------------------------------------------
-    def queue(self, engine: Any) -> None:
-        from .queue_path import serve_through_redis
 
-        inproc = self.results.get("throughput_pagedq")
-        if inproc is None:
-            raise Unavailable("the in-process throughput run failed, so there is no baseline")
-        self.results["queue"] = serve_through_redis(self, self.throughput_trace())
-        # the in-process run again, right after the Redis run (its prefix cache reset, or the
-        # repeated prompts would hit it): the baseline is the mean of the two in-process runs
-        # that bracket the Redis run, so a drift of the machine's speed cancels to first order
-        if not engine.reset_prefix_cache():
-            raise RuntimeError("the serving engine still has requests; cannot rerun the trace")
-        after = driver.serve(engine, self.throughput_trace(), record_kv=False)
-        self.results["queue_inprocess_after_tok_s"] = after.timeline.tokens_per_s
+# -- llama.cpp, the CPU peer ---------------------------------------------------------------
+def llama_cpp(bench: BenchRun, wanted: set[str]) -> None:
+    """The decode sweep through llama-batched-bench and the throughput trace through
+    llama-server, on the GGUF pagedq serves packed (auto quantization), else an F32 GGUF of the
+    same weights (see llama_cpp.py)."""
+    from pagedq.worker.models.default_model import default_gguf
+    from pagedq.worker.models.loader import cache_dir, packed_source
 
-    # -- the Hugging Face baseline --------------------------------------------------------------
-    def throughput_hf(self) -> None:
-        timeline, outputs = hf_baseline.serve_static(self.hf(), self.throughput_trace(),
-                                                     self.config.hf_batch_size)
-        self.results["throughput_hf"] = {"timeline": timeline, "outputs": outputs}
+    from . import llama_cpp
 
-    # -- llama.cpp, the CPU peer ---------------------------------------------------------------
-    def llama_cpp(self, wanted: set[str]) -> None:
-        """The decode sweep through llama-batched-bench and the throughput trace through
-        llama-server, on the GGUF pagedq serves packed (auto quantization), else an F32 GGUF of
-        the same weights (see llama_cpp.py)."""
-        from pagedq.worker.models.default_model import default_gguf
-        from pagedq.worker.models.loader import cache_dir, packed_source
+    c = bench.config
+    if torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu")).type != "cpu":
+        raise Unavailable("llama.cpp is the CPU peer: its figures are measured on CPU runs")
+    if c.dtype != "float32":
+        raise Unavailable(f"llama.cpp runs the GGUF in float32; this run's dtype is {c.dtype}")
+    try:
+        cpp = llama_cpp.LlamaCpp.locate(c.llama_cpp)
+    except llama_cpp.LlamaCppUnavailable as exc:
+        raise Unavailable(str(exc)) from exc
+    packed = packed_source(bench.model_dir)  # the GGUF pagedq serves as shipped, if any
+    if c.llama_cpp_model:
+        gguf = Path(c.llama_cpp_model).expanduser()
+    elif packed is not None:
+        gguf = packed
+    elif c.model is None:
+        gguf = llama_cpp.f32_gguf(cpp, default_gguf(), cache_dir() / "llama_cpp")
+    else:
+        raise Unavailable("llama.cpp needs a GGUF of this run's model: --set "
+                          "llama_cpp_model=PATH.gguf (f32, the same weights)")
+    no_repack = not gguf.name.endswith(".F32.gguf")  # -nr: see quant.py
+    threads = c.num_threads or torch.get_num_threads()
+    out: dict[str, Any] = {"version": cpp.version(), "gguf": str(gguf), "threads": threads}
+    if "decode" in wanted:
+        out["decode_rows"] = llama_cpp.batched_bench(
+            cpp, gguf, c.decode_prompt_tokens, c.decode_new_tokens, c.decode_batches, threads,
+            no_repack=no_repack)
+    if "throughput" in wanted:
+        out["throughput"] = llama_cpp.serve_trace(
+            cpp, gguf, bench.throughput_trace(), c.llama_cpp_server_slots, c.max_model_len,
+            threads, c.queue_timeout_s, no_repack=no_repack)
+    bench.results["llama_cpp"] = out
 
-        from . import llama_cpp
 
-        c = self.config
-        if torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu")).type != "cpu":
-            raise Unavailable("llama.cpp is the CPU peer: its figures are measured on CPU runs")
-        if c.dtype != "float32":
-            raise Unavailable(f"llama.cpp runs the GGUF in float32; this run's dtype is {c.dtype}")
-        try:
-            cpp = llama_cpp.LlamaCpp.locate(c.llama_cpp)
-        except llama_cpp.LlamaCppUnavailable as exc:
-            raise Unavailable(str(exc)) from exc
-        packed = packed_source(self.model_dir)  # the GGUF pagedq serves as shipped, if any
-        if c.llama_cpp_model:
-            gguf = Path(c.llama_cpp_model).expanduser()
-        elif packed is not None:
-            gguf = packed
-        elif c.model is None:
-            gguf = llama_cpp.f32_gguf(cpp, default_gguf(), cache_dir() / "llama_cpp")
-        else:
-            raise Unavailable("llama.cpp needs a GGUF of this run's model: --set "
-                              "llama_cpp_model=PATH.gguf (f32, the same weights)")
-        no_repack = not gguf.name.endswith(".F32.gguf")  # -nr: see quant.py
-        threads = c.num_threads or torch.get_num_threads()
-        out: dict[str, Any] = {"version": cpp.version(), "gguf": str(gguf), "threads": threads}
-        if "decode" in wanted:
-            out["decode_rows"] = llama_cpp.batched_bench(
-                cpp, gguf, c.decode_prompt_tokens, c.decode_new_tokens, c.decode_batches, threads,
-                no_repack=no_repack)
-        if "throughput" in wanted:
-            out["throughput"] = llama_cpp.serve_trace(
-                cpp, gguf, self.throughput_trace(), c.llama_cpp_server_slots, c.max_model_len,
-                threads, c.queue_timeout_s, no_repack=no_repack)
-        self.results["llama_cpp"] = out
-
-    def decode_hf(self) -> None:
-        rows = []
-        for batch in self.config.decode_batches:
-            timing, _ = hf_baseline.generate_batch(self.hf(), self.decode_trace(batch))
-            rows.append(hf_batched_row(timing, batch, self.config))
-        self.results["decode_hf"] = rows
+def decode_hf(bench: BenchRun) -> None:
+    rows = []
+    for batch in bench.config.decode_batches:
+        timing, _ = hf_baseline.generate_batch(bench.hf(), bench.decode_trace(batch))
+        rows.append(hf_batched_row(timing, batch, bench.config))
+    bench.results["decode_hf"] = rows
 
 
 # -- helpers shared by the scenarios -----------------------------------------------------------

@@ -19,7 +19,9 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "pagedq.worker.cli.worker": ("worker",),
     "pagedq.worker.cli.queue": ("submit", "stats"),
     "pagedq.worker.cli.demo": ("demo",),
+    "pagedq.worker.cli.plan": ("plan",),
     "pagedq.worker.cli.bench": ("bench",),
+    "pagedq.worker.gateway.commands": ("serve", "batch"),
 }
 
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from pagedq.worker.config import EngineConfig
+from pagedq.worker.config import EngineConfig, parse_bytes
 
 # Old spellings still accepted, hidden from --help: field -> flags
 ENGINE_ALIASES: dict[str, tuple[str, ...]] = {"num_threads": ("--threads",),
@@ -68,6 +68,8 @@ def field_default(f: dataclasses.Field) -> Any:
 def _argument(kind: Any) -> dict[str, Any] | None:
     """argparse keywords for a field's type; None for types no flag can carry (dicts...)."""
     args = typing.get_args(kind)
+    if typing.get_origin(kind) is typing.Annotated:  # Annotated[int, parser]: the flag's type
+        return {"type": flag_type(args[1])}
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
         return _argument(rest[0]) if len(rest) == 1 else None
@@ -92,7 +94,7 @@ def add_config_flags(parser: argparse.ArgumentParser | Any, cls: type, *,
     the command must build its config from the same instance). ``only``/``skip`` pick fields,
     ``helps`` replaces a field's help for this command, ``aliases`` adds hidden spellings.
     """
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     docs = field_docs(type(defaults) if isinstance(defaults, cls) else cls)  # a subclass's own
     wanted = set(only) if only is not None else None
     for f in dataclasses.fields(cls):
@@ -117,6 +119,18 @@ def add_config_flags(parser: argparse.ArgumentParser | Any, cls: type, *,
                                     default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
+@functools.cache
+def flag_type(parse: Any) -> Any:
+    """``parse`` as an argparse type: its ValueError's message becomes the usage error."""
+    @functools.wraps(parse)
+    def parse_flag(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse_flag
+
+
 def _show(value: Any) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
@@ -126,6 +140,8 @@ def _show(value: Any) -> str:
 def _metavar(name: str, kw: dict[str, Any]) -> str | None:
     if "choices" in kw or kw.get("action") is argparse.BooleanOptionalAction:
         return None
+    if getattr(kw.get("type"), "__wrapped__", None) is parse_bytes:
+        return "SIZE"
     return {int: "N", float: "X"}.get(kw.get("type"), name.upper())
 
 

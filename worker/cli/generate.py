@@ -1,13 +1,20 @@
-"""``pagedq generate`` and ``pagedq chat``: run the engine in this process, from the terminal."""
+"""``pagedq generate`` and ``pagedq chat``: run the engine in this process, from the terminal.
+
+Everything a person can get wrong (an empty prompt, a bad flag, a prompt too long for the
+model) is checked before the weights load, and the KV cache is sized for these prompts, not
+for a server's load.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 
-from pagedq.errors import EngineError, InvalidParamsError
+from pagedq.errors import PagedQError
+from pagedq.worker.cli.console import PROMPT_HELP, add_log_level_flag, read_prompts
 from pagedq.worker.cli.flags import add_engine_flags, add_sampling_flags, engine_knobs, sampling_params
 
 # A terminal user wants a greedy, readable answer, not the wire's 16 random tokens.
@@ -18,19 +25,24 @@ SEED_HELP = ("Seed of the random draws: the same seed, prompt and flags give the
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    gen = sub.add_parser("generate", help="generate from prompts in this process",
-                         description="Load the model and generate from each prompt; a single "
-                         "prompt streams its text as it is produced.")
-    gen.add_argument("prompts", nargs="+", help="prompt text(s)")
+    gen = sub.add_parser("generate", help="continue a text in this process (plain completion)",
+                         description="Load the model and continue each prompt as plain text "
+                         "(no chat template; `pagedq chat` applies it). One prompt streams its "
+                         "text as it is produced.")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help=PROMPT_HELP + " (several: "
+                     "one completion each)")
     gen.set_defaults(func=run, chat=False)
-    chat = sub.add_parser("chat", help="like generate, with the model's chat template applied",
-                          description="Send each message as its own conversation through the "
-                          "model's chat template; a single message streams its reply.")
-    chat.add_argument("prompts", nargs="+", help="user message(s), one conversation each")
+    chat = sub.add_parser("chat", help="ask the model a question in this process",
+                          description="Load the model and answer each message as its own "
+                          "conversation, through the model's chat template. One message "
+                          "streams its reply.")
+    chat.add_argument("prompts", nargs="+", metavar="MESSAGE",
+                      help=PROMPT_HELP + " (several: one conversation each)")
     chat.add_argument("--system", default=None, help="a system message for every conversation")
     chat.set_defaults(func=run, chat=True)
     for p in (gen, chat):
         p.add_argument("--json", action="store_true", help="print results as JSON lines")
+        add_log_level_flag(p)
         add_engine_flags(p, helps={"seed": SEED_HELP})
         add_sampling_flags(p, defaults=SAMPLING_DEFAULTS, skip=("seed", "logprobs"))
 
@@ -46,29 +58,61 @@ def sampling_from_args(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedq.worker import Engine
-    from pagedq.worker.logging import configure_logging
+    from pagedq.progress import waiting
+    from pagedq.worker.cli.console import setup_console_logging
+    from pagedq.worker.config import EngineConfig
+    from pagedq.worker.logging import get_logger
 
-    configure_logging(level="WARNING")
+    setup_console_logging(args.log_level)
+    log = get_logger("pagedq.cli")
     try:
+        texts = read_prompts(args.prompts)
         params = sampling_from_args(args)
-        engine = Engine(**engine_knobs(args))
-        prompts = [engine.apply_chat_template(conversation(args, p)) if args.chat else p
-                   for p in args.prompts]
+        config = EngineConfig(**engine_knobs(args))
+        with waiting("reading the model's tokenizer and checking the prompts", log):
+            prompts, config = prepare(config, texts, params, args)
+        from pagedq.worker import Engine
+
+        with waiting("loading the model", log, delay=0, model=config.model):
+            engine = Engine(config=config)
         if len(prompts) == 1 and params.n == 1 and not args.json:
             return stream_one(engine, prompts[0], params)
-        for out in engine.generate(prompts, params):
+        for text, out in zip(texts, engine.generate(prompts, params), strict=True):
             for c in out.outputs:
                 if args.json:
-                    print(json.dumps({"prompt": out.prompt, "index": c.index, "text": c.text,
+                    print(json.dumps({"prompt": text, "index": c.index, "text": c.text,
                                       "token_ids": c.token_ids,
                                       "finish_reason": c.finish_reason}))
                 else:
-                    print(f"--- [{out.request_id} #{c.index}] ({c.finish_reason})\n{c.text}")
-    except (EngineError, InvalidParamsError) as exc:
+                    print(f"--- {text[:60]!r}, sample {c.index + 1}: {c.finish_reason}\n{c.text}")
+    except PagedQError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def prepare(config: Any, texts: list[str], params: Any, args: argparse.Namespace
+            ) -> tuple[list[list[int]], Any]:
+    """Token ids of each prompt (chat template applied for ``chat``), checked against the
+    model's length, and ``config`` with a KV cache just large enough for them, unless one was
+    asked for. Reads the model's config and tokenizer only, never its weights."""
+    from pagedq.worker.engine.intake import chat_prompt, fit_lengths, tokenize
+    from pagedq.worker.engine.sizing import blocks_for
+    from pagedq.worker.models.loader import load_config, load_tokenizer, resolve_model
+
+    path = resolve_model(config.model)
+    hf_config, tokenizer = load_config(path), load_tokenizer(path)
+    if args.chat:
+        prompts = [chat_prompt(tokenizer, path, conversation(args, t)) for t in texts]
+    else:
+        prompts = [tokenize(tokenizer, hf_config.vocab_size, path, t, None)[1] for t in texts]
+    limit = config.max_model_len or hf_config.max_position_embeddings
+    lengths = [len(ids) + fit_lengths(ids, params, limit).max_tokens for ids in prompts]
+    config = replace(config, model=str(path))
+    if config.num_kv_blocks is None and config.kv_cache_memory is None:
+        config = replace(config, num_kv_blocks=blocks_for(lengths * params.n,
+                                                          config.resolved_block_size()))
+    return prompts, config
 
 
 def conversation(args: argparse.Namespace, message: str) -> list[dict]:

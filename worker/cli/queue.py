@@ -11,38 +11,55 @@ import sys
 import time
 from typing import Any
 
+from pagedq.errors import InvalidRequestError
+from pagedq.worker.cli.console import PROMPT_HELP, event_sentence, read_prompt
 from pagedq.worker.cli.flags import add_config_flags, add_sampling_flags, sampling_params
 from pagedq.worker.config import WorkerConfig
 
 # A terminal user wants a greedy, readable answer, not the wire's 16 random tokens.
 SAMPLING_DEFAULTS: dict[str, Any] = {"max_tokens": 64, "temperature": 0.0}
 CONNECTION = ("redis_url", "queue", "prefix")
-REDIS_URL_HELP = "Redis holding the queue (default: $REDIS_URL, else redis://localhost:6379/0)"
+REDIS_URL_HELP = ("Redis holding the queue (default: $REDIS_URL, else the embedded Redis a "
+                  "`pagedq worker` on this machine started, else redis://localhost:6379/0)")
+NO_REDIS_HINT = ("start one (`pagedq worker` with no --redis-url starts an embedded Redis that "
+                 "this command finds), or point --redis-url / REDIS_URL at yours")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("submit", help="enqueue a prompt and stream its tokens to the terminal",
-                       description="Enqueue one prompt and print its tokens as a worker "
-                       "streams them.")
-    p.add_argument("prompt", help="text, or token ids like '1,5,9' with --token-ids")
+    p = sub.add_parser("submit", help="put a prompt on the queue and stream the answer",
+                       description="Enqueue one prompt for the workers serving the queue and "
+                       "print the answer as it streams back. Text goes as a chat message "
+                       "(the worker applies its model's chat template); --raw sends it as a "
+                       "plain completion prompt.")
+    p.add_argument("prompt", metavar="PROMPT",
+                   help=PROMPT_HELP + "; with --token-ids, comma-separated ids like 1,5,9")
     add_connection_flags(p)
-    p.add_argument("--token-ids", action="store_true", help="the prompt is comma-separated ids")
-    p.add_argument("--chat", action="store_true", help="send it as one user chat message")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--raw", action="store_true",
+                      help="send the text as a plain completion prompt, not a chat message")
+    form.add_argument("--token-ids", action="store_true",
+                      help="the prompt is comma-separated token ids of the worker's model")
+    form.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)  # the default
     p.add_argument("--priority", type=int, default=0,
                    help="higher is served first (default: 0)")
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds from now after which the job is cut off")
     p.add_argument("--timeout", type=float, default=None,
-                   help="give up waiting for the result after this many seconds")
+                   help="give up waiting for the answer after this many seconds (the job stays "
+                   "queued)")
+    p.add_argument("--wait", action="store_true",
+                   help="when no worker serves the queue, wait for one instead of leaving the "
+                   "job queued and exiting")
     p.add_argument("--json", action="store_true", help="print each event as a JSON line")
     add_sampling_flags(p, defaults=SAMPLING_DEFAULTS)
     p.set_defaults(func=cmd_submit)
 
-    p = sub.add_parser("stats", help="live table of queue depth and workers (KV occupancy)",
-                       description="Show the queue's depth and every live worker's load.")
+    p = sub.add_parser("stats", help="show the queue's depth and its workers' load",
+                       description="Print the queue's depth and every live worker's load "
+                       "(running jobs, KV cache occupancy, tokens/s) once; --watch follows.")
     add_connection_flags(p)
-    p.add_argument("--watch", type=float, default=1.0,
-                   help="refresh every this many seconds; 0 prints once (default: 1)")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) until Ctrl-C")
     p.add_argument("--json", action="store_true", help="print the raw stats once as JSON")
     p.set_defaults(func=cmd_stats)
 
@@ -52,42 +69,112 @@ def add_connection_flags(p: argparse.ArgumentParser) -> None:
                      helps={"redis_url": REDIS_URL_HELP})
 
 
-def connect(args: argparse.Namespace) -> Any:
+def redis_url_of(args: argparse.Namespace) -> str:
+    """--redis-url, else $REDIS_URL, else a local worker's advertised embedded server, else
+    Redis on localhost's default port."""
+    from pagedq.client.redis_url import DEFAULT_REDIS_URL, resolve_redis_url
+    from pagedq.worker.service.embedded_redis import find_advertised
+
+    return (resolve_redis_url(getattr(args, "redis_url", None), default=None)
+            or find_advertised() or DEFAULT_REDIS_URL)
+
+
+def connect(args: argparse.Namespace, url: str) -> Any:
     """A Client on the queue the flags name (WorkerConfig's defaults for those not given)."""
     from pagedq.client import Client
 
     defaults = WorkerConfig()
-    conn = {k: getattr(args, k, getattr(defaults, k)) for k in CONNECTION}
-    return Client(conn["redis_url"], conn["queue"], prefix=conn["prefix"])
+    queue, prefix = (getattr(args, k, getattr(defaults, k)) for k in ("queue", "prefix"))
+    return Client(url, queue, prefix=prefix)
+
+
+def redis_error_line(url: str, exc: Exception) -> str:
+    """One line for a Redis failure: which Redis, what went wrong, what to do."""
+    from redis.exceptions import AuthenticationError, ResponseError
+
+    from pagedq.client.redis_url import redacted
+
+    where = redacted(url)
+    if isinstance(exc, AuthenticationError) or "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+        return (f"error: Redis at {where} refused the credentials: put the password in the URL "
+                "(redis://:PASSWORD@host:6379/0)")
+    if isinstance(exc, ResponseError):
+        return f"error: Redis at {where} answered with an error: {exc}"
+    return f"error: cannot reach Redis at {where} ({exc or type(exc).__name__}): {NO_REDIS_HINT}"
+
+
+def submit_prompt(args: argparse.Namespace) -> Any:
+    """What ``submit`` sends: chat messages by default, text with --raw, or token ids."""
+    text = read_prompt(args.prompt)
+    if args.token_ids:
+        try:
+            return [int(x) for x in text.replace(" ", "").strip().split(",") if x]
+        except ValueError:
+            raise InvalidRequestError(
+                f"--token-ids expects comma-separated integers, got {text.strip()[:40]!r}"
+            ) from None
+    return text if args.raw else [{"role": "user", "content": text}]
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    from redis.exceptions import RedisError
+
+    from pagedq.errors import InvalidParamsError
+
+    try:
+        prompt = submit_prompt(args)
+        params = sampling_params(args, SAMPLING_DEFAULTS)
+    except (InvalidRequestError, InvalidParamsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    url = redis_url_of(args)
+    try:
+        with connect(args, url) as client:
+            return submit_and_stream(args, client, prompt, params)
+    except RedisError as exc:
+        print(redis_error_line(url, exc), file=sys.stderr)
+        return 1
+
+
+def submit_and_stream(args: argparse.Namespace, client: Any, prompt: Any, params: Any) -> int:
+    """Enqueue, warn at once when no worker serves the queue, then print the answer."""
     from pagedq.client import ProtocolError, RequestError, ResultTimeoutError
     from pagedq.errors import InvalidParamsError
 
-    prompt: Any = args.prompt
-    if args.token_ids:
-        prompt = [int(x) for x in args.prompt.replace(" ", "").split(",") if x]
-    elif args.chat:
-        prompt = [{"role": "user", "content": args.prompt}]
     deadline = time.time() + args.deadline if args.deadline else None
-    with connect(args) as client:
-        try:
-            params = sampling_params(args, SAMPLING_DEFAULTS)
-            handle = client.submit(prompt, params, deadline=deadline, priority=args.priority)
-        except (ProtocolError, InvalidParamsError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        try:
-            for ev in handle.stream(timeout=args.timeout):
-                print_event(ev, args.json, params.n)
-            handle.result(timeout=0.001)
-        except ResultTimeoutError as exc:
-            print(f"\n{exc}", file=sys.stderr)
+    try:
+        handle = client.submit(prompt, params, deadline=deadline, priority=args.priority)
+    except (ProtocolError, InvalidParamsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not client.stats()["workers"]:
+        print(f"no worker has checkpointed on queue {client.keys.queue!r} in the last few "
+              f"seconds; the job stays queued (id {handle.id}) for the next worker. "
+              + ("Waiting for one (Ctrl-C stops waiting; the job stays queued)." if args.wait
+                 else "Pass --wait to wait here (e.g. while a worker is still starting)."),
+              file=sys.stderr)
+        if not args.wait:
             return 3
-        except RequestError as exc:
-            print(f"\n{exc}", file=sys.stderr)
-            return 1
+    try:
+        texts = []
+        for ev in handle.stream(timeout=args.timeout):
+            print_event(ev, args.json, params.n)
+            texts.append(ev.text)
+        result = handle.result(timeout=0.001)
+        if not args.json and not any(texts) and result.token_ids:
+            print(f"(the model has no tokenizer; token ids: {result.token_ids})")
+    except ResultTimeoutError:
+        print(f"\nno answer within {args.timeout:g} s; the job stays queued (id {handle.id})",
+              file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print(f"\nstopped waiting; the job stays queued (id {handle.id})", file=sys.stderr)
+        return 130
+    except RequestError as exc:
+        if "no chat template" in str(exc) and isinstance(prompt, list):
+            print("hint: this model has no chat template; pass --raw to send the text as "
+                  "a plain completion prompt", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -96,13 +183,14 @@ def print_event(ev: Any, as_json: bool, n: int) -> None:
         body = {k: v for k, v in vars(ev).items() if v not in (None, [], "")}
         print(json.dumps(body), flush=True)
         return
-    if ev.type == "tokens":
-        piece = ev.text if ev.text else "".join(f"[{t}]" for t in ev.token_ids)
-        print(f"[{ev.index}] {piece}" if n > 1 else piece, end="\n" if n > 1 else "", flush=True)
-    elif ev.type == "finished":
-        print(f"\n-- finished {ev.finish_reasons} {ev.usage}", file=sys.stderr)
+    if ev.type == "tokens":  # text held back (half a UTF-8 character) arrives with the next
+        if n > 1:
+            if ev.text:
+                print(f"[{ev.index}] {ev.text}", flush=True)
+        else:
+            print(ev.text, end="", flush=True)
     else:
-        print(f"\n-- {ev.type}: {ev.error or ''}", file=sys.stderr)
+        print(f"\n-- {event_sentence(ev)}", file=sys.stderr)
 
 
 def render_stats(stats: dict[str, Any]) -> str:
@@ -128,17 +216,28 @@ def render_stats(stats: dict[str, Any]) -> str:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        if args.json:
-            print(json.dumps(client.stats(), indent=2, default=str))
-            return 0
-        try:
-            while True:
-                table = render_stats(client.stats())
-                if args.watch <= 0:
-                    print(table)
-                    return 0
-                print("\x1b[2J\x1b[H" + table, flush=True)
-                time.sleep(args.watch)
-        except KeyboardInterrupt:
-            return 0
+    from redis.exceptions import RedisError
+
+    url = redis_url_of(args)
+    try:
+        with connect(args, url) as client:
+            return show_stats(args, client)
+    except RedisError as exc:
+        print(redis_error_line(url, exc), file=sys.stderr)
+        return 1
+
+
+def show_stats(args: argparse.Namespace, client: Any) -> int:
+    if args.json:
+        print(json.dumps(client.stats(), indent=2, default=str))
+        return 0
+    try:
+        while True:
+            table = render_stats(client.stats())
+            if not args.watch:
+                print(table)
+                return 0
+            print("\x1b[2J\x1b[H" + table, flush=True)
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from pagedq.errors import InvalidRequestError
-from pagedq.kernels.backend import process_selector
+from pagedq.kernels.backend import process_selector, select_backend
 from pagedq.params import SamplingParams
+from pagedq.progress import waiting
 from pagedq.worker.config import EngineConfig, default_block_size, default_device
 from pagedq.worker.engine import sizing
 from pagedq.worker.engine.beam_search import BeamParams, beam_search
@@ -74,7 +75,12 @@ class Engine:
         self.model_path = resolve_model(config.model, packed=config.quantization == "auto")
         self.hf_config = load_config(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.model = load_model(self.model_path, self.hf_config, config, self.device, self.kv_dtype)
+        with waiting(f"loading the weights of {self.model_path.name}", log):
+            self.model = load_model(self.model_path, self.hf_config, config, self.device)
+        # the selector builds the C++ ops on a first run; the model then packs its weights
+        with waiting("selecting the kernels and packing the weights for them", log):
+            self.model.use_backend(select_backend(self.device, self.model.compute_dtype,
+                                                  self.kv_dtype, self.model.head_dim))
         budget = sizing.kv_budget(config, config.block_size, self.device, self.model)
         plan = sizing.plan_kv(self.hf_config, config, self.kv_dtype, config.block_size, budget)
         self.max_model_len = plan.max_model_len
@@ -94,7 +100,7 @@ class Engine:
         self.weight_bytes = self.model.weight_bytes()
         log.info("engine ready", model=str(self.model_path), device=str(self.device),
                  dtype=config.dtype, quantization=config.quantization,
-                 compute_dtype=str(self.model.norm.dtype).removeprefix("torch."),
+                 compute_dtype=str(self.model.compute_dtype).removeprefix("torch."),
                  weight_bytes=self.weight_bytes, kv_cache_dtype=self.kv_dtype_name,
                  load_s=round(time.perf_counter() - started, 2), **plan.log_fields())
 
@@ -315,20 +321,17 @@ class Engine:
                 "max_model_len": self.max_model_len, "max_num_seqs": self.config.max_num_seqs}
 
 
-def load_model(path, hf_config, config: EngineConfig, device: torch.device,
-               kv_dtype: torch.dtype) -> CausalLM:
-    """The model with its weights in the form ``config.quantization`` asks for (weight_mode),
-    its RoPE tables sized for ``max_model_len``, on the kernels the backend selector picks for
-    it (which builds or loads the C++ ones now, not on the first step)."""
+def load_model(path, hf_config, config: EngineConfig, device: torch.device) -> CausalLM:
+    """The model with its weights in the form ``config.quantization`` asks for (weight_mode)
+    and its RoPE tables sized for ``max_model_len``. The engine then hands it the kernels the
+    backend selector picks for its compute dtype (which builds or loads the C++ ones then, not
+    on the first step)."""
     positions = config.max_model_len or hf_config.max_position_embeddings
-    dtype = getattr(torch, config.dtype)
-    selector = process_selector()
-    mode, compute = weight_mode(config, path, device, selector)
+    mode, compute = weight_mode(config, path, device, process_selector())
     model = CausalLM(hf_config, compute, device, positions)
     model.load_weights(pack_weights(iter_weights(path), mode))
-    model.use_backend(selector.select(device, compute, kv_dtype, model.head_dim))
     model.eval()
-    if compute != dtype:
+    if compute != getattr(torch, config.dtype):
         log.info("weights kept packed; activations in float32 for the CPU kernels",
                  dtype=config.dtype, pack=mode)
     return model

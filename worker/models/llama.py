@@ -256,6 +256,11 @@ class CausalLM(nn.Module):
         return dequantize(self.embed_packed.rows(input_ids)).to(self.norm.dtype)
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """The activations' dtype (packed weights compute in float32 on the CPU kernels)."""
+        return self.norm.dtype
+
+    @property
     def packed_weights(self) -> bool:
         """Whether the projections are packed (then every layer's are: load_weights)."""
         return bool(self.layers[0].segments)

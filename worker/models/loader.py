@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedq.errors import ModelNotFoundError
+from pagedq.progress import waiting
 from pagedq.worker.config import settings
 from pagedq.worker.logging import get_logger
 from pagedq.worker.models.gguf_weights import Weight, gguf_head_dim, iter_gguf_weights
@@ -281,12 +281,12 @@ def convert_gguf(gguf_file: Path, out_dir: Path, weights: bool = True) -> Path:
         _make_room(out_dir)  # fail fast, before the slow part
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         try:
-            t0 = time.perf_counter()
-            log.info("converting gguf", gguf=str(gguf_file), out=str(out_dir), weights=weights)
-            _write_converted(gguf_file, tmp, weights)
-            _make_shareable(tmp)
-            os.rename(tmp, out_dir)
-            log.info("converted gguf", out=str(out_dir), seconds=round(time.perf_counter() - t0, 1))
+            what = "safetensors" if weights else "config and tokenizer (weights stay in the GGUF)"
+            with waiting(f"converting {gguf_file.name} to {what} (once; kept in "
+                         f"{out_dir.parent})", log, delay=0, gguf=str(gguf_file), out=str(out_dir)):
+                _write_converted(gguf_file, tmp, weights)
+                _make_shareable(tmp)
+                os.rename(tmp, out_dir)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
@@ -343,14 +343,24 @@ def file_lock(lock_path: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _quiet_progress_bars() -> Iterator[None]:
-    """transformers' GGUF loader draws tqdm bars; they would garble JSON logs."""
+    """transformers' GGUF loader draws tqdm bars; they would garble JSON logs, and its
+    dequantizing bar sits at 100 % through the slow part that follows (our waits say what
+    runs instead). Its GGUF module calls tqdm directly, so that name is swapped too."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
         if was_enabled:
             hf_logging.enable_progress_bar()
 
@@ -365,7 +375,8 @@ def _write_converted(gguf_file: Path, out: Path, weights: bool = True) -> None:
     else:
         _write_config(gguf_file, out)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+        with waiting("building the tokenizer from the GGUF's vocabulary", log):
+            tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
     except (ValueError, KeyError) as exc:  # a GGUF without tokenizer metadata is legal
         log.warning("gguf has no usable tokenizer; the model will take token ids only",
                     gguf=str(gguf_file), error=str(exc))
@@ -380,7 +391,7 @@ def _write_fp32(gguf_file: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    with _quiet_progress_bars():
+    with _quiet_progress_bars(), waiting("dequantizing the GGUF's weights", log):
         model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
                                                      dtype=torch.float32)
     config = model.config
@@ -390,7 +401,8 @@ def _write_fp32(gguf_file: Path, out: Path) -> None:
         for k, v in model.state_dict().items()
         if not (tied and k == "lm_head.weight")
     }
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with waiting("writing model.safetensors", log):
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     del state
     # The loaded config says "quantized with gguf"; the saved weights are plain fp32.
     if hasattr(config, "quantization_config"):
@@ -399,6 +411,7 @@ def _write_fp32(gguf_file: Path, out: Path) -> None:
     config.save_pretrained(out)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out)
+    del model
 
 
 def _write_config(gguf_file: Path, out: Path) -> None:

@@ -86,16 +86,21 @@ class Consumer:
 
     async def read(self, capacity: int, block_ms: int) -> list[Entry]:
         """Up to ``capacity`` new entries, higher levels first; blocks only when all are empty."""
+        out = await self._read_levels(capacity)
+        if out or block_ms <= 0:
+            return out
+        # Nothing anywhere: wait for the first new entry on any level (COUNT 1), then take the
+        # rest of a burst in priority order at once, so jobs submitted together start together.
+        first = await self._read({s: ">" for s in self.streams}, 1, block_ms)
+        return first + (await self._read_levels(capacity - 1) if first else [])
+
+    async def _read_levels(self, capacity: int) -> list[Entry]:
         out: list[Entry] = []
         for stream in self.streams:
             if len(out) >= capacity:
                 break
             out += await self._read({stream: ">"}, capacity - len(out), None)
-        if out or block_ms <= 0:
-            return out
-        # Nothing anywhere: wait for the first new entry on any level (COUNT 1 so a burst is
-        # then taken in priority order by the next call).
-        return await self._read({s: ">" for s in self.streams}, 1, block_ms)
+        return out
 
     async def own_pending(self) -> list[Entry]:
         """Entries delivered to this consumer name and never acked (a restart after a crash)."""

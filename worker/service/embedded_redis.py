@@ -7,6 +7,7 @@ Redis the fleet uses, not a fake.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -106,6 +107,61 @@ class EmbeddedRedis:
         self.stop()
 
 
+# -- discovery: how other commands on this machine find a worker's embedded server -----------
+ADVERTISED_FILE = "embedded-redis.json"
+
+
+def advertised_path() -> Path:
+    """Where a worker that started an embedded redis-server writes its URL (the pagedq cache)."""
+    from pagedq.worker.config import settings
+
+    return settings().cache_dir / ADVERTISED_FILE
+
+
+def advertise(server: EmbeddedRedis, path: Path | None = None) -> Path:
+    """Write ``server``'s URL where ``pagedq submit``, ``stats`` and other workers look, so
+    `pagedq worker` in one terminal and `pagedq submit "hi"` in another find each other."""
+    path = path or advertised_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({"url": server.url, "redis_pid": server.process.pid,
+                               "owner_pid": os.getpid()}))
+    tmp.replace(path)  # readers never see half a file
+    return path
+
+
+def withdraw(path: Path | None = None) -> None:
+    """Remove the advertisement if this process wrote it (its server is stopping)."""
+    path = path or advertised_path()
+    try:
+        if json.loads(path.read_text()).get("owner_pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def find_advertised(path: Path | None = None, timeout: float = 0.5) -> str | None:
+    """The URL of the embedded redis-server a worker on this machine advertises, if it still
+    answers PING; None otherwise (a stale advertisement is ignored)."""
+    path = path or advertised_path()
+    try:
+        url = json.loads(path.read_text())["url"]
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    return url if _answers_ping(port, timeout) else None
+
+
+def _answers_ping(port: int, timeout: float) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
 def _detach() -> None:
     """In the child: its own session, so a Ctrl-C (SIGINT to the terminal's process group) does
     not kill Redis while the worker still drains into it; and on Linux, die with the parent so
@@ -125,13 +181,8 @@ def _wait_ping(port: int, proc: subprocess.Popen, timeout: float) -> bool:
     while time.monotonic() < end:
         if proc.poll() is not None:
             return False
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return True
-        except OSError:
-            pass
+        if _answers_ping(port, 0.5):
+            return True
         time.sleep(0.05)
     return False
 

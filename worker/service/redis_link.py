@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from redis.asyncio import Redis
@@ -22,7 +23,12 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 
 from pagedq.worker.logging import get_logger
-from pagedq.worker.service.embedded_redis import EmbeddedRedis
+from pagedq.worker.service.embedded_redis import (
+    EmbeddedRedis,
+    advertise,
+    find_advertised,
+    withdraw,
+)
 
 log = get_logger("pagedq.worker.redis")
 
@@ -40,8 +46,9 @@ class Outage:
     one object, so it is never copied.
     """
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, embedded: EmbeddedRedis | None = None):
         self.url = url
+        self.embedded = embedded  # the server this worker started, if any
         self.since: float | None = None  # monotonic time of the first failed call
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Outage:
@@ -54,6 +61,11 @@ class Outage:
     def failed(self, error: Exception) -> None:
         if self.since is None:
             self.since = time.monotonic()
+            if self.embedded is not None and self.embedded.process.poll() is not None:
+                log.error("the embedded redis-server this worker started has exited; its "
+                          "queue is gone: stop this worker (Ctrl-C) and start it again",
+                          url=self.url, exit_code=self.embedded.process.returncode)
+                return
             log.warning("Redis unreachable; every call waits and retries until it is back",
                         url=self.url, error=str(error) or type(error).__name__)
 
@@ -99,22 +111,32 @@ class RedisLink:
     url: str
     outage: Outage
     embedded: EmbeddedRedis | None = None
+    discovery: Path | None = None  # where the embedded server is advertised
 
     @classmethod
-    async def open(cls, url: str | None) -> RedisLink:
-        """Connect to ``url`` (None: start an embedded redis-server first) and check that it
-        answers within CONNECT_TIMEOUT_S."""
+    async def open(cls, url: str | None, discovery: Path | None = None) -> RedisLink:
+        """Connect to ``url`` and check that it answers within CONNECT_TIMEOUT_S. None: the
+        embedded redis-server advertised at ``discovery`` by another worker on this machine,
+        else a new one (advertised there, so ``pagedq submit``/``stats`` find it)."""
         embedded = None
+        if url is None and discovery is not None:
+            url = find_advertised(discovery)
+            if url is not None:
+                log.info("no --redis-url or REDIS_URL: joining the embedded redis-server "
+                         "another worker on this machine started", url=url)
         if url is None:
             embedded = EmbeddedRedis.start()
             url = embedded.url
-            log.info("no --redis-url or REDIS_URL: started an embedded redis-server",
+            if discovery is not None:
+                advertise(embedded, discovery)
+            log.info("no --redis-url or REDIS_URL: started an embedded redis-server; "
+                     "`pagedq submit` and `pagedq stats` on this machine find it",
                      url=url, pid=embedded.process.pid)
-        outage = Outage(url)
+        outage = Outage(url, embedded)
         r = Redis.from_url(url, retry=RetryForever(outage),
                            retry_on_error=[ConnectionError, TimeoutError],
                            health_check_interval=30, socket_keepalive=True)
-        link = cls(r, url, outage, embedded)
+        link = cls(r, url, outage, embedded, discovery if embedded else None)
         try:
             await asyncio.wait_for(r.ping(), CONNECT_TIMEOUT_S)
         except BaseException:
@@ -125,4 +147,6 @@ class RedisLink:
     async def close(self) -> None:
         await self.redis.aclose()
         if self.embedded is not None:
+            if self.discovery is not None:
+                withdraw(self.discovery)
             self.embedded.stop()

@@ -33,12 +33,14 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from pagedq.client.protocol import Keys, Request
-from pagedq.client.redis_url import resolve_redis_url
+from pagedq.client.redis_url import redacted, resolve_redis_url
+from pagedq.progress import waiting
 from pagedq.worker.config import WorkerConfig, settings
 from pagedq.worker.logging import get_logger
 from pagedq.worker.service.admission import Admission
 from pagedq.worker.service.checkpoints import Checkpoints, claim_name
 from pagedq.worker.service.consumer import Consumer
+from pagedq.worker.service.embedded_redis import advertised_path
 from pagedq.worker.service.engine_loop import EngineLoop, Report
 from pagedq.worker.service.job import Jobs
 from pagedq.worker.service.leases import LeaseKeeper, Leases
@@ -137,17 +139,21 @@ class Worker:
     async def run(self) -> int:
         """Serve until stop()/SIGTERM, then drain. Exit code: 0 ok, 1 no Redis, 2 no model."""
         self._loop = asyncio.get_running_loop()
+        url = resolve_redis_url(self.config.redis_url, default=None)
         try:
-            link = await RedisLink.open(resolve_redis_url(self.config.redis_url, default=None))
+            link = await RedisLink.open(url, discovery=advertised_path())
         except (RedisError, OSError, RuntimeError) as exc:
-            log.error("cannot reach Redis: check --redis-url / REDIS_URL", error=str(exc))
+            log.error("cannot reach Redis: check that it runs, and --redis-url / REDIS_URL "
+                      "(or pass neither for an embedded one)", url=redacted(url or "embedded"),
+                      error=str(exc) or type(exc).__name__)
             return 1
         self.redis_url = link.url
         try:
             if self.engine is None:
-                log.info("loading model", model=self.config.model or "default")
                 try:
-                    self.engine = await in_own_thread(build_engine, self.config)
+                    with waiting("loading the model", log, delay=0,
+                                 model=self.config.model or "default"):
+                        self.engine = await in_own_thread(build_engine, self.config)
                 except Exception as exc:
                     log.error("cannot load the model", model=self.config.model, error=str(exc))
                     return 2

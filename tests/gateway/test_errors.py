@@ -1,0 +1,94 @@
+"""Errors and limits, as the official openai client sees them: 401, 404, 400, 413, 429, 503."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from pagedq.client import Client, SamplingParams
+from pagedq.params import SamplingParams as EngineParams
+from tests.gateway.harness import serve
+
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+def test_bearer_key_is_checked(redis_url, queue, tiny_worker, tiny_id):
+    with serve(redis_url, queue=queue, api_keys=("k1", "k2")) as gw:
+        with pytest.raises(openai.AuthenticationError) as err:
+            gw.openai("wrong").models.list()
+        assert err.value.status_code == 401 and err.value.code == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            gw.openai("none").chat.completions.create(model=tiny_id, messages=HELLO)
+        assert [m.id for m in gw.openai("k2").models.list()] == [tiny_id]
+        with gw.http() as http:
+            assert http.get("/health").status_code == 200  # probes need no key
+
+
+def test_unknown_model_route_and_ids_are_404(redis_url, queue, tiny_worker, tiny_id):
+    with serve(redis_url, queue=queue) as gw:
+        client = gw.openai()
+        with pytest.raises(openai.NotFoundError) as err:
+            client.chat.completions.create(model="gpt-4o", messages=HELLO)
+        assert err.value.code == "model_not_found" and tiny_id in err.value.message
+        with pytest.raises(openai.NotFoundError):
+            client.files.retrieve("file-nope")
+        with pytest.raises(openai.NotFoundError):
+            client.batches.retrieve("batch_nope")
+        with gw.http() as http:
+            resp = http.get("/v1/requests/chatcmpl-nope/stream")
+            assert resp.status_code == 404 and resp.json()["error"]["code"] == "stream_not_found"
+            assert http.get("/v1/nothing").json()["error"]["code"] == "not_found"
+
+
+def test_invalid_params_are_400_with_the_engines_message(redis_url, queue, tiny_worker, tiny_id):
+    with serve(redis_url, queue=queue) as gw:
+        client = gw.openai()
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=tiny_id, messages=HELLO, temperature=-1)
+        with pytest.raises(Exception) as engine:
+            EngineParams(temperature=-1.0)
+        assert err.value.body["message"] == str(engine.value)
+        assert err.value.body["param"] == "temperature"
+        with pytest.raises(openai.BadRequestError):  # a pydantic type error is a 400 too
+            client.chat.completions.create(model=tiny_id, messages="hi")
+        with gw.http() as http:
+            assert 'route="/v1/chat/completions",status="400"' in http.get("/metrics").text
+        long = " ".join(["Paris"] * 400)  # past the worker's max_model_len: its own refusal
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.completions.create(model=tiny_id, prompt=long, max_tokens=4,
+                                          stream=stream)
+            assert err.value.code == "prompt_too_long"
+
+
+def test_body_over_the_limit_is_413(redis_url, queue, tiny_worker, tiny_id):
+    with serve(redis_url, queue=queue, max_body_bytes=2000) as gw:
+        with pytest.raises(openai.APIStatusError) as err:
+            gw.openai().chat.completions.create(
+                model=tiny_id, messages=[{"role": "user", "content": "x" * 5000}])
+        assert err.value.status_code == 413 and err.value.code == "request_too_large"
+        with gw.http() as http:  # chunked (no Content-Length): counted as it arrives
+            resp = http.post("/v1/chat/completions", content=iter([b"{" + b" " * 1500] * 3),
+                             headers={"content-type": "application/json"})
+            assert resp.status_code == 413
+
+
+def test_deep_queue_is_429_with_retry_after(redis_url, queue, tiny_worker, tiny_id):
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    with serve(redis_url, queue=queue, max_queue_depth=1) as gw, \
+            Client(redis_url, queue) as sdk:
+        handles = [sdk.submit([3, 4, 5 + i], long) for i in range(8)]  # more than fit at once
+        try:
+            with pytest.raises(openai.RateLimitError) as err:
+                gw.openai().chat.completions.create(model=tiny_id, messages=HELLO)
+            assert err.value.response.headers["retry-after"] == "1"
+        finally:
+            for h in handles:
+                h.cancel()
+
+
+def test_no_live_worker_is_503(redis_url):
+    with serve(redis_url, queue="gw-nobody") as gw:
+        with pytest.raises(openai.InternalServerError) as err:
+            gw.openai().chat.completions.create(model="any", messages=HELLO)
+        assert err.value.status_code == 503 and err.value.code == "no_worker"

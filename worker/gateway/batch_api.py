@@ -1,0 +1,125 @@
+"""Routes: the Files API (``/v1/files``) and the Batch API (``/v1/batches``).
+
+Uploads are JSONL with purpose ``batch``, at most ``max_file_bytes`` (413 above). A batch is
+created ``validating`` and driven by whichever gateway holds its lease (batches.py); these
+routes only read its state and record a cancel request.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import UploadFile
+
+from pagedq.worker.gateway.app import gateway, too_large
+from pagedq.worker.gateway.batch_store import TERMINAL, completion_hours, new_batch
+from pagedq.worker.gateway.errors import APIError, bad_request, not_found
+from pagedq.worker.gateway.openai import BatchCreateRequest
+from pagedq.worker.gateway.translate import ENDPOINTS
+
+router = APIRouter()
+PURPOSES = ("batch",)
+
+
+@router.post("/v1/files")
+async def upload_file(request: Request) -> Response:
+    gw = gateway(request)
+    form = await request.form(max_files=1, max_fields=8)
+    upload, purpose = form.get("file"), form.get("purpose")
+    if not isinstance(upload, UploadFile):
+        raise bad_request("send the file as multipart form field 'file'", "file")
+    if purpose not in PURPOSES:
+        raise bad_request(f"purpose must be one of {list(PURPOSES)}, got {purpose!r}", "purpose")
+    data = await upload.read(gw.config.max_file_bytes + 1)
+    if len(data) > gw.config.max_file_bytes:
+        raise too_large(gw.config.max_file_bytes)
+    obj = await gw.files.put(data, upload.filename or "upload.jsonl", purpose)
+    return JSONResponse(obj.to_json())
+
+
+@router.get("/v1/files")
+async def list_files(request: Request) -> Response:
+    objs = await gateway(request).files.list()
+    return JSONResponse({"object": "list", "data": [o.to_json() for o in objs],
+                         "has_more": False})
+
+
+@router.get("/v1/files/{file_id}")
+async def get_file(file_id: str, request: Request) -> Response:
+    obj = await gateway(request).files.meta(file_id)
+    if obj is None:
+        raise _no_file(file_id)
+    return JSONResponse(obj.to_json())
+
+
+@router.get("/v1/files/{file_id}/content")
+async def file_content(file_id: str, request: Request) -> Response:
+    data = await gateway(request).files.content(file_id)
+    if data is None:
+        raise _no_file(file_id)
+    return Response(data, media_type="application/octet-stream")
+
+
+@router.delete("/v1/files/{file_id}")
+async def delete_file(file_id: str, request: Request) -> Response:
+    if not await gateway(request).files.delete(file_id):
+        raise _no_file(file_id)
+    return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+
+@router.post("/v1/batches")
+async def create_batch(req: BatchCreateRequest, request: Request) -> Response:
+    gw = gateway(request)
+    if req.endpoint not in ENDPOINTS:
+        raise bad_request(f"endpoint must be one of {sorted(ENDPOINTS)}", "endpoint")
+    hours = completion_hours(req.completion_window)
+    meta = await gw.files.meta(req.input_file_id)
+    if meta is None or meta.purpose != "batch":
+        raise bad_request(f"input_file_id {req.input_file_id} is not an uploaded batch file",
+                          "input_file_id", "invalid_input_file")
+    obj = new_batch("batch_" + uuid.uuid4().hex, req, hours)
+    await gw.batches.create(obj)
+    return JSONResponse(obj)
+
+
+@router.get("/v1/batches")
+async def list_batches(request: Request, after: str | None = None, limit: int = 20) -> Response:
+    if not 1 <= limit <= 100:
+        raise bad_request("limit must be in [1, 100]", "limit")
+    data, more = await gateway(request).batches.list(after, limit)
+    return JSONResponse({"object": "list", "data": data,
+                         "first_id": data[0]["id"] if data else None,
+                         "last_id": data[-1]["id"] if data else None, "has_more": more})
+
+
+@router.get("/v1/batches/{batch_id}")
+async def get_batch(batch_id: str, request: Request) -> Response:
+    state = await gateway(request).batches.load(batch_id)
+    if state is None:
+        raise _no_batch(batch_id)
+    return JSONResponse(state.obj)
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(batch_id: str, request: Request) -> Response:
+    store = gateway(request).batches
+    state = await store.load(batch_id)
+    if state is None:
+        raise _no_batch(batch_id)
+    if state.obj["status"] in TERMINAL:
+        raise APIError(400, f"batch {batch_id} is already {state.obj['status']}",
+                       "invalid_request_error", "invalid_state")
+    await store.request_cancel(batch_id)
+    state = await store.load(batch_id)
+    assert state is not None
+    return JSONResponse(state.obj)
+
+
+def _no_file(file_id: str) -> APIError:
+    return not_found(f"No such file: {file_id}", "file_not_found", "file_id")
+
+
+def _no_batch(batch_id: str) -> APIError:
+    return not_found(f"No such batch: {batch_id}", "batch_not_found", "batch_id")

@@ -1,0 +1,280 @@
+"""The Batch API: batch state in Redis, driven by whichever gateway holds the batch's lease.
+
+A batch's progress is only ever in Redis, never in one gateway's memory: a gateway restarted
+(or killed) mid-batch loses nothing, and another one takes over driving it once the lease
+lapses. Keys (``{B}`` = the batch id as a hash tag, so a batch's keys share one slot and its
+bookkeeping can be one MULTI):
+
+    P:gw:batch:{B}            hash: obj (the batch JSON), total, next (lines handed out),
+                              cancel (1 once asked)
+    P:gw:batch:{B}:inflight   hash: line -> {"jobs": [...], "ok": 0|1} (ok: submit confirmed)
+    P:gw:batch:{B}:out|err    hash: line -> its output / error line (HSETNX: exactly once)
+    P:gw:batch:{B}:lease      the driving gateway's name (PX = batch_lease)
+    P:gw:batches              zset id -> creation order (listing; P:gw:batches:order counts)
+    P:gw:batches:active       set of batches to drive
+
+The driver keeps at most ``window`` lines of a batch in the queue, each a low-priority job;
+a line's in-flight record is written before its job is submitted, so a crash in between
+resubmits it (the same id and payload: the worker treats it as the same job).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from pagedq.client import AsyncClient
+from pagedq.worker.config import GatewayConfig
+from pagedq.worker.gateway.batch_store import TERMINAL, BatchState, BatchStore
+from pagedq.worker.gateway.errors import APIError
+from pagedq.worker.gateway.files import FileStore
+from pagedq.worker.gateway.fleet import Fleet
+from pagedq.worker.gateway.lines import Line, dumps, error_line, parse_line, result_line
+from pagedq.worker.gateway.metrics import GatewayMetrics
+from pagedq.worker.gateway.tokens import TokenTexts
+from pagedq.worker.gateway.translate import submit
+from pagedq.worker.logging import get_logger
+
+log = get_logger("pagedq.gateway.batches")
+
+
+class BatchDriver:
+    """Moves every active batch forward; one instance per gateway, batches shared by lease."""
+
+    def __init__(self, r: Redis, client: AsyncClient, files: FileStore, fleet: Fleet,
+                 tokens: TokenTexts, config: GatewayConfig, metrics: GatewayMetrics,
+                 interval: float = 0.2):
+        self.r = r
+        self.client = client
+        self.files = files
+        self.fleet = fleet
+        self.tokens = tokens
+        self.config = config
+        self.metrics = metrics
+        self.interval = interval
+        self.store = BatchStore(r, config.prefix, config.files_ttl)
+        self.name = f"gateway-{uuid.uuid4().hex[:12]}"
+        self._inputs: dict[str, list[bytes]] = {}
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except RedisConnectionError as exc:
+                log.warning("Redis unreachable; batches wait", error=str(exc))
+                await asyncio.sleep(1.0)
+            except Exception:
+                log.exception("driving batches failed; retrying")
+            await asyncio.sleep(self.interval)
+
+    async def tick(self) -> None:
+        lease_ms = int(self.config.batch_lease * 1000)
+        for bid in await self.store.active():
+            if await self.store.lease(bid, self.name, lease_ms):
+                await self.drive(bid)
+            else:
+                self._inputs.pop(bid, None)  # another gateway drives it now
+
+    async def drive(self, bid: str) -> None:
+        state = await self.store.load(bid, with_inflight=True)
+        if state is None or state.obj["status"] in TERMINAL:
+            await self.r.srem(self.store.keys.active, bid)
+            self._inputs.pop(bid, None)
+            return
+        lines = await self._input(state)
+        if lines is None:
+            return
+        await self._collect(bid, state, lines)
+        expired = time.time() >= state.obj["expires_at"]
+        if state.cancel or expired:
+            await self._stop(state)
+            if not state.inflight:
+                await self._finalize(state, "expired" if expired and not state.cancel
+                                     else "cancelled", lines)
+            return
+        await self._submit(bid, state, lines)
+        if state.next >= state.total and not state.inflight:
+            await self._finalize(state, "completed", lines)
+
+    async def _input(self, state: BatchState) -> list[bytes] | None:
+        """The batch's input lines (read once per driver); a missing file fails the batch."""
+        bid = state.obj["id"]
+        if bid not in self._inputs:
+            data = await self.files.content(state.obj["input_file_id"])
+            if data is None:
+                await self._fail(state, "file_not_found",
+                                 f"input file {state.obj['input_file_id']} does not exist")
+                return None
+            self._inputs[bid] = [ln for ln in data.splitlines() if ln.strip()]
+        lines = self._inputs[bid]
+        if state.obj["status"] == "validating":
+            if len(lines) > self.config.max_batch_lines or not lines:
+                await self._fail(state, "invalid_file",
+                                 f"the input has {len(lines)} lines; a batch takes 1 to "
+                                 f"{self.config.max_batch_lines}")
+                return None
+            state.total = len(lines)
+            state.obj.update(status="in_progress", in_progress_at=int(time.time()))
+            await self.store.save_obj(state.obj, total=state.total)
+        return lines
+
+    async def _fail(self, state: BatchState, code: str, message: str) -> None:
+        state.obj.update(status="failed", failed_at=int(time.time()),
+                         errors={"object": "list", "data": [{"code": code, "message": message,
+                                                             "param": None, "line": None}]})
+        await self.store.save_obj(state.obj)
+        await self.r.expire(self.store.keys.batch(state.obj["id"]), self.config.files_ttl)
+
+    def _line(self, state: BatchState, lines: list[bytes], n: int) -> Line:
+        return parse_line(lines[n], n, state.obj["endpoint"], f"{state.obj['id']}-{n}")
+
+    async def _submit(self, bid: str, state: BatchState, lines: list[bytes]) -> None:
+        """Hand out the next lines up to the window: record them, then submit their jobs."""
+        last = min(state.total, state.next + self.config.batch_window - len(state.inflight))
+        if last <= state.next:
+            return
+        fleet = await self.fleet.view()
+        parsed = [self._line(state, lines, n) for n in range(state.next, last)]
+        keys = self.store.keys
+        pipe = self.r.pipeline(transaction=True)
+        for line in parsed:
+            if line.spec is not None and fleet.alive and fleet.path_of(line.spec.view.model) is None:
+                line.error = model_not_found(line.spec.view.model)
+            if line.error is not None:
+                pipe.hsetnx(keys.part(bid, "err"), line.number,
+                            dumps(error_line(line, line_rid(bid, line), line.error, False)))
+                self.metrics.batch_lines.labels("failed").inc()
+            else:
+                pipe.hset(keys.part(bid, "inflight"), line.number,
+                          json.dumps({"jobs": line.spec.job_ids, "ok": 0}))
+        pipe.hset(keys.batch(bid), "next", last)
+        await pipe.execute()
+        state.next = last
+        await self._send(bid, state, [ln for ln in parsed if ln.spec is not None])
+
+    async def _send(self, bid: str, state: BatchState, lines: list[Line]) -> None:
+        keys = self.store.keys
+        pipe = self.r.pipeline(transaction=False)
+        for line in lines:
+            assert line.spec is not None
+            try:
+                await submit(self.client, line.spec)
+            except APIError as exc:  # the line fails alone
+                pipe.hsetnx(keys.part(bid, "err"), line.number,
+                            dumps(error_line(line, line_rid(bid, line), exc, False)))
+                pipe.hdel(keys.part(bid, "inflight"), line.number)
+                state.inflight.pop(line.number, None)
+                self.metrics.batch_lines.labels("failed").inc()
+                continue
+            record = {"jobs": line.spec.job_ids, "ok": 1}
+            pipe.hset(keys.part(bid, "inflight"), line.number, json.dumps(record))
+            state.inflight[line.number] = record
+        await pipe.execute()
+
+    async def _collect(self, bid: str, state: BatchState, lines: list[bytes]) -> None:
+        """Lines whose jobs all ended -> their output or error line, exactly once."""
+        unconfirmed = [n for n, rec in state.inflight.items() if not rec["ok"]]
+        if unconfirmed:  # a driver died between recording and submitting: submit again
+            await self._send(bid, state, [self._line(state, lines, n) for n in unconfirmed])
+        jobs = [(n, jid) for n, rec in state.inflight.items() for jid in rec["jobs"]]
+        if not jobs:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for _, jid in jobs:
+            pipe.hget(self.client.keys.state(jid), "done")
+        pending = {n for (n, _), done in zip(jobs, await pipe.execute(), strict=True)
+                   if done != b"1"}
+        expiring = time.time() >= state.obj["expires_at"] and not state.cancel
+        fleet = await self.fleet.view()
+        keys = self.store.keys
+        for n in [n for n in state.inflight if n not in pending]:
+            line = self._line(state, lines, n)
+            rid = line_rid(bid, line)
+            outcome = await outcome_of(self.client, line.spec.job_ids)
+            text = self.tokens.lookup(fleet.path_of(line.spec.view.model))
+            ok, record = result_line(line, rid, outcome, text)
+            if record is None and expiring:
+                record = error_line(line, rid, batch_expired(), False)
+            pipe = self.r.pipeline(transaction=True)
+            if record is not None:
+                pipe.hsetnx(keys.part(bid, "out" if ok else "err"), n, dumps(record))
+                self.metrics.batch_lines.labels("completed" if ok else "failed").inc()
+            pipe.hdel(keys.part(bid, "inflight"), n)
+            await pipe.execute()
+            del state.inflight[n]
+
+    async def _stop(self, state: BatchState) -> None:
+        """Cancel the jobs still in flight (queued ones end at once, running ones soon)."""
+        for rec in state.inflight.values():
+            for jid in rec["jobs"]:
+                await self.client.handle(jid).cancel()
+
+    async def _finalize(self, state: BatchState, status: str, lines: list[bytes]) -> None:
+        """Write the output and error files and end the batch (idempotent: fixed file ids)."""
+        bid = state.obj["id"]
+        keys = self.store.keys
+        if status == "expired":
+            pipe = self.r.pipeline(transaction=False)
+            for n in range(state.next, state.total):
+                line = self._line(state, lines, n)
+                pipe.hsetnx(keys.part(bid, "err"), n,
+                            dumps(error_line(line, line_rid(bid, line), batch_expired(), False)))
+            await pipe.execute()
+        out, err = await self.r.hgetall(keys.part(bid, "out")), await self.r.hgetall(
+            keys.part(bid, "err"))
+        now = int(time.time())
+        obj = state.obj
+        for name, records, purpose in (("output", out, "batch_output"),
+                                       ("error", err, "batch_output")):
+            if records:
+                data = b"".join(records[k] + b"\n" for k in sorted(records, key=int))
+                f = await self.files.put(data, f"{bid}_{name}.jsonl", purpose,
+                                         file_id=f"file-{bid}-{name}")
+                obj[f"{name}_file_id"] = f.id
+        obj["request_counts"] = {"total": state.total, "completed": len(out), "failed": len(err)}
+        obj.update(status=status, finalizing_at=obj.get("finalizing_at") or now,
+                   cancelling_at=obj.get("cancelling_at") or (now if state.cancel else None))
+        obj[f"{status}_at"] = now
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(keys.batch(bid), "obj", json.dumps(obj))
+        pipe.delete(keys.part(bid, "out"), keys.part(bid, "err"), keys.part(bid, "inflight"))
+        pipe.expire(keys.batch(bid), self.config.files_ttl)
+        await pipe.execute()
+        await self.r.srem(keys.active, bid)
+        self._inputs.pop(bid, None)
+        log.info("batch ended", batch=bid, status=status, **obj["request_counts"])
+
+
+def line_rid(bid: str, line: Line) -> str:
+    return line.spec.id if line.spec is not None else f"{bid}-{line.number}"
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist: no live worker serves it",
+                    "invalid_request_error", "model_not_found", "model")
+
+
+def batch_expired() -> APIError:
+    return APIError(400, "this request was not completed before the batch expired",
+                    "invalid_request_error", "batch_expired")
+
+
+async def outcome_of(client: AsyncClient, job_ids: list[str],
+                     timeout: float | None = 2.0) -> list[Any] | Exception:
+    """Each job's Result, or the first job's error. The driver calls it once the jobs are done
+    (a short timeout only guards against expired streams); ``pagedq batch`` waits."""
+    results = []
+    for jid in job_ids:
+        try:
+            results.append(await client.handle(jid).result(timeout=timeout))
+        except Exception as exc:
+            return exc
+    return results

@@ -1,0 +1,98 @@
+"""CLI: ``pagedq serve`` (the OpenAI HTTP gateway) and ``pagedq batch`` (a batch file offline).
+
+Flags come from ``GatewayConfig`` through cli/flags.py; FastAPI and uvicorn are imported only
+when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from pagedq.worker.cli.flags import add_config_flags, given
+from pagedq.worker.config import GatewayConfig
+
+NOT_FLAGS = ("api_keys",)  # --api-key, repeatable, below
+QUEUE_FIELDS = ("redis_url", "queue", "prefix")
+MODEL_HELP = ("the embedded worker's model, when no Redis URL is given (default: the bundled "
+              "SmolLM2-135M)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="the OpenAI API over the queue (chat, completions, batches)",
+                       description="Serve OpenAI's HTTP API over a pagedq queue. See "
+                                   "docs/gateway.md.")
+    add_config_flags(p, GatewayConfig, skip=NOT_FLAGS)
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="accepted Bearer key (repeatable; default: $PAGEDQ_API_KEY, "
+                        "comma-separated); with none the gateway is open")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("batch", help="run an OpenAI batch file (JSONL) through the queue",
+                       description="Run an OpenAI batch file through the queue, offline.")
+    p.add_argument("input", type=Path, help="JSONL lines {custom_id, method, url, body}")
+    p.add_argument("-o", "--output", type=Path, required=True, help="results, one line each")
+    add_config_flags(p, GatewayConfig, only=QUEUE_FIELDS + ("batch_window",))
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--ready-timeout", type=float, default=600.0,
+                   help="seconds to wait for a live worker (the embedded one loads its model)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_batch)
+
+
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    keys = {"api_keys": tuple(args.api_key)} if getattr(args, "api_key", None) else {}
+    return GatewayConfig(**given(args, GatewayConfig, skip=NOT_FLAGS), **keys)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedq.worker.gateway.app import create_app
+    from pagedq.worker.gateway.local import queue_stack
+    from pagedq.worker.logging import configure_logging, get_logger
+
+    configure_logging(json=False, level=args.log_level)
+    log = get_logger("pagedq.gateway")
+    config = gateway_config(args)
+    if not config.api_keys:
+        log.warning("no API key configured: anyone who can reach the gateway may use it; set "
+                    "--api-key or $PAGEDQ_API_KEY")
+    with queue_stack(config.redis_url, config.queue, config.prefix, args.model) as url:
+        log.info("gateway listening", url=f"http://{config.host}:{config.port}/v1",
+                 queue=config.queue)
+        uvicorn.run(create_app(config, url), host=config.host, port=config.port,
+                    loop=_loop(), http="httptools", log_level=args.log_level.lower(),
+                    access_log=False, timeout_graceful_shutdown=5)
+    return 0
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pagedq.worker.gateway.local import queue_stack
+    from pagedq.worker.gateway.offline import run_batch, summary
+
+    if not args.input.is_file():
+        print(f"error: {args.input} is not a file", file=sys.stderr)
+        return 2
+    config = gateway_config(args)
+    with queue_stack(config.redis_url, config.queue, config.prefix, args.model) as url:
+        ok, failed = asyncio.run(run_batch(args.input, args.output, url, config.queue,
+                                           config.prefix, config.batch_window,
+                                           args.ready_timeout, progress=not args.no_progress))
+    print(summary(ok, failed, args.output))
+    return 0 if failed == 0 else 1
+
+
+def _loop() -> Any:
+    try:
+        import uvloop  # noqa: F401
+
+        return "uvloop"
+    except ImportError:
+        return "asyncio"

@@ -1,0 +1,66 @@
+"""OpenAI-shaped HTTP errors: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every failure a route reports is an ``APIError``; the app turns it into that JSON with its
+status code, so clients written for OpenAI (the ``openai`` SDKs) raise their usual typed errors.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pagedq.client.protocol import (
+    E_BAD_PAYLOAD,
+    E_INVALID_PARAMS,
+    E_INVALID_REQUEST,
+    E_TOO_LONG,
+    E_UNSUPPORTED_VERSION,
+)
+
+# Worker error codes that mean the request itself was bad (the client must change it).
+CLIENT_CODES = frozenset({E_BAD_PAYLOAD, E_INVALID_PARAMS, E_INVALID_REQUEST, E_TOO_LONG,
+                          E_UNSUPPORTED_VERSION})
+_PARAM_RE = re.compile(r"SamplingParams\.(\w+)=")
+# SamplingParams field -> the OpenAI request field a user set it through
+_OPENAI_NAMES = {"max_tokens": "max_tokens", "logprobs": "logprobs", "n": "n"}
+
+
+class APIError(Exception):
+    """An HTTP error response in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", code, param)
+
+
+def not_found(message: str, code: str = "not_found", param: str | None = None) -> APIError:
+    return APIError(404, message, "invalid_request_error", code, param)
+
+
+def invalid_params(exc: Exception) -> APIError:
+    """A SamplingParams validation message, with the field it names as ``param``."""
+    m = _PARAM_RE.search(str(exc))
+    param = _OPENAI_NAMES.get(m.group(1), m.group(1)) if m else None
+    return bad_request(str(exc), param, E_INVALID_PARAMS)
+
+
+def from_job_error(code: str, message: str) -> APIError:
+    """The HTTP error for a job's error event: 400 for a bad request, 500 otherwise."""
+    if code in CLIENT_CODES:
+        return bad_request(message, code=code)
+    return APIError(500, message, "server_error", code)

@@ -1,0 +1,64 @@
+"""``pagedq serve`` and ``pagedq batch`` with no Redis: an embedded redis-server and one worker
+process on the default model, as ``pagedq demo`` starts, so one command works on a bare
+machine. The worker is a separate process (no GIL shared with the HTTP server) that dies with
+the gateway.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from pagedq.client.redis_url import resolve_redis_url
+from pagedq.worker.logging import get_logger
+from pagedq.worker.service.embedded_redis import (
+    EmbeddedRedis,
+    _detach,
+    advertise,
+    find_advertised,
+    withdraw,
+)
+
+log = get_logger("pagedq.gateway.local")
+
+
+@contextmanager
+def queue_stack(redis_url: str | None, queue: str, prefix: str,
+                model: str | None) -> Iterator[str]:
+    """The Redis URL to use: the given one (or $REDIS_URL), else the embedded Redis a local
+    `pagedq worker` advertises, else a local Redis + worker (advertised in turn, so
+    `pagedq submit`/`stats` and more workers find it)."""
+    url = resolve_redis_url(redis_url, default=None) or find_advertised()
+    if url is not None:
+        yield url
+        return
+    with EmbeddedRedis.start() as server, advertised(server):
+        cmd = [sys.executable, "-m", "pagedq.worker", "--redis-url", server.url, "--queue",
+               queue, "--prefix", prefix, "--consumer-name", "local", "--log-format", "console",
+               "--log-level", "WARNING"]
+        if model:
+            cmd += ["--model", model]
+        worker = subprocess.Popen(cmd, preexec_fn=_detach)
+        log.warning("no --redis-url or REDIS_URL: started an embedded redis-server and one "
+                    "worker (the model loads in the background; requests get 503 until then)",
+                    redis=server.url, worker_pid=worker.pid, model=model or "default")
+        try:
+            yield server.url
+        finally:
+            worker.terminate()
+            try:
+                worker.wait(30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+
+
+@contextmanager
+def advertised(server: EmbeddedRedis) -> Iterator[None]:
+    path = advertise(server)
+    try:
+        yield
+    finally:
+        withdraw(path)

@@ -1,0 +1,102 @@
+"""The OpenAI request bodies the gateway accepts, as pydantic models.
+
+Field names and defaults follow OpenAI's API reference; vLLM's extra body fields (``top_k``,
+``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``priority``,
+``structured_outputs`` and the older ``guided_*`` names) are accepted as vLLM accepts them.
+Unknown fields are ignored, as vLLM does, so clients that send newer OpenAI fields keep
+working; fields whose meaning pagedq cannot honour (tools, logit_bias, best_of > n) are
+refused in translate.py with a 400 that says so. Ranges are checked by ``SamplingParams``
+itself, so the gateway and the engine can never disagree about what is valid.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class Sampling(_Body):
+    """The sampling fields chat and completions share."""
+
+    model: str
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extra body fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    priority: int = 0  # vLLM's sense: lower runs earlier
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class ChatMessage(_Body):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class BatchCreateRequest(_Body):
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = None
