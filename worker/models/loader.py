@@ -86,9 +86,9 @@ def resolve_model(model: str | os.PathLike | None, packed: bool = False) -> Path
     every place that was looked at.
     """
     if model is None or (isinstance(model, str) and not model.strip()):
-        from pagedq.worker.models.default_model import default_gguf, ensure_default_model
+        from pagedq.worker.models.default_model import ensure_default_model
 
-        return _resolve_local(default_gguf(), packed) if packed else ensure_default_model()
+        return ensure_default_model(packed)
     text = os.fspath(model)
     path = Path(text).expanduser()
     if path.exists():
