@@ -18,7 +18,7 @@ from pagedq.client.errors import (
 )
 from pagedq.client.protocol import PROTOCOL_VERSION, Event, Keys, Request
 from pagedq.errors import InvalidParamsError
-from pagedq.params import SamplingParams
+from pagedq.params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -42,4 +42,5 @@ __all__ = [
     "ResultTimeoutError",
     "SamplingParams",
     "StreamGapError",
+    "StructuredOutputsParams",
 ]

@@ -6,10 +6,115 @@ This module imports nothing heavy: the client SDK must never pull in torch.
 
 from __future__ import annotations
 
+import json as jsonlib
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from pagedq.errors import InvalidParamsError
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a JSON Schema, any JSON object, a regex, a choice or a grammar.
+
+    Exactly one field is set (vLLM's names). ``json`` is a JSON Schema as a dict or a JSON
+    string; ``grammar`` is an EBNF grammar in the GBNF dialect (``root ::= ...``, llama.cpp's
+    and xgrammar's). Only the syntax is checked here; whether a schema, regex or grammar
+    compiles is the engine's to say (the SDK has no grammar library), and it answers with
+    ``InvalidParamsError`` naming the problem.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """The one constraint set: "json", "json_object", "regex", "choice" or "grammar"."""
+        return self._set_kinds()[0]
+
+    def _set_kinds(self) -> list[str]:
+        return [k for k in STRUCTURED_KINDS
+                if getattr(self, k) is not None and not (k == "json_object" and not self.json_object)]
+
+    def validate(self) -> None:
+        """Raise InvalidParamsError naming the first problem."""
+        def bad(why: str) -> InvalidParamsError:
+            return InvalidParamsError(f"SamplingParams.structured_outputs: {why}")
+
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise bad(f"json_object={self.json_object!r} must be true")
+        set_kinds = self._set_kinds()
+        if len(set_kinds) != 1:
+            raise bad(f"set exactly one of {list(STRUCTURED_KINDS)}, got "
+                      f"{set_kinds or 'none'}")
+        if self.json is not None:
+            self._schema()  # parses a string schema, checks it is an object
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise bad(f"{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice:
+                raise bad(f"choice must be a non-empty list of strings, got {self.choice!r}")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise bad(f"choice must hold non-empty strings, got {self.choice!r}")
+
+    def _schema(self) -> dict[str, Any]:
+        schema = self.json
+        if isinstance(schema, str):
+            try:
+                schema = jsonlib.loads(schema)
+            except ValueError as exc:
+                raise InvalidParamsError(
+                    f"SamplingParams.structured_outputs.json is not valid JSON: {exc}") from exc
+        if not isinstance(schema, dict):
+            raise InvalidParamsError("SamplingParams.structured_outputs.json must be a JSON Schema "
+                                     f"object (a dict or its JSON text), got {type(schema).__name__}")
+        return schema
+
+    @property
+    def spec(self) -> str:
+        """The constraint as canonical text: the compile cache's key together with ``kind``.
+
+        A schema given as a dict and as its JSON text (any spacing) shares one entry. Key order
+        is kept: properties are generated in the schema's order."""
+        kind = self.kind
+        if kind == "json":
+            return jsonlib.dumps(self._schema(), separators=(",", ":"))
+        if kind == "json_object":
+            return ""
+        if kind == "choice":
+            return jsonlib.dumps(self.choice)
+        return getattr(self, kind)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The one set field, for the wire (msgpack)."""
+        return {self.kind: getattr(self, self.kind)}
+
+    @classmethod
+    def coerce(cls, value: Any) -> StructuredOutputsParams | None:
+        """Accept the dataclass, a dict of its fields, or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise InvalidParamsError(
+                "SamplingParams.structured_outputs must be a dict with one of "
+                f"{list(STRUCTURED_KINDS)} or a StructuredOutputsParams, got {type(value).__name__}")
+        unknown = sorted(str(k) for k in value if k not in STRUCTURED_KINDS)
+        if unknown:
+            raise InvalidParamsError(
+                f"unknown structured_outputs keys {unknown}; use exactly one of {list(STRUCTURED_KINDS)}")
+        return cls(**value)
 
 
 @dataclass
@@ -37,6 +142,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,6 +151,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -97,6 +204,8 @@ class SamplingParams:
             raise bad("repetition_penalty", "must be > 0 (1 disables it)")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20] or None")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
 
     @property
     def greedy(self) -> bool:
@@ -104,7 +213,10 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for the wire (msgpack); round-trips through ``from_dict``."""
-        return asdict(self)
+        out = asdict(self)
+        if self.structured_outputs is not None:
+            out["structured_outputs"] = self.structured_outputs.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:

@@ -157,6 +157,14 @@ class EngineConfig:
     """CPU threads for torch's intra-op parallelism (default: torch's choice)."""
     seed: int = 0
     """Seed of the random draws of requests that bring no seed of their own."""
+    grammar_cache_size: int = 128
+    """Compiled structured-output constraints (JSON schemas, regexes, choices, grammars) kept
+    for reuse."""
+    grammar_compile_threads: int = 2
+    """Threads compiling structured-output constraints, beside the engine's steps."""
+    grammar_compile_timeout: float = 10.0
+    """Seconds a structured-output constraint may take to compile; the requests waiting on one
+    that takes longer fail with invalid_params."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
@@ -183,6 +191,9 @@ class EngineConfig:
         need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         need(self.num_threads is None or self.num_threads >= 1,
              f"num_threads must be >= 1 or None, got {self.num_threads}")
+        need(self.grammar_cache_size >= 1, "grammar_cache_size must be >= 1")
+        need(self.grammar_compile_threads >= 1, "grammar_compile_threads must be >= 1")
+        need(self.grammar_compile_timeout > 0, "grammar_compile_timeout must be > 0 seconds")
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         need(self.quantization in QUANTIZATIONS,
              f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")

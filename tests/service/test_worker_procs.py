@@ -90,6 +90,19 @@ def assert_seamless(evs, expected):
         assert [t for e in mine for t in e.token_ids] == want
 
 
+def mid_job(r, handles, worker: str, position: int = 5):
+    """A condition: ``worker`` has streamed ``position`` tokens of a job it is still generating."""
+    def check() -> bool:
+        for h in handles:
+            evs = events(r, h.id)
+            if evs and evs[-1].type == "tokens" and evs[-1].worker == worker \
+                    and evs[-1].position >= position:
+                return True
+        return False
+
+    return check
+
+
 def stop(proc):
     if proc.poll() is None:
         proc.kill()
@@ -111,14 +124,7 @@ def test_sigkill_mid_generation_another_worker_continues_seamlessly(redis_url, p
             handles = [client.submit(p, sp) for p, sp in jobs]
             wait_until(lambda: any(events(r, h.id) for h in handles), proc=a)
 
-            def a_mid_job():
-                for h in handles:
-                    evs = events(r, h.id)
-                    if evs and evs[-1].type == "tokens" and evs[-1].worker == "A" \
-                            and evs[-1].position >= 5:
-                        return True
-                return False
-
+            a_mid_job = mid_job(r, handles, "A")
             with running_worker(redis_url, model, "B", queue="kill",
                                 engine=dict(num_kv_blocks=160, max_num_seqs=2,
                                             max_model_len=512)):

@@ -15,7 +15,7 @@ from pagedq.worker.config import EngineConfig
 from .workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT, LengthDist
 
 SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue", "gateway",
-             "llama_cpp", "quant")
+             "structured", "llama_cpp", "quant")
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,12 @@ class BenchConfig(EngineConfig):
     # sharing: KV blocks of n=4 sampling and beam width 4 vs four unshared copies
     sharing_prompt_tokens: int = 512
     sharing_new_tokens: int = 64
+
+    # structured: extraction requests with a JSON schema vs the same requests unconstrained
+    # with the same output lengths (greedy: the least other sampling work beside the mask)
+    structured_requests: int = 64
+    structured_max_tokens: int = 160
+    structured_temperature: float = 0.0
 
     # queue: the throughput trace through Redis (worker subprocess + client)
     redis_url: str | None = None  # None: start a private redis-server for the run
@@ -165,6 +171,7 @@ def quick(**overrides: Any) -> BenchConfig:
         sharing_new_tokens=32,
         quant_types=("Q4_1",),  # the full run adds Q8_0 and Q4_K_M
         quant_fidelity_tokens=16,
+        structured_requests=16,
     )
     base.update(overrides)
     return BenchConfig(**base)

@@ -35,6 +35,7 @@ FIGURE_KEYS = (
     "decode_tok_s_by_batch",
     "kv_blocks_n4_vs_unshared",
     "kv_blocks_beam4_vs_unshared",
+    "structured_throughput_ratio",
 )
 
 # Which scenarios each figure needs (their failure or absence explains a missing figure).
@@ -51,6 +52,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "decode_tok_s_by_batch": ("serving", "decode_pagedq", "decode_hf"),
     "kv_blocks_n4_vs_unshared": ("serving", "sharing"),
     "kv_blocks_beam4_vs_unshared": ("serving", "sharing"),
+    "structured_throughput_ratio": ("structured",),
 }
 SCENARIO_OF = {
     "kv_utilization": "capacity", "kv_utilization_contiguous": "capacity",
@@ -60,6 +62,7 @@ SCENARIO_OF = {
     "gateway_throughput_vs_sdk": "gateway", "gateway_added_ttft_p50_ms": "gateway",
     "decode_tok_s_by_batch": "decode",
     "kv_blocks_n4_vs_unshared": "sharing", "kv_blocks_beam4_vs_unshared": "sharing",
+    "structured_throughput_ratio": "structured",
 }
 
 # Reference numbers the targets were set against: SmolLM2-135M-Instruct, f32, on a 2-core CPU.
@@ -311,6 +314,8 @@ def _targets(out: dict[str, Any]) -> dict[str, Any]:
                                            lambda v: v >= 0.95, ">= 0.95"),
         "gateway_added_ttft_p50_ms": check(out["gateway_added_ttft_p50_ms"],
                                            lambda v: v <= 10, "<= 10 ms"),
+        "structured_throughput_ratio": check(out["structured_throughput_ratio"],
+                                             lambda v: v >= 0.9, ">= 0.9"),
     }
 
 
@@ -354,8 +359,11 @@ def assemble(run: BenchRun) -> dict[str, Any]:
     res = run.results
     out: dict[str, Any] = {key: None for key in FIGURE_KEYS}
     out.update(tokens_per_s={}, ttft_s={}, itl_s={}, details={}, unavailable={})
+    from .structured import figures as _structured
+
     builders = [("capacity", _capacity), ("itl", _itl), ("prefix", _prefix),
-                ("sharing", _sharing), ("queue", _queue), ("gateway", _gateway)]
+                ("sharing", _sharing), ("queue", _queue), ("gateway", _gateway),
+                ("structured", _structured)]
     for key, build in builders:
         if key in res:
             build(res, out)
@@ -480,6 +488,9 @@ def table(doc: dict[str, Any]) -> str:
         ("output tok/s, trace vs llama-server", tps.get("pagedq"), tps.get("llama_cpp_server"),
          _ratio(tps.get("pagedq"), tps.get("llama_cpp_server")),
          tg["mixed_trace_tok_s"]["target"]),
+        ("tok/s, JSON schema vs unconstrained", tps.get("structured_json"),
+         tps.get("structured_free_same_lengths"), doc.get("structured_throughput_ratio"),
+         tg.get("structured_throughput_ratio", {}).get("target")),
     ]
     dec = doc.get("decode_tok_s_by_batch") or {}
     for series, label in _pagedq_series(dec):

@@ -211,10 +211,54 @@ def add_sampling_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, A
     group = parser.add_argument_group("sampling")
     add_config_flags(group, SamplingParams, defaults=SamplingParams(**defaults),
                      skip=skip, helps=SAMPLING_HELP)
+    add_structured_flags(parser)
 
 
 def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> Any:
     """SamplingParams from the command's defaults and the sampling flags given."""
     from pagedq.params import SamplingParams
 
-    return SamplingParams(**{**defaults, **given(args, SamplingParams)})
+    structured = structured_outputs(args)
+    extra = {"structured_outputs": structured} if structured else {}
+    return SamplingParams(**{**defaults, **given(args, SamplingParams), **extra})
+
+
+# -- structured output flags ------------------------------------------------------------------
+def add_structured_flags(parser: argparse.ArgumentParser) -> None:
+    """One of --json-schema, --json-object, --regex, --choice, --grammar (docs/structured.md)."""
+    group = parser.add_argument_group(
+        "structured output", "constrain the output; at most one of these (docs/structured.md)")
+    one = group.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", metavar="FILE", default=argparse.SUPPRESS,
+                     help="the output is JSON valid under the JSON Schema in FILE")
+    one.add_argument("--json-object", action="store_true", default=argparse.SUPPRESS,
+                     help="the output is a JSON object")
+    one.add_argument("--regex", metavar="R", default=argparse.SUPPRESS,
+                     help="the output matches the regular expression R as a whole")
+    one.add_argument("--choice", metavar="A,B,C", default=argparse.SUPPRESS,
+                     help="the output is exactly one of these comma-separated strings")
+    one.add_argument("--grammar", metavar="FILE", default=argparse.SUPPRESS,
+                     help="the output follows the EBNF grammar in FILE (GBNF: root ::= ...)")
+
+
+def structured_outputs(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The structured_outputs dict the structured-output flags ask for (None: none given)."""
+    from pagedq.errors import InvalidParamsError
+
+    def read(flag: str, path: str) -> str:
+        try:
+            return Path(path).expanduser().read_text()
+        except OSError as exc:
+            raise InvalidParamsError(f"{flag} {path}: {exc.strerror or exc}") from exc
+
+    if hasattr(args, "json_schema"):
+        return {"json": read("--json-schema", args.json_schema)}
+    if getattr(args, "json_object", False):
+        return {"json_object": True}
+    if hasattr(args, "regex"):
+        return {"regex": args.regex}
+    if hasattr(args, "choice"):
+        return {"choice": [c for c in args.choice.split(",") if c]}
+    if hasattr(args, "grammar"):
+        return {"grammar": read("--grammar", args.grammar)}
+    return None

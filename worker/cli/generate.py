@@ -127,5 +127,7 @@ def stream_one(engine: Any, prompt: str | list[int], params: Any) -> int:
         for out in engine.step():
             sys.stdout.write(out.new_text)
             sys.stdout.flush()
+        for _, exc in engine.take_rejected():  # e.g. a constraint that did not compile
+            raise exc
     sys.stdout.write("\n")
     return 0

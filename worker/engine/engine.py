@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pagedq.errors import InvalidRequestError
+from pagedq.errors import InvalidParamsError, InvalidRequestError
 from pagedq.kernels.backend import process_selector, select_backend
 from pagedq.params import SamplingParams
 from pagedq.progress import waiting
@@ -38,6 +38,7 @@ from pagedq.worker.engine.outputs import BeamSearchOutput, RequestOutput, StepOu
 from pagedq.worker.engine.sampler import Sampler
 from pagedq.worker.engine.scheduler import Scheduler
 from pagedq.worker.engine.sequence import Request, SamplingHook, SeqStatus, Sequence
+from pagedq.worker.engine.structured import StructuredOutputs
 from pagedq.worker.logging import get_logger
 from pagedq.worker.models.llama import CausalLM
 from pagedq.worker.models.loader import (
@@ -88,12 +89,17 @@ class Engine:
         self.runner = ModelRunner(self.model, plan.num_blocks, plan.block_size, self.kv_dtype,
                                   self.device)
         self.scheduler = Scheduler(config, self.kv)
-        self.sampler = Sampler(config.seed)
         self.eos_token_ids = eos_token_ids(self.model_path, self.hf_config, self.tokenizer)
+        self.structured = StructuredOutputs(
+            self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids,
+            cache_size=config.grammar_cache_size, compile_threads=config.grammar_compile_threads,
+            compile_timeout_s=config.grammar_compile_timeout)
+        self.sampler = Sampler(config.seed, constrain=self.structured.apply)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._pending: list[StepOutput] = []  # deltas of requests finished at add_request
+        self._rejected: list[tuple[str, Exception]] = []  # failed after add_request (take_rejected)
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0
@@ -114,7 +120,9 @@ class Engine:
 
         ``resume`` holds, per sample, the tokens a previous owner of the job already streamed:
         they are replayed without being emitted again. ``hook`` picks the request's tokens
-        instead of the sampler (beam search).
+        instead of the sampler (beam search). A request with ``structured_outputs`` waits,
+        unscheduled, until its grammar compiles; a constraint that fails to compile is reported
+        by ``take_rejected`` (InvalidParamsError).
         """
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running; use a new id")
@@ -127,18 +135,38 @@ class Engine:
                       eos_token_ids=self.eos_token_ids, hook=hook)
         if resume and len(resume) != params.n:
             raise InvalidRequestError(f"resume has {len(resume)} samples, params.n is {params.n}")
+        compiling = self._constrain(req)
         for index, done in enumerate(resume or [[]]):
             seq = Sequence(req, index, ids + list(done), len(ids))
             self.outputs.start(seq, resumed=list(done))
             req.seqs.append(seq)
             if seq.is_finished:
                 self._pending.append(self.outputs.delta(seq))
-            else:
+            elif not compiling:
                 self.scheduler.add(seq)
         req.forked = bool(resume) or params.n == 1
         if not req.finished:
             self.requests[request_id] = req
         return req
+
+    def _constrain(self, req: Request) -> bool:
+        """Start a structured request's grammar compile; returns whether it must wait for it."""
+        if req.params.structured_outputs is None:
+            return False
+        if req.hook is not None:
+            raise InvalidParamsError(
+                "structured_outputs with beam search is not supported: use sampling (n > 1 "
+                "samples each follow the constraint)")
+        if self.tokenizer is None:
+            raise InvalidParamsError(
+                f"structured_outputs needs a tokenizer; model {self.model_path} has none")
+        return self.structured.add(req)
+
+    def take_rejected(self) -> list[tuple[str, Exception]]:
+        """(request id, error) of requests that failed after ``add_request`` accepted them (a
+        constraint that did not compile); each is gone from the engine."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; no further outputs are produced for it."""
@@ -170,8 +198,11 @@ class Engine:
         """Run one engine iteration; returns the stream deltas it produced."""
         outputs, self._pending = self._pending, []
         self._expire_deadlines(outputs)
+        self._admit_compiled()
         sched = self.scheduler.schedule()
         if not sched:
+            if self.structured.num_compiling:  # only compiles to wait for: don't spin
+                self.structured.wait_compiling(timeout=0.01)
             return outputs
         logits, sample_seqs = self.runner.execute(sched)
         for seq, n in sched.scheduled:
@@ -202,12 +233,42 @@ class Engine:
         result = self.sampler(logits[rows] if len(rows) != len(logits) else logits, seqs)
         self.num_generated_tokens += len(seqs)
         for k, seq in enumerate(seqs):
+            if seq.is_finished:  # a sibling's rejection ended it in this loop
+                continue
             lp = None if result.logprobs is None else result.logprobs[k]
             top = None if result.top_logprobs is None else result.top_logprobs[k]
-            outputs.append(self.outputs.append(seq, result.token_ids[k], lp, top))
+            try:
+                complete = self.structured.advance(seq, result.token_ids[k])
+            except InvalidRequestError as exc:
+                self._reject(seq.request, exc)
+                continue
+            outputs.append(self.outputs.append(seq, result.token_ids[k], lp, top, complete))
             if seq.is_finished:
                 self.finish(seq)
         return outputs
+
+    def _admit_compiled(self) -> None:
+        """Schedule the requests whose grammar has compiled; reject those that failed."""
+        if not self.structured.num_compiling:
+            return
+        ready, failed = self.structured.take_compiled()
+        for req in ready:
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self.scheduler.add(seq)
+        for req, exc in failed:
+            self._reject(req, exc)
+
+    def _reject(self, req: Request, exc: Exception) -> None:
+        """End a request that can not go on; ``take_rejected`` reports it."""
+        if self.requests.get(req.request_id) is not req:
+            return
+        req.forked = True  # samples not forked yet end too
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.finish(seq, "abort")
+        self.requests.pop(req.request_id, None)
+        self._rejected.append((req.request_id, exc))
 
     def _fork_samples(self, seqs: list[Sequence]) -> tuple[list[int], list[Sequence]]:
         """n > 1: when a request's prompt is done, fork it into n sequences sharing its blocks.
@@ -305,12 +366,17 @@ class Engine:
             raise
         while set(ids) & self.requests.keys() or self._pending:
             self.step()
+        failed = [exc for rid, exc in self._rejected if rid in ids]
+        if failed:
+            self._rejected = [(rid, exc) for rid, exc in self._rejected if rid not in ids]
+            raise failed[0]
         return reqs
 
     # -- introspection --------------------------------------------------------------------
     def free_capacity(self, prompt_len_hint: int = 256) -> int:
         """How many more requests could be admitted now (sequence slots and KV blocks)."""
-        return self.scheduler.free_capacity(min(prompt_len_hint, self.max_model_len))
+        free = self.scheduler.free_capacity(min(prompt_len_hint, self.max_model_len))
+        return max(0, free - self.structured.num_compiling)
 
     def stats(self) -> dict[str, Any]:
         return {**self.kv.stats(self.scheduler.running), "kv_cache_dtype": self.kv_dtype_name,
@@ -318,7 +384,8 @@ class Engine:
                 **self.scheduler.stats(), "requests": len(self.requests),
                 "num_steps": self.num_steps, "num_generated_tokens": self.num_generated_tokens,
                 "num_computed_tokens": self.num_computed_tokens,
-                "max_model_len": self.max_model_len, "max_num_seqs": self.config.max_num_seqs}
+                "max_model_len": self.max_model_len, "max_num_seqs": self.config.max_num_seqs,
+                **self.structured.stats()}
 
 
 def load_model(path, hf_config, config: EngineConfig, device: torch.device) -> CausalLM:

@@ -37,13 +37,15 @@ class OutputProcessor:
         seq.num_emitted_chars = self._visible_chars(seq)
 
     def append(self, seq: Sequence, token: int, logprob: float | None,
-               top: dict[int, float] | None) -> StepOutput:
-        """Add one sampled token; returns the sequence's stream delta for this step."""
+               top: dict[int, float] | None, complete: bool = False) -> StepOutput:
+        """Add one sampled token; returns the sequence's stream delta for this step.
+        ``complete``: the token ends the sequence's structured output (its stop token), which
+        stops it even under ignore_eos or min_tokens."""
         if logprob is not None:
             seq.cum_logprob += logprob
         if top is not None and seq.logprobs is not None:
             seq.logprobs.append(top)
-        self._accept(seq, token)
+        self._accept(seq, token, complete)
         return self.delta(seq)
 
     def delta(self, seq: Sequence) -> StepOutput:
@@ -64,9 +66,11 @@ class OutputProcessor:
                           seq.num_generated, seq.is_finished, seq.finish_reason, new_lp, usage)
 
     # -- internals ------------------------------------------------------------------------
-    def _accept(self, seq: Sequence, token: int) -> None:
+    def _accept(self, seq: Sequence, token: int, complete: bool = False) -> None:
         p = seq.params
         seq.token_ids.append(token)
+        if complete:
+            return self._stop(seq, "stop", None)
         if seq.num_generated >= p.min_tokens:
             if not p.ignore_eos and token in seq.request.eos_token_ids:
                 return self._stop(seq, "stop", None)

@@ -8,6 +8,7 @@ and a job resumed on another worker continues exactly where it was.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -75,14 +76,18 @@ def _counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
 
 
 def mask_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Forbid EOS and stop tokens until a sequence has its ``min_tokens``."""
+    """Forbid EOS and stop tokens until a sequence has its ``min_tokens``, unless they are all
+    that is left (a complete structured output may only end): the row keeps them then."""
     for i, s in enumerate(seqs):
         p = s.params
         if p.min_tokens and s.num_generated < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(s.request.eos_token_ids))
             banned = [t for t in banned if t < logits.shape[1]]
             if banned:
+                kept = logits[i, banned].clone()
                 logits[i, banned] = float("-inf")
+                if s.params.structured_outputs is not None and not bool(logits[i].isfinite().any()):
+                    logits[i, banned] = kept
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -120,14 +125,21 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    """``constrain(logits, seqs)`` masks rows in place after the penalties (structured outputs);
+    logprobs are the model's own distribution, taken before penalties and masks."""
+
+    def __init__(self, seed: int = 0,
+                 constrain: Callable[[torch.Tensor, list[Sequence]], None] | None = None) -> None:
         self.generator = torch.Generator().manual_seed(seed)  # for unseeded requests
+        self.constrain = constrain
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """One token per row of ``logits`` [rows, vocab] (fp32); row i belongs to seqs[i]."""
         want_lp = any(s.params.logprobs is not None for s in seqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
         apply_penalties(logits, seqs)
+        if self.constrain is not None:
+            self.constrain(logits, seqs)
         mask_min_tokens(logits, seqs)
         tokens = logits.argmax(dim=-1)
         rand_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]

@@ -103,6 +103,7 @@ class EngineLoop:
                 except Exception as exc:  # an engine bug must not kill the worker
                     log.exception("engine step failed")
                     report.step_error = exc
+                report.rejected += self.engine.take_rejected()  # e.g. a grammar that failed
             report.step_s = time.perf_counter() - t0
             report.adds_done = self._adds_done
             report.capacity = self.engine.free_capacity(self.prompt_len_hint)
