@@ -161,7 +161,8 @@ def write_gguf(model_dir: Path, out: Path, weight_type: str = "Q8_0",
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    rope = config.get("rope_parameters") or {}  # transformers 5 nests rope_theta there
+    writer.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_bos_token_id(config.get("bos_token_id") or 1)

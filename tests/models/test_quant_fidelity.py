@@ -15,6 +15,7 @@ import shutil
 import pytest
 
 from pagedq.worker import Engine
+from pagedq.worker.bench import fidelity
 from pagedq.worker.bench.fidelity import PROMPTS, greedy, mean_matching_prefix, perplexity
 from pagedq.worker.models.loader import iter_weights
 from pagedq.worker.models.quant import QuantWeight, dequantize, pack_weights
@@ -108,3 +109,17 @@ def test_bundled_perplexity_within_the_bar_of_fp32(bundled_fp32, mode):
     engine = Engine(str(bundled_fp32.model_path), num_kv_blocks=256, quantization=mode)
     ratio = perplexity(engine) / perplexity(bundled_fp32)
     assert abs(ratio - 1) <= PPL_BAR[bits(mode)], ratio
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K"])
+def test_gguf_of_the_bundled_weights_within_the_bar_of_fp32(tmp_path, bundled_fp32, type_name):
+    """The fp32 checkpoint written as a GGUF of ``type_name`` (K-quants fall back to Q8_0 on
+    rows of 576, as llama-quantize does; the embedding tied to the head stays Q8_0), served
+    packed: teacher-forced perplexity against the fp32 model's."""
+    path = write_gguf(bundled_fp32.model_path, tmp_path / f"m.{type_name}.gguf", type_name,
+                      types={"token_embd": "Q8_0"})
+    packed = Engine(str(path), num_kv_blocks=256)
+    assert packed.stats()["weight_bytes"] <= 1.1 * path.stat().st_size
+    ids = bundled_fp32.tokenizer(fidelity.TEXT).input_ids
+    ratio = perplexity(packed, ids) / perplexity(bundled_fp32, ids)
+    assert abs(ratio - 1) <= PPL_BAR[bits(type_name)], ratio
