@@ -37,6 +37,8 @@ def test_the_file_is_measured_packed(doc):
     assert 0 < f["weights_vs_file"] <= TARGETS["weights_vs_file"]
     assert f["met"]["weights_vs_file"] is True
     assert 0.0 <= f["mean_matching_prefix"] <= 1.0 and f["prefix_target"] == 0.9
+    assert set(f["perplexity"]) == {"packed", "dequantized"}
+    assert all(v > 1 for v in f["perplexity"].values())
 
 
 def test_llama_cpp_is_missing_with_a_reason(doc):

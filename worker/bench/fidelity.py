@@ -54,10 +54,19 @@ def greedy(engine, prompts=PROMPTS, max_tokens: int = 32) -> list[list[int]]:
     ids (its bytes folded into the vocabulary, past the first ids where specials live)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     if engine.tokenizer is None:
-        vocab = engine.hf_config.vocab_size
-        prompts = [[3 + byte % (vocab - 3) for byte in p.encode()] if isinstance(p, str) else p
-                   for p in prompts]
+        prompts = [token_ids(engine, p) for p in prompts]
     return [out.outputs[0].token_ids for out in engine.generate(list(prompts), params)]
+
+
+def token_ids(engine, text: str | list[int]) -> list[int]:
+    """``text`` as the engine's token ids: its tokenizer's, or without one the text's bytes
+    folded into the vocabulary past the first ids (where specials live)."""
+    if not isinstance(text, str):
+        return list(text)
+    if engine.tokenizer is not None:
+        return engine.tokenizer(text).input_ids
+    vocab = engine.hf_config.vocab_size
+    return [3 + byte % (vocab - 3) for byte in text.encode()]
 
 
 def mean_matching_prefix(outputs: list[list[int]], references: list[list[int]]) -> float:
@@ -68,11 +77,12 @@ def mean_matching_prefix(outputs: list[list[int]], references: list[list[int]]) 
 @torch.inference_mode()
 def perplexity(engine, text: str | list[int] = TEXT) -> float:
     """exp(mean negative log-likelihood) of each token of ``text`` given the ones before it,
-    from one prefill of the whole text through the engine's model (its KV cache must hold it)."""
+    from one prefill of the text (its first ``max_model_len`` tokens) through the engine's
+    model; its KV cache must hold them."""
     from pagedq.worker.engine.scheduler import SchedulerOutput
     from pagedq.worker.engine.sequence import Request, Sequence
 
-    ids = engine.tokenizer(text).input_ids if isinstance(text, str) else list(text)
+    ids = token_ids(engine, text)[:engine.max_model_len]
     runner = engine.runner
     blocks = math.ceil(len(ids) / runner.block_size)
     seq = Sequence(Request("perplexity", None, ids, SamplingParams(max_tokens=1)), 0, ids, len(ids),

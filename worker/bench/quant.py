@@ -121,10 +121,12 @@ def pagedq_side(run: Any, path: Path) -> dict[str, Any]:
     out["mixed_tok_s"] = driver.serve(engine, trace).timeline.tokens_per_s
     prompts = fidelity.PROMPTS
     packed = fidelity.greedy(engine, prompts, c.quant_fidelity_tokens)
+    packed_ppl = fidelity.perplexity(engine)
     del engine
     twin = Engine(config=c.engine_config(model=str(path), quantization="none", num_kv_blocks=1024))
     widened = fidelity.greedy(twin, prompts, c.quant_fidelity_tokens)
     out["mean_matching_prefix"] = fidelity.mean_matching_prefix(packed, widened)
+    out["perplexity"] = {"packed": packed_ppl, "dequantized": fidelity.perplexity(twin)}
     out["fidelity"] = {"prompts": len(prompts), "new_tokens": c.quant_fidelity_tokens,
                        "reference": "the same file dequantized to fp32 (quantization='none')"}
     return out
@@ -181,6 +183,7 @@ def figures(results: dict[str, Any] | None) -> dict[str, Any] | None:
             "decode_tok_s": {"pagedq": ours, "llama_cpp": theirs or None},
             "mixed_tok_s": {"pagedq": entry["mixed_tok_s"], "llama_server": cpp.get("mixed_tok_s")},
             "ratios": ratios, "mean_matching_prefix": entry["mean_matching_prefix"],
+            "perplexity": entry.get("perplexity"),
             "prefix_target": prefix_target, "met": met,
             "errors": {k: v for k, v in cpp.items() if k.endswith("_error")} or None,
         }
@@ -212,5 +215,9 @@ def table(figs: dict[str, Any] | None) -> str:
         lines.append(f"  {type_name:7} weights {f['weight_bytes'] / 1e6:.1f} MB, file "
                      f"{f['file_bytes'] / 1e6:.1f} MB ({f['weights_vs_file']:.3f}x); greedy mean "
                      f"matching prefix vs dequantized {f['mean_matching_prefix']:.3f}")
+        if f.get("perplexity"):
+            ppl = f["perplexity"]
+            lines.append(f"  {type_name:7} teacher-forced perplexity: packed {ppl['packed']:.3f}, "
+                         f"dequantized {ppl['dequantized']:.3f}")
         lines.append("  " + " ".join(f"{k}: {verdict(v)};" for k, v in f["met"].items()))
     return "\n".join(lines)
