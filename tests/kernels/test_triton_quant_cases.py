@@ -57,3 +57,15 @@ def test_layouts_pack_4_and_8_bit_codes():
     w8 = to_gpu_layout(quantize_int8(torch.randn(8, 64, generator=gen)), "cpu")
     assert (w4.bits, w4.group, tuple(w4.data.shape)) == (4, 32, (8, 32))
     assert (w8.bits, w8.group, tuple(w8.data.shape), w8.offset) == (8, 64, (8, 64), None)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "q8_0", "q4_0"])
+def test_the_gpu_checks_cases_on_tiny_shapes(mode):
+    """kernels/check_quant.py's correctness case (what `python -m pagedq.kernels.check` runs on
+    8B-sized projections) passes its own tolerance on shapes the interpreter can afford."""
+    from pagedq.kernels.check_quant import TOLERANCE, check_case, make_weight
+
+    gen = torch.Generator().manual_seed(3)
+    w = make_weight(mode, 48, 128, gen)
+    for rows in (1, 9):
+        assert check_case(w, rows, torch.float32, DEVICE, gen) < TOLERANCE[torch.float32]
