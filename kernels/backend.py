@@ -144,8 +144,8 @@ class LinearChoice:
 # hardware (AMX or AVX512_BF16); measured with ``python -m pagedq.kernels.quant_bench`` over
 # SmolLM2-135M's matrices (docs/quantization.md has the table). Without bf16 hardware the
 # GEMM's tiles multiply slowly, and the GEMV keeps NO_BF16_GEMV_ROWS rows.
-GEMV_ROWS = {"q4_0": 8, "q4_1": 8, "q5_0": 8, "q5_1": 8, "q8_0": 8, "q4_k": 8, "q5_k": 8,
-             "q6_k": 8, "int8": 8, "bf16": 4, "float32": SKINNY_MAX_ROWS}
+GEMV_ROWS = {"q4_0": 16, "q4_1": 16, "q5_0": 16, "q5_1": 16, "q8_0": 16, "q4_k": 16, "q5_k": 16,
+             "q6_k": 16, "int8": 16, "bf16": 8, "float32": SKINNY_MAX_ROWS}
 NO_BF16_GEMV_ROWS = 64
 PACKED_FORMATS = tuple(GEMV_ROWS)
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from pagedq.kernels.backend import process_selector
 from pagedq.kernels.cpu_ops import Isa
-from pagedq.worker.models.quant import FORMATS, QuantWeight, quantize_int8
+from pagedq.worker.models.quant import FORMATS, QuantWeight, as_bf16, quantize_int8
 
 HIDDEN, INTERMEDIATE, VOCAB, LAYERS = 576, 1536, 49152, 30
 PACKED = ("q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k", "int8")
@@ -49,6 +49,8 @@ def random_packed(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantWeight
     """Random codes with small positive fp16 scales (speed does not depend on the values)."""
     if fmt == "int8":
         return quantize_int8(torch.randn(n, k, generator=gen))
+    if fmt == "bf16":  # random bits would include NaNs and subnormals
+        return as_bf16(torch.randn(n, k, generator=gen))
     f = FORMATS[fmt]
     raw = torch.randint(0, 256, (n * k // f.block, f.nbytes), dtype=torch.uint8, generator=gen)
     scale_at = (208,) if fmt == "q6_k" else (0, 2) if fmt in ("q4_1", "q5_1", "q4_k", "q5_k") else (0,)

@@ -29,13 +29,13 @@ def kernels(cpu: CpuFeatures, fmt: str, rows: list[int], switches: Switches | No
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_block_formats_take_the_vnni_gemv_then_the_bf16_gemm(cpu_ops, fmt):
-    """With bf16 matmul hardware the GEMV runs decode-sized steps (up to 8 rows) and the bf16
+    """With bf16 matmul hardware the GEMV runs decode-sized steps (up to 16 rows) and the bf16
     tiles everything larger."""
-    assert kernels(AMX, fmt, [1, 8, 9, 256]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-bf16"] * 2
+    assert kernels(AMX, fmt, [1, 16, 17, 256]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-bf16"] * 2
 
 
 def test_bf16_rows_hand_over_to_the_gemm_sooner(cpu_ops):
-    assert kernels(AMX, "bf16", [1, 4, 5]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-bf16"]
+    assert kernels(AMX, "bf16", [1, 8, 9]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-bf16"]
 
 
 def test_without_bf16_hardware_the_gemv_keeps_more_rows(cpu_ops):
@@ -58,8 +58,8 @@ def test_cuda_takes_the_triton_weight_only_gemm():
 
 def test_the_start_up_line_names_each_packed_route(cpu_ops):
     summary = Selector(cpu=AMX).select("cpu", F32, None, 64).summary()["packed"]
-    assert "q4_1" in summary and "cpp-gemv-vnni<=8+cpp-gemm-bf16" in summary
-    assert "bf16: cpp-gemv-vnni<=4+cpp-gemm-bf16" in summary
+    assert "q4_1" in summary and "cpp-gemv-vnni<=16+cpp-gemm-bf16" in summary
+    assert "bf16: cpp-gemv-vnni<=8+cpp-gemm-bf16" in summary
 
 
 @pytest.mark.parametrize(("cpu", "dtype", "packed", "want"), [

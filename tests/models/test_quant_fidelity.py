@@ -4,7 +4,7 @@ The reference of a packed model is its dequantized twin: the same weights widene
 (``quantization="none"``), which transformers' GGUF loader checks (test_gguf_weights.py,
 test_default_model.py). The issue's bars: greedy mean matching prefix >= 0.9 for 8-bit and
 >= 0.8 for 4-bit; perplexity within 1% (8-bit) / 5% (4-bit) of fp32. Prompts go through both
-kernel paths: batched (16 rows: the bf16x3 GEMM) and one at a time (the GEMV).
+kernel paths: batched (24 rows: the bf16x3 GEMM, as every prefill) and one at a time (the GEMV).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tests.tiny_models import build_tiny_model
 
 PREFIX_BAR = {8: 0.9, 4: 0.8}
 PPL_BAR = {8: 0.01, 4: 0.05}
-IDS = [[3 + (7 * i + 13 * j) % 370 for j in range(6 + i % 9)] for i in range(16)]
+IDS = [[3 + (7 * i + 13 * j) % 370 for j in range(6 + i % 9)] for i in range(24)]
 TEXT = [3 + (11 * i + 5) % 370 for i in range(160)]
 
 
