@@ -64,38 +64,37 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
+def products(op, fmt: str, n: int, row_counts: tuple[int, ...], isa: int, seed: int):
+    """Run ``op`` over random ``fmt`` weights of every width and each row count; yields
+    (k, rows, x, out, dense weight, bias) for the caller's comparison."""
+    gen = torch.Generator().manual_seed(seed)
+    for k in widths(fmt):
+        w = random_weight(fmt, n, k, gen)
+        dense = dequantize(w).double()
+        bias = torch.randn(n, generator=gen)
+        for rows in row_counts:
+            x = torch.randn(rows, k, generator=gen)
+            out = torch.empty(rows, n)
+            op(out, x, w.data, w.fmt.code, w.scales, bias, isa)
+            yield k, rows, x, out, dense, bias.double()
+
+
 @pytest.mark.parametrize("fmt", ALL)
 def test_gemv_matches_dequantized_matmul(cpu_ops, isa, fmt):
-    gen = torch.Generator().manual_seed(1)
-    for k in widths(fmt):
-        w = random_weight(fmt, 37, k, gen)
-        dense = dequantize(w).double()
-        bias = torch.randn(37, generator=gen)
-        for rows in (1, 3, 8, 11, 17):
-            x = torch.randn(rows, k, generator=gen)
-            out = torch.empty(rows, 37)
-            cpu_ops.quant_gemv(out, x, w.data, w.fmt.code, w.scales, bias, isa)
-            # bf16 rows meet the fp32 activations as they are; the integer formats round them
-            xq = x if fmt == "bf16" else quantized_activations(x, isa)
-            want = xq.double() @ dense.T + bias.double()
-            assert relative_error(out, want) < 1e-5, (fmt, k, rows)
-            # the int16 activation rounding itself stays far below the weights' own
-            assert relative_error(out, x.double() @ dense.T + bias.double()) < 1e-4
+    for k, rows, x, out, dense, bias in products(cpu_ops.quant_gemv, fmt, 37, (1, 3, 8, 11, 17),
+                                                 isa, seed=1):
+        # bf16 rows meet the fp32 activations as they are; the integer formats round them
+        xq = x if fmt == "bf16" else quantized_activations(x, isa)
+        assert relative_error(out, xq.double() @ dense.T + bias) < 1e-5, (fmt, k, rows)
+        # the int16 activation rounding itself stays far below the weights' own
+        assert relative_error(out, x.double() @ dense.T + bias) < 1e-4
 
 
 @pytest.mark.parametrize("fmt", ALL)
 def test_gemm_matches_dequantized_matmul(cpu_ops, isa, fmt):
-    gen = torch.Generator().manual_seed(2)
-    for k in widths(fmt):
-        w = random_weight(fmt, 45, k, gen)
-        dense = dequantize(w).double()
-        bias = torch.randn(45, generator=gen)
-        for rows in (1, 17, 64, 130):
-            x = torch.randn(rows, k, generator=gen)
-            out = torch.empty(rows, 45)
-            cpu_ops.quant_gemm(out, x, w.data, w.fmt.code, w.scales, bias, isa)
-            want = x.double() @ dense.T + bias.double()
-            assert relative_error(out, want) < 2e-5, (fmt, k, rows)
+    for k, rows, x, out, dense, bias in products(cpu_ops.quant_gemm, fmt, 45, (1, 17, 64, 130),
+                                                 isa, seed=2):
+        assert relative_error(out, x.double() @ dense.T + bias) < 2e-5, (fmt, k, rows)
 
 
 def test_int4_is_q4_1_blocks(cpu_ops):
