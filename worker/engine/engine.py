@@ -2,16 +2,14 @@
 
 One ``step()`` = schedule (token budget) -> one forward pass over the paged cache -> sample ->
 append tokens, detokenize, check stops -> free finished sequences' blocks. Request checks live
-in intake.py, KV sizing in sizing.py, and beam search (a sampling hook on this API) in
-beam_search.py.
+in intake.py, KV sizing in sizing.py, how requests end in live_requests.py, and
+``generate``/``chat``/``beam_search`` (batches run to completion on this API) in offline.py.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
-from collections.abc import Sequence as Seq
 from dataclasses import replace
 from typing import Any
 
@@ -23,21 +21,16 @@ from pagedq.params import SamplingParams
 from pagedq.progress import waiting
 from pagedq.worker.config import EngineConfig, default_block_size, default_device
 from pagedq.worker.engine import sizing
-from pagedq.worker.engine.beam_search import BeamParams, beam_search
-from pagedq.worker.engine.intake import (
-    chat_prompt,
-    coerce_params,
-    eos_token_ids,
-    fit_lengths,
-    tokenize,
-)
+from pagedq.worker.engine.intake import coerce_params, eos_token_ids, fit_lengths, tokenize
 from pagedq.worker.engine.kv_cache_manager import KVCacheManager
+from pagedq.worker.engine.live_requests import LiveRequests
 from pagedq.worker.engine.model_runner import ModelRunner
+from pagedq.worker.engine.offline import OfflineAPI
 from pagedq.worker.engine.output_processor import OutputProcessor
-from pagedq.worker.engine.outputs import BeamSearchOutput, RequestOutput, StepOutput
+from pagedq.worker.engine.outputs import StepOutput
 from pagedq.worker.engine.sampler import Sampler
 from pagedq.worker.engine.scheduler import Scheduler
-from pagedq.worker.engine.sequence import Request, SamplingHook, SeqStatus, Sequence
+from pagedq.worker.engine.sequence import Request, SamplingHook, Sequence
 from pagedq.worker.engine.structured import StructuredOutputs
 from pagedq.worker.logging import get_logger
 from pagedq.worker.models.llama import CausalLM
@@ -53,7 +46,7 @@ from pagedq.worker.models.quant import pack_weights
 log = get_logger("pagedq.engine")
 
 
-class Engine:
+class Engine(OfflineAPI):
     """A paged-KV, continuously batched LLM engine for one model on one device.
 
     ``Engine(model, **knobs)`` takes every field of EngineConfig as a keyword (or a whole
@@ -96,10 +89,9 @@ class Engine:
             compile_timeout_s=config.grammar_compile_timeout)
         self.sampler = Sampler(config.seed, constrain=self.structured.apply)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
-        self.requests: dict[str, Request] = {}
+        self.live = LiveRequests(self.scheduler, self.outputs)
+        self.requests = self.live.by_id  # request id -> Request, until it ends
         self._arrivals = itertools.count()
-        self._pending: list[StepOutput] = []  # deltas of requests finished at add_request
-        self._rejected: list[tuple[str, Exception]] = []  # failed after add_request (take_rejected)
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0
@@ -141,12 +133,11 @@ class Engine:
             self.outputs.start(seq, resumed=list(done))
             req.seqs.append(seq)
             if seq.is_finished:
-                self._pending.append(self.outputs.delta(seq))
+                self.live.pending.append(self.outputs.delta(seq))
             elif not compiling:
                 self.scheduler.add(seq)
         req.forked = bool(resume) or params.n == 1
-        if not req.finished:
-            self.requests[request_id] = req
+        self.live.add(req)
         return req
 
     def _constrain(self, req: Request) -> bool:
@@ -165,21 +156,14 @@ class Engine:
     def take_rejected(self) -> list[tuple[str, Exception]]:
         """(request id, error) of requests that failed after ``add_request`` accepted them (a
         constraint that did not compile); each is gone from the engine."""
-        rejected, self._rejected = self._rejected, []
-        return rejected
+        return self.live.take_rejected()
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; no further outputs are produced for it."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return False
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self.finish(seq, "abort")
-        return True
+        return self.live.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending)
+        return bool(self.requests) or bool(self.live.pending)
 
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -196,8 +180,8 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """Run one engine iteration; returns the stream deltas it produced."""
-        outputs, self._pending = self._pending, []
-        self._expire_deadlines(outputs)
+        outputs = self.live.take_pending()
+        self.live.expire(outputs)
         self._admit_compiled()
         sched = self.scheduler.schedule()
         if not sched:
@@ -240,7 +224,7 @@ class Engine:
             try:
                 complete = self.structured.advance(seq, result.token_ids[k])
             except InvalidRequestError as exc:
-                self._reject(seq.request, exc)
+                self.live.reject(seq.request, exc)
                 continue
             outputs.append(self.outputs.append(seq, result.token_ids[k], lp, top, complete))
             if seq.is_finished:
@@ -257,18 +241,7 @@ class Engine:
                 if not seq.is_finished:
                     self.scheduler.add(seq)
         for req, exc in failed:
-            self._reject(req, exc)
-
-    def _reject(self, req: Request, exc: Exception) -> None:
-        """End a request that can not go on; ``take_rejected`` reports it."""
-        if self.requests.get(req.request_id) is not req:
-            return
-        req.forked = True  # samples not forked yet end too
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self.finish(seq, "abort")
-        self.requests.pop(req.request_id, None)
-        self._rejected.append((req.request_id, exc))
+            self.live.reject(req, exc)
 
     def _fork_samples(self, seqs: list[Sequence]) -> tuple[list[int], list[Sequence]]:
         """n > 1: when a request's prompt is done, fork it into n sequences sharing its blocks.
@@ -300,77 +273,8 @@ class Engine:
         return child
 
     def finish(self, seq: Sequence, reason: str | None = None) -> None:
-        """Free a sequence's blocks, ending it with ``reason`` if it is still running; the
-        request retires once all its sequences are finished."""
-        if reason is not None:
-            seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
-        self.scheduler.remove(seq)
-        if seq.request.finished:
-            self.requests.pop(seq.request.request_id, None)
-
-    def _expire_deadlines(self, outputs: list[StepOutput]) -> None:
-        now = time.time()
-        for req in [r for r in self.requests.values() if r.deadline and r.deadline <= now]:
-            for seq in req.seqs:
-                if not seq.is_finished:
-                    self.finish(seq, "deadline")
-                    outputs.append(self.outputs.delta(seq))
-            req.forked = True  # a deadline before the fork ends the samples never forked too
-            self.requests.pop(req.request_id, None)
-
-    # -- offline API ----------------------------------------------------------------------
-    def generate(self, prompts: Seq[str] | Seq[list[int]] | str,
-                 params: SamplingParams | Seq[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Run prompts to completion with continuous batching; results in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise InvalidRequestError(f"{len(plist)} params for {len(prompts)} prompts")
-        reqs = self.run_to_completion("offline", [
-            lambda rid, prompt=prompt, p=p: self.add_request(rid, prompt, p)
-            for prompt, p in zip(prompts, plist, strict=True)])
-        return [RequestOutput.from_request(r) for r in reqs]
-
-    def chat(self, conversations: list[dict] | list[list[dict]],
-             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then ``generate``."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        return self.generate([self.apply_chat_template(c) for c in conversations], params)
-
-    def beam_search(self, prompts: Seq[str] | Seq[list[int]], beam_width: int = 4,
-                    max_tokens: int = 16, length_penalty: float = 1.0,
-                    ignore_eos: bool = False) -> list[BeamSearchOutput]:
-        """Beam search per prompt (beam_search.py); each result's ``beams`` are best first."""
-        return beam_search(self, prompts,
-                           BeamParams(beam_width, max_tokens, length_penalty, ignore_eos))
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """The prompt token ids of a conversation, ready for the assistant's turn."""
-        return chat_prompt(self.tokenizer, self.model_path, messages)
-
-    def run_to_completion(self, kind: str, adders: list[Callable[[str], Request]]
-                          ) -> list[Request]:
-        """Add one request per adder under a fresh id (all or none: a bad one aborts those
-        already added), then step until all of them have finished."""
-        ids = [f"{kind}-{next(self._arrivals)}" for _ in adders]
-        reqs: list[Request] = []
-        try:
-            for rid, add in zip(ids, adders, strict=True):
-                reqs.append(add(rid))
-        except Exception:
-            for rid in ids:
-                self.abort_request(rid)
-            raise
-        while set(ids) & self.requests.keys() or self._pending:
-            self.step()
-        failed = [exc for rid, exc in self._rejected if rid in ids]
-        if failed:
-            self._rejected = [(rid, exc) for rid, exc in self._rejected if rid not in ids]
-            raise failed[0]
-        return reqs
+        """Free a sequence's blocks (ending it with ``reason`` if given); see LiveRequests."""
+        self.live.finish(seq, reason)
 
     # -- introspection --------------------------------------------------------------------
     def free_capacity(self, prompt_len_hint: int = 256) -> int:
