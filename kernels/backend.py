@@ -11,6 +11,9 @@ that runs:
 - ``kv_write``: ``"torch"`` (indexed copy) or ``"triton"``;
 - ``linears``: one :class:`LinearChoice` per weight format, which picks by the step's row count
   (the C++ skinny GEMV for few rows, oneDNN-prepacked weights or ``F.linear`` for more);
+- ``packed``: one :class:`PackedChoice` per packed weight format (GGUF blocks, int8/int4, bf16
+  rows): the C++ packed GEMV for few rows and the bf16-tile GEMM for more (``"cpp"``), the
+  Triton weight-only GEMM (``"triton"``, CUDA), or dequantize-then-``F.linear`` (``"torch"``);
 - ``norm``: ``"cpp"`` or ``"torch"``; ``layer``: ``"cpp-fused"`` (every decoder layer of a step
   in one C++ call, for steps whose rows all fit the attention kernel) or ``"python"``.
 
@@ -154,6 +157,48 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+# Rows up to which each packed format's GEMV beats its bf16-tile GEMM on CPUs with bf16 matmul
+# hardware (AMX or AVX512_BF16); measured with ``python -m pagedq.kernels.quant_bench`` over
+# SmolLM2-135M's matrices (docs/quantization.md has the table). Without bf16 hardware the
+# GEMM's tiles multiply slowly, and the GEMV keeps NO_BF16_GEMV_ROWS rows.
+GEMV_ROWS = {"q4_0": 16, "q4_1": 16, "q5_0": 16, "q5_1": 16, "q8_0": 16, "q4_k": 16, "q5_k": 16,
+             "q6_k": 16, "int8": 16, "bf16": 8, "float32": SKINNY_MAX_ROWS}
+NO_BF16_GEMV_ROWS = 64
+PACKED_FORMATS = tuple(GEMV_ROWS)
+
+
+@dataclass(frozen=True)
+class PackedChoice:
+    """How ``x @ W.T`` runs for a weight kept in a packed format (pagedq.worker.models.quant).
+
+    ``kind`` "cpp": the packed GEMV (integer dot products, ``isa``) for steps of at most
+    ``gemv_rows`` rows, the bf16-tile GEMM for more; "triton": the weight-only Triton GEMM;
+    "torch": dequantized per call for ``F.linear`` (runs anywhere, slowly).
+    """
+
+    weight_format: str
+    kind: str
+    gemv_rows: int = 0
+    isa: int = 0
+    ops: CpuOps | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def name(self) -> str:
+        if self.kind != "cpp":
+            return {"triton": "triton-wq", "torch": "torch-dequant"}[self.kind]
+        return f"{self.kernel(1)}<={self.gemv_rows}+{self.kernel(self.gemv_rows + 1)}"
+
+    def kernel(self, rows: int) -> str:
+        """What runs for a step of ``rows`` rows."""
+        if self.kind != "cpp":
+            return self.name
+        if self.weight_format == "float32":  # a widened tensor among packed ones
+            return "cpp-skinny" if rows <= self.gemv_rows else "torch"
+        if rows <= self.gemv_rows:
+            return "cpp-gemv-vnni" if self.isa == Isa.AVX512_VNNI else "cpp-gemv-avx2"
+        return "cpp-gemm-bf16"
+
+
 @dataclass(frozen=True)
 class Backend:
     """The kernels chosen for one model on one device (see the module docstring for the names)."""
@@ -163,6 +208,7 @@ class Backend:
     attention: str
     kv_write: str
     linears: tuple[LinearChoice, ...]
+    packed: tuple[PackedChoice, ...] = ()
     norm: str = "torch"
     layer: str = "python"
     reasons: tuple[str, ...] = ()  # why: one line per decision, for the start-up log
@@ -176,13 +222,29 @@ class Backend:
                 return choice
         return LinearChoice(weight_format, "torch")
 
+    def packed_for(self, weight_format: str) -> PackedChoice:
+        """The choice for packed weights of ``weight_format`` (dequantize-per-call if none)."""
+        for choice in self.packed:
+            if choice.weight_format == weight_format:
+                return choice
+        return PackedChoice(weight_format, "torch")
+
     def summary(self) -> dict[str, str]:
         """What runs, by kind of work: the fields of the start-up log line."""
         return {"device": self.device, "dtype": str(self.dtype).removeprefix("torch."),
                 "attention": self.attention, "kv_write": self.kv_write,
                 "linear": ", ".join(f"{c.weight_format}: {c.name}" for c in self.linears),
+                "packed": _packed_summary(self.packed),
                 "norm": self.norm, "layer": self.layer,
                 "cpu": self.cpu.summary() if self.cpu else "-"}
+
+
+def _packed_summary(choices: tuple[PackedChoice, ...]) -> str:
+    """One entry per distinct route: "q4_0/q4_1/...: cpp-gemv-vnni<=4+cpp-gemm-bf16"."""
+    routes: dict[str, list[str]] = {}
+    for choice in choices:
+        routes.setdefault(choice.name, []).append(choice.weight_format)
+    return ", ".join(f"{'/'.join(formats)}: {name}" for name, formats in routes.items()) or "-"
 
 
 def portable_backend(device: torch.device | str, dtype: torch.dtype) -> Backend:
@@ -228,8 +290,9 @@ class Selector:
         use = self.has_triton and device == "cuda"
         why = "triton imports" if use else f"Triton kernels need CUDA and the triton package on {device}"
         kernels = "triton" if use else None
+        packed = tuple(PackedChoice(f, kernels or "torch") for f in PACKED_FORMATS)
         return Backend(device, dtype, kernels or "sdpa", kernels or "torch",
-                       (LinearChoice(_format(dtype), "torch"),), reasons=(why,))
+                       (LinearChoice(_format(dtype), "torch"),), packed, reasons=(why,))
 
     def _cpu(self, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int | None) -> Backend:
         reasons: list[str] = []
@@ -248,7 +311,7 @@ class Selector:
             layer = "cpp-fused" if self.switches.fused_layer else "python"
             if layer == "python":
                 reasons.append("PAGEDQ_FUSED_LAYER=0 keeps the per-op Python layer")
-        return Backend("cpu", dtype, attention, "torch", (linear,),
+        return Backend("cpu", dtype, attention, "torch", (linear,), self._cpu_packed(fp32_ops, reasons),
                        norm="cpp" if fp32_ops is not None else "torch", layer=layer,
                        reasons=tuple(reasons), cpu=self.cpu, ops=ops)
 
@@ -276,6 +339,36 @@ class Selector:
         isa = "avx512" if self.cpu.has_avx512 else "avx2"
         reasons.append(f"skinny GEMV tiles in {isa.upper()}")
         return LinearChoice(_format(dtype), batched, f"cpp-skinny-{isa}", SKINNY_MAX_ROWS, ops)
+
+
+    def _cpu_packed(self, ops: CpuOps | None, reasons: list[str]) -> tuple[PackedChoice, ...]:
+        """The packed formats' routes: the C++ GEMV/GEMM pair where the library runs (it takes
+        float32 activations), else dequantize per call."""
+        if ops is None:
+            return tuple(PackedChoice(f, "torch") for f in PACKED_FORMATS)
+        isa = int(Isa.AVX512_VNNI if self.cpu.has_avx512_vnni else Isa.AVX2)
+        bf16 = self.cpu.has_bf16_matmul
+        reasons.append(f"packed weights: GEMV in {'AVX-512 VNNI' if isa else 'AVX2'}, "
+                       f"{'bf16' if bf16 else 'no bf16'} matmul hardware for the GEMM")
+        return tuple(PackedChoice(f, "cpp", rows if bf16 or f == "float32" else NO_BF16_GEMV_ROWS,
+                                  isa, ops) for f, rows in GEMV_ROWS.items())
+
+    def compute_dtype(self, device: torch.device | str, dtype: torch.dtype,
+                      packed: bool = False) -> torch.dtype:
+        """The activations' dtype for a ``dtype`` model (``packed``: its weights stay packed).
+
+        On a CPU whose C++ kernels run, packed weights compute in float32 (the kernels' input),
+        and so does a bfloat16 model where the CPU multiplies bf16 in hardware (AMX,
+        AVX512_BF16): it keeps bf16 weight rows, packed, and gets the fused layer, the C++
+        attention, the packed GEMV for decode and bf16 tiles for prefill. Elsewhere a model
+        computes in its own dtype."""
+        if torch.device(device).type != "cpu" or dtype == torch.float32:
+            return dtype
+        bf16_rows = dtype == torch.bfloat16 and self.cpu.has_bf16_matmul
+        if (packed or bf16_rows) and self.switches.cpu_kernels and self.cpu.runs_cpp_kernels \
+                and self.library() is not None:
+            return torch.float32
+        return dtype
 
 
 @functools.cache

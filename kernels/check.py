@@ -7,7 +7,10 @@
    batches 1-256; mixed prefill-chunk + decode steps; split-KV), and the Triton cache write.
 2. Decode attention bandwidth: bytes of K/V read / kernel time, as a fraction of the device's
    peak (from a table by device name, else a measured device-to-device copy).
-3. With ``--engine-model PATH``: decode steps/s of the whole engine (``pagedq.worker.Engine``).
+3. The weight-only Triton GEMM (w8a16, w4a16; kernels/check_quant.py): correctness against
+   dequantize-then-matmul, then decode bandwidth (packed bytes read / time) next to ``F.linear``
+   on the widened weights.
+4. With ``--engine-model PATH``: decode steps/s of the whole engine (``pagedq.worker.Engine``).
 
 ``--compile-only 90`` needs no GPU: it compiles the Triton kernels to a CUDA binary for that
 compute capability (Triton ships ptxas), which catches GPU lowering errors on a CPU machine.
@@ -29,6 +32,7 @@ import torch
 
 from pagedq.kernels.attention import paged_attention, write_kv
 from pagedq.kernels.cases import PagedCase, empty_cache, make_case
+from pagedq.kernels.check_quant import check_quant
 from pagedq.kernels.plan import plan_attention
 from pagedq.kernels.reference import reference_paged_attention, reference_write_kv
 
@@ -309,6 +313,30 @@ def compile_kernels(capability: int, dtypes: list[str]) -> list[str]:
         sig = _signature(tc._write_kv_kernel, pointer, consts)
         triton.compile(ASTSource(tc._write_kv_kernel, sig, consts), target=target)
         lines.append(f"sm_{capability} {name} merge_splits, write_kv")
+        lines += _compile_weight_only(target, ty)
+    return lines
+
+
+def _compile_weight_only(target, ty: str) -> list[str]:
+    """The weight-only GEMM (kernels/triton_quant.py) for 4- and 8-bit codes, with offsets
+    (int4, Q4_1-like) and without (int8), at the decode and prefill tile heights."""
+    import triton
+    from triton.compiler import ASTSource
+
+    from pagedq.kernels import triton_quant as tq
+
+    lines = []
+    for bits, group, offset in ((4, 32, True), (8, 4096, False)):
+        for block_m in (16, 64):
+            consts = dict(BITS=bits, GROUP=group, HAS_OFFSET=offset, HAS_BIAS=False,
+                          BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=tq.BLOCK_K, DOT_IN_FP32=False,
+                          IEEE_FP32=False)  # fmt: skip
+            pointer = lambda n, bits=bits: {
+                "x_ptr": f"*{ty}", "out_ptr": f"*{ty}", "w_ptr": "*u8" if bits == 4 else "*i8",
+            }.get(n, "*fp32")  # fmt: skip
+            sig = _signature(tq._wq_linear_kernel, pointer, consts)
+            triton.compile(ASTSource(tq._wq_linear_kernel, sig, consts), target=target)
+            lines.append(f"sm_{target.arch} {ty} weight-only GEMM w{bits} BLOCK_M={block_m}")
     return lines
 
 
@@ -338,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_bandwidth:
             print(f"[{name}] decode attention bandwidth (K/V bytes read / time)")
             check_bandwidth(dtype, args.quick, shape)
+        print(f"[{name}] weight-only GEMM (w8a16 / w4a16) vs dequantize-then-matmul"
+              + ("" if args.skip_bandwidth else ", then decode bandwidth"))
+        peak = None if args.skip_bandwidth else peak_bandwidth()[0]
+        ok &= check_quant(dtype, args.quick, not args.skip_bandwidth, time_cuda, peak)
         if args.engine_model:
             check_engine(args, name)
     print("all checks passed" if ok else "SOME CHECKS FAILED")

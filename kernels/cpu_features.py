@@ -1,8 +1,9 @@
 """The x86 vector extensions of this CPU, detected once at run time.
 
 The C++ library is built for AVX2 + FMA + F16C, so it runs only where the CPU has all three. The
-skinny GEMV also has AVX-512F tiles (they need VL and DQ too), chosen per call. VNNI,
-AVX512_BF16 and AMX are detected and logged for the integer and bf16 kernels that will use them.
+skinny GEMV also has AVX-512F tiles (they need VL and DQ too), chosen per call; the packed-weight
+GEMV's AVX-512 path needs BW and VNNI as well. AVX512_BF16 and AMX decide whether many-row steps
+over packed weights multiply in bf16 (oneDNN's micro-kernel) or keep fp32.
 
 Linux lists the flags in /proc/cpuinfo. Elsewhere torch's own dispatch level
 (``torch.backends.cpu.get_cpu_capability()``) stands in: it tells AVX2 from AVX-512 but not the
@@ -18,10 +19,11 @@ from pathlib import Path
 import torch
 
 # The flags worth knowing, in /proc/cpuinfo's spelling, in the order the log lists them.
-FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
-         "amx_bf16", "amx_int8")
+FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512dq", "avx512bw", "avx512_vnni",
+         "avx512_bf16", "amx_bf16", "amx_int8")
 KERNEL_FLAGS = frozenset({"avx2", "fma", "f16c"})  # what the whole C++ library is built for
 AVX512_FLAGS = frozenset({"avx512f", "avx512vl", "avx512dq"})  # the GEMV's AVX-512 tiles
+VNNI_FLAGS = AVX512_FLAGS | {"avx512bw", "avx512_vnni"}  # the packed-weight kernels' AVX-512 path
 X86_64 = ("x86_64", "amd64")
 # What each of torch's dispatch levels implies (its AVX512 level needs F, BW, VL and DQ).
 TORCH_CAPABILITY_FLAGS = {
@@ -50,6 +52,16 @@ class CpuFeatures:
     @property
     def has_avx512(self) -> bool:
         return AVX512_FLAGS <= self.flags
+
+    @property
+    def has_avx512_vnni(self) -> bool:
+        return VNNI_FLAGS <= self.flags
+
+    @property
+    def has_bf16_matmul(self) -> bool:
+        """bf16 products in hardware (AMX tiles or AVX-512 BF16): oneDNN's bf16 kernels, and so
+        the packed weights' many-row GEMM, run an order of magnitude faster than fp32 there."""
+        return "amx_bf16" in self.flags or "avx512_bf16" in self.flags
 
     def missing_for_kernels(self) -> str:
         """Why the C++ library cannot run here ("" when it can)."""

@@ -5,7 +5,11 @@
 - ``paged_attention_rows`` (attention.cpp): attention read in place through the block table;
 - ``skinny_linear`` (gemv.cpp): ``x @ w.T + b`` for 1-16 rows, one pass over the weights;
 - ``rms_norm`` (rmsnorm.cpp): RMSNorm in one pass per row;
-- ``decoder_layers`` (fused_layer.cpp): every decoder layer of a step in one call.
+- ``decoder_layers`` (fused_layer.cpp): every decoder layer of a step in one call;
+  ``decoder_layers_packed`` the same over packed projections;
+- ``quant_gemv`` / ``quant_gemm`` (quant_gemv.cpp, quant_gemm.cpp): ``x @ W.T`` straight from
+  packed weights (GGUF blocks, int8, bf16 rows): integer dot products for few rows, bf16 tiles
+  for brgemm (AMX) for many; ``QuantLinear`` (quant_linear.cpp) picks between them per step.
 
 library.cpp registers them; cpu_ops.h holds what the files share. The library compiles with
 ``torch.utils.cpp_extension`` (needs ``ninja`` and a C++ compiler) into the torch extensions
@@ -35,6 +39,7 @@ from pagedq.worker.logging import get_logger
 LIBRARY = "pagedq_cpu_ops"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(CSRC / f for f in ("attention.cpp", "gemv.cpp", "rmsnorm.cpp", "fused_layer.cpp",
+                                   "quant_gemv.cpp", "quant_gemm.cpp", "quant_linear.cpp",
                                    "library.cpp"))
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 STALE_LOCK_SECONDS = 600  # a build lock this old was left by a process killed mid-compile
@@ -51,6 +56,7 @@ class Isa(IntEnum):
 
     AVX2 = 0
     AVX512 = 1
+    AVX512_VNNI = 2  # AVX-512 with BW and VNNI: the packed-weight kernels' integer dot products
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,10 @@ class CpuOps:
     skinny_linear: Callable
     rms_norm: Callable
     decoder_layers: Callable
+    decoder_layers_packed: Callable
+    quant_gemv: Callable
+    quant_gemm: Callable
+    quant_linear: Callable  # torch.classes.pagedq_cpu.QuantLinear
     build_dir: Path
 
 
@@ -103,7 +113,8 @@ def build(sources: tuple[Path, ...], name: str, root: Path | None) -> CpuOps:
     _log.info("cpu_ops_ready", seconds=round(time.perf_counter() - start, 2), path=str(build_dir))
     ops = torch.ops.pagedq_cpu
     return CpuOps(ops.paged_attention_rows, ops.skinny_linear, ops.rms_norm, ops.decoder_layers,
-                  build_dir)
+                  ops.decoder_layers_packed, ops.quant_gemv, ops.quant_gemm,
+                  torch.classes.pagedq_cpu.QuantLinear, build_dir)
 
 
 def try_build(sources: tuple[Path, ...] = SOURCES, name: str = LIBRARY,

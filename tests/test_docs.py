@@ -113,11 +113,15 @@ def test_readme_sizing_example_is_what_plan_prints(capsys):
     assert main(["plan", "--concurrency", "32", "--seq-len", "1024", "--dtype", "float32",
                  "--device", "cpu"]) == 0
     out = capsys.readouterr().out
+    assert main(["plan", "--dtype", "float32", "--device", "cpu", "--quantization", "none"]) == 0
+    out_fp32 = capsys.readouterr().out
     readme = (ROOT / "README.md").read_text()
     for figure in ("2 x 30 layers x 3 KV heads x 64 x 4 B = 46,080 B", "1.41 GiB",
-                   "134.5 M parameters"):
+                   "Q4_1.gguf kept packed", "0.10 GB"):
         assert figure in out, figure
-    for figure in ("2 × 30 × 3 × 64 × 4 B = 46,080 B", "1.41 GiB", "135 M × 4 B = 0.54 GB"):
+    assert "134.5 M parameters x 4 B (float32) = 0.54 GB" in out_fp32
+    for figure in ("2 × 30 × 3 × 64 × 4 B = 46,080 B", "1.41 GiB", "0.10 GB",
+                   "135 M × 4 B = 0.54 GB"):
         assert figure in readme, figure
 
 

@@ -24,6 +24,7 @@ from pagedq.errors import InvalidRequestError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: the model's dtype
+Quantization = Literal["auto", "none", "int8", "int4"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
 
 
@@ -45,6 +46,7 @@ def parse_bytes(text: str | int) -> int:
 # An int read from text by parse_bytes; flags of this type take "2GiB" (cli/flags.py).
 ByteSize = Annotated[int, parse_bytes]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,13 @@ class EngineConfig:
     """Model to serve: a local Hugging Face directory, a .gguf file or a repo id already in the
     Hugging Face cache (default: $PAGEDQ_MODEL, else the bundled SmolLM2-135M-Instruct)."""
     dtype: Dtype = "float32"
-    """Weights' and activations' dtype."""
+    """Weights' and activations' dtype. On a CPU with AMX or AVX512_BF16, bfloat16 keeps bf16
+    weights and computes in float32 (the fast kernels); packed weights compute in float32 on
+    any CPU whose C++ kernels run."""
+    quantization: Quantization = "auto"
+    """Weight format: auto keeps a GGUF's own blocks packed (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+    Q5_K, Q6_K; other types widen) and a float checkpoint in dtype; none widens everything to
+    dtype; int8 (per channel) and int4 (groups of 32) quantize the projections at load."""
     kv_cache_dtype: KVCacheDtype = "auto"
     """KV cache dtype (auto: the model's). float16 under a float32 model on the CPU halves the
     memory attention reads per token."""
@@ -188,6 +196,8 @@ class EngineConfig:
         need(self.grammar_compile_threads >= 1, "grammar_compile_threads must be >= 1")
         need(self.grammar_compile_timeout > 0, "grammar_compile_timeout must be > 0 seconds")
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.quantization in QUANTIZATIONS,
+             f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 

@@ -9,21 +9,27 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace pagedq_cpu {
 
 // The `isa` argument of the ops that have more than one vector path (pagedq.kernels.cpu_ops.Isa
 // mirrors it). The backend selector picks it once from the CPU's features, so which path runs is
 // the caller's stated choice, not a hidden global.
-enum Isa : int64_t { kAvx2 = 0, kAvx512 = 1 };
+// kAvx512Vnni adds BW and VNNI (the packed-weight kernels' integer dot products); the skinny
+// GEMV runs its AVX-512 tiles for it too.
+enum Isa : int64_t { kAvx2 = 0, kAvx512 = 1, kAvx512Vnni = 2 };
 
 // A wrong `isa` would crash on an illegal instruction; refuse it with a message instead.
 inline void check_isa(int64_t isa) {
   static const bool has_avx512 = __builtin_cpu_supports("avx512f") &&
                                  __builtin_cpu_supports("avx512vl") &&
                                  __builtin_cpu_supports("avx512dq");
-  TORCH_CHECK(isa == kAvx2 || (isa == kAvx512 && has_avx512), "isa ", isa,
-              " is not one this CPU runs: pass 0 (AVX2), or 1 (AVX-512) on a CPU with AVX-512F/VL/DQ");
+  static const bool has_vnni = has_avx512 && __builtin_cpu_supports("avx512bw") &&
+                               __builtin_cpu_supports("avx512vnni");
+  TORCH_CHECK(isa == kAvx2 || (isa == kAvx512 && has_avx512) || (isa == kAvx512Vnni && has_vnni),
+              "isa ", isa, " is not one this CPU runs: pass 0 (AVX2), 1 (AVX-512) on a CPU with "
+              "AVX-512F/VL/DQ, or 2 (AVX-512 VNNI) on one that also has AVX-512BW/VNNI");
 }
 
 // Horizontal sum of 8 floats.
@@ -65,6 +71,14 @@ constexpr int64_t kMaxSkinnyRows = 16;
 void skinny_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
                    const c10::optional<at::Tensor>& bias, int64_t isa);
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps);
+// x @ W.T (+ bias) straight from packed weights (quant_formats.h): the GEMV for few rows, the
+// bf16-tile GEMM for many (quant_gemv.cpp, quant_gemm.cpp).
+void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
+                const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias,
+                int64_t isa);
+void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
+                const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias,
+                int64_t isa);
 at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& rope, at::TensorList in_norm,
                           at::TensorList qkv_w, const c10::List<c10::optional<at::Tensor>>& qkv_packed,
                           const c10::List<c10::optional<at::Tensor>>& qkv_bias,
@@ -81,5 +95,18 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& rope, at::Tenso
                           const at::Tensor& rows, int64_t num_heads, int64_t heads_per_item,
                           int64_t grain, int64_t skinny_max_rows, int64_t isa, double eps,
                           double scale);
+
+struct QuantLinear;
+using QuantLinears = std::vector<c10::intrusive_ptr<QuantLinear>>;
+at::Tensor decoder_layers_packed(const at::Tensor& x, const at::Tensor& rope, at::TensorList in_norm,
+                                 const c10::List<c10::optional<at::Tensor>>& q_norm,
+                                 const c10::List<c10::optional<at::Tensor>>& k_norm,
+                                 at::TensorList post_norm, const QuantLinears& qkv,
+                                 const QuantLinears& o, const QuantLinears& gate_up,
+                                 const QuantLinears& down, at::TensorList k_caches,
+                                 at::TensorList v_caches, const at::Tensor& slot_mapping,
+                                 const at::Tensor& block_table, const at::Tensor& rows,
+                                 int64_t num_heads, int64_t heads_per_item, int64_t grain,
+                                 double eps, double scale);
 
 }  // namespace pagedq_cpu

@@ -27,11 +27,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <cstdint>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include "cpu_ops.h"
+#include "quant_linear.h"
 
 namespace pagedq_cpu {
 namespace {
@@ -165,18 +167,30 @@ const float* data_or_null(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->data_ptr<float>() : nullptr;
 }
 
+// x -> x @ W^T (+ bias) for one projection: the dense route above, or a QuantLinear's.
+using Project = std::function<at::Tensor(const at::Tensor&)>;
+
+// One layer's weights, whatever form its projections take.
+struct LayerWeights {
+  const at::Tensor& in_norm;
+  const at::Tensor& post_norm;
+  c10::optional<at::Tensor> q_norm, k_norm;
+  Project qkv, o, gate_up, down;
+};
+
+// What every layer of the step shares.
+struct StepArgs {
+  const at::Tensor& rope;
+  const at::Tensor& slot_mapping;
+  const at::Tensor& block_table;
+  const at::Tensor& rows;
+  int64_t num_heads, heads_per_item, grain;
+  double eps, scale;
+};
+
 // One decoder layer: x [T, hidden] -> x after attention and MLP, K/V of the new tokens written.
-at::Tensor layer(const at::Tensor& x, const at::Tensor& rope, const at::Tensor& in_norm,
-                 const at::Tensor& qkv_w, const c10::optional<at::Tensor>& qkv_packed,
-                 const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& q_norm,
-                 const c10::optional<at::Tensor>& k_norm, const at::Tensor& o_w,
-                 const c10::optional<at::Tensor>& o_packed, const c10::optional<at::Tensor>& o_bias,
-                 const at::Tensor& post_norm, const at::Tensor& gate_up_w,
-                 const c10::optional<at::Tensor>& gate_up_packed, const at::Tensor& down_w,
-                 const c10::optional<at::Tensor>& down_packed, at::Tensor& k_cache,
-                 at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_table,
-                 const at::Tensor& rows, int64_t num_heads, int64_t heads_per_item, int64_t grain,
-                 int64_t skinny_max_rows, int64_t isa, double eps, double scale) {
+at::Tensor layer(const at::Tensor& x, const LayerWeights& w, at::Tensor& k_cache,
+                 at::Tensor& v_cache, const StepArgs& s) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "decoder_layers: x must be contiguous CPU fp32 [T, hidden]");
   const auto cache_dtype = k_cache.scalar_type();
@@ -186,36 +200,38 @@ at::Tensor layer(const at::Tensor& x, const at::Tensor& rope, const at::Tensor& 
                   v_cache.stride(3) == 1,
               "decoder_layers: float32, float16 or bfloat16 caches with a contiguous head_dim");
   const int64_t T = x.size(0), num_kv_heads = k_cache.size(2), D = k_cache.size(3);
-  TORCH_CHECK(rope.is_contiguous() && rope.size(0) == T && rope.size(1) == 2 && rope.size(2) == D,
+  const int64_t num_heads = s.num_heads;
+  TORCH_CHECK(s.rope.is_contiguous() && s.rope.size(0) == T && s.rope.size(1) == 2 &&
+                  s.rope.size(2) == D,
               "decoder_layers: rope must be contiguous [T, 2, head_dim]");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                  slot_mapping.numel() == T,
+  TORCH_CHECK(s.slot_mapping.scalar_type() == at::kLong && s.slot_mapping.is_contiguous() &&
+                  s.slot_mapping.numel() == T,
               "decoder_layers: slot_mapping must be contiguous int64 [T]");
-  const float feps = static_cast<float>(eps);
+  const float feps = static_cast<float>(s.eps);
 
   at::Tensor h = at::empty_like(x);
-  rms_norm(h, x, in_norm, eps);
-  const at::Tensor qkv = project(h, qkv_w, qkv_packed, qkv_bias, skinny_max_rows, isa);
+  rms_norm(h, x, w.in_norm, s.eps);
+  const at::Tensor qkv = w.qkv(h);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "decoder_layers: qkv width");
   at::Tensor q = at::empty({T, num_heads, D}, x.options());
-  const float* qn = data_or_null(q_norm);
-  const float* kn = data_or_null(k_norm);
+  const float* qn = data_or_null(w.q_norm);
+  const float* kn = data_or_null(w.k_norm);
   if (cache_dtype == at::kHalf)
-    rope_and_cache<c10::Half>(qkv, rope, qn, kn, feps, num_heads, num_kv_heads, q, k_cache,
-                              v_cache, slot_mapping);
+    rope_and_cache<c10::Half>(qkv, s.rope, qn, kn, feps, num_heads, num_kv_heads, q, k_cache,
+                              v_cache, s.slot_mapping);
   else if (cache_dtype == at::kBFloat16)
-    rope_and_cache<c10::BFloat16>(qkv, rope, qn, kn, feps, num_heads, num_kv_heads, q, k_cache,
-                                  v_cache, slot_mapping);
+    rope_and_cache<c10::BFloat16>(qkv, s.rope, qn, kn, feps, num_heads, num_kv_heads, q, k_cache,
+                                  v_cache, s.slot_mapping);
   else
-    rope_and_cache<float>(qkv, rope, qn, kn, feps, num_heads, num_kv_heads, q, k_cache, v_cache,
-                          slot_mapping);
+    rope_and_cache<float>(qkv, s.rope, qn, kn, feps, num_heads, num_kv_heads, q, k_cache,
+                          v_cache, s.slot_mapping);
   at::Tensor o = at::empty({T, num_heads, D}, x.options());
-  paged_attention_rows(o, q, k_cache, v_cache, block_table, rows, scale, heads_per_item, grain);
-  at::Tensor x1 = project(o.view({T, num_heads * D}), o_w, o_packed, o_bias, skinny_max_rows, isa);
+  paged_attention_rows(o, q, k_cache, v_cache, s.block_table, s.rows, s.scale, s.heads_per_item,
+                       s.grain);
+  at::Tensor x1 = w.o(o.view({T, num_heads * D}));
   x1.add_(x);
-  rms_norm(h, x1, post_norm, eps);
-  const at::Tensor act = silu_mul(project(h, gate_up_w, gate_up_packed, {}, skinny_max_rows, isa));
-  at::Tensor out = project(act, down_w, down_packed, {}, skinny_max_rows, isa);
+  rms_norm(h, x1, w.post_norm, s.eps);
+  at::Tensor out = w.down(silu_mul(w.gate_up(h)));
   return out.add_(x1);
 }
 
@@ -248,14 +264,54 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& rope, at::Tenso
                   k_caches.size() == layers && v_caches.size() == layers,
               "decoder_layers: one entry per layer in every weight and cache list");
   check_isa(isa);
+  const StepArgs step{rope, slot_mapping, block_table, rows, num_heads, heads_per_item, grain,
+                      eps, scale};
+  auto dense = [&](const at::Tensor& w, c10::optional<at::Tensor> packed,
+                   c10::optional<at::Tensor> bias) -> Project {
+    return [&w, packed, bias, skinny_max_rows, isa](const at::Tensor& in) {
+      return project(in, w, packed, bias, skinny_max_rows, isa);
+    };
+  };
   at::Tensor h = x;
   for (size_t i = 0; i < layers; ++i) {
     at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
-    h = layer(h, rope, in_norm[i], qkv_w[i], item(qkv_packed, i), item(qkv_bias, i),
-              item(q_norm, i), item(k_norm, i), o_w[i], item(o_packed, i), item(o_bias, i),
-              post_norm[i], gate_up_w[i], item(gate_up_packed, i), down_w[i],
-              item(down_packed, i), k_cache, v_cache, slot_mapping, block_table, rows, num_heads,
-              heads_per_item, grain, skinny_max_rows, isa, eps, scale);
+    const LayerWeights w{in_norm[i], post_norm[i], item(q_norm, i), item(k_norm, i),
+                         dense(qkv_w[i], item(qkv_packed, i), item(qkv_bias, i)),
+                         dense(o_w[i], item(o_packed, i), item(o_bias, i)),
+                         dense(gate_up_w[i], item(gate_up_packed, i), c10::nullopt),
+                         dense(down_w[i], item(down_packed, i), c10::nullopt)};
+    h = layer(h, w, k_cache, v_cache, step);
+  }
+  return h;
+}
+
+// The same layers with packed projections (QuantLinear: GGUF blocks, int8/int4, bf16 rows).
+at::Tensor decoder_layers_packed(const at::Tensor& x, const at::Tensor& rope, at::TensorList in_norm,
+                                 const c10::List<c10::optional<at::Tensor>>& q_norm,
+                                 const c10::List<c10::optional<at::Tensor>>& k_norm,
+                                 at::TensorList post_norm, const QuantLinears& qkv,
+                                 const QuantLinears& o, const QuantLinears& gate_up,
+                                 const QuantLinears& down, at::TensorList k_caches,
+                                 at::TensorList v_caches, const at::Tensor& slot_mapping,
+                                 const at::Tensor& block_table, const at::Tensor& rows,
+                                 int64_t num_heads, int64_t heads_per_item, int64_t grain,
+                                 double eps, double scale) {
+  const size_t layers = qkv.size();
+  TORCH_CHECK(in_norm.size() == layers && o.size() == layers && post_norm.size() == layers &&
+                  gate_up.size() == layers && down.size() == layers &&
+                  k_caches.size() == layers && v_caches.size() == layers,
+              "decoder_layers_packed: one entry per layer in every weight and cache list");
+  const StepArgs step{rope, slot_mapping, block_table, rows, num_heads, heads_per_item, grain,
+                      eps, scale};
+  auto packed = [](const c10::intrusive_ptr<QuantLinear>& lin) -> Project {
+    return [lin](const at::Tensor& in) { return lin->forward(in); };
+  };
+  at::Tensor h = x;
+  for (size_t i = 0; i < layers; ++i) {
+    at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
+    const LayerWeights w{in_norm[i], post_norm[i], item(q_norm, i), item(k_norm, i),
+                         packed(qkv[i]), packed(o[i]), packed(gate_up[i]), packed(down[i])};
+    h = layer(h, w, k_cache, v_cache, step);
   }
   return h;
 }

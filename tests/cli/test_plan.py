@@ -38,3 +38,19 @@ def test_suggested_size_holds_the_need():
 
     for need in (1, 5 << 20, (1 << 30) + 1, 1_509_949_440):
         assert parse_bytes(gib(need)) >= need
+
+
+def test_plan_counts_the_weights_as_the_engine_keeps_them(tiny_text_model_dir, tmp_path, capsys):
+    """A GGUF stays packed (its size, never an fp32 conversion); int8/int4 take ~1 / 0.625 B."""
+    from pagedq.worker.cli.plan import parameter_count
+    from tests.gguf_files import write_gguf
+
+    params = parameter_count(tiny_text_model_dir)
+    for flag, per in (("float32", 4), ("int8", 1)):
+        args = ["--dtype", flag] if flag == "float32" else ["--quantization", flag]
+        assert main(["plan", "--model", str(tiny_text_model_dir), *args]) == 0
+        assert f"{params / 1e6:,.1f} M parameters x {per:g} B" in capsys.readouterr().out
+    gguf = write_gguf(tiny_text_model_dir, tmp_path / "m.gguf", "Q8_0")
+    assert main(["plan", "--model", str(gguf)]) == 0
+    out = capsys.readouterr().out
+    assert "m.gguf kept packed" in out and f"{gguf.stat().st_size / 1e9:.2f} GB" in out

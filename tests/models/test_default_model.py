@@ -1,4 +1,10 @@
-"""The bundled default model (SmolLM2-135M-Instruct) through the engine, against transformers."""
+"""The bundled default model (SmolLM2-135M-Instruct) through the engine, against transformers.
+
+The default engine runs the GGUF as shipped (Q4_1 projections, a Q8_0 embedding tied to the LM
+head, kept packed). Its dequantized twin (``quantization="none"``: the same weights widened to
+fp32) is checked token by token against transformers' own dequantization of the file;
+tests/models/test_quant_fidelity.py checks the packed engine against the twin.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +14,18 @@ from pagedq.client import SamplingParams
 from pagedq.worker import Engine
 from tests.oracle import assert_greedy
 
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
 
 @pytest.fixture(scope="module")
 def engine():
     return Engine(num_kv_blocks=256, max_num_batched_tokens=256)  # no model: the bundled one
+
+
+@pytest.fixture(scope="module")
+def dequantized():
+    return Engine(num_kv_blocks=256, max_num_batched_tokens=256, quantization="none")
 
 
 def test_capital_of_france(engine):
@@ -21,12 +35,17 @@ def test_capital_of_france(engine):
     assert out.finish_reason in ("stop", "length")
 
 
-def test_greedy_matches_transformers(engine):
-    prompts = ["The capital of France is", "def fibonacci(n):",
-               "Once upon a time, in a small village,"]
-    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out.prompt_token_ids == engine.tokenizer(prompt).input_ids
-        assert_greedy(engine.model_path, out.prompt_token_ids, out.outputs[0].token_ids)
-        assert out.outputs[0].text == engine.tokenizer.decode(out.outputs[0].token_ids,
-                                                              skip_special_tokens=True)
+def test_the_default_keeps_the_file_packed(engine):
+    size = engine.model_path.joinpath("pagedq_converted.json").read_text()
+    assert '"packed": true' in size
+    file_bytes = __import__("json").loads(size)["size"]
+    assert engine.stats()["weight_bytes"] <= 1.1 * file_bytes
+
+
+def test_greedy_matches_transformers(dequantized):
+    outs = dequantized.generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.prompt_token_ids == dequantized.tokenizer(prompt).input_ids
+        assert_greedy(dequantized.model_path, out.prompt_token_ids, out.outputs[0].token_ids)
+        assert out.outputs[0].text == dequantized.tokenizer.decode(out.outputs[0].token_ids,
+                                                                   skip_special_tokens=True)

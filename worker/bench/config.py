@@ -15,7 +15,7 @@ from pagedq.worker.config import EngineConfig
 from .workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT, LengthDist
 
 SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue", "gateway",
-             "structured", "llama_cpp")
+             "structured", "llama_cpp", "quant")
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,11 @@ class BenchConfig(EngineConfig):
     llama_cpp: str | None = None  # directory of the binaries (None: $PAGEDQ_LLAMA_CPP)
     llama_cpp_model: str | None = None  # a GGUF of the same weights (None: the default model's)
     llama_cpp_server_slots: int = 16  # llama-server's parallel sequences (-np)
+
+    # quant: GGUF files served packed, against llama.cpp on the same files (see quant.py);
+    # beyond the bundled Q4_1 they are made by llama-quantize from its F32 dequantization
+    quant_types: tuple[str, ...] = ("Q4_1", "Q8_0", "Q4_K_M")
+    quant_fidelity_tokens: int = 32  # greedy tokens per fidelity prompt
 
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -164,6 +169,8 @@ def quick(**overrides: Any) -> BenchConfig:
         itl_long_prompt_tokens=1024,
         prefix_repeats=2,
         sharing_new_tokens=32,
+        quant_types=("Q4_1",),  # the full run adds Q8_0 and Q4_K_M
+        quant_fidelity_tokens=16,
         structured_requests=16,
     )
     base.update(overrides)

@@ -118,13 +118,15 @@ def parse_batched_jsonl(text: str) -> list[dict[str, float]]:
 
 
 def batched_bench(cpp: LlamaCpp, gguf: Path, prompt_tokens: int, new_tokens: int,
-                  batches: tuple[int, ...], threads: int) -> list[dict[str, float]]:
-    """The decode sweep: one ``llama-batched-bench`` run over every batch size."""
+                  batches: tuple[int, ...], threads: int,
+                  no_repack: bool = False) -> list[dict[str, float]]:
+    """The decode sweep: one ``llama-batched-bench`` run over every batch size (``no_repack``:
+    ``-nr``, for quantized files: build 11434 crashes in its AMX weight-repacking path)."""
     n_kv = max(batches) * (prompt_tokens + new_tokens)
     cmd = [cpp.exe("llama-batched-bench"), "-m", str(gguf), "-c", str(n_kv), "-b", "2048",
            "-ub", "512", "-npp", str(prompt_tokens), "-ntg", str(new_tokens),
            "-npl", ",".join(str(b) for b in batches), "-t", str(threads), "-tb", str(threads),
-           "--output-format", "jsonl"]
+           "--output-format", "jsonl"] + (["-nr"] if no_repack else [])
     log.info("llama-batched-bench", cmd=" ".join(cmd))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     rows = parse_batched_jsonl(proc.stdout + "\n" + proc.stderr)
@@ -159,12 +161,14 @@ def completion_body(req: BenchRequest) -> dict[str, Any]:
 class Server:
     """A ``llama-server`` subprocess on a free loopback port, stopped on exit."""
 
-    def __init__(self, cpp: LlamaCpp, gguf: Path, slots: int, ctx_per_slot: int, threads: int):
+    def __init__(self, cpp: LlamaCpp, gguf: Path, slots: int, ctx_per_slot: int, threads: int,
+                 no_repack: bool = False):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [cpp.exe("llama-server"), "-m", str(gguf), "--host", "127.0.0.1",
                     "--port", str(self.port), "-np", str(slots), "-c", str(slots * ctx_per_slot),
-                    "-t", str(threads), "-tb", str(threads), "--no-webui"]
+                    "-t", str(threads), "-tb", str(threads), "--no-webui"] + (
+                        ["-nr"] if no_repack else [])
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Server:
@@ -212,10 +216,11 @@ class Server:
 
 
 def serve_trace(cpp: LlamaCpp, gguf: Path, trace: list[BenchRequest], slots: int,
-                ctx_per_slot: int, threads: int, timeout_s: float) -> dict[str, Any]:
+                ctx_per_slot: int, threads: int, timeout_s: float,
+                no_repack: bool = False) -> dict[str, Any]:
     """Post the whole trace at once to a warmed-up ``llama-server``; the clock runs from the
     first post to the last reply."""
-    with Server(cpp, gguf, slots, ctx_per_slot, threads) as server:
+    with Server(cpp, gguf, slots, ctx_per_slot, threads, no_repack) as server:
         server.complete(BenchRequest("warmup", list(trace[0].prompt_token_ids[:16]), 4), timeout_s)
         began = time.perf_counter()
         with ThreadPoolExecutor(max_workers=len(trace)) as pool:

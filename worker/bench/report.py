@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import quant
 from .run import BenchRun
 from .timeline import p99_over_p50, summarize
 
@@ -401,6 +402,10 @@ def assemble(run: BenchRun) -> dict[str, Any]:
         "note": "the targets' reference: SmolLM2-135M-Instruct f32 on a 2-core CPU, on another day's "
                 "machine; targets use the llama_cpp scenario's figures when it ran",
     }
+    out["quant"] = quant.figures(res.get("quant"))
+    if "quant" in run.config.scenarios and out["quant"] is None:
+        why = run.unavailable.get("quant") or run.errors.get("quant")
+        out["unavailable"]["quant"] = f"unavailable: {why or 'no measurement was produced'}"
     out["config"] = _jsonable(run.config.to_dict())
     out["elapsed_s"] = run.elapsed_s
     out["errors"] = run.errors
@@ -503,6 +508,8 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(f"(greedy outputs identical to HF for {agree:.0%} of trace requests)")
     if itl:
         lines.append("(ITL: decodes running while a long prompt arrives; details in the JSON)")
+    if doc.get("quant"):
+        lines.append(quant.table(doc["quant"]))
     for key, why in doc["unavailable"].items():
         lines.append(f"{key}: {why}")
     for key, why in doc["errors"].items():

@@ -27,7 +27,7 @@ import torch
 
 from pagedq.worker.logging import get_logger
 
-from . import driver, hf_baseline, scenarios, structured
+from . import driver, hf_baseline, quant, scenarios, structured
 from .config import BenchConfig
 from .scenarios import Unavailable
 from .workload import BenchRequest, TokenSpace, fixed_shape, sharegpt_like
@@ -64,7 +64,10 @@ class BenchRun:
 
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
-        self.model_dir = resolve_model(self.config.model)
+        # pagedq serves the model as its quantization asks (a GGUF's blocks kept packed); the
+        # HF baseline loads the fp32 conversion (see hf())
+        self.model_dir = resolve_model(self.config.model,
+                                       packed=self.config.quantization == "auto")
         cfg = load_config(self.model_dir)
         tok = load_tokenizer(self.model_dir)
         specials: list[int | None] = [cfg.bos_token_id, getattr(cfg, "pad_token_id", None)]
@@ -84,14 +87,17 @@ class BenchRun:
         """A fresh Engine on the run's model with the run's knobs, overridden per scenario."""
         from pagedq.worker import Engine
 
-        engine = Engine(config=self.config.engine_config(model=str(self.model_dir), **overrides))
+        engine = Engine(config=self.config.engine_config(
+            **{"model": str(self.model_dir), **overrides}))
         driver.warm_up(engine, self.space.low)
         return engine
 
     def hf(self) -> hf_baseline.HFModel:
         if self._hf is None:
-            self._hf = hf_baseline.load_hf_model(self.model_dir, self.config.dtype,
-                                                 self.config.device)
+            from pagedq.worker.models.loader import resolve_model
+
+            self._hf = hf_baseline.load_hf_model(resolve_model(self.config.model),
+                                                 self.config.dtype, self.config.device)
             hf_baseline.warm_up(self._hf, self.space.low)
         return self._hf
 
@@ -154,6 +160,8 @@ class BenchRun:
         gc.collect()
         if "llama_cpp" in wanted and wanted & {"throughput", "decode"}:
             self._timed("llama_cpp", lambda: scenarios.llama_cpp(self, wanted))
+        if "quant" in wanted:
+            self._timed("quant", functools.partial(quant.measure, self))
         self.results["peak_rss_mb_total"] = peak_rss_mb()
         self.elapsed_s["total"] = round(time.perf_counter() - began, 3)
 

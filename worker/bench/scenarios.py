@@ -262,9 +262,10 @@ def throughput_hf(bench: BenchRun) -> None:
 # -- llama.cpp, the CPU peer ---------------------------------------------------------------
 def llama_cpp(bench: BenchRun, wanted: set[str]) -> None:
     """The decode sweep through llama-batched-bench and the throughput trace through
-    llama-server, on an F32 GGUF of the same weights (see llama_cpp.py)."""
+    llama-server, on the GGUF pagedq serves packed (auto quantization), else an F32 GGUF of the
+    same weights (see llama_cpp.py)."""
     from pagedq.worker.models.default_model import default_gguf
-    from pagedq.worker.models.loader import cache_dir
+    from pagedq.worker.models.loader import cache_dir, packed_source
 
     from . import llama_cpp
 
@@ -272,27 +273,32 @@ def llama_cpp(bench: BenchRun, wanted: set[str]) -> None:
     if torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu")).type != "cpu":
         raise Unavailable("llama.cpp is the CPU peer: its figures are measured on CPU runs")
     if c.dtype != "float32":
-        raise Unavailable(f"llama.cpp runs the F32 GGUF; this run's dtype is {c.dtype}")
+        raise Unavailable(f"llama.cpp runs the GGUF in float32; this run's dtype is {c.dtype}")
     try:
         cpp = llama_cpp.LlamaCpp.locate(c.llama_cpp)
     except llama_cpp.LlamaCppUnavailable as exc:
         raise Unavailable(str(exc)) from exc
+    packed = packed_source(bench.model_dir)  # the GGUF pagedq serves as shipped, if any
     if c.llama_cpp_model:
         gguf = Path(c.llama_cpp_model).expanduser()
+    elif packed is not None:
+        gguf = packed
     elif c.model is None:
         gguf = llama_cpp.f32_gguf(cpp, default_gguf(), cache_dir() / "llama_cpp")
     else:
         raise Unavailable("llama.cpp needs a GGUF of this run's model: --set "
                           "llama_cpp_model=PATH.gguf (f32, the same weights)")
+    no_repack = not gguf.name.endswith(".F32.gguf")  # -nr: see quant.py
     threads = c.num_threads or torch.get_num_threads()
     out: dict[str, Any] = {"version": cpp.version(), "gguf": str(gguf), "threads": threads}
     if "decode" in wanted:
         out["decode_rows"] = llama_cpp.batched_bench(
-            cpp, gguf, c.decode_prompt_tokens, c.decode_new_tokens, c.decode_batches, threads)
+            cpp, gguf, c.decode_prompt_tokens, c.decode_new_tokens, c.decode_batches, threads,
+            no_repack=no_repack)
     if "throughput" in wanted:
         out["throughput"] = llama_cpp.serve_trace(
             cpp, gguf, bench.throughput_trace(), c.llama_cpp_server_slots, c.max_model_len,
-            threads, c.queue_timeout_s)
+            threads, c.queue_timeout_s, no_repack=no_repack)
     bench.results["llama_cpp"] = out
 
 

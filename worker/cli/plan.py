@@ -57,7 +57,7 @@ def plan_text(config: Any, jobs: int, seq_len: int) -> str:
     from pagedq.worker.engine import sizing
     from pagedq.worker.models.loader import load_config, resolve_model
 
-    path = resolve_model(config.model)
+    path = resolve_model(config.model, packed=config.quantization == "auto")
     hf = load_config(path)
     device = (config.device or default_device()).split(":")[0]
     block = config.resolved_block_size()
@@ -70,15 +70,10 @@ def plan_text(config: Any, jobs: int, seq_len: int) -> str:
     layers, positions = hf.num_hidden_layers, config.max_model_len or hf.max_position_embeddings
     need_blocks = sizing.blocks_for([seq_len] * jobs, block)
     need = need_blocks * block * per_token
-    params = parameter_count(path)
-    weight_bytes = params * torch.empty((), dtype=getattr(torch, config.dtype)).element_size() \
-        if params else None
     lines = [
         f"model      {path.name}: {layers} layers, {kv_heads} KV heads x head dim {head_dim}, "
         f"{positions:,} positions",
-        "weights    " + (f"{params / 1e6:,.1f} M parameters x {weight_bytes // params} B "
-                          f"({config.dtype}) = {weight_bytes / 1e9:.2f} GB" if params
-                          else "(size unknown: not safetensors)"),
+        "weights    " + weights_text(path, config),
         f"KV cache   {str(kv_dtype).removeprefix('torch.')}: 2 x {layers} layers x {kv_heads} KV "
         f"heads x {head_dim} x {elem} B = {per_token:,} B ({per_token / 1024:.1f} KiB) per token; "
         f"blocks of {block} tokens",
@@ -101,6 +96,31 @@ def plan_text(config: Any, jobs: int, seq_len: int) -> str:
                      "- what is in use (weights) - the activation peak of one step (measured "
                      "at start); the engine logs the result")
     return "\n".join(lines)
+
+
+# Bytes per projection weight of the formats quantized at load (int4: GGUF Q4_1 blocks, 20 B per
+# 32 weights; int8: one byte plus a per-channel scale, negligible at real widths).
+LOAD_QUANT_BYTES = {"int8": 1.0, "int4": 20 / 32}
+
+
+def weights_text(path: Path, config: Any) -> str:
+    """The resident weights: a packed GGUF's file size, else parameters x bytes per weight."""
+    import torch
+
+    from pagedq.worker.models.loader import packed_source
+
+    gguf = packed_source(path)
+    if gguf is not None:
+        return (f"{gguf.name} kept packed (quantization auto): about its size, "
+                f"{gguf.stat().st_size / 1e9:.2f} GB")
+    params = parameter_count(path)
+    if not params:
+        return "(size unknown: not safetensors)"
+    per = LOAD_QUANT_BYTES.get(config.quantization)
+    what = f"{config.quantization}, about"
+    if per is None:
+        per, what = torch.empty((), dtype=getattr(torch, config.dtype)).element_size(), config.dtype
+    return f"{params / 1e6:,.1f} M parameters x {per:g} B ({what}) = {params * per / 1e9:.2f} GB"
 
 
 def parameter_count(path: Path) -> int | None:

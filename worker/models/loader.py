@@ -26,6 +26,7 @@ from pagedq.errors import ModelNotFoundError
 from pagedq.progress import waiting
 from pagedq.worker.config import settings
 from pagedq.worker.logging import get_logger
+from pagedq.worker.models.gguf_weights import Weight, gguf_head_dim, iter_gguf_weights
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -42,6 +43,7 @@ __all__ = [
     "is_converted",
     "file_lock",
     "weight_files",
+    "packed_source",
 ]
 
 log = get_logger(__name__)
@@ -75,37 +77,40 @@ def hf_hub_cache_dir() -> Path:
 # --------------------------------------------------------------------------- resolution
 
 
-def resolve_model(model: str | os.PathLike | None) -> Path:
+def resolve_model(model: str | os.PathLike | None, packed: bool = False) -> Path:
     """Turn what the user passed into a local directory holding config.json + weights.
 
-    Raises ModelNotFoundError naming every place that was looked at.
+    ``packed``: a GGUF keeps its blocks, so its directory holds config and tokenizer only and
+    :func:`iter_weights` reads the tensors from the GGUF itself (the bundled default model too);
+    otherwise a GGUF is dequantized to an fp32 directory once. Raises ModelNotFoundError naming
+    every place that was looked at.
     """
     if model is None or (isinstance(model, str) and not model.strip()):
         from pagedq.worker.models.default_model import ensure_default_model
 
-        return ensure_default_model()
+        return ensure_default_model(packed)
     text = os.fspath(model)
     path = Path(text).expanduser()
     if path.exists():
-        return _resolve_local(path)
+        return _resolve_local(path, packed)
     tried = [f"local path {str(path.absolute())!r}: does not exist"]
     repo_id, revision = _split_revision(text)
     if _looks_like_repo_id(repo_id):
         snapshot, why = _hf_cache_snapshot(repo_id, revision)
         if snapshot is not None:
-            return _resolve_local(snapshot)  # config.json, or a GGUF-only repo with one file
+            return _resolve_local(snapshot, packed)  # config.json, or a GGUF-only repo
         tried.append(why)
     else:
         tried.append(f"{text!r} is not a Hugging Face repo id (org/name): HF cache not searched")
     raise ModelNotFoundError(_not_found_message(text, tried))
 
 
-def _resolve_local(path: Path) -> Path:
+def _resolve_local(path: Path, packed: bool = False) -> Path:
     # Absolute but symlinks kept: the HF cache links "model.gguf" to a blob named by its hash.
     path = Path(os.path.abspath(path))
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            return convert_gguf(path, gguf_cache_path(path))
+            return convert_gguf(path, gguf_cache_path(path, packed), weights=not packed)
         raise ModelNotFoundError(
             _not_found_message(str(path), [f"{path} is a file but not a .gguf file"])
         )
@@ -113,7 +118,7 @@ def _resolve_local(path: Path) -> Path:
         return path
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
-        return convert_gguf(ggufs[0], gguf_cache_path(ggufs[0]))
+        return convert_gguf(ggufs[0], gguf_cache_path(ggufs[0], packed), weights=not packed)
     why = f"directory {path} has no config.json"
     if ggufs:
         names = ", ".join(g.name for g in ggufs)
@@ -204,14 +209,19 @@ def weight_files(path: Path) -> list[Path]:
     )
 
 
-def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: Path) -> Iterator[tuple[str, Weight]]:
     """Yield (checkpoint name, tensor) one at a time, so peak memory stays ~one tensor.
 
     safetensors are opened lazily (each tensor is read on demand); .bin files are memory-mapped.
-    Names are exactly the checkpoint's (Hugging Face names); dtypes are the checkpoint's too.
+    Names are exactly the checkpoint's (Hugging Face names); dtypes are the checkpoint's too. A
+    packed GGUF conversion yields its GGUF's tensors, blocks kept (QuantWeight).
     """
     from safetensors import safe_open
 
+    source = packed_source(path)
+    if source is not None:
+        yield from iter_gguf_weights(source)
+        return
     for file in weight_files(path):
         if file.suffix == ".safetensors":
             with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -240,16 +250,19 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
 # --------------------------------------------------------------------------- GGUF
 
 
-def gguf_cache_path(gguf_file: Path) -> Path:
-    """Where a GGUF file's conversion lives: keyed by path, size and mtime so edits re-convert."""
+def gguf_cache_path(gguf_file: Path, packed: bool = False) -> Path:
+    """Where a GGUF file's conversion lives: keyed by path, size and mtime so edits re-convert;
+    ``packed`` conversions (config and tokenizer only) apart from fp32 ones."""
     gguf_file = Path(os.path.abspath(gguf_file))
     st = gguf_file.stat()
     key = hashlib.sha256(f"{gguf_file}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "gguf" / f"{gguf_file.stem}-{key}"
+    return cache_dir() / "gguf" / f"{gguf_file.stem}-{key}{'-packed' if packed else ''}"
 
 
-def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
-    """Dequantize a GGUF checkpoint to an fp32 Hugging Face directory at ``out_dir`` (once).
+def convert_gguf(gguf_file: Path, out_dir: Path, weights: bool = True) -> Path:
+    """Write a GGUF checkpoint as a Hugging Face directory at ``out_dir`` (once): config,
+    tokenizer and, with ``weights``, the tensors dequantized to fp32. Without them the directory
+    names its GGUF (:func:`packed_source`) and the weights are read from there, packed.
 
     transformers reads GGUF but refuses to ``save_pretrained`` what it read, so the state dict is
     written with safetensors directly. The result appears atomically (temp dir + rename) and a
@@ -268,9 +281,10 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
         _make_room(out_dir)  # fail fast, before the slow part
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         try:
-            with waiting(f"converting {gguf_file.name} to safetensors (once; kept in "
+            what = "safetensors" if weights else "config and tokenizer (weights stay in the GGUF)"
+            with waiting(f"converting {gguf_file.name} to {what} (once; kept in "
                          f"{out_dir.parent})", log, delay=0, gguf=str(gguf_file), out=str(out_dir)):
-                _write_converted(gguf_file, tmp)
+                _write_converted(gguf_file, tmp, weights)
                 _make_shareable(tmp)
                 os.rename(tmp, out_dir)
         finally:
@@ -284,6 +298,16 @@ _DONE_MARKER = "pagedq_converted.json"
 def is_converted(out_dir: Path) -> bool:
     """Whether ``out_dir`` holds a finished conversion (the marker is written last)."""
     return (out_dir / _DONE_MARKER).is_file()
+
+
+def packed_source(model_dir: Path) -> Path | None:
+    """The GGUF whose blocks a packed conversion reads its weights from; None for a directory
+    with weights of its own."""
+    marker = Path(model_dir) / _DONE_MARKER
+    if not marker.is_file():
+        return None
+    info = json.loads(marker.read_text())
+    return Path(info["source"]) if info.get("packed") else None
 
 
 def _make_shareable(directory: Path) -> None:
@@ -341,14 +365,35 @@ def _quiet_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _write_converted(gguf_file: Path, out: Path) -> None:
-    """Load ``gguf_file`` with transformers (dequantized to fp32) and save it in HF layout."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _write_converted(gguf_file: Path, out: Path, weights: bool = True) -> None:
+    """Save ``gguf_file``'s config, tokenizer and (``weights``) fp32 tensors in HF layout."""
+    from transformers import AutoTokenizer
 
     src, name = gguf_file.parent, gguf_file.name
+    if weights:
+        _write_fp32(gguf_file, out)
+    else:
+        _write_config(gguf_file, out)
+    try:
+        with waiting("building the tokenizer from the GGUF's vocabulary", log):
+            tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    except (ValueError, KeyError) as exc:  # a GGUF without tokenizer metadata is legal
+        log.warning("gguf has no usable tokenizer; the model will take token ids only",
+                    gguf=str(gguf_file), error=str(exc))
+    else:
+        tokenizer.save_pretrained(out)
+    (out / _DONE_MARKER).write_text(json.dumps(
+        {"source": str(gguf_file), "size": gguf_file.stat().st_size, "packed": not weights}) + "\n")
+
+
+def _write_fp32(gguf_file: Path, out: Path) -> None:
+    """The model dequantized by transformers, saved with its config and generation config."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
     with _quiet_progress_bars(), waiting("dequantizing the GGUF's weights", log):
-        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
+                                                     dtype=torch.float32)
     config = model.config
     tied = bool(getattr(config, "tie_word_embeddings", False))
     state = {
@@ -367,14 +412,17 @@ def _write_converted(gguf_file: Path, out: Path) -> None:
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out)
     del model
-    try:
-        with waiting("building the tokenizer from the GGUF's vocabulary", log):
-            tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
-    except (ValueError, KeyError) as exc:  # a GGUF without tokenizer metadata is legal
-        log.warning("gguf has no usable tokenizer; the model will take token ids only",
-                    gguf=str(gguf_file), error=str(exc))
-    else:
-        tokenizer.save_pretrained(out)
-    (out / _DONE_MARKER).write_text(
-        json.dumps({"source": str(gguf_file), "size": gguf_file.stat().st_size}) + "\n"
-    )
+
+
+def _write_config(gguf_file: Path, out: Path) -> None:
+    """The model's config (and a generation config from it) read from the GGUF's metadata alone."""
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    head_dim = gguf_head_dim(gguf_file)
+    if head_dim and head_dim != config.hidden_size // config.num_attention_heads:
+        config.head_dim = head_dim  # transformers' Qwen3 GGUF reader leaves its default
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)

@@ -1,0 +1,202 @@
+// Packed weight formats the quantized kernels read in place, and the activation layout they
+// share (pagedq/worker/models/quant.py documents the formats; its dequantizers are the tests'
+// reference).
+//
+// Every kernel reduces a weight row to "chunks" of 64 codes. Within a chunk, lane l (codes
+// 4l..4l+3) has one scale ws[l] and one offset wm[l]: weight = ws[l] * code + wm[l]. The codes
+// of one chunk are in the order one SIMD decode produces them; for the 32-element nibble formats
+// that order interleaves two blocks (see chunk_position), and the activations are stored in the
+// same order instead of shuffling the weights. The AVX-512 kernels decode in registers
+// (quant_avx512.h); the portable dequantizer here (dequant_row_f32) serves the AVX2 paths.
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace pagedq_cpu {
+
+// GGML's type ids for the GGUF formats (kBF16: plain bf16 rows, multiplied as they are); kInt8 is
+// pagedq's per-channel int8 (scales beside).
+enum Format : int64_t {
+  kF32 = 0, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
+  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30, kInt8 = 100,
+};
+
+constexpr int64_t kChunk = 64;  // codes per chunk
+constexpr int64_t kLanesPerChunk = kChunk / 4;
+constexpr int64_t kActBlock = 32;  // activations are quantized per 32 values
+
+// Elements per block and bytes per block of each format (kInt8: one byte per element).
+inline bool format_size(int64_t fmt, int64_t& block, int64_t& bytes) {
+  switch (fmt) {
+    case kQ4_0: block = 32; bytes = 18; return true;
+    case kQ4_1: block = 32; bytes = 20; return true;
+    case kQ5_0: block = 32; bytes = 22; return true;
+    case kQ5_1: block = 32; bytes = 24; return true;
+    case kQ8_0: block = 32; bytes = 34; return true;
+    case kQ4_K: block = 256; bytes = 144; return true;
+    case kQ5_K: block = 256; bytes = 176; return true;
+    case kQ6_K: block = 256; bytes = 210; return true;
+    case kBF16: block = 1; bytes = 2; return true;
+    case kInt8: block = 1; bytes = 1; return true;
+    default: return false;
+  }
+}
+
+// The nibble formats (Q4_0, Q4_1, Q5_0, Q5_1) decode two blocks per chunk as
+// [block0 0-15, block1 0-15, block0 16-31, block1 16-31]: low nibbles of both, then high.
+inline bool nibble_order(int64_t fmt) {
+  return fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ5_0 || fmt == kQ5_1;
+}
+
+// Chunk position of element e of a row (the activations are stored at these positions).
+inline int64_t chunk_position(int64_t e, bool nibbles) {
+  if (!nibbles) return e;
+  const int64_t chunk = e / kChunk, r = e % kChunk, blk = r / 32, t = r % 32;
+  return chunk * kChunk + (t < 16 ? 0 : 32) + blk * 16 + t % 16;
+}
+
+inline float fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins.
+inline void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+// Portable dequantization of one weight row to K floats in natural order (the AVX2 paths: no
+// chunk order there). Each block's arithmetic is GGML's: an fp16 scale times a small integer,
+// plus an offset; `scale` is the int8 row scale.
+inline void dequant_row_f32(int64_t fmt, const uint8_t* row, int64_t K, float scale, float* out) {
+  switch (fmt) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: {
+      const int64_t bytes = fmt == kQ4_0 ? 18 : fmt == kQ4_1 ? 20 : fmt == kQ5_0 ? 22 : 24;
+      const bool has_min = fmt == kQ4_1 || fmt == kQ5_1, five = fmt == kQ5_0 || fmt == kQ5_1;
+      const int64_t qs_off = (has_min ? 4 : 2) + (five ? 4 : 0);
+      for (int64_t b = 0; b < K / 32; ++b, out += 32) {
+        const uint8_t* blk = row + b * bytes;
+        uint32_t qh = 0;
+        if (five) std::memcpy(&qh, blk + (has_min ? 4 : 2), 4);
+        const float d = fp16(blk);
+        const float m = has_min ? fp16(blk + 2) : -(five ? 16.f : 8.f) * d;
+        for (int t = 0; t < 16; ++t) {
+          const uint8_t byte = blk[qs_off + t];
+          const int lo = (byte & 0x0F) | (five ? ((qh >> t) & 1) << 4 : 0);
+          const int hi = (byte >> 4) | (five ? ((qh >> (t + 16)) & 1) << 4 : 0);
+          out[t] = d * static_cast<float>(lo) + m;
+          out[t + 16] = d * static_cast<float>(hi) + m;
+        }
+      }
+      break;
+    }
+    case kQ8_0:
+      for (int64_t b = 0; b < K / 32; ++b, out += 32) {
+        const uint8_t* blk = row + b * 34;
+        const float d = fp16(blk);
+        const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+        for (int t = 0; t < 32; ++t) out[t] = d * static_cast<float>(q[t]);
+      }
+      break;
+    case kInt8: {
+      const int8_t* q = reinterpret_cast<const int8_t*>(row);
+      for (int64_t k = 0; k < K; ++k) out[k] = scale * static_cast<float>(q[k]);
+      break;
+    }
+    case kQ4_K: case kQ5_K: {
+      const int64_t bytes = fmt == kQ4_K ? 144 : 176;
+      for (int64_t sb = 0; sb < K / 256; ++sb) {
+        const uint8_t* blk = row + sb * bytes;
+        const float d = fp16(blk), dmin = fp16(blk + 2);
+        uint8_t sc[8], mn[8];
+        k_scales(blk + 4, sc, mn);
+        const uint8_t* qh = blk + 16;
+        const uint8_t* qs = blk + (fmt == kQ4_K ? 16 : 48);
+        for (int j = 0; j < 8; ++j, out += 32) {  // sub-block j: nibbles of qs[32 (j/2) ...], qh bit j
+          const float s = d * sc[j], m = -(dmin * mn[j]);
+          for (int t = 0; t < 32; ++t) {
+            const uint8_t byte = qs[(j / 2) * 32 + t];
+            int code = j % 2 ? byte >> 4 : byte & 0x0F;
+            if (fmt == kQ5_K) code |= ((qh[t] >> j) & 1) << 4;
+            out[t] = s * static_cast<float>(code) + m;
+          }
+        }
+      }
+      break;
+    }
+    case kQ6_K:
+      for (int64_t sb = 0; sb < K / 256; ++sb, out += 256) {
+        const uint8_t* blk = row + sb * 210;
+        const uint8_t* ql = blk;
+        const uint8_t* qh = blk + 128;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        const float d = fp16(blk + 208);
+        for (int e = 0; e < 256; ++e) {
+          const int half = e / 128, r = e % 128, quarter = r / 32, t = r % 32;
+          const uint8_t l = ql[half * 64 + (quarter % 2) * 32 + t];
+          const int low = quarter < 2 ? l & 0x0F : l >> 4;
+          const int high = (qh[half * 32 + t] >> (2 * quarter)) & 3;
+          out[e] = (d * sc[e / 16]) * static_cast<float>((low | (high << 4)) - 32);
+        }
+      }
+      break;
+  }
+}
+
+// The checked arguments of quant_gemv / quant_gemm: out[rows, N] = x[rows, K] @ W^T (+ bias).
+// out may be a column slice of a wider matrix (row stride ldo): fused projections (q, k and v
+// of different formats) write their parts of one output.
+struct LinearArgs {
+  int64_t fmt, rows, K, N, row_bytes, ldo;
+  const float* x;
+  const uint8_t* w;
+  const float* scales;  // kInt8 row scales, else null
+  const float* bias;    // or null
+  float* out;
+};
+
+inline LinearArgs check_linear(const char* op, at::Tensor& out, const at::Tensor& x,
+                               const at::Tensor& w, int64_t fmt,
+                               const c10::optional<at::Tensor>& scales,
+                               const c10::optional<at::Tensor>& bias) {
+  int64_t block = 0, bytes = 0;
+  TORCH_CHECK(format_size(fmt, block, bytes), op, ": unknown format ", fmt);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              op, ": x must be contiguous CPU fp32 [rows, K]");
+  const int64_t rows = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.element_size() == 1 && K % 32 == 0 &&
+                  K % block == 0 && w.size(1) == K / block * bytes,
+              op, ": w must be contiguous packed bytes [N, K / block * block_bytes] with K % 32 == 0");
+  const int64_t N = w.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == rows &&
+                  out.size(1) == N && out.stride(1) == 1 && (rows <= 1 || out.stride(0) >= N),
+              op, ": out must be fp32 [rows, N] with unit column stride");
+  const float* sp = nullptr;
+  if (fmt == kInt8) {
+    TORCH_CHECK(scales.has_value() && scales->defined() && scales->scalar_type() == at::kFloat &&
+                    scales->is_contiguous() && scales->numel() == N,
+                op, ": int8 weights need fp32 scales [N]");
+    sp = scales->data_ptr<float>();
+  }
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                op, ": bias must be fp32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  return {fmt, rows, K, N, w.size(1), rows > 1 ? out.stride(0) : N, x.data_ptr<float>(),
+          static_cast<const uint8_t*>(w.data_ptr()), sp, bp, out.data_ptr<float>()};
+}
+
+}  // namespace pagedq_cpu

@@ -1,0 +1,176 @@
+// Quantized GEMM for many rows of x (prefill chunks, large decode batches): W is dequantized a
+// tile of output channels at a time into bf16 (a thread-local buffer that stays in L2) and
+// multiplied by oneDNN's batch-reduce GEMM micro-kernel (ATen's cpublas::brgemm: AMX tiles where
+// the CPU has AMX-BF16, AVX-512 BF16 otherwise).
+//
+// Why: with many rows the products are compute-bound, and bf16 AMX multiplies an order of
+// magnitude faster than fp32 FMAs; dequantizing each weight once per step costs the same as
+// reading it, and the weights stay packed in memory (only the tile is ever bf16).
+//
+// Precision ("bf16x3"): a dequantized weight (fp16 scale x code: up to 19 significant bits) and
+// an fp32 activation each lose ~2^-9 of their value in one bf16. Each is split into a bf16 head
+// and a bf16 tail (v = hi + lo, exact to ~2^-17), and three products, hi.hi + hi.lo + lo.hi,
+// recover the fp32 result to ~2^-16: the model then follows its dequantized fp32 twin, not a
+// bf16 one. The products are the cheap part (AMX); the tails cost one more store per weight.
+//
+// The tile computes C^T[n, m] = W[n, :] . x[m, :]: the dequantized rows are brgemm's row-major
+// A operand as they come out of the decoder, and x, packed once per call, is the VNNI B operand.
+// Both use the decoder's chunk order of K (quant_formats.h), so the nibble formats' interleaved
+// blocks need no shuffling: permuting K the same way in both operands leaves the dot unchanged.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/sub.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "quant_avx512.h"
+#include "quant_formats.h"
+#include "cpu_ops.h"
+
+namespace pagedq_cpu {
+namespace {
+
+constexpr int64_t kTileRows = 32;  // output channels dequantized per tile
+constexpr int64_t kMaxCols = 128;  // rows of x per brgemm call (its N)
+
+using at::BFloat16;
+
+// One weight row into bf16 head and tail rows in natural order, the portable way (the tail
+// past K stays 0).
+void dequant_row_portable(int64_t fmt, const uint8_t* row, int64_t K, float scale, float* values,
+                          BFloat16* hi, BFloat16* lo) {
+  dequant_row_f32(fmt, row, K, scale, values);
+  for (int64_t i = 0; i < K; ++i) {
+    hi[i] = BFloat16(values[i]);
+    lo[i] = BFloat16(values[i] - static_cast<float>(hi[i]));
+  }
+}
+
+}  // namespace
+
+// The same with the AVX-512 decoders (inlined: this code has their target).
+PAGEDQ_AVX512_BEGIN
+namespace v512 {
+
+// fp32 -> bf16, rounding to nearest even (weights are finite: no NaN case).
+inline __m256i to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+// 16 floats -> bf16 heads at hi and tails at lo. The head is v truncated to bf16, which is
+// exact as a float (no conversion back), and the tail v - head, rounded: together within ~2^-17
+// of v (one op cheaper per value than rounding the head too).
+inline void split_bf16(__m512 v, BFloat16* hi, BFloat16* lo) {
+  const __m512i head = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(-65536));
+  const __m512 tail = _mm512_sub_ps(v, _mm512_castsi512_ps(head));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), _mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), to_bf16(tail));
+}
+
+void dequant_row(int64_t fmt, const uint8_t* row, int64_t K, float scale, BFloat16* hi,
+                 BFloat16* lo) {
+  walk_row(fmt, row, K, scale, [&](int64_t c, __m512i w, __m512 ws, __m512 wm) {
+    const int64_t at = c * kChunk;
+    split_bf16(dequant16<0>(w, ws, wm), hi + at, lo + at);
+    split_bf16(dequant16<1>(w, ws, wm), hi + at + 16, lo + at + 16);
+    split_bf16(dequant16<2>(w, ws, wm), hi + at + 32, lo + at + 32);
+    split_bf16(dequant16<3>(w, ws, wm), hi + at + 48, lo + at + 48);
+  });
+}
+
+}  // namespace v512
+PAGEDQ_AVX512_END
+
+namespace {
+
+// x [M, K] fp32 -> bf16 [padded / 2, M, 2] (brgemm's VNNI layout for B = x^T), K in chunk order.
+at::Tensor pack_activations(const at::Tensor& x, int64_t padded, bool nibbles) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor xb = at::zeros({M, padded}, x.options().dtype(at::kBFloat16));
+  if (nibbles) {
+    std::vector<int64_t> pos(K);
+    for (int64_t k = 0; k < K; ++k) pos[k] = chunk_position(k, true);
+    at::Tensor index = at::from_blob(pos.data(), {K}, at::TensorOptions().dtype(at::kLong));
+    xb.index_copy_(1, index, x.to(at::kBFloat16));
+  } else {
+    xb.narrow(1, 0, K).copy_(x);
+  }
+  // pairs of K as one 32-bit word, transposed: [M, padded / 2] -> [padded / 2, M]
+  return xb.view(at::kInt).t().contiguous();
+}
+
+// x's bf16 head and tail (x - head), each packed as above.
+std::pair<at::Tensor, at::Tensor> pack_split(const at::Tensor& x, int64_t padded, bool nibbles) {
+  const at::Tensor head = x.to(at::kBFloat16);
+  const at::Tensor tail = at::sub(x, head.to(at::kFloat));
+  return {pack_activations(head.to(at::kFloat), padded, nibbles),
+          pack_activations(tail, padded, nibbles)};
+}
+
+
+}  // namespace
+
+void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
+                const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias,
+                int64_t isa) {
+  check_isa(isa);
+  const LinearArgs args = check_linear("quant_gemm", out, x, w, fmt, scales, bias);
+  const int64_t M = args.rows, K = args.K, N = args.N;
+  const float* sp = args.scales;
+  const float* bp = args.bias;
+  if (M == 0 || N == 0) return;
+  const bool bf16 = fmt == kBF16;  // the rows already are brgemm's A operand, exactly
+  const int64_t padded = bf16 ? K : (K + kChunk - 1) / kChunk * kChunk;
+  const bool fast = isa == kAvx512Vnni;  // the AVX-512 decoders (chunk order), else portable ones
+  const auto [x_hi, x_lo] = pack_split(x, padded, fast && nibble_order(fmt));
+  const BFloat16* xh = static_cast<const BFloat16*>(x_hi.data_ptr());
+  const BFloat16* xl = static_cast<const BFloat16*>(x_lo.data_ptr());
+  const uint8_t* wp = args.w;
+  float* op = args.out;
+  const int64_t row_bytes = args.row_bytes;
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> values(padded);
+    std::vector<BFloat16> a_hi(kTileRows * padded, BFloat16(0.f)), a_lo(kTileRows * padded, BFloat16(0.f));
+    std::vector<float> c(kTileRows * kMaxCols);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
+      const BFloat16* hi = bf16 ? reinterpret_cast<const BFloat16*>(wp + n0 * row_bytes) : a_hi.data();
+      for (int64_t i = 0; i < rows && !bf16; ++i) {
+        const uint8_t* row = wp + (n0 + i) * row_bytes;
+        const float scale = sp ? sp[n0 + i] : 0.f;
+        BFloat16* h = a_hi.data() + i * padded;
+        BFloat16* l = a_lo.data() + i * padded;
+        if (fast)
+          v512::dequant_row(fmt, row, K, scale, h, l);  // whole chunks: a half chunk's tail is 0
+        else
+          dequant_row_portable(fmt, row, K, scale, values.data(), h, l);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxCols) {
+        const int64_t cols = std::min(kMaxCols, M - m0);
+        using at::native::cpublas::brgemm;
+        brgemm(rows, cols, padded, padded, M, cols, false, hi, xh + m0 * 2, c.data());
+        brgemm(rows, cols, padded, padded, M, cols, true, hi, xl + m0 * 2, c.data());
+        if (!bf16) brgemm(rows, cols, padded, padded, M, cols, true, a_lo.data(), xh + m0 * 2, c.data());
+        for (int64_t j = 0; j < cols; ++j) {  // C^T back to out's rows, `rows` floats at a time
+          float* dst = op + (m0 + j) * args.ldo + n0;
+          for (int64_t i = 0; i < rows; ++i) dst[i] = c[i * cols + j] + (bp ? bp[n0 + i] : 0.f);
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release();
+  });
+}
+
+}  // namespace pagedq_cpu

@@ -1,0 +1,303 @@
+// Quantized GEMV: out[b, n] = sum_k x[b, k] * W[n, k] for a few rows of x, reading W in its
+// packed form (GGUF blocks, per-channel int8 or bf16 rows; see quant_formats.h).
+//
+// Why: decode at small batch streams every weight once per step; packed 4-8 bit weights are a
+// quarter to an eighth of fp32's bytes. Each weight row is decoded once for all activation rows.
+//
+// Precision: the product follows the dequantized model, not a coarser one. llama.cpp rounds the
+// activations to int8 per 32 values; on SmolLM2 that made greedy decoding part from the
+// dequantized model's within a few tokens on half the prompts. Here:
+// - AVX-512 VNNI: activations are int16 per 32 values (scale da, ~2^-16 of the block's largest);
+//   each 64-code chunk meets them in two vpdpwssd, codes widened to 16 bits by unpacking against
+//   zero, and the float scales apply per 4-code lane afterwards:
+//     out += sum_lanes ws * da * isum(lane) + wm * da * sum(qa in lane)
+//   The unpack pairs bytes 2m, 2m+1 with 8 + 2m, 9 + 2m of each 16-code group into lane m of
+//   that group, so the activations are stored in that order (act_position).
+// - AVX2: each row is dequantized to fp32 (the portable decoder) and meets fp32 activations.
+//
+// The library is built for AVX2; the AVX-512 functions are compiled for AVX-512 (pragma below)
+// and run only when the caller passes Isa kAvx512Vnni (check_isa refuses it on CPUs without).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "quant_avx512.h"
+#include "quant_formats.h"
+#include "cpu_ops.h"
+
+namespace pagedq_cpu {
+namespace {
+
+constexpr int kMaxGroup = 8;  // activation rows per pass over a weight row (accumulators live in registers)
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the current weight row to prefetch
+
+// Activation rows prepared for one call, in the chunk order of the weight format: int16 codes
+// (VNNI path) or fp32 values (AVX2 path).
+struct Acts {
+  int64_t rows = 0, padded = 0;  // padded: K rounded up to a whole chunk
+  std::vector<int16_t> q;  // [rows, padded], act_position order
+  std::vector<float> da;  // [rows, padded / 4]: the activation scale of each lane
+  std::vector<float> ab;  // [rows, padded / 4]: da * (the lane's share of its group's code sum)
+  std::vector<float> xf;  // [rows, padded]: the fp32 activations themselves, natural order
+  const int16_t* qrow(int64_t b) const { return q.data() + b * padded; }
+  const float* darow(int64_t b) const { return da.data() + b * padded / 4; }
+  const float* abrow(int64_t b) const { return ab.data() + b * padded / 4; }
+  const float* xrow(int64_t b) const { return xf.data() + b * padded; }
+};
+
+// Where chunk position pos's activation goes among the chunk's 64 int16s: the first 32 meet the
+// codes unpacked from bytes 0-7 of each 16-byte group, the last 32 those from bytes 8-15.
+inline int64_t act_position(int64_t pos) {
+  const int64_t chunk = pos / kChunk, group = pos % kChunk / 16, r = pos % 16;
+  return chunk * kChunk + (r < 8 ? 0 : 32) + group * 8 + r % 8;
+}
+
+void quantize_acts(const float* x, int64_t rows, int64_t K, bool nibbles, Acts& a) {
+  a.rows = rows;
+  a.padded = (K + kChunk - 1) / kChunk * kChunk;
+  a.q.assign(rows * a.padded, 0);
+  a.da.assign(rows * a.padded / 4, 0.f);
+  a.ab.assign(rows * a.padded / 4, 0.f);
+  for (int64_t b = 0; b < rows; ++b) {
+    const float* xr = x + b * K;
+    int16_t* q = a.q.data() + b * a.padded;
+    float* da = a.da.data() + b * a.padded / 4;
+    float* ab = a.ab.data() + b * a.padded / 4;
+    for (int64_t blk = 0; blk < K / kActBlock; ++blk) {
+      const float* v = xr + blk * kActBlock;
+      float amax = 0.f;
+      for (int i = 0; i < kActBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float d = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
+      for (int half = 0; half < 2; ++half) {  // the block's two 16-code groups
+        const int64_t pos = chunk_position(blk * kActBlock + 16 * half, nibbles);
+        int32_t sum = 0;
+        for (int i = 0; i < 16; ++i) {
+          const int64_t at = chunk_position(blk * kActBlock + 16 * half + i, nibbles);
+          const int16_t code = static_cast<int16_t>(std::nearbyint(v[16 * half + i] * inv));
+          q[act_position(at)] = code;
+          sum += code;
+        }
+        for (int lane = 0; lane < 4; ++lane) {  // the group's 4 lanes share its sum
+          da[pos / 4 + lane] = d;
+          ab[pos / 4 + lane] = d * static_cast<float>(sum) * 0.25f;
+        }
+      }
+    }
+  }
+}
+
+// The fp32 activations zero-padded to whole chunks (the AVX2 GEMV's input, natural order).
+void order_acts(const float* x, int64_t rows, int64_t K, Acts& a) {
+  a.rows = rows;
+  a.padded = (K + kChunk - 1) / kChunk * kChunk;
+  a.xf.assign(rows * a.padded, 0.f);
+  for (int64_t b = 0; b < rows; ++b) std::copy(x + b * K, x + (b + 1) * K, a.xf.data() + b * a.padded);
+}
+
+inline void prefetch_row(const uint8_t* row, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchBytes + off), _MM_HINT_T0);
+}
+
+// f(first_row, std::integral_constant<int, G>) over groups of up to kMaxGroup activation rows:
+// G is a compile-time constant, so each group's accumulators live in registers.
+template <class F>
+inline void for_each_group(int64_t rows, F&& f) {
+  for (int64_t b = 0; b < rows; b += kMaxGroup) {
+    switch (std::min<int64_t>(kMaxGroup, rows - b)) {
+      case 1: f(b, std::integral_constant<int, 1>{}); break;
+      case 2: f(b, std::integral_constant<int, 2>{}); break;
+      case 3: f(b, std::integral_constant<int, 3>{}); break;
+      case 4: f(b, std::integral_constant<int, 4>{}); break;
+      case 5: f(b, std::integral_constant<int, 5>{}); break;
+      case 6: f(b, std::integral_constant<int, 6>{}); break;
+      case 7: f(b, std::integral_constant<int, 7>{}); break;
+      default: f(b, std::integral_constant<int, 8>{}); break;
+    }
+  }
+}
+
+}  // namespace
+
+// ================================================================ AVX-512 VNNI
+PAGEDQ_AVX512_BEGIN
+namespace v512 {
+namespace {
+
+// G activation rows (G <= kMaxGroup) starting at row b0 against weight rows [n0, n1).
+template <class Walker, int G>
+void rows_group(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.w + n * p.row_bytes;
+    prefetch_row(row, p.row_bytes);
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    const float scale = p.scales ? p.scales[n] : 0.f;
+    Walker::walk(row, p.K, scale, [&](int64_t c, __m512i w, __m512 ws, __m512 wm) {
+      const __m512i zero = _mm512_setzero_si512();
+      const __m512i w_lo = _mm512_unpacklo_epi8(w, zero), w_hi = _mm512_unpackhi_epi8(w, zero);
+      for (int g = 0; g < G; ++g) {
+        const int64_t b = b0 + g;
+        const int16_t* q = a.qrow(b) + c * kChunk;
+        const __m512 da = _mm512_loadu_ps(a.darow(b) + c * kLanesPerChunk);
+        const __m512 ab = _mm512_loadu_ps(a.abrow(b) + c * kLanesPerChunk);
+        __m512i isum = _mm512_dpwssd_epi32(zero, w_lo, _mm512_loadu_si512(q));
+        isum = _mm512_dpwssd_epi32(isum, w_hi, _mm512_loadu_si512(q + 32));
+        acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws, da), acc[g]);
+        acc[g] = _mm512_fmadd_ps(wm, ab, acc[g]);
+      }
+    });
+    const float bias = p.bias ? p.bias[n] : 0.f;
+    for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = _mm512_reduce_add_ps(acc[g]) + bias;
+  }
+}
+
+// bf16 weights: each row widened to fp32 in registers (a shift) against fp32 activations.
+template <int G>
+void bf16_group(const LinearArgs& p, int64_t b0, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.w + n * p.row_bytes;
+    prefetch_row(row, p.row_bytes);
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < p.K; k += 16) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+      const __m512 wf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      for (int g = 0; g < G; ++g)
+        acc[g] = _mm512_fmadd_ps(wf, _mm512_loadu_ps(p.x + (b0 + g) * p.K + k), acc[g]);
+    }
+    const float bias = p.bias ? p.bias[n] : 0.f;
+    for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = _mm512_reduce_add_ps(acc[g]) + bias;
+  }
+}
+
+template <class Walker>
+void run_rows(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
+  for_each_group(a.rows, [&](int64_t b, auto group) {
+    rows_group<Walker, decltype(group)::value>(p, a, b, n0, n1);
+  });
+}
+
+}  // namespace
+
+void gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
+  switch (p.fmt) {
+    case kQ4_0: run_rows<Nibble32<kQ4_0>>(p, a, n0, n1); break;
+    case kQ4_1: run_rows<Nibble32<kQ4_1>>(p, a, n0, n1); break;
+    case kQ5_0: run_rows<Nibble32<kQ5_0>>(p, a, n0, n1); break;
+    case kQ5_1: run_rows<Nibble32<kQ5_1>>(p, a, n0, n1); break;
+    case kQ8_0: run_rows<Q8_0>(p, a, n0, n1); break;
+    case kInt8: run_rows<Int8>(p, a, n0, n1); break;
+    case kQ4_K: run_rows<KQuant45<kQ4_K>>(p, a, n0, n1); break;
+    case kQ5_K: run_rows<KQuant45<kQ5_K>>(p, a, n0, n1); break;
+    case kQ6_K: run_rows<Q6_K>(p, a, n0, n1); break;
+    case kBF16:
+      for_each_group(p.rows, [&](int64_t b, auto group) {
+        bf16_group<decltype(group)::value>(p, b, n0, n1);
+      });
+      break;
+  }
+}
+
+}  // namespace v512
+PAGEDQ_AVX512_END
+
+// ================================================================ AVX2 (portable decode)
+namespace v256 {
+namespace {
+
+// fp32 activations against a row dequantized to fp32 (the float GEMV's AVX2 form).
+template <int G>
+void float_group(const LinearArgs& p, const Acts& a, int64_t b0, const float* wf, int64_t n) {
+  __m256 acc[G][2];
+  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < a.padded; k += 16) {
+    const __m256 w0 = _mm256_loadu_ps(wf + k), w1 = _mm256_loadu_ps(wf + k + 8);
+    for (int g = 0; g < G; ++g) {
+      const float* x = a.xrow(b0 + g) + k;
+      acc[g][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc[g][0]);
+      acc[g][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), acc[g][1]);
+    }
+  }
+  const float bias = p.bias ? p.bias[n] : 0.f;
+  for (int g = 0; g < G; ++g)
+    p.out[(b0 + g) * p.ldo + n] = hsum(_mm256_add_ps(acc[g][0], acc[g][1])) + bias;
+}
+
+void run_rows(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
+  std::vector<float> wf(a.padded, 0.f);  // the row's tail past K stays 0
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.w + n * p.row_bytes;
+    prefetch_row(row, p.row_bytes);
+    dequant_row_f32(p.fmt, row, p.K, p.scales ? p.scales[n] : 0.f, wf.data());
+    for_each_group(a.rows, [&](int64_t b, auto group) {
+      float_group<decltype(group)::value>(p, a, b, wf.data(), n);
+    });
+  }
+}
+
+template <int G>
+void bf16_group(const LinearArgs& p, int64_t b0, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.w + n * p.row_bytes;
+    prefetch_row(row, p.row_bytes);
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
+    __m256 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < p.K; k += 8) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k));
+      const __m256 wf = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+      for (int g = 0; g < G; ++g)
+        acc[g] = _mm256_fmadd_ps(wf, _mm256_loadu_ps(p.x + (b0 + g) * p.K + k), acc[g]);
+    }
+    const float bias = p.bias ? p.bias[n] : 0.f;
+    for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = hsum(acc[g]) + bias;
+  }
+}
+
+}  // namespace
+
+void gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
+  if (p.fmt == kBF16)
+    for_each_group(p.rows, [&](int64_t b, auto group) {
+      bf16_group<decltype(group)::value>(p, b, n0, n1);
+    });
+  else
+    run_rows(p, a, n0, n1);
+}
+
+}  // namespace v256
+
+// ================================================================ entry point
+
+void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
+                const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias,
+                int64_t isa) {
+  check_isa(isa);
+  const LinearArgs p = check_linear("quant_gemv", out, x, w, fmt, scales, bias);
+  if (p.rows == 0 || p.N == 0) return;
+  static thread_local Acts acts;
+  const bool vnni = isa == kAvx512Vnni;
+  if (fmt != kBF16 && vnni)
+    quantize_acts(p.x, p.rows, p.K, nibble_order(fmt), acts);
+  else if (fmt != kBF16)
+    order_acts(p.x, p.rows, p.K, acts);
+  // Rows per task: enough weight bytes (~32 KiB) that a thread's start-up cost stays small.
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(p.row_bytes, 1));
+  const Acts& a = acts;
+  at::parallel_for(0, p.N, grain, [&](int64_t n0, int64_t n1) {
+    if (vnni)
+      v512::gemv(p, a, n0, n1);
+    else
+      v256::gemv(p, a, n0, n1);
+  });
+}
+
+}  // namespace pagedq_cpu

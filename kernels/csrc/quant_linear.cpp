@@ -1,0 +1,71 @@
+// QuantLinear's methods (quant_linear.h); library.cpp registers the class.
+
+#include "quant_linear.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+
+#include "quant_formats.h"
+
+#include "cpu_ops.h"
+
+namespace pagedq_cpu {
+namespace {
+
+// fp32 rows: the skinny GEMV for few rows (its AVX-512 tiles when isa allows), else ATen.
+at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                 bool skinny, int64_t isa) {
+  if (!skinny || x.size(0) > kMaxSkinnyRows) return at::linear(x, w, bias);
+  at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
+  skinny_linear(out, x, w, bias, isa);
+  return out;
+}
+
+}  // namespace
+
+QuantLinear::QuantLinear(std::vector<at::Tensor> data_, std::vector<int64_t> fmts_,
+                         c10::List<c10::optional<at::Tensor>> scales_,
+                         c10::optional<at::Tensor> bias_, int64_t in_features_,
+                         std::vector<int64_t> gemv_max_rows_, int64_t isa_)
+    : data(std::move(data_)), fmts(std::move(fmts_)), scales(std::move(scales_)),
+      bias(std::move(bias_)), gemv_max_rows(std::move(gemv_max_rows_)),
+      in_features(in_features_), isa(isa_) {
+  check_isa(isa);
+  TORCH_CHECK(!data.empty() && fmts.size() == data.size() && scales.size() == data.size() &&
+                  gemv_max_rows.size() == data.size(),
+              "QuantLinear: one format, scales entry and GEMV row limit per segment");
+  for (const at::Tensor& d : data) out_features += d.size(0);
+  TORCH_CHECK(!bias.has_value() || !bias->defined() || bias->numel() == out_features,
+              "QuantLinear: bias must have one entry per output");
+}
+
+at::Tensor QuantLinear::forward(const at::Tensor& x) const {
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  int64_t col = 0;
+  for (size_t i = 0; i < data.size(); ++i) {
+    const int64_t n = data[i].size(0);
+    at::Tensor part = out.narrow(1, col, n);
+    c10::optional<at::Tensor> b;
+    if (bias.has_value() && bias->defined()) b = bias->narrow(0, col, n);
+    if (fmts[i] == kF32)  // a tensor the packed kernels do not read, kept as fp32 rows
+      part.copy_(dense(x, data[i], b, x.size(0) <= gemv_max_rows[i], isa));
+    else if (x.size(0) <= gemv_max_rows[i])
+      quant_gemv(part, x, data[i], fmts[i], scales.get(i), b, isa);
+    else
+      quant_gemm(part, x, data[i], fmts[i], scales.get(i), b, isa);
+    col += n;
+  }
+  return out;
+}
+
+int64_t QuantLinear::nbytes() const {
+  int64_t total = 0;
+  for (size_t i = 0; i < data.size(); ++i) {
+    total += data[i].numel() * data[i].element_size();
+    const c10::optional<at::Tensor> s = scales.get(i);
+    if (s.has_value() && s->defined()) total += s->numel() * s->element_size();
+  }
+  return total;
+}
+
+}  // namespace pagedq_cpu

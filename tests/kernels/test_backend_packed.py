@@ -1,0 +1,83 @@
+"""The selector's choices for packed weights (kernels/backend.py): which kernel runs a packed
+projection for each CPU, row count and device, and which dtype a model's activations take.
+
+Machines are described with CpuFeatures.of(...), as in test_backend.py; the rows that choose the
+C++ kernels need them to build here (the ``cpu_ops`` fixture skips, saying why, elsewhere).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedq.kernels import Selector, Switches
+from pagedq.kernels.cpu_features import CpuFeatures
+
+BASE = ("avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512dq", "avx512bw")
+AMX = CpuFeatures.of(*BASE, "avx512_vnni", "amx_bf16", "amx_int8")
+VNNI_NO_BF16 = CpuFeatures.of(*BASE, "avx512_vnni")
+AVX2 = CpuFeatures.of("avx2", "fma", "f16c")
+ARM = CpuFeatures.of(arch="aarch64")
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+BLOCK_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "int8")
+
+
+def kernels(cpu: CpuFeatures, fmt: str, rows: list[int], switches: Switches | None = None):
+    backend = Selector(switches, cpu=cpu).select("cpu", F32, None, 64)
+    return [backend.packed_for(fmt).kernel(r) for r in rows]
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_block_formats_take_the_vnni_gemv_then_the_bf16_gemm(cpu_ops, fmt):
+    """With bf16 matmul hardware the GEMV runs decode-sized steps (up to 16 rows) and the bf16
+    tiles everything larger."""
+    assert kernels(AMX, fmt, [1, 16, 17, 256]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-bf16"] * 2
+
+
+def test_bf16_rows_hand_over_to_the_gemm_sooner(cpu_ops):
+    assert kernels(AMX, "bf16", [1, 8, 9]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-bf16"]
+
+
+def test_without_bf16_hardware_the_gemv_keeps_more_rows(cpu_ops):
+    """bf16 tiles multiply slowly without AMX/AVX512_BF16, so the integer GEMV keeps 64 rows."""
+    assert kernels(VNNI_NO_BF16, "q4_1", [1, 64, 65]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-bf16"]
+    assert kernels(AVX2, "q8_0", [1, 64, 65]) == ["cpp-gemv-avx2"] * 2 + ["cpp-gemm-bf16"]
+
+
+def test_without_the_cpp_kernels_packed_weights_are_dequantized_per_call():
+    assert kernels(AMX, "q4_k", [1, 64], Switches(cpu_kernels=False)) == ["torch-dequant"] * 2
+    assert kernels(ARM, "int8", [1]) == ["torch-dequant"]
+
+
+def test_cuda_takes_the_triton_weight_only_gemm():
+    backend = Selector(cpu=AMX, has_triton=True).select("cuda", BF16)
+    assert {backend.packed_for(f).name for f in BLOCK_FORMATS} == {"triton-wq"}
+    without = Selector(cpu=AMX, has_triton=False).select("cuda", BF16)
+    assert without.packed_for("q4_0").name == "torch-dequant"
+
+
+def test_the_start_up_line_names_each_packed_route(cpu_ops):
+    summary = Selector(cpu=AMX).select("cpu", F32, None, 64).summary()["packed"]
+    assert "q4_1" in summary and "cpp-gemv-vnni<=16+cpp-gemm-bf16" in summary
+    assert "bf16: cpp-gemv-vnni<=8+cpp-gemm-bf16" in summary
+
+
+@pytest.mark.parametrize(("cpu", "dtype", "packed", "want"), [
+    (AMX, F32, False, F32),
+    (AMX, F32, True, F32),
+    (AMX, BF16, False, F32),  # bf16 rows through the C++ kernels: the bf16 fast path
+    (AMX, BF16, True, F32),
+    (AMX, F16, False, F16),  # no fp16 route: the model computes as asked
+    (AMX, F16, True, F32),
+    (VNNI_NO_BF16, BF16, False, BF16),  # no bf16 hardware: rows would gain nothing
+    (VNNI_NO_BF16, BF16, True, F32),
+    (ARM, BF16, True, BF16),  # no C++ kernels: dequantize per call in the model's dtype
+])
+def test_compute_dtype(cpu_ops, cpu, dtype, packed, want):
+    assert Selector(cpu=cpu).compute_dtype("cpu", dtype, packed=packed) == want
+
+
+def test_accelerators_compute_in_the_models_dtype():
+    assert Selector(cpu=AMX, has_triton=True).compute_dtype("cuda", BF16, packed=True) == BF16
+    off = Selector(Switches(cpu_kernels=False), cpu=AMX)
+    assert off.compute_dtype("cpu", BF16, packed=True) == BF16

@@ -1,0 +1,149 @@
+"""The packed-weight CPU kernels against dequantize-then-matmul in plain PyTorch (float64).
+
+quant_gemv's AVX-512 VNNI path rounds the activations to int16 per 32 values, so its oracle
+applies that same rounding in PyTorch first and must then agree to float rounding; its AVX2 path
+multiplies the fp32 activations themselves. quant_gemm multiplies bf16 heads and tails of both
+operands (bf16x3) with fp32 accumulation: its oracle is the exact product, to ~1e-5. Every path
+this CPU can run is tested (AVX-512 VNNI and the AVX2 fallback).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedq.kernels.cpu_features import detect_cpu_features
+from pagedq.kernels.cpu_ops import Isa
+from pagedq.worker.models.quant import FORMATS, dequantize, quantize_int4
+from tests.quant_fixtures import ALL, random_weight
+
+
+@pytest.fixture(params=[Isa.AVX512_VNNI, Isa.AVX2], ids=lambda i: i.name)
+def isa(request) -> int:
+    if request.param == Isa.AVX512_VNNI and not detect_cpu_features().has_avx512_vnni:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    return int(request.param)
+
+
+BEST = int(Isa.AVX512_VNNI if detect_cpu_features().has_avx512_vnni else Isa.AVX2)
+
+
+def quantized_activations(x: torch.Tensor, isa: int) -> torch.Tensor:
+    """x as the GEMV on ``isa`` sees it: on AVX-512 VNNI each run of 32 values rounded to int16
+    steps of max|x| / 32767 (the kernel's rule); on AVX2 unchanged."""
+    if isa != Isa.AVX512_VNNI:
+        return x
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # torch.full_like(...) / amax, not 32767 / amax: the latter is reciprocal() * 32767, one ulp
+    # off the kernel's division, which flips the rounding of values that land on .5
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767) / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / 32767)).view_as(x)
+
+
+def widths(fmt: str) -> tuple[int, ...]:
+    """K values: an odd number of 32-blocks (a half chunk), one chunk, several super-blocks."""
+    return (256, 512) if FORMATS[fmt].block == 256 else (96, 64, 512)
+
+
+def test_output_can_be_a_column_slice(cpu_ops):
+    """Fused projections write their parts of one output (row stride > N)."""
+    gen = torch.Generator().manual_seed(5)
+    w = random_weight("q8_0", 24, 64, gen)
+    x = torch.randn(5, 64, generator=gen)
+    for op in (cpu_ops.quant_gemv, cpu_ops.quant_gemm):
+        wide = torch.full((5, 40), 7.0)
+        op(wide[:, 10:34], x, w.data, w.fmt.code, None, None, BEST)
+        solo = torch.empty(5, 24)
+        op(solo, x, w.data, w.fmt.code, None, None, BEST)
+        torch.testing.assert_close(wide[:, 10:34], solo, rtol=0, atol=0)
+        assert torch.all(wide[:, :10] == 7) and torch.all(wide[:, 34:] == 7)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+def products(op, fmt: str, n: int, row_counts: tuple[int, ...], isa: int, seed: int):
+    """Run ``op`` over random ``fmt`` weights of every width and each row count; yields
+    (k, rows, x, out, dense weight, bias) for the caller's comparison."""
+    gen = torch.Generator().manual_seed(seed)
+    for k in widths(fmt):
+        w = random_weight(fmt, n, k, gen)
+        dense = dequantize(w).double()
+        bias = torch.randn(n, generator=gen)
+        for rows in row_counts:
+            x = torch.randn(rows, k, generator=gen)
+            out = torch.empty(rows, n)
+            op(out, x, w.data, w.fmt.code, w.scales, bias, isa)
+            yield k, rows, x, out, dense, bias.double()
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_gemv_matches_dequantized_matmul(cpu_ops, isa, fmt):
+    for k, rows, x, out, dense, bias in products(cpu_ops.quant_gemv, fmt, 37, (1, 3, 8, 11, 17),
+                                                 isa, seed=1):
+        # bf16 rows meet the fp32 activations as they are; the integer formats round them
+        xq = x if fmt == "bf16" else quantized_activations(x, isa)
+        assert relative_error(out, xq.double() @ dense.T + bias) < 1e-5, (fmt, k, rows)
+        # the int16 activation rounding itself stays far below the weights' own
+        assert relative_error(out, x.double() @ dense.T + bias) < 1e-4
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_gemm_matches_dequantized_matmul(cpu_ops, isa, fmt):
+    for k, rows, x, out, dense, bias in products(cpu_ops.quant_gemm, fmt, 45, (1, 17, 64, 130),
+                                                 isa, seed=2):
+        assert relative_error(out, x.double() @ dense.T + bias) < 2e-5, (fmt, k, rows)
+
+
+def test_int4_is_q4_1_blocks(cpu_ops):
+    """int4 quantization at load makes Q4_1 blocks: the same kernel computes both."""
+    gen = torch.Generator().manual_seed(3)
+    dense = torch.randn(40, 128, generator=gen)
+    w = quantize_int4(dense)
+    assert w.fmt.name == "q4_1"
+    x = torch.randn(5, 128, generator=gen)
+    out = torch.empty(5, 40)
+    cpu_ops.quant_gemv(out, x, w.data, w.fmt.code, None, None, BEST)
+    want = quantized_activations(x, BEST).double() @ dequantize(w).double().T
+    assert relative_error(out, want) < 1e-5
+
+
+def test_kernels_refuse_mismatched_shapes(cpu_ops):
+    w = random_weight("q4_0", 8, 64, torch.Generator().manual_seed(4))
+    with pytest.raises(RuntimeError, match="quant_gemv"):
+        cpu_ops.quant_gemv(torch.empty(1, 8), torch.randn(1, 96), w.data, w.fmt.code, None, None, BEST)
+    with pytest.raises(RuntimeError, match="quant_gemm"):
+        cpu_ops.quant_gemm(torch.empty(2, 7), torch.randn(2, 64), w.data, w.fmt.code, None, None, BEST)
+    with pytest.raises(RuntimeError, match="unknown format"):
+        cpu_ops.quant_gemv(torch.empty(1, 8), torch.randn(1, 64), w.data, 99, None, None, BEST)
+    with pytest.raises(RuntimeError, match="scales"):
+        cpu_ops.quant_gemv(torch.empty(1, 8), torch.randn(1, 64), w.data.new_zeros(8, 64), 100, None,
+                       None, BEST)
+    with pytest.raises(RuntimeError, match="is not one this CPU runs"):
+        cpu_ops.quant_gemv(torch.empty(1, 8), torch.randn(1, 64), w.data, w.fmt.code, None, None, 7)
+
+
+def test_linear_segments_pick_gemv_or_gemm_by_rows(cpu_ops):
+    """A QuantLinear of three segments in different formats equals each part's own product; rows
+    up to a segment's limit take its GEMV, more rows the GEMM."""
+    gen = torch.Generator().manual_seed(6)
+    parts = [random_weight(f, n, 64, gen) for f, n in (("q5_0", 16), ("q8_0", 8), ("int8", 8))]
+    bias = torch.randn(32, generator=gen)
+    limits = [4, 2, 8]
+    linear = cpu_ops.quant_linear([p.data for p in parts], [p.fmt.code for p in parts],
+                              [p.scales for p in parts], bias, 64, limits, BEST)
+    assert (linear.in_features, linear.out_features) == (64, 32)
+    assert linear.nbytes() == sum(p.nbytes for p in parts)
+    dense = torch.cat([dequantize(p) for p in parts]).double()
+    for rows in (1, 3, 6):
+        x = torch.randn(rows, 64, generator=gen)
+        out = linear.forward(x)
+        col = 0
+        for part, limit in zip(parts, limits, strict=True):
+            n = part.shape[0]
+            xq = quantized_activations(x, BEST) if rows <= limit else x
+            got = out[:, col:col + n].double() - bias[col:col + n].double()
+            assert relative_error(got, xq.double() @ dense[col:col + n].T) < 2e-5, (rows, part.fmt.name)
+            col += n

@@ -1,0 +1,223 @@
+"""The ``quant`` scenario: pagedq serving GGUF files as shipped (blocks kept packed) against
+llama.cpp on the very same files, in the same run.
+
+Files: the default model's bundled Q4_1, plus Q8_0 and Q4_K_M that ``llama-quantize`` makes from
+its F32 dequantization (cached beside the F32 file); a run with its own GGUF model uses that file
+alone. For each file:
+
+- decode tok/s at each of ``decode_batches`` streams: pagedq's decode sweep and
+  ``llama-batched-bench -nr`` (no weight repacking: build 11434 crashes in its AMX repack path on
+  every quantized type);
+- the mixed (throughput) trace: pagedq in process and ``llama-server -nr``;
+- resident weight bytes (``engine.stats()["weight_bytes"]``) against the file's size;
+- fidelity: greedy continuations of fixed prompts against the dequantized model
+  (``quantization="none"``: the same file widened to fp32), mean matching prefix.
+
+Without the llama.cpp binaries the pagedq side is still measured and the comparisons say why
+they are missing. Targets, per type: >= 1.1x llama.cpp at 1 stream, >= 2x at 64 streams,
+>= 1.5x llama-server on the mixed trace, weights <= 1.1x the file, matching prefix >= 0.9
+(8-bit) / 0.8 (4-bit).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedq.worker.logging import get_logger
+
+from . import driver, fidelity, llama_cpp, scenarios
+
+log = get_logger("pagedq.bench.quant")
+
+EIGHT_BIT = ("Q8_0",)  # GGML types judged by the 8-bit fidelity target
+TARGETS = {"decode_1": 1.1, "decode_64": 2.0, "mixed": 1.5, "weights_vs_file": 1.1,
+           "prefix_8bit": 0.9, "prefix_4bit": 0.8}
+
+
+def quantize_gguf(cpp: llama_cpp.LlamaCpp, f32: Path, type_name: str) -> Path:
+    """``f32`` quantized to ``type_name`` by llama-quantize (built once, cached beside it)."""
+    out = f32.with_name(f32.name.replace(".F32.gguf", f".{type_name}.gguf"))
+    if out.is_file():
+        return out
+    tmp = out.with_suffix(".tmp")
+    proc = subprocess.run([cpp.exe("llama-quantize"), str(f32), str(tmp), type_name],
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0 or not tmp.is_file():
+        raise RuntimeError(f"llama-quantize could not write {type_name} from {f32}: "
+                           f"{(proc.stderr or proc.stdout).strip()[-600:]}")
+    tmp.rename(out)
+    return out
+
+
+def files(run: Any, cpp: llama_cpp.LlamaCpp | None) -> dict[str, Path]:
+    """The GGUF files to serve, by type name."""
+    from pagedq.worker.models.default_model import default_gguf
+    from pagedq.worker.models.loader import cache_dir
+
+    c = run.config
+    if c.model is not None:
+        path = Path(c.model).expanduser()
+        if path.suffix.lower() != ".gguf":
+            raise scenarios.Unavailable("the quant scenario serves GGUF files: run it with the default "
+                                  "model or --model FILE.gguf")
+        return {path.stem: path}
+    bundled = default_gguf()
+    out = {"Q4_1": bundled}
+    wanted = [t for t in c.quant_types if t != "Q4_1"]
+    if wanted and cpp is None:
+        log.warning("quant files beyond the bundled Q4_1 need llama-quantize", skipped=wanted)
+        return out
+    if wanted:
+        f32 = llama_cpp.f32_gguf(cpp, bundled, cache_dir() / "llama_cpp")
+        out.update({t: quantize_gguf(cpp, f32, t) for t in wanted})
+    return {t: p for t, p in out.items() if t in c.quant_types}
+
+
+def mostly_eight_bit(path: Path) -> bool:
+    """Whether most of the file's tensor bytes are in an 8-bit type (else 4-bit's target)."""
+    from gguf import GGUFReader
+
+    by_type: dict[str, int] = {}
+    for tensor in GGUFReader(str(path)).tensors:
+        by_type[tensor.tensor_type.name] = by_type.get(tensor.tensor_type.name, 0) + tensor.n_bytes
+    eight = sum(n for t, n in by_type.items() if t in EIGHT_BIT)
+    return eight > sum(by_type.values()) / 2
+
+
+def measure(run: Any) -> None:
+    """Every file through pagedq, then (when its binaries are there) through llama.cpp."""
+    c = run.config
+    try:
+        cpp = llama_cpp.LlamaCpp.locate(c.llama_cpp)
+        cpp_why = None
+    except llama_cpp.LlamaCppUnavailable as exc:
+        cpp, cpp_why = None, str(exc)
+    results: dict[str, Any] = {"llama_cpp_unavailable": cpp_why, "files": {}}
+    if cpp is not None:
+        results["llama_cpp_version"] = cpp.version()
+    for type_name, path in files(run, cpp).items():
+        log.info("quant scenario", type=type_name, gguf=str(path))
+        entry = {"gguf": str(path), "file_bytes": path.stat().st_size,
+                 "eight_bit": mostly_eight_bit(path), **pagedq_side(run, path)}
+        if cpp is not None:
+            entry["llama_cpp"] = llama_cpp_side(run, cpp, path)
+        results["files"][type_name] = entry
+    run.results["quant"] = results
+
+
+def pagedq_side(run: Any, path: Path) -> dict[str, Any]:
+    """Decode sweep, mixed trace, resident weights and fidelity of pagedq on one file."""
+    from pagedq.worker import Engine
+
+    c = run.config
+    engine = run.engine(model=str(path), quantization="auto", **run.serving_engine_kwargs())
+    out: dict[str, Any] = {"weight_bytes": engine.stats()["weight_bytes"]}
+    out["decode_rows"] = scenarios.decode_rows(run, engine)
+    trace = run.throughput_trace()
+    out["mixed_tok_s"] = driver.serve(engine, trace).timeline.tokens_per_s
+    prompts = fidelity.PROMPTS
+    packed = fidelity.greedy(engine, prompts, c.quant_fidelity_tokens)
+    packed_ppl = fidelity.perplexity(engine)
+    del engine
+    twin = Engine(config=c.engine_config(model=str(path), quantization="none", num_kv_blocks=1024))
+    widened = fidelity.greedy(twin, prompts, c.quant_fidelity_tokens)
+    out["mean_matching_prefix"] = fidelity.mean_matching_prefix(packed, widened)
+    out["perplexity"] = {"packed": packed_ppl, "dequantized": fidelity.perplexity(twin)}
+    out["fidelity"] = {"prompts": len(prompts), "new_tokens": c.quant_fidelity_tokens,
+                       "reference": "the same file dequantized to fp32 (quantization='none')"}
+    return out
+
+
+def llama_cpp_side(run: Any, cpp: llama_cpp.LlamaCpp, path: Path) -> dict[str, Any]:
+    c = run.config
+    threads = c.num_threads or torch.get_num_threads()
+    out: dict[str, Any] = {"threads": threads}
+    try:
+        out["decode_rows"] = llama_cpp.batched_bench(
+            cpp, path, c.decode_prompt_tokens, c.decode_new_tokens, c.decode_batches, threads,
+            no_repack=True)
+    except RuntimeError as exc:
+        out["decode_error"] = str(exc)
+    try:
+        served = llama_cpp.serve_trace(cpp, path, run.throughput_trace(), c.llama_cpp_server_slots,
+                                       c.max_model_len, threads, c.queue_timeout_s, no_repack=True)
+        out["mixed_tok_s"] = served["tokens_per_s"]
+    except RuntimeError as exc:
+        out["mixed_error"] = str(exc)
+    return out
+
+
+# -- figures --------------------------------------------------------------------------------------
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def figures(results: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Per file: pagedq and llama.cpp figures, their ratios and each target's verdict."""
+    if not results:
+        return None
+    out: dict[str, Any] = {"llama_cpp_version": results.get("llama_cpp_version"),
+                           "llama_cpp_unavailable": results.get("llama_cpp_unavailable"),
+                           "targets": TARGETS, "files": {}}
+    for type_name, entry in results["files"].items():
+        ours = {str(r["b"]): r["s_tg"] for r in entry["decode_rows"]}
+        cpp = entry.get("llama_cpp") or {}
+        theirs = {str(r["b"]): r["s_tg"] for r in cpp.get("decode_rows") or []}
+        weights_ratio = entry["weight_bytes"] / entry["file_bytes"]
+        prefix_target = TARGETS["prefix_8bit" if entry["eight_bit"] else "prefix_4bit"]
+        ratios = {
+            "decode_1": _ratio(ours.get("1"), theirs.get("1")),
+            "decode_64": _ratio(ours.get("64"), theirs.get("64")),
+            "mixed": _ratio(entry["mixed_tok_s"], cpp.get("mixed_tok_s")),
+        }
+        met = {k: None if v is None else v >= TARGETS[k] for k, v in ratios.items()}
+        met["weights_vs_file"] = weights_ratio <= TARGETS["weights_vs_file"]
+        met["mean_matching_prefix"] = entry["mean_matching_prefix"] >= prefix_target
+        out["files"][type_name] = {
+            "gguf": entry["gguf"], "file_bytes": entry["file_bytes"],
+            "weight_bytes": entry["weight_bytes"], "weights_vs_file": weights_ratio,
+            "decode_tok_s": {"pagedq": ours, "llama_cpp": theirs or None},
+            "mixed_tok_s": {"pagedq": entry["mixed_tok_s"], "llama_server": cpp.get("mixed_tok_s")},
+            "ratios": ratios, "mean_matching_prefix": entry["mean_matching_prefix"],
+            "perplexity": entry.get("perplexity"),
+            "prefix_target": prefix_target, "met": met,
+            "errors": {k: v for k, v in cpp.items() if k.endswith("_error")} or None,
+        }
+    return out
+
+
+def table(figs: dict[str, Any] | None) -> str:
+    """One block of lines per file: decode by streams, mixed trace, weights, fidelity."""
+    if not figs:
+        return ""
+
+    def fmt(v: Any) -> str:
+        return "-" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))
+
+    def verdict(flag: bool | None) -> str:
+        return "n/a" if flag is None else ("met" if flag else "NOT met")
+
+    lines = [f"quant: GGUF files as shipped, pagedq vs llama.cpp "
+             f"({figs.get('llama_cpp_version') or figs.get('llama_cpp_unavailable')})"]
+    for type_name, f in figs["files"].items():
+        dec = f["decode_tok_s"]
+        theirs = dec["llama_cpp"] or {}
+        for b, tok_s in dec["pagedq"].items():
+            lines.append(f"  {type_name:7} decode tok/s, {b:>2} streams: pagedq {fmt(tok_s)} "
+                         f"llama.cpp {fmt(theirs.get(b))} ratio {fmt(_ratio(tok_s, theirs.get(b)))}")
+        mix = f["mixed_tok_s"]
+        lines.append(f"  {type_name:7} mixed trace tok/s: pagedq {fmt(mix['pagedq'])} llama-server "
+                     f"{fmt(mix['llama_server'])} ratio {fmt(f['ratios']['mixed'])}")
+        lines.append(f"  {type_name:7} weights {f['weight_bytes'] / 1e6:.1f} MB, file "
+                     f"{f['file_bytes'] / 1e6:.1f} MB ({f['weights_vs_file']:.3f}x); greedy mean "
+                     f"matching prefix vs dequantized {f['mean_matching_prefix']:.3f}")
+        if f.get("perplexity"):
+            ppl = f["perplexity"]
+            lines.append(f"  {type_name:7} teacher-forced perplexity: packed {ppl['packed']:.3f}, "
+                         f"dequantized {ppl['dequantized']:.3f}")
+        lines.append("  " + " ".join(f"{k}: {verdict(v)};" for k, v in f["met"].items()))
+    return "\n".join(lines)

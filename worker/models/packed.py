@@ -1,0 +1,91 @@
+"""Projections over packed weights, built for the kernels the backend chose.
+
+A projection is one or more column segments (q, k and v fused, gate and up fused): each a
+:class:`~pagedq.worker.models.quant.QuantWeight` or a float tensor a GGUF held in a type no
+kernel reads. :func:`build_projection` turns them into an object with ``forward(x)`` (bias
+included) and ``nbytes()``:
+
+- ``cpp``: ``torch.classes.pagedq_cpu.QuantLinear``, the C++ GEMV/GEMM pair (the fused layer
+  calls it too);
+- ``triton``: the weight-only Triton GEMM over each segment's GPU layout;
+- ``torch``: each segment dequantized per call for ``F.linear`` (any device, slow: the
+  fallback where neither kernel runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedq.kernels import Backend
+from pagedq.worker.models.quant import QuantWeight, dequantize, to_gpu_layout
+
+Segment = QuantWeight | torch.Tensor
+
+
+def segment_format(segment: Segment) -> str:
+    return segment.fmt.name if isinstance(segment, QuantWeight) else "float32"
+
+
+def segment_bytes(segment: Segment) -> int:
+    if isinstance(segment, QuantWeight):
+        return segment.nbytes
+    return segment.numel() * segment.element_size()
+
+
+@dataclass
+class TorchProjection:
+    """Dequantize every segment per call: correct anywhere, for backends without kernels."""
+
+    segments: list[Segment]
+    bias: torch.Tensor | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dense = [dequantize(s) if isinstance(s, QuantWeight) else s for s in self.segments]
+        return F.linear(x, torch.cat(dense).to(x.dtype), self.bias)
+
+    def nbytes(self) -> int:
+        return sum(segment_bytes(s) for s in self.segments)
+
+
+@dataclass
+class TritonProjection:
+    """The weight-only Triton GEMM per segment (float segments: F.linear), one output."""
+
+    parts: list  # GpuWeight or float tensors on the device
+    bias: torch.Tensor | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from pagedq.kernels.triton_quant import triton_quant_linear
+
+        outs = [F.linear(x, p.to(x.dtype)) if isinstance(p, torch.Tensor) else triton_quant_linear(x, p)
+                for p in self.parts]
+        out = torch.cat(outs, dim=-1)
+        return out if self.bias is None else out + self.bias
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() if isinstance(p, torch.Tensor) else p.nbytes
+                   for p in self.parts)
+
+
+def build_projection(segments: list[Segment], bias: torch.Tensor | None, backend: Backend,
+                     device: torch.device):
+    """The runtime object of one projection on ``backend`` (see the module docstring)."""
+    choices = [backend.packed_for(segment_format(s)) for s in segments]
+    kind = choices[0].kind
+    if kind == "cpp":
+        ops = choices[0].ops
+        data = [s.data if isinstance(s, QuantWeight) else s.float().contiguous() for s in segments]
+        codes = [s.fmt.code if isinstance(s, QuantWeight) else 0 for s in segments]
+        scales = [s.scales if isinstance(s, QuantWeight) else None for s in segments]
+        bias = None if bias is None else bias.float().contiguous()
+        return ops.quant_linear(data, codes, scales, bias, segments[0].shape[1],
+                                [c.gemv_rows for c in choices], choices[0].isa)
+    if kind == "triton":
+        parts = [to_gpu_layout(s, device) if isinstance(s, QuantWeight) and s.fmt.name != "bf16"
+                 else (dequantize(s) if isinstance(s, QuantWeight) else s).to(device)
+                 for s in segments]
+        return TritonProjection(parts, bias)
+    return TorchProjection([s.to(device) for s in segments], bias)

@@ -1,0 +1,321 @@
+"""Weights that stay quantized in memory: GGUF block formats and pagedq's own int8 / int4.
+
+A :class:`QuantWeight` is one linear layer's weight ``[N, K]`` kept in its packed form: GGUF
+blocks exactly as the file stores them (one row of ``K / block`` blocks per output channel), or a
+float checkpoint quantized at load (``int8``: one scale per output channel; ``int4``: groups of
+32 with a scale and a minimum, stored in GGUF's Q4_1 block layout so one kernel serves both).
+Resident bytes are the file's bytes: nothing is widened.
+
+The dequantizers here are the plain-PyTorch reference every kernel is tested against (and
+themselves tested against the ``gguf`` package's NumPy dequantizers). They also serve the rows the
+kernels do not compute, such as embedding lookups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from pagedq.worker.logging import get_logger
+
+log = get_logger(__name__)
+
+QK = 32  # elements per block of the 32-element formats (and per activation block in the kernels)
+QK_K = 256  # elements per super-block of the K-quants
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One packed layout: ``block`` weights in ``nbytes`` bytes; ``code`` is the id the C++
+    kernels take (GGML's type id for GGUF formats)."""
+
+    name: str
+    code: int
+    block: int
+    nbytes: int
+
+    @property
+    def bits(self) -> float:
+        return 8 * self.nbytes / self.block
+
+
+# GGML type ids (gguf.GGMLQuantizationType) for the formats the kernels read directly.
+FORMATS: dict[str, BlockFormat] = {
+    f.name: f
+    for f in (
+        BlockFormat("q4_0", 2, QK, 18),
+        BlockFormat("q4_1", 3, QK, 20),
+        BlockFormat("q5_0", 6, QK, 22),
+        BlockFormat("q5_1", 7, QK, 24),
+        BlockFormat("q8_0", 8, QK, 34),
+        BlockFormat("q4_k", 12, QK_K, 144),
+        BlockFormat("q5_k", 13, QK_K, 176),
+        BlockFormat("q6_k", 14, QK_K, 210),
+        # per-channel int8: K int8 values per row, the fp32 scales in QuantWeight.scales
+        BlockFormat("int8", 100, 1, 1),
+        # plain bf16 rows (GGML's BF16): the same kernels multiply them, unconverted
+        BlockFormat("bf16", 30, 1, 2),
+    )
+}
+BY_CODE = {f.code: f for f in FORMATS.values()}
+
+
+@dataclass
+class QuantWeight:
+    """A linear layer's packed weight: ``data`` uint8 ``[N, row_bytes]`` (``int8``: int8 ``[N, K]``
+    plus fp32 ``scales [N]``); computes ``x @ W.T`` through the kernels without unpacking."""
+
+    fmt: BlockFormat
+    data: torch.Tensor
+    shape: tuple[int, int]  # (N, K): output channels, input features
+    scales: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        if k % self.fmt.block or k % QK:
+            raise ValueError(f"{self.fmt.name} needs K divisible by {max(self.fmt.block, QK)}, got {k}")
+        want = (n, k // self.fmt.block * self.fmt.nbytes)
+        if tuple(self.data.shape) != want:
+            raise ValueError(f"{self.fmt.name} data {tuple(self.data.shape)}, expected {want}")
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.scales.numel() * self.scales.element_size() if self.scales is not None else 0
+        return self.data.numel() * self.data.element_size() + extra
+
+    def rows(self, index: torch.Tensor) -> QuantWeight:
+        """The packed rows ``index`` (rows are independent: blocks never straddle rows)."""
+        scales = self.scales[index] if self.scales is not None else None
+        return QuantWeight(self.fmt, self.data[index].contiguous(), (len(index), self.shape[1]), scales)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self).to(dtype)
+
+    def to(self, device: torch.device | str) -> QuantWeight:
+        scales = None if self.scales is None else self.scales.to(device)
+        return QuantWeight(self.fmt, self.data.to(device), self.shape, scales)
+
+
+# --------------------------------------------------------------------------- dequantization
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:
+    """Little-endian fp16 from uint8 pairs [nblocks, 2] -> float32 [nblocks, 1]."""
+    return raw.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32] codes: low nibbles are elements 0-15, high nibbles 16-31."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+
+
+def _high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1: 4 bytes holding bit j of element j -> [..., 32] of 0/16."""
+    bits = qh.long()
+    word = bits[..., 0] | bits[..., 1] << 8 | bits[..., 2] << 16 | bits[..., 3] << 24
+    return ((word[..., None] >> torch.arange(32)) & 1).to(torch.uint8) << 4
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes of packed 6-bit (scale, min) pairs -> two [..., 8] int tensors."""
+    s = scales.long()
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
+    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
+    return sc, mn
+
+
+@dataclass
+class Codes:
+    """A weight as integer codes and per-group affine terms: ``w = scale * code + offset``.
+
+    ``codes`` [N, K] (int16), ``scale`` and ``offset`` [N, K / group] (fp32; ``offset`` None when
+    zero). Every format decomposes this way exactly: GGML's arithmetic multiplies an fp16 scale by
+    a small integer, which fp32 represents without rounding.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    group: int
+
+    def dequantize(self) -> torch.Tensor:
+        scale = self.scale.repeat_interleave(self.group, dim=1)
+        w = scale * self.codes.float()
+        return w if self.offset is None else w + self.offset.repeat_interleave(self.group, dim=1)
+
+
+def _block_codes(name: str, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """b: uint8 [nblocks, nbytes] -> codes [nblocks, block], scale and offset [nblocks, groups]."""
+    if name in ("q4_0", "q4_1", "q5_0", "q5_1"):
+        five, has_min = name.startswith("q5"), name.endswith("_1")
+        qh_at = 4 if has_min else 2  # after d (and m); the nibbles follow qh when there is one
+        q = _nibbles(b[:, qh_at + (4 if five else 0):])
+        if five:
+            q = q | _high_bits(b[:, qh_at:qh_at + 4])
+        d = _f16(b[:, 0:2])
+        offset = _f16(b[:, 2:4]) if has_min else -(16 if five else 8) * d
+        return q.short(), d, offset, QK
+    if name == "q8_0":
+        return b[:, 2:].contiguous().view(torch.int8).short(), _f16(b[:, 0:2]), None, QK
+    if name in ("q4_k", "q5_k"):
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, mn = _k_scales(b[:, 4:16])
+        qs = b[:, -128:].reshape(-1, 4, 1, 32)
+        q = torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(-1, 8, 32)  # chunk j: subs 2j, 2j+1
+        if name == "q5_k":
+            qh = b[:, 16:48].reshape(-1, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]
+            q = q | ((qh & 1) << 4)
+        return q.reshape(-1, QK_K).short(), d * sc, -(dmin * mn), QK
+    if name == "q6_k":
+        ql, qh = b[:, 0:128].reshape(-1, 2, 1, 64), b[:, 128:192].reshape(-1, 2, 1, 32)
+        sc = b[:, 192:208].contiguous().view(torch.int8).float()
+        low = torch.cat((ql & 0x0F, ql >> 4), dim=2).reshape(-1, 2, 4, 32)
+        high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3
+        q = (low | (high << 4)).reshape(-1, QK_K).short() - 32
+        return q, _f16(b[:, 208:210]) * sc, None, 16
+    raise ValueError(f"no decoder for {name!r}")
+
+
+def codes(w: QuantWeight) -> Codes:
+    """The integer codes and per-group scale/offset of a packed weight (not bf16: no codes)."""
+    n, k = w.shape
+    if w.fmt.name == "bf16":
+        raise ValueError("bf16 weights have no integer codes")
+    if w.fmt.name == "int8":
+        return Codes(w.data.view(torch.int8).short(), w.scales.float()[:, None], None, k)
+    q, scale, offset, group = _block_codes(w.fmt.name, w.data.reshape(-1, w.fmt.nbytes))
+    per_row = k // group
+    return Codes(q.reshape(n, k), scale.reshape(n, per_row),
+                 None if offset is None else offset.reshape(n, per_row), group)
+
+
+def dequantize(w: QuantWeight) -> torch.Tensor:
+    """The float32 ``[N, K]`` matrix a packed weight stands for (GGML's arithmetic, exactly)."""
+    if w.fmt.name == "bf16":
+        return w.data.view(torch.bfloat16).float()
+    return codes(w).dequantize()
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantWeight:
+    """Symmetric per-output-channel int8: ``w[n, k] ~ scales[n] * q[n, k]``, q in [-127, 127]."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return QuantWeight(FORMATS["int8"], q.view(torch.uint8), tuple(w.shape), scales.contiguous())
+
+
+def as_bf16(weight: torch.Tensor) -> QuantWeight:
+    """A float weight rounded to bf16 rows, for the kernels' bf16 paths."""
+    w = weight.detach().to(torch.bfloat16).contiguous()
+    return QuantWeight(FORMATS["bf16"], w.view(torch.uint8), tuple(w.shape))
+
+
+def quantize_int4(weight: torch.Tensor) -> QuantWeight:
+    """Asymmetric 4-bit in groups of 32 (scale and minimum per group, both fp16): GGUF's Q4_1
+    block layout, so the Q4_1 kernels compute it."""
+    w = weight.detach().float()
+    n, k = w.shape
+    g = w.reshape(n, k // QK, QK)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    d = ((hi - lo) / 15).half()
+    m = lo.half()
+    inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(lo))
+    q = torch.round((g - m.float()[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
+    qs = q[..., :16] | (q[..., 16:] << 4)
+    blocks = torch.cat((d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), qs), dim=-1)
+    return QuantWeight(FORMATS["q4_1"], blocks.reshape(n, -1).contiguous(), (n, k))
+
+
+# --------------------------------------------------------------------------- loading
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TABLES = ("model.embed_tokens.weight", "lm_head.weight")  # the embedding and the LM head
+MODES = ("keep", "float", "int8", "int4", "bf16")
+
+
+def is_matrix(name: str) -> bool:
+    """Whether a checkpoint tensor is a projection, the embedding or the LM head (the tensors
+    that are ever packed; norms and biases stay float)."""
+    return name in TABLES or (name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS)
+
+
+def pack_weights(weights: Iterable[tuple[str, torch.Tensor | QuantWeight]],
+                 mode: str) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """The checkpoint's tensors in the form ``mode`` asks for, one at a time.
+
+    ``keep``: as they come (GGUF blocks packed, float tensors float); ``float``: every packed
+    weight dequantized; ``int8`` / ``int4``: projections quantized per channel / in groups of 32
+    (the embedding and LM head int8 either way, as llama.cpp's 4-bit recipes keep them at 6-8
+    bits); ``bf16``: matrices as bf16 rows. A matrix whose width is not a multiple of 32 stays
+    float (the kernels' block), with a log line.
+    """
+    if mode not in MODES:
+        raise ValueError(f"pack mode must be one of {MODES}, got {mode!r}")
+    requantized = 0
+    for name, weight in weights:
+        if mode == "keep" or not is_matrix(name):
+            yield name, weight
+            continue
+        if isinstance(weight, QuantWeight):
+            if mode != "float":
+                requantized += 1
+            weight = dequantize(weight)
+        if mode == "float":
+            yield name, weight
+        elif weight.shape[1] % QK:
+            log.info("weight kept in float: its width is not a multiple of 32", weight=name,
+                     shape=tuple(weight.shape))
+            yield name, weight
+        elif mode == "bf16":
+            yield name, as_bf16(weight)
+        elif mode == "int4" and name not in TABLES:
+            yield name, quantize_int4(weight)
+        else:
+            yield name, quantize_int8(weight)
+    if requantized:
+        log.info("packed checkpoint weights dequantized and quantized again", mode=mode,
+                 tensors=requantized)
+
+
+# --------------------------------------------------------------------------- GPU layout
+
+FOUR_BIT = ("q4_0", "q4_1", "q4_k")  # formats whose codes fit in a nibble
+
+
+@dataclass
+class GpuWeight:
+    """A packed weight in the Triton weight-only GEMM's layout: ``w = scale * code + offset`` per
+    group of ``group`` inputs. 4-bit codes go two per byte (input 2j in the low nibble), 5-8-bit
+    codes one int8 each; scales and offsets are fp32 ``[N, K / group]`` (exact, see Codes)."""
+
+    bits: int
+    group: int
+    data: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.data, self.scale] + ([self.offset] if self.offset is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def to_gpu_layout(w: QuantWeight, device: torch.device | str) -> GpuWeight:
+    """Re-pack a weight for the Triton kernels (the CPU block layouts interleave scales with
+    codes, which GPU loads do not coalesce)."""
+    c = codes(w)
+    if w.fmt.name in FOUR_BIT:
+        q = c.codes.to(torch.uint8)
+        data, bits = q[:, 0::2] | (q[:, 1::2] << 4), 4
+    else:
+        data, bits = c.codes.to(torch.int8), 8
+    offset = None if c.offset is None else c.offset.contiguous().to(device)
+    return GpuWeight(bits, c.group, data.contiguous().to(device), c.scale.contiguous().to(device),
+                     offset, w.shape)
