@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pagedq.worker.bench.config import quick
-from pagedq.worker.bench.quant import TARGETS, figures, table
+from pagedq.worker.bench.quant import TARGETS, figures, markdown, table
+from pagedq.worker.bench.report import markdown as report_markdown
 from pagedq.worker.bench.run import run_bench
 from pagedq.worker.bench.workload import LengthDist
 from tests.gguf_files import write_gguf
@@ -50,5 +51,16 @@ def test_llama_cpp_is_missing_with_a_reason(doc):
     assert "tiny.Q8_0" in table(q) and "n/a" in table(q)
 
 
+def test_the_markdown_report_carries_the_quant_table(doc):
+    """One row per file, a pagedq / llama.cpp cell per stream count (llama.cpp missing: "-")."""
+    rows = [line for line in report_markdown(doc).splitlines() if line.startswith("| tiny.Q8_0 |")]
+    assert len(rows) == 1
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert len(cells) == 1 + 2 + 3  # type, streams 1 and 4, mixed, weights/file, prefix
+    assert all(c.endswith(" / -") for c in cells[1:4])
+    assert float(cells[4]) == pytest.approx(doc["quant"]["files"]["tiny.Q8_0"]["weights_vs_file"],
+                                            abs=1e-3)
+
+
 def test_figures_need_measurements():
-    assert figures(None) is None and table(None) == ""
+    assert figures(None) is None and table(None) == "" and markdown(None) == ""

@@ -221,3 +221,33 @@ def table(figs: dict[str, Any] | None) -> str:
                          f"dequantized {ppl['dequantized']:.3f}")
         lines.append("  " + " ".join(f"{k}: {verdict(v)};" for k, v in f["met"].items()))
     return "\n".join(lines)
+
+
+def markdown(figs: dict[str, Any] | None) -> str:
+    """docs/quantization.md's table: per file, pagedq / llama.cpp decode tok/s by streams, the
+    mixed trace against llama-server, resident weights over file size, matching prefix."""
+    if not figs:
+        return ""
+
+    def pair(ours: float | None, theirs: float | None) -> str:
+        cell = " / ".join("-" if v is None else f"{v:.3g}" for v in (ours, theirs))
+        ratio = _ratio(ours, theirs)
+        return cell if ratio is None else f"{cell} ({ratio:.2f}x)"
+
+    streams = sorted({b for f in figs["files"].values() for b in f["decode_tok_s"]["pagedq"]},
+                     key=int)
+    lines = ["| type | " + " | ".join(f"decode tok/s, {b} stream{'s' * (b != '1')} "
+                                      "(pagedq / llama.cpp)" for b in streams)
+             + " | mixed trace (pagedq / llama-server) | weights / file | matching prefix |",
+             "|---" * (len(streams) + 4) + "|"]
+    for type_name, f in figs["files"].items():
+        dec, theirs = f["decode_tok_s"], f["decode_tok_s"]["llama_cpp"] or {}
+        cells = [pair(dec["pagedq"].get(b), theirs.get(b)) for b in streams]
+        mix = f["mixed_tok_s"]
+        cells += [pair(mix["pagedq"], mix["llama_server"]), f"{f['weights_vs_file']:.3f}",
+                  f"{f['mean_matching_prefix']:.3f}"]
+        lines.append(f"| {type_name} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(f"llama.cpp: {figs.get('llama_cpp_version') or figs.get('llama_cpp_unavailable')}"
+                 ", run with `-nr` (no weight repacking).")
+    return "\n".join(lines) + "\n"

@@ -598,6 +598,8 @@ def markdown(doc: dict[str, Any]) -> str:
                  f"profile {doc['config'].get('profile')}, torch {m.get('torch')}.")
     for key, why in doc["unavailable"].items():
         lines.append(f"- `{key}`: {why}")
+    if doc.get("quant"):
+        lines += ["", quant.markdown(doc["quant"])]
     return "\n".join(lines) + "\n"
 
 
