@@ -141,8 +141,10 @@ async def run_http(base: str, model: str, trace: list[BenchRequest]) -> dict[str
 
 
 async def ttft_probe(url: str, queue: str, base: str, model: str,
-                     prompts: list[list[int]]) -> dict[str, list[float]]:
-    """Each prompt alone through HTTP then the SDK: seconds to the first token."""
+                     prompts: list[tuple[list[int], list[int]]]) -> dict[str, list[float]]:
+    """Each pair's first prompt alone through HTTP, then its second through the SDK: seconds to
+    the first token. The two prompts differ, so neither path finds the other's prompt in the
+    prefix cache (a repeated prompt would prefill only its last block)."""
     from pagedq.client import AsyncClient
     from pagedq.params import SamplingParams
 
@@ -150,7 +152,7 @@ async def ttft_probe(url: str, queue: str, base: str, model: str,
     out: dict[str, list[float]] = {"http": [], "sdk": []}
     async with AsyncClient(url, queue) as client, \
             httpx.AsyncClient(base_url=base, timeout=600) as http:
-        for prompt in prompts:
+        for prompt, sdk_prompt in prompts:
             body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
                     "stream": True}
             sent = perf_counter()
@@ -160,7 +162,7 @@ async def ttft_probe(url: str, queue: str, base: str, model: str,
                         out["http"].append(perf_counter() - sent)
                         break
             sent = perf_counter()
-            handle = await client.submit(prompt, SamplingParams(temperature=0, max_tokens=1))
+            handle = await client.submit(sdk_prompt, SamplingParams(temperature=0, max_tokens=1))
             async for ev in handle.stream(timeout=600):
                 if ev.token_ids:
                     out["sdk"].append(perf_counter() - sent)
@@ -201,7 +203,8 @@ def serve_through_gateway(bench: BenchRun, trace: list[BenchRequest]) -> dict[st
                 sdk_before = asyncio.run(run_sdk(url, queue, trace))
                 http = asyncio.run(run_http(base, model, trace))
                 sdk_after = asyncio.run(run_sdk(url, queue, trace))
-                probes = [bench.space.sample(rng, 16) for _ in range(TTFT_PROBES)]
+                probes = [(bench.space.sample(rng, 16), bench.space.sample(rng, 16))
+                          for _ in range(TTFT_PROBES)]
                 ttft = asyncio.run(ttft_probe(url, queue, base, model, probes))
             finally:
                 gateway.terminate()
