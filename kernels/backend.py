@@ -177,7 +177,7 @@ PACKED_FORMATS = tuple(GEMV_ROWS)
 # The packed GEMM's precisions (EngineConfig.packed_gemm_precision names the same ones and the
 # same default, which docs/quantization.md justifies with the fidelity and speed figures).
 PACKED_PRECISIONS = {"bf16": GemmPrecision.BF16, "bf16x3": GemmPrecision.BF16X3}
-DEFAULT_PACKED_PRECISION = "bf16"
+DEFAULT_PACKED_PRECISION = "bf16x3"
 
 
 @dataclass(frozen=True)
