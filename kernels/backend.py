@@ -13,7 +13,9 @@ that runs:
   (the C++ skinny GEMV for few rows, oneDNN-prepacked weights or ``F.linear`` for more);
 - ``packed``: one :class:`PackedChoice` per packed weight format (GGUF blocks, int8/int4, bf16
   rows): the C++ packed GEMV for few rows and the bf16-tile GEMM for more (``"cpp"``), the
-  Triton weight-only GEMM (``"triton"``, CUDA), or dequantize-then-``F.linear`` (``"torch"``);
+  Triton weight-only GEMM (``"triton"``, CUDA), or dequantize-then-``F.linear`` (``"torch"``).
+  The GEMM runs in the precision the engine asks for (``packed_gemm_precision``): ``"bf16"``
+  (one AMX product per tile) or ``"bf16x3"`` (heads and tails: the dequantized fp32 product);
 - ``norm``: ``"cpp"`` or ``"torch"``; ``layer``: ``"cpp-fused"`` (every decoder layer of a step
   in one C++ call, for steps whose rows all fit the attention kernel) or ``"python"``.
 
@@ -45,7 +47,14 @@ import torch.nn.functional as F
 
 from pagedq.kernels.cpu_attention import unsupported
 from pagedq.kernels.cpu_features import CpuFeatures, detect_cpu_features
-from pagedq.kernels.cpu_ops import SKINNY_MAX_ROWS, CpuOps, Isa, load_cpu_ops, unavailable_reason
+from pagedq.kernels.cpu_ops import (
+    SKINNY_MAX_ROWS,
+    CpuOps,
+    GemmPrecision,
+    Isa,
+    load_cpu_ops,
+    unavailable_reason,
+)
 from pagedq.worker.logging import get_logger
 
 ATTENTION = ("cpp", "sdpa", "triton")
@@ -165,6 +174,10 @@ GEMV_ROWS = {"q4_0": 16, "q4_1": 16, "q5_0": 16, "q5_1": 16, "q8_0": 16, "q4_k":
              "q6_k": 16, "int8": 16, "bf16": 8, "float32": SKINNY_MAX_ROWS}
 NO_BF16_GEMV_ROWS = 64
 PACKED_FORMATS = tuple(GEMV_ROWS)
+# The packed GEMM's precisions (EngineConfig.packed_gemm_precision names the same ones and the
+# same default, which docs/quantization.md justifies with the fidelity and speed figures).
+PACKED_PRECISIONS = {"bf16": GemmPrecision.BF16, "bf16x3": GemmPrecision.BF16X3}
+DEFAULT_PACKED_PRECISION = "bf16x3"
 
 
 @dataclass(frozen=True)
@@ -172,8 +185,9 @@ class PackedChoice:
     """How ``x @ W.T`` runs for a weight kept in a packed format (pagedq.worker.models.quant).
 
     ``kind`` "cpp": the packed GEMV (integer dot products, ``isa``) for steps of at most
-    ``gemv_rows`` rows, the bf16-tile GEMM for more; "triton": the weight-only Triton GEMM;
-    "torch": dequantized per call for ``F.linear`` (runs anywhere, slowly).
+    ``gemv_rows`` rows, the bf16-tile GEMM in ``precision`` (a PACKED_PRECISIONS name) for more;
+    "triton": the weight-only Triton GEMM; "torch": dequantized per call for ``F.linear`` (runs
+    anywhere, slowly).
     """
 
     weight_format: str
@@ -181,6 +195,12 @@ class PackedChoice:
     gemv_rows: int = 0
     isa: int = 0
     ops: CpuOps | None = field(default=None, compare=False, repr=False)
+    precision: str = DEFAULT_PACKED_PRECISION
+
+    @property
+    def precision_code(self) -> int:
+        """The GEMM's ``precision`` argument (QuantLinear passes it on)."""
+        return int(PACKED_PRECISIONS[self.precision])
 
     @property
     def name(self) -> str:
@@ -196,7 +216,7 @@ class PackedChoice:
             return "cpp-skinny" if rows <= self.gemv_rows else "torch"
         if rows <= self.gemv_rows:
             return "cpp-gemv-vnni" if self.isa == Isa.AVX512_VNNI else "cpp-gemv-avx2"
-        return "cpp-gemm-bf16"
+        return f"cpp-gemm-{self.precision}"
 
 
 @dataclass(frozen=True)
@@ -275,12 +295,17 @@ class Selector:
         return load_cpu_ops(self.switches.extensions_dir) if self.cpu.runs_cpp_kernels else None
 
     def select(self, device: torch.device | str, dtype: torch.dtype = torch.float32,
-               kv_dtype: torch.dtype | None = None, head_dim: int | None = None) -> Backend:
+               kv_dtype: torch.dtype | None = None, head_dim: int | None = None,
+               packed_precision: str = DEFAULT_PACKED_PRECISION) -> Backend:
         """The kernels for a ``dtype`` model with a ``kv_dtype`` cache (default: ``dtype``) and
-        ``head_dim``-wide heads (None: any the kernels take) on ``device``; logs one line."""
+        ``head_dim``-wide heads (None: any the kernels take) on ``device``, the packed GEMM in
+        ``packed_precision``; logs one line."""
+        if packed_precision not in PACKED_PRECISIONS:
+            raise ValueError(f"packed_precision must be one of {tuple(PACKED_PRECISIONS)}, "
+                             f"got {packed_precision!r}")
         device = torch.device(device)
         if device.type == "cpu":
-            backend = self._cpu(dtype, kv_dtype or dtype, head_dim)
+            backend = self._cpu(dtype, kv_dtype or dtype, head_dim, packed_precision)
         else:
             backend = self._accelerator(device.type, dtype)
         _log.info("kernel_backend", **backend.summary(), why="; ".join(backend.reasons))
@@ -294,7 +319,8 @@ class Selector:
         return Backend(device, dtype, kernels or "sdpa", kernels or "torch",
                        (LinearChoice(_format(dtype), "torch"),), packed, reasons=(why,))
 
-    def _cpu(self, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int | None) -> Backend:
+    def _cpu(self, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int | None,
+             precision: str) -> Backend:
         reasons: list[str] = []
         ops = self._cpu_ops(reasons)
         attention = "sdpa"
@@ -311,7 +337,8 @@ class Selector:
             layer = "cpp-fused" if self.switches.fused_layer else "python"
             if layer == "python":
                 reasons.append("PAGEDQ_FUSED_LAYER=0 keeps the per-op Python layer")
-        return Backend("cpu", dtype, attention, "torch", (linear,), self._cpu_packed(fp32_ops, reasons),
+        packed = self._cpu_packed(fp32_ops, precision, reasons)
+        return Backend("cpu", dtype, attention, "torch", (linear,), packed,
                        norm="cpp" if fp32_ops is not None else "torch", layer=layer,
                        reasons=tuple(reasons), cpu=self.cpu, ops=ops)
 
@@ -341,7 +368,8 @@ class Selector:
         return LinearChoice(_format(dtype), batched, f"cpp-skinny-{isa}", SKINNY_MAX_ROWS, ops)
 
 
-    def _cpu_packed(self, ops: CpuOps | None, reasons: list[str]) -> tuple[PackedChoice, ...]:
+    def _cpu_packed(self, ops: CpuOps | None, precision: str,
+                    reasons: list[str]) -> tuple[PackedChoice, ...]:
         """The packed formats' routes: the C++ GEMV/GEMM pair where the library runs (it takes
         float32 activations), else dequantize per call."""
         if ops is None:
@@ -349,9 +377,10 @@ class Selector:
         isa = int(Isa.AVX512_VNNI if self.cpu.has_avx512_vnni else Isa.AVX2)
         bf16 = self.cpu.has_bf16_matmul
         reasons.append(f"packed weights: GEMV in {'AVX-512 VNNI' if isa else 'AVX2'}, "
-                       f"{'bf16' if bf16 else 'no bf16'} matmul hardware for the GEMM")
+                       f"{'bf16' if bf16 else 'no bf16'} matmul hardware for the GEMM "
+                       f"({precision} products)")
         return tuple(PackedChoice(f, "cpp", rows if bf16 or f == "float32" else NO_BF16_GEMV_ROWS,
-                                  isa, ops) for f, rows in GEMV_ROWS.items())
+                                  isa, ops, precision) for f, rows in GEMV_ROWS.items())
 
     def compute_dtype(self, device: torch.device | str, dtype: torch.dtype,
                       packed: bool = False) -> torch.dtype:
@@ -378,9 +407,10 @@ def process_selector() -> Selector:
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype = torch.float32,
-                   kv_dtype: torch.dtype | None = None, head_dim: int | None = None) -> Backend:
+                   kv_dtype: torch.dtype | None = None, head_dim: int | None = None,
+                   packed_precision: str = DEFAULT_PACKED_PRECISION) -> Backend:
     """:meth:`Selector.select` of :func:`process_selector`: what the engine runs at start."""
-    return process_selector().select(device, dtype, kv_dtype, head_dim)
+    return process_selector().select(device, dtype, kv_dtype, head_dim, packed_precision)
 
 
 @functools.cache

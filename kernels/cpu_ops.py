@@ -59,6 +59,13 @@ class Isa(IntEnum):
     AVX512_VNNI = 2  # AVX-512 with BW and VNNI: the packed-weight kernels' integer dot products
 
 
+class GemmPrecision(IntEnum):
+    """The ``precision`` argument of ``quant_gemm`` (csrc/cpu_ops.h: GemmPrecision)."""
+
+    BF16X3 = 0  # bf16 heads and tails of both operands: the dequantized fp32 product
+    BF16 = 1  # each operand rounded once to bf16: one AMX product per tile, no tails
+
+
 @dataclass(frozen=True)
 class CpuOps:
     """The library's ops, as loaded in this process."""

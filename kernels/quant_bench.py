@@ -6,7 +6,8 @@ plus the LM head): the passes a decode step makes, with weights too big for the 
 real model's are. Paths: fp32 (the skinny GEMV below 17 rows, oneDNN-prepacked above), bf16
 (``F.linear`` and oneDNN-prepacked), torch's weight-only int8/int4 ops (bf16 activations), and
 pagedq's packed-weight kernels (``gemv-<format>`` reading the blocks with integer dot products,
-``gemm-<format>`` dequantizing bf16 tiles for oneDNN's micro-kernel). K-quants need K % 256 == 0,
+``gemm-<format>`` dequantizing bf16 tiles for oneDNN's micro-kernel in precision bf16x3,
+``bf16gemm-<format>`` the same in precision bf16). K-quants need K % 256 == 0,
 so ``--shapes down`` times the 30 down projections (K = 1536) alone.
 
 Every matrix call is timed on its own and keeps its fastest time over ``--rounds`` passes (the
@@ -27,13 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from pagedq.kernels.backend import process_selector
-from pagedq.kernels.cpu_ops import Isa
+from pagedq.kernels.cpu_ops import GemmPrecision, Isa
 from pagedq.worker.models.quant import FORMATS, QuantWeight, as_bf16, quantize_int8
 
 HIDDEN, INTERMEDIATE, VOCAB, LAYERS = 576, 1536, 49152, 30
 PACKED = ("q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k", "int8")
 DEFAULT_PATHS = ("fp32", "bf16", "bf16-onednn", "torch-int8", "torch-int4") + tuple(
-    f"{kind}-{fmt}" for fmt in ("q4_0", "q4_1", "q8_0", "int8") for kind in ("gemv", "gemm"))
+    f"{kind}-{fmt}" for fmt in ("q4_0", "q4_1", "q8_0", "int8")
+    for kind in ("gemv", "gemm", "bf16gemm"))
 
 
 def model_shapes(which: str) -> list[tuple[int, int]]:
@@ -101,8 +103,10 @@ def build_path(name: str, shapes: list[tuple[int, int]], gen: torch.Generator) -
     kind, fmt = name.split("-", 1)
     selector = process_selector()
     ops = selector.library()
-    op = ops.quant_gemv if kind == "gemv" else ops.quant_gemm
     isa = int(Isa.AVX512_VNNI if selector.cpu.has_avx512_vnni else Isa.AVX2)
+    op = {"gemv": ops.quant_gemv,
+          "gemm": partial(ops.quant_gemm, precision=int(GemmPrecision.BF16X3)),
+          "bf16gemm": partial(ops.quant_gemm, precision=int(GemmPrecision.BF16))}[kind]
 
     def packed(w: QuantWeight) -> Callable:
         def call(xs):

@@ -25,6 +25,7 @@ from pagedq.errors import InvalidRequestError
 Dtype = Literal["float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: the model's dtype
 Quantization = Literal["auto", "none", "int8", "int4"]
+PackedGemmPrecision = Literal["bf16", "bf16x3"]  # pagedq.kernels.backend.PACKED_PRECISIONS
 DTYPES: tuple[str, ...] = get_args(Dtype)
 
 
@@ -47,6 +48,7 @@ def parse_bytes(text: str | int) -> int:
 ByteSize = Annotated[int, parse_bytes]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
+PACKED_GEMM_PRECISIONS: tuple[str, ...] = get_args(PackedGemmPrecision)
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,12 @@ class EngineConfig:
     """Weight format: auto keeps a GGUF's own blocks packed (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
     Q5_K, Q6_K; other types widen) and a float checkpoint in dtype; none widens everything to
     dtype; int8 (per channel) and int4 (groups of 32) quantize the projections at load."""
+    packed_gemm_precision: PackedGemmPrecision = "bf16x3"
+    """Products of packed weights for prefill chunks and large batches on the CPU: bf16x3 adds
+    the bf16 tails of weights and activations (three AMX products) and follows the dequantized
+    model to fp32 accuracy; bf16 rounds both once to bf16 (one product, about twice as fast,
+    but greedy output parts from the dequantized model sooner). Decode steps of up to 16 rows
+    take the integer GEMV either way."""
     kv_cache_dtype: KVCacheDtype = "auto"
     """KV cache dtype (auto: the model's). float16 under a float32 model on the CPU halves the
     memory attention reads per token."""
@@ -198,6 +206,9 @@ class EngineConfig:
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         need(self.quantization in QUANTIZATIONS,
              f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        need(self.packed_gemm_precision in PACKED_GEMM_PRECISIONS,
+             f"packed_gemm_precision must be one of {PACKED_GEMM_PRECISIONS}, "
+             f"got {self.packed_gemm_precision!r}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 

@@ -32,6 +32,17 @@ inline void check_isa(int64_t isa) {
               "AVX-512F/VL/DQ, or 2 (AVX-512 VNNI) on one that also has AVX-512BW/VNNI");
 }
 
+// The `precision` argument of quant_gemm (pagedq.kernels.cpu_ops.GemmPrecision mirrors it):
+// kBf16x3 multiplies bf16 heads and tails of both operands (the dequantized fp32 product, to
+// ~2^-16); kBf16 multiplies the weights and activations each rounded once to bf16 (one brgemm
+// per tile, no tails: ~2^-8 per product, the model then follows a bf16 twin).
+enum GemmPrecision : int64_t { kBf16x3 = 0, kBf16 = 1 };
+
+inline void check_precision(int64_t precision) {
+  TORCH_CHECK(precision == kBf16x3 || precision == kBf16, "precision ", precision,
+              " is not a GEMM precision: pass 0 (bf16x3) or 1 (bf16)");
+}
+
 // Horizontal sum of 8 floats.
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -78,7 +89,7 @@ void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
                 int64_t isa);
 void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
                 const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias,
-                int64_t isa);
+                int64_t isa, int64_t precision);
 at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& rope, at::TensorList in_norm,
                           at::TensorList qkv_w, const c10::List<c10::optional<at::Tensor>>& qkv_packed,
                           const c10::List<c10::optional<at::Tensor>>& qkv_bias,

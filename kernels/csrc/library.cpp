@@ -24,16 +24,17 @@ TORCH_LIBRARY(pagedq_cpu, m) {
   m.def("quant_gemv(Tensor(a!) out, Tensor x, Tensor w, int fmt, Tensor? scales, Tensor? bias, "
         "int isa) -> ()");
   m.def("quant_gemm(Tensor(a!) out, Tensor x, Tensor w, int fmt, Tensor? scales, Tensor? bias, "
-        "int isa) -> ()");
+        "int isa, int precision=0) -> ()");
   using pagedq_cpu::QuantLinear;
   m.class_<QuantLinear>("QuantLinear")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>,
                        c10::List<c10::optional<at::Tensor>>, c10::optional<at::Tensor>, int64_t,
-                       std::vector<int64_t>, int64_t>())
+                       std::vector<int64_t>, int64_t, int64_t>())
       .def("forward", &QuantLinear::forward)
       .def("nbytes", &QuantLinear::nbytes)
       .def_readonly("in_features", &QuantLinear::in_features)
-      .def_readonly("out_features", &QuantLinear::out_features);
+      .def_readonly("out_features", &QuantLinear::out_features)
+      .def_readonly("precision", &QuantLinear::precision);
   m.def(
       "decoder_layers_packed(Tensor x, Tensor rope, Tensor[] in_norm, Tensor?[] q_norm, "
       "Tensor?[] k_norm, Tensor[] post_norm, __torch__.torch.classes.pagedq_cpu.QuantLinear[] qkv, "

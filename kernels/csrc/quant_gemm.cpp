@@ -12,6 +12,8 @@
 // and a bf16 tail (v = hi + lo, exact to ~2^-17), and three products, hi.hi + hi.lo + lo.hi,
 // recover the fp32 result to ~2^-16: the model then follows its dequantized fp32 twin, not a
 // bf16 one. The products are the cheap part (AMX); the tails cost one more store per weight.
+// Precision "bf16" rounds each operand once to bf16 and runs one product per tile: no tails are
+// split, stored, packed or multiplied, for a model that follows a bf16 twin instead.
 //
 // The tile computes C^T[n, m] = W[n, :] . x[m, :]: the dequantized rows are brgemm's row-major
 // A operand as they come out of the decoder, and x, packed once per call, is the VNNI B operand.
@@ -44,13 +46,13 @@ constexpr int64_t kMaxCols = 128;  // rows of x per brgemm call (its N)
 using at::BFloat16;
 
 // One weight row into bf16 head and tail rows in natural order, the portable way (the tail
-// past K stays 0).
+// past K stays 0); lo null: the head alone, rounded.
 void dequant_row_portable(int64_t fmt, const uint8_t* row, int64_t K, float scale, float* values,
                           BFloat16* hi, BFloat16* lo) {
   dequant_row_f32(fmt, row, K, scale, values);
   for (int64_t i = 0; i < K; ++i) {
     hi[i] = BFloat16(values[i]);
-    lo[i] = BFloat16(values[i] - static_cast<float>(hi[i]));
+    if (lo) lo[i] = BFloat16(values[i] - static_cast<float>(hi[i]));
   }
 }
 
@@ -89,6 +91,21 @@ void dequant_row(int64_t fmt, const uint8_t* row, int64_t K, float scale, BFloat
   });
 }
 
+inline void store_bf16(__m512 v, BFloat16* to) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), to_bf16(v));
+}
+
+// The row rounded to bf16 once (precision bf16): one store per value, no tail.
+void dequant_row_rounded(int64_t fmt, const uint8_t* row, int64_t K, float scale, BFloat16* hi) {
+  walk_row(fmt, row, K, scale, [&](int64_t c, __m512i w, __m512 ws, __m512 wm) {
+    BFloat16* at = hi + c * kChunk;
+    store_bf16(dequant16<0>(w, ws, wm), at);
+    store_bf16(dequant16<1>(w, ws, wm), at + 16);
+    store_bf16(dequant16<2>(w, ws, wm), at + 32);
+    store_bf16(dequant16<3>(w, ws, wm), at + 48);
+  });
+}
+
 }  // namespace v512
 PAGEDQ_AVX512_END
 
@@ -123,8 +140,10 @@ std::pair<at::Tensor, at::Tensor> pack_split(const at::Tensor& x, int64_t padded
 
 void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
                 const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias,
-                int64_t isa) {
+                int64_t isa, int64_t precision) {
   check_isa(isa);
+  check_precision(precision);
+  const bool tails = precision == kBf16x3;
   const LinearArgs args = check_linear("quant_gemm", out, x, w, fmt, scales, bias);
   const int64_t M = args.rows, K = args.K, N = args.N;
   const float* sp = args.scales;
@@ -133,16 +152,19 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
   const bool bf16 = fmt == kBF16;  // the rows already are brgemm's A operand, exactly
   const int64_t padded = bf16 ? K : (K + kChunk - 1) / kChunk * kChunk;
   const bool fast = isa == kAvx512Vnni;  // the AVX-512 decoders (chunk order), else portable ones
-  const auto [x_hi, x_lo] = pack_split(x, padded, fast && nibble_order(fmt));
+  const bool nibbles = fast && nibble_order(fmt);
+  const auto [x_hi, x_lo] = tails ? pack_split(x, padded, nibbles)
+                                  : std::pair{pack_activations(x, padded, nibbles), at::Tensor()};
   const BFloat16* xh = static_cast<const BFloat16*>(x_hi.data_ptr());
-  const BFloat16* xl = static_cast<const BFloat16*>(x_lo.data_ptr());
+  const BFloat16* xl = tails ? static_cast<const BFloat16*>(x_lo.data_ptr()) : nullptr;
   const uint8_t* wp = args.w;
   float* op = args.out;
   const int64_t row_bytes = args.row_bytes;
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> values(padded);
-    std::vector<BFloat16> a_hi(kTileRows * padded, BFloat16(0.f)), a_lo(kTileRows * padded, BFloat16(0.f));
+    std::vector<BFloat16> a_hi(kTileRows * padded, BFloat16(0.f));
+    std::vector<BFloat16> a_lo(tails ? kTileRows * padded : 0, BFloat16(0.f));
     std::vector<float> c(kTileRows * kMaxCols);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
@@ -151,9 +173,11 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
         const uint8_t* row = wp + (n0 + i) * row_bytes;
         const float scale = sp ? sp[n0 + i] : 0.f;
         BFloat16* h = a_hi.data() + i * padded;
-        BFloat16* l = a_lo.data() + i * padded;
-        if (fast)
+        BFloat16* l = tails ? a_lo.data() + i * padded : nullptr;
+        if (fast && tails)
           v512::dequant_row(fmt, row, K, scale, h, l);  // whole chunks: a half chunk's tail is 0
+        else if (fast)
+          v512::dequant_row_rounded(fmt, row, K, scale, h);
         else
           dequant_row_portable(fmt, row, K, scale, values.data(), h, l);
       }
@@ -161,8 +185,8 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
         const int64_t cols = std::min(kMaxCols, M - m0);
         using at::native::cpublas::brgemm;
         brgemm(rows, cols, padded, padded, M, cols, false, hi, xh + m0 * 2, c.data());
-        brgemm(rows, cols, padded, padded, M, cols, true, hi, xl + m0 * 2, c.data());
-        if (!bf16) brgemm(rows, cols, padded, padded, M, cols, true, a_lo.data(), xh + m0 * 2, c.data());
+        if (tails) brgemm(rows, cols, padded, padded, M, cols, true, hi, xl + m0 * 2, c.data());
+        if (tails && !bf16) brgemm(rows, cols, padded, padded, M, cols, true, a_lo.data(), xh + m0 * 2, c.data());
         for (int64_t j = 0; j < cols; ++j) {  // C^T back to out's rows, `rows` floats at a time
           float* dst = op + (m0 + j) * args.ldo + n0;
           for (int64_t i = 0; i < rows; ++i) dst[i] = c[i * cols + j] + (bp ? bp[n0 + i] : 0.f);

@@ -26,11 +26,13 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
 QuantLinear::QuantLinear(std::vector<at::Tensor> data_, std::vector<int64_t> fmts_,
                          c10::List<c10::optional<at::Tensor>> scales_,
                          c10::optional<at::Tensor> bias_, int64_t in_features_,
-                         std::vector<int64_t> gemv_max_rows_, int64_t isa_)
+                         std::vector<int64_t> gemv_max_rows_, int64_t isa_,
+                         int64_t precision_)
     : data(std::move(data_)), fmts(std::move(fmts_)), scales(std::move(scales_)),
       bias(std::move(bias_)), gemv_max_rows(std::move(gemv_max_rows_)),
-      in_features(in_features_), isa(isa_) {
+      in_features(in_features_), isa(isa_), precision(precision_) {
   check_isa(isa);
+  check_precision(precision);
   TORCH_CHECK(!data.empty() && fmts.size() == data.size() && scales.size() == data.size() &&
                   gemv_max_rows.size() == data.size(),
               "QuantLinear: one format, scales entry and GEMV row limit per segment");
@@ -52,7 +54,7 @@ at::Tensor QuantLinear::forward(const at::Tensor& x) const {
     else if (x.size(0) <= gemv_max_rows[i])
       quant_gemv(part, x, data[i], fmts[i], scales.get(i), b, isa);
     else
-      quant_gemm(part, x, data[i], fmts[i], scales.get(i), b, isa);
+      quant_gemm(part, x, data[i], fmts[i], scales.get(i), b, isa, precision);
     col += n;
   }
   return out;

@@ -28,6 +28,7 @@ ENGINE_SAMPLE = {
     "max_model_len": 777, "long_prefill_token_threshold": 16, "enable_chunked_prefill": False,
     "enable_prefix_caching": False, "num_threads": 3, "seed": 11, "grammar_cache_size": 5,
     "grammar_compile_threads": 3, "grammar_compile_timeout": 2.5, "quantization": "int4",
+    "packed_gemm_precision": "bf16",
 }
 WORKER_SAMPLE = {
     "redis_url": "redis://h:1/2", "queue": "q2", "prefix": "px", "consumer_name": "c1",

@@ -2,9 +2,11 @@
 
 quant_gemv's AVX-512 VNNI path rounds the activations to int16 per 32 values, so its oracle
 applies that same rounding in PyTorch first and must then agree to float rounding; its AVX2 path
-multiplies the fp32 activations themselves. quant_gemm multiplies bf16 heads and tails of both
-operands (bf16x3) with fp32 accumulation: its oracle is the exact product, to ~1e-5. Every path
-this CPU can run is tested (AVX-512 VNNI and the AVX2 fallback).
+multiplies the fp32 activations themselves. quant_gemm in precision bf16x3 multiplies bf16 heads
+and tails of both operands with fp32 accumulation: its oracle is the exact product, to ~1e-5. In
+precision bf16 it rounds each operand once to bf16 (nearest even): its oracle is the product of
+the bf16-rounded operands in float64, to fp32 accumulation, and the exact product only to bf16's
+~1e-2. Every path this CPU can run is tested (AVX-512 VNNI and the AVX2 fallback).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from pagedq.kernels.cpu_features import detect_cpu_features
-from pagedq.kernels.cpu_ops import Isa
+from pagedq.kernels.cpu_ops import GemmPrecision, Isa
 from pagedq.worker.models.quant import FORMATS, dequantize, quantize_int4
 from tests.quant_fixtures import ALL, random_weight
 
@@ -64,9 +66,10 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
-def products(op, fmt: str, n: int, row_counts: tuple[int, ...], isa: int, seed: int):
-    """Run ``op`` over random ``fmt`` weights of every width and each row count; yields
-    (k, rows, x, out, dense weight, bias) for the caller's comparison."""
+def products(op, fmt: str, n: int, row_counts: tuple[int, ...], isa: int, seed: int, *extra):
+    """Run ``op`` over random ``fmt`` weights of every width and each row count (``extra``: the
+    op's arguments after ``isa``); yields (k, rows, x, out, dense weight, bias) for the caller's
+    comparison."""
     gen = torch.Generator().manual_seed(seed)
     for k in widths(fmt):
         w = random_weight(fmt, n, k, gen)
@@ -75,7 +78,7 @@ def products(op, fmt: str, n: int, row_counts: tuple[int, ...], isa: int, seed: 
         for rows in row_counts:
             x = torch.randn(rows, k, generator=gen)
             out = torch.empty(rows, n)
-            op(out, x, w.data, w.fmt.code, w.scales, bias, isa)
+            op(out, x, w.data, w.fmt.code, w.scales, bias, isa, *extra)
             yield k, rows, x, out, dense, bias.double()
 
 
@@ -93,8 +96,30 @@ def test_gemv_matches_dequantized_matmul(cpu_ops, isa, fmt):
 @pytest.mark.parametrize("fmt", ALL)
 def test_gemm_matches_dequantized_matmul(cpu_ops, isa, fmt):
     for k, rows, x, out, dense, bias in products(cpu_ops.quant_gemm, fmt, 45, (1, 17, 64, 130),
-                                                 isa, seed=2):
+                                                 isa, 2, int(GemmPrecision.BF16X3)):
         assert relative_error(out, x.double() @ dense.T + bias) < 2e-5, (fmt, k, rows)
+
+
+def rounded(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to bf16 (nearest even), back in float64."""
+    return t.float().bfloat16().double()
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_bf16_gemm_matches_bf16_dequantized_matmul(cpu_ops, isa, fmt):
+    """Precision bf16: the product of the bf16-rounded dequantized weights and activations."""
+    for k, rows, x, out, dense, bias in products(cpu_ops.quant_gemm, fmt, 45, (1, 17, 64, 130),
+                                                 isa, 2, int(GemmPrecision.BF16)):
+        assert relative_error(out, rounded(x) @ rounded(dense).T + bias) < 2e-5, (fmt, k, rows)
+        # against the exact product: bf16's own rounding, and no more
+        assert relative_error(out, x.double() @ dense.T + bias) < 2e-2, (fmt, k, rows)
+
+
+def test_gemm_precision_is_checked(cpu_ops):
+    w = random_weight("q8_0", 8, 64, torch.Generator().manual_seed(7))
+    with pytest.raises(RuntimeError, match="precision"):
+        cpu_ops.quant_gemm(torch.empty(2, 8), torch.randn(2, 64), w.data, w.fmt.code, None, None,
+                           BEST, 2)
 
 
 def test_int4_is_q4_1_blocks(cpu_ops):
@@ -125,16 +150,17 @@ def test_kernels_refuse_mismatched_shapes(cpu_ops):
         cpu_ops.quant_gemv(torch.empty(1, 8), torch.randn(1, 64), w.data, w.fmt.code, None, None, 7)
 
 
-def test_linear_segments_pick_gemv_or_gemm_by_rows(cpu_ops):
+@pytest.mark.parametrize("precision", list(GemmPrecision), ids=lambda p: p.name)
+def test_linear_segments_pick_gemv_or_gemm_by_rows(cpu_ops, precision):
     """A QuantLinear of three segments in different formats equals each part's own product; rows
-    up to a segment's limit take its GEMV, more rows the GEMM."""
+    up to a segment's limit take its GEMV, more rows the GEMM in the linear's precision."""
     gen = torch.Generator().manual_seed(6)
     parts = [random_weight(f, n, 64, gen) for f, n in (("q5_0", 16), ("q8_0", 8), ("int8", 8))]
     bias = torch.randn(32, generator=gen)
     limits = [4, 2, 8]
     linear = cpu_ops.quant_linear([p.data for p in parts], [p.fmt.code for p in parts],
-                              [p.scales for p in parts], bias, 64, limits, BEST)
-    assert (linear.in_features, linear.out_features) == (64, 32)
+                              [p.scales for p in parts], bias, 64, limits, BEST, int(precision))
+    assert (linear.in_features, linear.out_features, linear.precision) == (64, 32, precision)
     assert linear.nbytes() == sum(p.nbytes for p in parts)
     dense = torch.cat([dequantize(p) for p in parts]).double()
     for rows in (1, 3, 6):
@@ -143,7 +169,12 @@ def test_linear_segments_pick_gemv_or_gemm_by_rows(cpu_ops):
         col = 0
         for part, limit in zip(parts, limits, strict=True):
             n = part.shape[0]
-            xq = quantized_activations(x, BEST) if rows <= limit else x
             got = out[:, col:col + n].double() - bias[col:col + n].double()
-            assert relative_error(got, xq.double() @ dense[col:col + n].T) < 2e-5, (rows, part.fmt.name)
+            if rows <= limit:
+                want = quantized_activations(x, BEST).double() @ dense[col:col + n].T
+            elif precision == GemmPrecision.BF16X3:
+                want = x.double() @ dense[col:col + n].T
+            else:
+                want = rounded(x) @ rounded(dense[col:col + n]).T
+            assert relative_error(got, want) < 2e-5, (rows, part.fmt.name)
             col += n

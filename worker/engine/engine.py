@@ -74,7 +74,8 @@ class Engine(OfflineAPI):
         # the selector builds the C++ ops on a first run; the model then packs its weights
         with waiting("selecting the kernels and packing the weights for them", log):
             self.model.use_backend(select_backend(self.device, self.model.compute_dtype,
-                                                  self.kv_dtype, self.model.head_dim))
+                                                  self.kv_dtype, self.model.head_dim,
+                                                  config.packed_gemm_precision))
         budget = sizing.kv_budget(config, config.block_size, self.device, self.model)
         plan = sizing.plan_kv(self.hf_config, config, self.kv_dtype, config.block_size, budget)
         self.max_model_len = plan.max_model_len

@@ -82,7 +82,8 @@ def build_projection(segments: list[Segment], bias: torch.Tensor | None, backend
         scales = [s.scales if isinstance(s, QuantWeight) else None for s in segments]
         bias = None if bias is None else bias.float().contiguous()
         return ops.quant_linear(data, codes, scales, bias, segments[0].shape[1],
-                                [c.gemv_rows for c in choices], choices[0].isa)
+                                [c.gemv_rows for c in choices], choices[0].isa,
+                                choices[0].precision_code)
     if kind == "triton":
         parts = [to_gpu_layout(s, device) if isinstance(s, QuantWeight) and s.fmt.name != "bf16"
                  else (dequantize(s) if isinstance(s, QuantWeight) else s).to(device)
