@@ -295,6 +295,23 @@ def wait_serving(r, keys: Keys, names: list[str], timeout: float = 180,
         time.sleep(0.1)
 
 
+def tokens_per_worker(r, keys: Keys, jobs: list[Job], names: list[str]) -> dict[str, int]:
+    """Generated tokens each worker published (each job's token events name their writer)."""
+    counts = dict.fromkeys(names, 0)
+    for job in jobs:
+        for entry_id, fields in r.xrange(keys.out(job.id)):
+            ev = decode_event(fields, entry_id)
+            if ev.type == TOKENS and ev.worker:
+                counts[ev.worker] = counts.get(ev.worker, 0) + len(ev.token_ids)
+    return counts
+
+
+def spread(counts: dict[str, int]) -> float:
+    """(max - min) / mean of the per-worker counts: 0 is a perfectly even share."""
+    mean = sum(counts.values()) / len(counts)
+    return (max(counts.values()) - min(counts.values())) / mean if mean else 0.0
+
+
 def report(name: str, **figures) -> None:
     """Print a scenario's figures (``pytest -s`` shows them; docs/operations.md quotes them)."""
     print(f"\nCHAOS {name}: " + ", ".join(f"{k}={v}" for k, v in figures.items()), flush=True)

@@ -9,19 +9,20 @@ The spread of generated tokens across the three workers is reported (the goal is
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 import pytest
 import redis
 from redis.cluster import RedisCluster
 
-from pagedq.client.protocol import TOKENS, Keys, decode_event
+from pagedq.client.protocol import Keys
 from tests.chaos.harness import (
     Fleet,
     Submitter,
     audit,
     expected_tokens,
     report,
+    spread,
+    tokens_per_worker,
     wait_serving,
     workload,
 )
@@ -56,32 +57,19 @@ def test_a_master_killed_mid_load_loses_nothing(tmp_path, tiny_model_dir, profil
         recovered_s = time.monotonic() - killed_at
         cluster.wait_ok()
         result = audit(r, keys, jobs, expected, model=model)
-        per_worker = _tokens_per_worker(r, keys, jobs)
+        per_worker = tokens_per_worker(r, keys, jobs, NAMES)
         r.close()
         crashed = fleet.crashed()
     finally:
         fleet.stop()
         cluster.stop()
-    mean = sum(per_worker.values()) / len(NAMES)
-    spread = (max(per_worker.values()) - min(per_worker.values())) / mean if mean else 0.0
     report(f"cluster[{profile}]", jobs=count, exact=result.done, lost=result.lost,
            duplicated=result.duplicated, mismatched=result.mismatched, flipped=result.flipped,
            failed=result.failed,
            all_done_s_after_kill=round(recovered_s, 1), tokens_per_worker=dict(per_worker),
-           spread=f"{100 * spread:.1f}%", submits_retried=len(sub.refused))
+           spread=f"{100 * spread(per_worker):.1f}%", submits_retried=len(sub.refused))
     assert not crashed, crashed
     assert result.clean, (str(result), result.problems[:5])
-
-
-def _tokens_per_worker(r, keys: Keys, jobs) -> Counter:
-    """Generated tokens each worker published (each job's events name their writer)."""
-    counts: Counter = Counter({name: 0 for name in NAMES})
-    for job in jobs:
-        for entry_id, fields in r.xrange(keys.out(job.id)):
-            ev = decode_event(fields, entry_id)
-            if ev.type == TOKENS and ev.worker:
-                counts[ev.worker] += len(ev.token_ids)
-    return counts
 
 
 def _wait_for(cond, timeout=600.0):
