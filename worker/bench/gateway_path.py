@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pagedq.worker.processes import stop_process
+
 from .queue_path import _wait_ready, check_dependencies, redis_url, worker_process
 from .workload import BenchRequest
 
@@ -207,8 +209,7 @@ def serve_through_gateway(bench: BenchRun, trace: list[BenchRequest]) -> dict[st
                           for _ in range(TTFT_PROBES)]
                 ttft = asyncio.run(ttft_probe(url, queue, base, model, probes))
             finally:
-                gateway.terminate()
-                gateway.wait(30)
+                stop_process(gateway)
     sdk_tok_s = (sdk_before["tokens_per_s"] + sdk_after["tokens_per_s"]) / 2
     http_ttft, sdk_ttft = float(np.median(ttft["http"])), float(np.median(ttft["sdk"]))
     return {"http": {k: v for k, v in http.items() if k != "texts"},

@@ -38,6 +38,7 @@ from typing import Any
 
 from pagedq.worker.config import settings
 from pagedq.worker.logging import get_logger
+from pagedq.worker.processes import stop_process
 
 from .workload import BenchRequest
 
@@ -198,13 +199,8 @@ class Server:
                            f"{self.tail()}")
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc)
         self._log.close()
 
     def tail(self) -> str:

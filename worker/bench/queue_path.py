@@ -21,6 +21,8 @@ from pathlib import Path
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
+from pagedq.worker.processes import stop_process
+
 from .workload import BenchRequest
 
 if TYPE_CHECKING:
@@ -80,12 +82,7 @@ def worker_process(bench: BenchRun, url: str, queue: str, log_path: Path) -> Ite
         try:
             yield proc
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
 
 
 def _result(handle: Any, timeout: float, proc: Any, log_path: Path) -> Any:

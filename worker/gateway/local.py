@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 from pagedq.client.redis_url import resolve_redis_url
 from pagedq.worker.logging import get_logger
+from pagedq.worker.processes import stop_process
 from pagedq.worker.service.embedded_redis import (
     EmbeddedRedis,
     _detach,
@@ -47,12 +48,7 @@ def queue_stack(redis_url: str | None, queue: str, prefix: str,
         try:
             yield server.url
         finally:
-            worker.terminate()
-            try:
-                worker.wait(30)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
+            stop_process(worker)
 
 
 @contextmanager

