@@ -15,7 +15,9 @@ that runs:
   rows): the C++ packed GEMV for few rows and the bf16-tile GEMM for more (``"cpp"``), the
   Triton weight-only GEMM (``"triton"``, CUDA), or dequantize-then-``F.linear`` (``"torch"``).
   The GEMM runs in the precision the engine asks for (``packed_gemm_precision``): ``"bf16"``
-  (one AMX product per tile) or ``"bf16x3"`` (heads and tails: the dequantized fp32 product);
+  (one AMX product per tile), ``"bf16x2"`` (the default: weights rounded once, activations'
+  heads and tails, two products) or ``"bf16x3"`` (heads and tails of both: the dequantized fp32
+  product);
 - ``norm``: ``"cpp"`` or ``"torch"``; ``layer``: ``"cpp-fused"`` (every decoder layer of a step
   in one C++ call, for steps whose rows all fit the attention kernel) or ``"python"``.
 
@@ -176,8 +178,9 @@ NO_BF16_GEMV_ROWS = 64
 PACKED_FORMATS = tuple(GEMV_ROWS)
 # The packed GEMM's precisions (EngineConfig.packed_gemm_precision names the same ones and the
 # same default, which docs/quantization.md justifies with the fidelity and speed figures).
-PACKED_PRECISIONS = {"bf16": GemmPrecision.BF16, "bf16x3": GemmPrecision.BF16X3}
-DEFAULT_PACKED_PRECISION = "bf16x3"
+PACKED_PRECISIONS = {"bf16": GemmPrecision.BF16, "bf16x2": GemmPrecision.BF16X2,
+                     "bf16x3": GemmPrecision.BF16X3}
+DEFAULT_PACKED_PRECISION = "bf16x2"
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ class GemmPrecision(IntEnum):
 
     BF16X3 = 0  # bf16 heads and tails of both operands: the dequantized fp32 product
     BF16 = 1  # each operand rounded once to bf16: one AMX product per tile, no tails
+    BF16X2 = 2  # weights rounded once, activations' heads and tails: two products per tile
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ real model's are. Paths: fp32 (the skinny GEMV below 17 rows, oneDNN-prepacked a
 (``F.linear`` and oneDNN-prepacked), torch's weight-only int8/int4 ops (bf16 activations), and
 pagedq's packed-weight kernels (``gemv-<format>`` reading the blocks with integer dot products,
 ``gemm-<format>`` dequantizing bf16 tiles for oneDNN's micro-kernel in precision bf16x3,
-``bf16gemm-<format>`` the same in precision bf16). K-quants need K % 256 == 0,
+``x2gemm-<format>`` in precision bf16x2, ``bf16gemm-<format>`` in precision bf16). K-quants need K % 256 == 0,
 so ``--shapes down`` times the 30 down projections (K = 1536) alone.
 
 Every matrix call is timed on its own and keeps its fastest time over ``--rounds`` passes (the
@@ -106,6 +106,7 @@ def build_path(name: str, shapes: list[tuple[int, int]], gen: torch.Generator) -
     isa = int(Isa.AVX512_VNNI if selector.cpu.has_avx512_vnni else Isa.AVX2)
     op = {"gemv": ops.quant_gemv,
           "gemm": partial(ops.quant_gemm, precision=int(GemmPrecision.BF16X3)),
+          "x2gemm": partial(ops.quant_gemm, precision=int(GemmPrecision.BF16X2)),
           "bf16gemm": partial(ops.quant_gemm, precision=int(GemmPrecision.BF16))}[kind]
 
     def packed(w: QuantWeight) -> Callable:

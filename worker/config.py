@@ -25,7 +25,7 @@ from pagedq.errors import InvalidRequestError
 Dtype = Literal["float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: the model's dtype
 Quantization = Literal["auto", "none", "int8", "int4"]
-PackedGemmPrecision = Literal["bf16", "bf16x3"]  # pagedq.kernels.backend.PACKED_PRECISIONS
+PackedGemmPrecision = Literal["bf16", "bf16x2", "bf16x3"]  # pagedq.kernels.backend.PACKED_PRECISIONS
 DTYPES: tuple[str, ...] = get_args(Dtype)
 
 
@@ -127,12 +127,14 @@ class EngineConfig:
     """Weight format: auto keeps a GGUF's own blocks packed (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
     Q5_K, Q6_K; other types widen) and a float checkpoint in dtype; none widens everything to
     dtype; int8 (per channel) and int4 (groups of 32) quantize the projections at load."""
-    packed_gemm_precision: PackedGemmPrecision = "bf16x3"
-    """Products of packed weights for prefill chunks and large batches on the CPU: bf16x3 adds
-    the bf16 tails of weights and activations (three AMX products) and follows the dequantized
-    model to fp32 accuracy; bf16 rounds both once to bf16 (one product, about twice as fast,
-    but greedy output parts from the dequantized model sooner). Decode steps of up to 16 rows
-    take the integer GEMV either way."""
+    packed_gemm_precision: PackedGemmPrecision = "bf16x2"
+    """Products of packed weights for prefill chunks and large batches on the CPU. bf16x2 rounds
+    each dequantized weight once to bf16 and multiplies it by the activations' bf16 heads and
+    tails (two AMX products: the activations keep fp32 accuracy); bf16x3 adds the weights'
+    tails too (three products, the dequantized model to fp32 accuracy, about 1.3x slower); bf16
+    rounds both once (one product, about 1.4x faster than bf16x2, but greedy output parts from
+    the dequantized model sooner: it misses the fidelity bars on tiny test models). Decode steps
+    of up to 16 rows take the integer GEMV either way."""
     kv_cache_dtype: KVCacheDtype = "auto"
     """KV cache dtype (auto: the model's). float16 under a float32 model on the CPU halves the
     memory attention reads per token."""

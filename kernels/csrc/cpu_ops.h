@@ -35,12 +35,14 @@ inline void check_isa(int64_t isa) {
 // The `precision` argument of quant_gemm (pagedq.kernels.cpu_ops.GemmPrecision mirrors it):
 // kBf16x3 multiplies bf16 heads and tails of both operands (the dequantized fp32 product, to
 // ~2^-16); kBf16 multiplies the weights and activations each rounded once to bf16 (one brgemm
-// per tile, no tails: ~2^-8 per product, the model then follows a bf16 twin).
-enum GemmPrecision : int64_t { kBf16x3 = 0, kBf16 = 1 };
+// per tile, no tails: ~2^-8 per product, the model then follows a bf16 twin); kBf16x2 rounds the
+// weights once and splits the activations (two brgemms: the product of the bf16-rounded weights
+// with the fp32 activations, to ~2^-16).
+enum GemmPrecision : int64_t { kBf16x3 = 0, kBf16 = 1, kBf16x2 = 2 };
 
 inline void check_precision(int64_t precision) {
-  TORCH_CHECK(precision == kBf16x3 || precision == kBf16, "precision ", precision,
-              " is not a GEMM precision: pass 0 (bf16x3) or 1 (bf16)");
+  TORCH_CHECK(precision == kBf16x3 || precision == kBf16 || precision == kBf16x2, "precision ",
+              precision, " is not a GEMM precision: pass 0 (bf16x3), 1 (bf16) or 2 (bf16x2)");
 }
 
 // Horizontal sum of 8 floats.

@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/sub.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/native/CPUBlas.h>
@@ -106,6 +107,75 @@ void dequant_row_rounded(int64_t fmt, const uint8_t* row, int64_t K, float scale
   });
 }
 
+// 16 rows of 16 32-bit words transposed in registers: r[i] holds row i, then column i.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // within each 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3]
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[i + w], lane L: word 4L + w of rows i..i+3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int w = 0; w < 4; ++w) {  // a 4 x 4 transpose of the lanes of r[w], r[4+w], r[8+w], r[12+w]
+    const __m512i s0 = _mm512_shuffle_i32x4(r[w], r[4 + w], 0x44);
+    const __m512i s1 = _mm512_shuffle_i32x4(r[w], r[4 + w], 0xEE);
+    const __m512i s2 = _mm512_shuffle_i32x4(r[8 + w], r[12 + w], 0x44);
+    const __m512i s3 = _mm512_shuffle_i32x4(r[8 + w], r[12 + w], 0xEE);
+    t[w] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+    t[4 + w] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+    t[8 + w] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+    t[12 + w] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// x [M, K] fp32 -> bf16 in brgemm's VNNI B layout [padded / 2, M, 2] (32-bit words), K in the
+// decoder's chunk order; with `lo`, heads at hi and tails at lo (each rounded), else the values
+// rounded at hi. One pass: 16 rows x 32 positions are converted, transposed as words in
+// registers and stored 16 words at a time (the ATen version took 5 ops and 19% of a GEMM call).
+// Needs padded % 32 == 0; positions at or past K are 0.
+void pack_acts(const float* x, int64_t M, int64_t K, int64_t padded, bool nibbles, uint32_t* hi,
+               uint32_t* lo) {
+  at::parallel_for(0, (M + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t m0 = b * 16, rows = std::min<int64_t>(16, M - m0);
+      const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
+      for (int64_t p0 = 0; p0 < padded; p0 += 32) {
+        __m512i h[16], l[16];
+        for (int r = 0; r < 16; ++r) {
+          __m256i half_h[2], half_l[2];
+          for (int g = 0; g < 2; ++g) {  // positions p0 + 16g ..: one 16-value group of x's row
+            const int64_t q = p0 / 16 + g, sub = q % 4;
+            const int64_t e0 = q / 4 * kChunk + (nibbles && (sub == 1 || sub == 2) ? 3 - sub : sub) * 16;
+            const int64_t n = r < rows ? std::clamp<int64_t>(K - e0, 0, 16) : 0;
+            const __m512 v = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1),
+                                                   x + (m0 + r) * K + std::min(e0, K));
+            half_h[g] = to_bf16(v);
+            if (lo) {  // the head rounded, as a float again: the tail is at most half an ulp
+              const __m512 head = _mm512_castsi512_ps(
+                  _mm512_slli_epi32(_mm512_cvtepu16_epi32(half_h[g]), 16));
+              half_l[g] = to_bf16(_mm512_sub_ps(v, head));
+            }
+          }
+          h[r] = _mm512_inserti64x4(_mm512_castsi256_si512(half_h[0]), half_h[1], 1);
+          if (lo) l[r] = _mm512_inserti64x4(_mm512_castsi256_si512(half_l[0]), half_l[1], 1);
+        }
+        transpose16(h);
+        if (lo) transpose16(l);
+        for (int j = 0; j < 16; ++j) {
+          const int64_t at = (p0 / 2 + j) * M + m0;
+          _mm512_mask_storeu_epi32(hi + at, keep, h[j]);
+          if (lo) _mm512_mask_storeu_epi32(lo + at, keep, l[j]);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace v512
 PAGEDQ_AVX512_END
 
@@ -135,6 +205,22 @@ std::pair<at::Tensor, at::Tensor> pack_split(const at::Tensor& x, int64_t padded
           pack_activations(tail, padded, nibbles)};
 }
 
+// x's packed B operand(s) for the precision: (rounded, none) or (heads, tails).
+std::pair<at::Tensor, at::Tensor> pack_x(const at::Tensor& x, int64_t padded, bool nibbles,
+                                         bool tails, bool fast) {
+  if (!fast || padded % 32 != 0)
+    return tails ? pack_split(x, padded, nibbles)
+                 : std::pair{pack_activations(x, padded, nibbles), at::Tensor()};
+  const int64_t M = x.size(0), K = x.size(1);
+  const auto options = x.options().dtype(at::kInt);
+  at::Tensor hi = at::empty({padded / 2, M}, options);
+  at::Tensor lo = tails ? at::empty({padded / 2, M}, options) : at::Tensor();
+  const at::Tensor xc = x.contiguous();
+  v512::pack_acts(xc.data_ptr<float>(), M, K, padded, nibbles,
+                  reinterpret_cast<uint32_t*>(hi.data_ptr<int32_t>()),
+                  tails ? reinterpret_cast<uint32_t*>(lo.data_ptr<int32_t>()) : nullptr);
+  return {hi, lo};
+}
 
 }  // namespace
 
@@ -143,7 +229,8 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
                 int64_t isa, int64_t precision) {
   check_isa(isa);
   check_precision(precision);
-  const bool tails = precision == kBf16x3;
+  const bool tails = precision != kBf16;  // the activations' tails
+  const bool weight_tails = precision == kBf16x3;
   const LinearArgs args = check_linear("quant_gemm", out, x, w, fmt, scales, bias);
   const int64_t M = args.rows, K = args.K, N = args.N;
   const float* sp = args.scales;
@@ -153,8 +240,7 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
   const int64_t padded = bf16 ? K : (K + kChunk - 1) / kChunk * kChunk;
   const bool fast = isa == kAvx512Vnni;  // the AVX-512 decoders (chunk order), else portable ones
   const bool nibbles = fast && nibble_order(fmt);
-  const auto [x_hi, x_lo] = tails ? pack_split(x, padded, nibbles)
-                                  : std::pair{pack_activations(x, padded, nibbles), at::Tensor()};
+  const auto [x_hi, x_lo] = pack_x(x, padded, nibbles, tails, fast);
   const BFloat16* xh = static_cast<const BFloat16*>(x_hi.data_ptr());
   const BFloat16* xl = tails ? static_cast<const BFloat16*>(x_lo.data_ptr()) : nullptr;
   const uint8_t* wp = args.w;
@@ -164,7 +250,7 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> values(padded);
     std::vector<BFloat16> a_hi(kTileRows * padded, BFloat16(0.f));
-    std::vector<BFloat16> a_lo(tails ? kTileRows * padded : 0, BFloat16(0.f));
+    std::vector<BFloat16> a_lo(weight_tails ? kTileRows * padded : 0, BFloat16(0.f));
     std::vector<float> c(kTileRows * kMaxCols);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
@@ -173,8 +259,8 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
         const uint8_t* row = wp + (n0 + i) * row_bytes;
         const float scale = sp ? sp[n0 + i] : 0.f;
         BFloat16* h = a_hi.data() + i * padded;
-        BFloat16* l = tails ? a_lo.data() + i * padded : nullptr;
-        if (fast && tails)
+        BFloat16* l = weight_tails ? a_lo.data() + i * padded : nullptr;
+        if (fast && weight_tails)
           v512::dequant_row(fmt, row, K, scale, h, l);  // whole chunks: a half chunk's tail is 0
         else if (fast)
           v512::dequant_row_rounded(fmt, row, K, scale, h);
@@ -186,7 +272,7 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
         using at::native::cpublas::brgemm;
         brgemm(rows, cols, padded, padded, M, cols, false, hi, xh + m0 * 2, c.data());
         if (tails) brgemm(rows, cols, padded, padded, M, cols, true, hi, xl + m0 * 2, c.data());
-        if (tails && !bf16) brgemm(rows, cols, padded, padded, M, cols, true, a_lo.data(), xh + m0 * 2, c.data());
+        if (weight_tails && !bf16) brgemm(rows, cols, padded, padded, M, cols, true, a_lo.data(), xh + m0 * 2, c.data());
         for (int64_t j = 0; j < cols; ++j) {  // C^T back to out's rows, `rows` floats at a time
           float* dst = op + (m0 + j) * args.ldo + n0;
           for (int64_t i = 0; i < rows; ++i) dst[i] = c[i * cols + j] + (bp ? bp[n0 + i] : 0.f);

@@ -37,23 +37,23 @@ def kernels(cpu: CpuFeatures, fmt: str, rows: list[int], switches: Switches | No
 def test_block_formats_take_the_vnni_gemv_then_the_bf16_gemm(cpu_ops, fmt):
     """With bf16 matmul hardware the GEMV runs decode-sized steps (up to 16 rows) and the bf16
     tiles everything larger."""
-    assert kernels(AMX, fmt, [1, 16, 17, 256]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-bf16x3"] * 2
+    assert kernels(AMX, fmt, [1, 16, 17, 256]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-bf16x2"] * 2
 
 
 def test_bf16_rows_hand_over_to_the_gemm_sooner(cpu_ops):
-    assert kernels(AMX, "bf16", [1, 8, 9]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-bf16x3"]
+    assert kernels(AMX, "bf16", [1, 8, 9]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-bf16x2"]
 
 
 def test_without_bf16_hardware_the_gemv_keeps_more_rows(cpu_ops):
     """bf16 tiles multiply slowly without AMX/AVX512_BF16, so the integer GEMV keeps 64 rows."""
-    assert kernels(VNNI_NO_BF16, "q4_1", [1, 64, 65]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-bf16x3"]
-    assert kernels(AVX2, "q8_0", [1, 64, 65]) == ["cpp-gemv-avx2"] * 2 + ["cpp-gemm-bf16x3"]
+    assert kernels(VNNI_NO_BF16, "q4_1", [1, 64, 65]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-bf16x2"]
+    assert kernels(AVX2, "q8_0", [1, 64, 65]) == ["cpp-gemv-avx2"] * 2 + ["cpp-gemm-bf16x2"]
 
 
 def test_the_gemm_runs_in_the_precision_asked_for(cpu_ops):
     """The engine's packed_gemm_precision reaches each choice, its name and the QuantLinear the
     model builds from it; the GEMV is the same in both."""
-    for precision in ("bf16", "bf16x3"):
+    for precision in ("bf16", "bf16x2", "bf16x3"):
         backend = Selector(cpu=AMX).select("cpu", F32, None, 64, packed_precision=precision)
         assert [backend.packed_for("q4_1").kernel(r) for r in (16, 17)] == [
             "cpp-gemv-vnni", f"cpp-gemm-{precision}"]
@@ -86,8 +86,8 @@ def test_cuda_takes_the_triton_weight_only_gemm():
 
 def test_the_start_up_line_names_each_packed_route(cpu_ops):
     summary = Selector(cpu=AMX).select("cpu", F32, None, 64).summary()["packed"]
-    assert "q4_1" in summary and "cpp-gemv-vnni<=16+cpp-gemm-bf16x3" in summary
-    assert "bf16: cpp-gemv-vnni<=8+cpp-gemm-bf16x3" in summary
+    assert "q4_1" in summary and "cpp-gemv-vnni<=16+cpp-gemm-bf16x2" in summary
+    assert "bf16: cpp-gemv-vnni<=8+cpp-gemm-bf16x2" in summary
 
 
 @pytest.mark.parametrize(("cpu", "dtype", "packed", "want"), [

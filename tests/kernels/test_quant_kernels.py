@@ -115,11 +115,20 @@ def test_bf16_gemm_matches_bf16_dequantized_matmul(cpu_ops, isa, fmt):
         assert relative_error(out, x.double() @ dense.T + bias) < 2e-2, (fmt, k, rows)
 
 
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_bf16x2_gemm_matches_rounded_weights_times_exact_activations(cpu_ops, isa, fmt):
+    """Precision bf16x2: the bf16-rounded dequantized weights times the fp32 activations."""
+    for k, rows, x, out, dense, bias in products(cpu_ops.quant_gemm, fmt, 45, (1, 17, 64, 130),
+                                                 isa, 2, int(GemmPrecision.BF16X2)):
+        assert relative_error(out, x.double() @ rounded(dense).T + bias) < 2e-5, (fmt, k, rows)
+
+
 def test_gemm_precision_is_checked(cpu_ops):
     w = random_weight("q8_0", 8, 64, torch.Generator().manual_seed(7))
     with pytest.raises(RuntimeError, match="precision"):
         cpu_ops.quant_gemm(torch.empty(2, 8), torch.randn(2, 64), w.data, w.fmt.code, None, None,
-                           BEST, 2)
+                           BEST, 3)
 
 
 def test_int4_is_q4_1_blocks(cpu_ops):
@@ -174,6 +183,8 @@ def test_linear_segments_pick_gemv_or_gemm_by_rows(cpu_ops, precision):
                 want = quantized_activations(x, BEST).double() @ dense[col:col + n].T
             elif precision == GemmPrecision.BF16X3:
                 want = x.double() @ dense[col:col + n].T
+            elif precision == GemmPrecision.BF16X2:
+                want = x.double() @ rounded(dense[col:col + n]).T
             else:
                 want = rounded(x) @ rounded(dense[col:col + n]).T
             assert relative_error(got, want) < 2e-5, (rows, part.fmt.name)
