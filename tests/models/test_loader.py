@@ -368,6 +368,25 @@ def tiny_gguf(request, tiny_gguf_factory):
     return tiny_gguf_factory(request.param)
 
 
+
+def test_stale_conversions_are_removed_when_the_next_one_is_made(tiny_gguf_factory, isolated_env,
+                                                                  tmp_path):
+    """A conversion whose GGUF was deleted, or changed since (another cache key), is removed the
+    next time a conversion is written; the live ones stay."""
+    _, gguf = tiny_gguf_factory(False)
+    gone, edited, other = (tmp_path / f"{n}.gguf" for n in ("gone", "edited", "other"))
+    for copy in (gone, edited, other):
+        shutil.copy(gguf, copy)
+    gone_dir, edited_dir = resolve_model(gone), resolve_model(edited)
+    live = resolve_model(gguf)
+    gone.unlink()
+    os.utime(edited, ns=(1, 1))  # same bytes, another mtime: gguf_cache_path names a new entry
+    assert gguf_cache_path(edited) != edited_dir
+    resolve_model(other)
+    assert not gone_dir.exists() and not edited_dir.exists()
+    assert is_converted(live) and is_converted(gguf_cache_path(other))
+    assert not gone_dir.with_name(gone_dir.name + ".lock").exists()
+
 def _logits(model_dir: Path, ids: list[int], **kwargs) -> torch.Tensor:
     import transformers
 

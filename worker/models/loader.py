@@ -289,7 +289,35 @@ def convert_gguf(gguf_file: Path, out_dir: Path, weights: bool = True) -> Path:
                 os.rename(tmp, out_dir)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    if out_dir.parent == cache_dir() / "gguf":  # the cache only, never a directory of the caller's
+        prune_stale_conversions(out_dir.parent, keep=out_dir)
     return out_dir
+
+
+def prune_stale_conversions(directory: Path, keep: Path) -> list[Path]:
+    """Remove the conversions in ``directory`` that no lookup can reach any more: their GGUF
+    is gone, or it changed (size or mtime) since, so gguf_cache_path now names another entry.
+
+    Why: every edited or deleted GGUF (and every test run's temporary files) would otherwise
+    leave its conversion behind for good, up to an fp32 copy of the weights each. Returns what
+    was removed."""
+    removed = []
+    for entry in directory.iterdir():
+        marker = entry / _DONE_MARKER
+        if entry == keep or not marker.is_file():
+            continue
+        try:
+            source = Path(json.loads(marker.read_text())["source"])
+            stale = not source.is_file() or gguf_cache_path(source, entry.name.endswith("-packed")) != entry
+        except (OSError, ValueError, KeyError):
+            continue  # unreadable or being written: not ours to judge now
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
+            entry.with_name(entry.name + ".lock").unlink(missing_ok=True)
+            removed.append(entry)
+    if removed:
+        log.info("removed stale GGUF conversions", count=len(removed), directory=str(directory))
+    return removed
 
 
 _DONE_MARKER = "pagedq_converted.json"
