@@ -168,12 +168,16 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-# Rows up to which each packed format's GEMV beats its bf16-tile GEMM on CPUs with bf16 matmul
-# hardware (AMX or AVX512_BF16); measured with ``python -m pagedq.kernels.quant_bench`` over
-# SmolLM2-135M's matrices (docs/quantization.md has the table). Without bf16 hardware the
-# GEMM's tiles multiply slowly, and the GEMV keeps NO_BF16_GEMV_ROWS rows.
-GEMV_ROWS = {"q4_0": 16, "q4_1": 16, "q5_0": 16, "q5_1": 16, "q8_0": 16, "q4_k": 16, "q5_k": 16,
-             "q6_k": 16, "int8": 16, "bf16": 8, "float32": SKINNY_MAX_ROWS}
+# Rows up to which each packed format's GEMV beats its bf16-tile GEMM in the default precision
+# (bf16x2) on CPUs with bf16 matmul hardware (AMX or AVX512_BF16); measured with ``python -m
+# pagedq.kernels.quant_bench`` over SmolLM2-135M's matrices (docs/quantization.md has the
+# table): the GEMM costs about the same from 1 to 16 rows (dequantizing dominates), the GEMV
+# grows with every row. bf16x3's third product and weight tails keep the GEMV to
+# BF16X3_GEMV_ROWS. Without bf16 hardware the GEMM's tiles multiply slowly, and the GEMV keeps
+# NO_BF16_GEMV_ROWS rows.
+GEMV_ROWS = {"q4_0": 10, "q4_1": 10, "q5_0": 10, "q5_1": 10, "q8_0": 10, "q4_k": 8, "q5_k": 8,
+             "q6_k": 10, "int8": 10, "bf16": 8, "float32": SKINNY_MAX_ROWS}
+BF16X3_GEMV_ROWS = 16
 NO_BF16_GEMV_ROWS = 64
 PACKED_FORMATS = tuple(GEMV_ROWS)
 # The packed GEMM's precisions (EngineConfig.packed_gemm_precision names the same ones and the
@@ -182,6 +186,15 @@ PACKED_PRECISIONS = {"bf16": GemmPrecision.BF16, "bf16x2": GemmPrecision.BF16X2,
                      "bf16x3": GemmPrecision.BF16X3}
 DEFAULT_PACKED_PRECISION = "bf16x2"
 
+
+
+def _gemv_rows(fmt: str, rows: int, bf16_hardware: bool, precision: str) -> int:
+    """The row count up to which ``fmt``'s packed GEMV runs (GEMV_ROWS and its exceptions)."""
+    if fmt in ("float32", "bf16"):
+        return rows
+    if not bf16_hardware:
+        return NO_BF16_GEMV_ROWS
+    return max(rows, BF16X3_GEMV_ROWS) if precision == "bf16x3" else rows
 
 @dataclass(frozen=True)
 class PackedChoice:
@@ -382,8 +395,8 @@ class Selector:
         reasons.append(f"packed weights: GEMV in {'AVX-512 VNNI' if isa else 'AVX2'}, "
                        f"{'bf16' if bf16 else 'no bf16'} matmul hardware for the GEMM "
                        f"({precision} products)")
-        return tuple(PackedChoice(f, "cpp", rows if bf16 or f == "float32" else NO_BF16_GEMV_ROWS,
-                                  isa, ops, precision) for f, rows in GEMV_ROWS.items())
+        return tuple(PackedChoice(f, "cpp", _gemv_rows(f, rows, bf16, precision), isa, ops,
+                                  precision) for f, rows in GEMV_ROWS.items())
 
     def compute_dtype(self, device: torch.device | str, dtype: torch.dtype,
                       packed: bool = False) -> torch.dtype:

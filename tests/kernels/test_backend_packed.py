@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedq.kernels import Selector, Switches
-from pagedq.kernels.backend import DEFAULT_PACKED_PRECISION, PACKED_PRECISIONS
+from pagedq.kernels.backend import DEFAULT_PACKED_PRECISION, GEMV_ROWS, PACKED_PRECISIONS
 from pagedq.kernels.cpu_features import CpuFeatures
 from pagedq.worker.config import PACKED_GEMM_PRECISIONS, EngineConfig
 from pagedq.worker.models.packed import build_projection
@@ -35,9 +35,12 @@ def kernels(cpu: CpuFeatures, fmt: str, rows: list[int], switches: Switches | No
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_block_formats_take_the_vnni_gemv_then_the_bf16_gemm(cpu_ops, fmt):
-    """With bf16 matmul hardware the GEMV runs decode-sized steps (up to 16 rows) and the bf16
-    tiles everything larger."""
-    assert kernels(AMX, fmt, [1, 16, 17, 256]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-bf16x2"] * 2
+    """With bf16 matmul hardware the GEMV runs small decode steps (up to 8-10 rows, where it
+    is faster: backend.GEMV_ROWS) and the bf16 tiles everything larger."""
+    limit = GEMV_ROWS[fmt]
+    assert 8 <= limit <= 10
+    assert kernels(AMX, fmt, [1, limit, limit + 1, 256]) == (["cpp-gemv-vnni"] * 2
+                                                             + ["cpp-gemm-bf16x2"] * 2)
 
 
 def test_bf16_rows_hand_over_to_the_gemm_sooner(cpu_ops):
@@ -55,7 +58,8 @@ def test_the_gemm_runs_in_the_precision_asked_for(cpu_ops):
     model builds from it; the GEMV is the same in both."""
     for precision in ("bf16", "bf16x2", "bf16x3"):
         backend = Selector(cpu=AMX).select("cpu", F32, None, 64, packed_precision=precision)
-        assert [backend.packed_for("q4_1").kernel(r) for r in (16, 17)] == [
+        limit = 16 if precision == "bf16x3" else GEMV_ROWS["q4_1"]  # bf16x3: BF16X3_GEMV_ROWS
+        assert [backend.packed_for("q4_1").kernel(r) for r in (limit, limit + 1)] == [
             "cpp-gemv-vnni", f"cpp-gemm-{precision}"]
         assert re.search(rf"\+cpp-gemm-{precision}(,|$)", backend.summary()["packed"])
         assert "products" in " ".join(backend.reasons) and precision in " ".join(backend.reasons)
@@ -86,7 +90,7 @@ def test_cuda_takes_the_triton_weight_only_gemm():
 
 def test_the_start_up_line_names_each_packed_route(cpu_ops):
     summary = Selector(cpu=AMX).select("cpu", F32, None, 64).summary()["packed"]
-    assert "q4_1" in summary and "cpp-gemv-vnni<=16+cpp-gemm-bf16x2" in summary
+    assert "q4_1" in summary and "cpp-gemv-vnni<=10+cpp-gemm-bf16x2" in summary
     assert "bf16: cpp-gemv-vnni<=8+cpp-gemm-bf16x2" in summary
 
 
