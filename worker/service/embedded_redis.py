@@ -66,9 +66,10 @@ class EmbeddedRedis:
 
     @classmethod
     def start(cls, port: int = 0, workdir: str | None = None, appendonly: bool = False,
-              timeout: float = 10.0) -> EmbeddedRedis:
-        """Start one and wait until it answers PING (retries if a free port was raced)."""
-        binary = redis_server_binary()
+              timeout: float = 10.0, binary: str | None = None) -> EmbeddedRedis:
+        """Start one and wait until it answers PING (retries if a free port was raced).
+        ``binary``: another server that takes redis-server's flags (valkey-server does)."""
+        binary = binary or redis_server_binary()
         own = workdir is None
         wd = Path(workdir or tempfile.mkdtemp(prefix="pagedq-redis-"))
         last_err = ""
