@@ -190,11 +190,14 @@ DEFAULT_PACKED_PRECISION = "bf16x2"
 
 def _gemv_rows(fmt: str, rows: int, bf16_hardware: bool, precision: str) -> int:
     """The row count up to which ``fmt``'s packed GEMV runs (GEMV_ROWS and its exceptions)."""
-    if fmt in ("float32", "bf16"):
+    if fmt == "float32":
         return rows
     if not bf16_hardware:
         return NO_BF16_GEMV_ROWS
+    if fmt == "bf16":  # exact bf16 rows: every precision multiplies them alike
+        return rows
     return max(rows, BF16X3_GEMV_ROWS) if precision == "bf16x3" else rows
+
 
 @dataclass(frozen=True)
 class PackedChoice:

@@ -12,8 +12,11 @@
 // and a bf16 tail (v = hi + lo, exact to ~2^-17), and three products, hi.hi + hi.lo + lo.hi,
 // recover the fp32 result to ~2^-16: the model then follows its dequantized fp32 twin, not a
 // bf16 one. The products are the cheap part (AMX); the tails cost one more store per weight.
-// Precision "bf16" rounds each operand once to bf16 and runs one product per tile: no tails are
-// split, stored, packed or multiplied, for a model that follows a bf16 twin instead.
+// Precision "bf16x2" (the default) rounds the weight once and splits only the activation: two
+// products, hi.x_hi + hi.x_lo, the bf16-rounded weights times the fp32 activations (one store per
+// weight, as dequantizing costs most at decode-sized row counts). Precision "bf16" rounds each
+// operand once to bf16 and runs one product per tile: no tails are split, stored, packed or
+// multiplied, for a model that follows a bf16 twin instead.
 //
 // The tile computes C^T[n, m] = W[n, :] . x[m, :]: the dequantized rows are brgemm's row-major
 // A operand as they come out of the decoder, and x, packed once per call, is the VNNI B operand.

@@ -8,7 +8,6 @@ The spread of generated tokens across the three workers is reported (the goal is
 
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
@@ -37,8 +36,7 @@ PROFILES = {"short": 30, "long": 300}
 def test_a_master_killed_mid_load_loses_nothing(tmp_path, tiny_model_dir, profile):
     count = PROFILES[profile]
     model = str(tiny_model_dir("llama"))
-    jobs = workload(count, seed=23, max_tokens=(40, 160))
-    random.Random(29).shuffle(jobs)  # as test_spread.py: no kind cycle meets the workers' turns
+    jobs = workload(count, seed=23, max_tokens=(40, 160), shuffle_seed=29)
     expected = expected_tokens(model, jobs)
     cluster = LocalCluster(tmp_path / "cluster").start()
     keys = Keys("scale")
@@ -71,9 +69,8 @@ def test_a_master_killed_mid_load_loses_nothing(tmp_path, tiny_model_dir, profil
            all_done_s_after_kill=round(recovered_s, 1), tokens_per_worker=dict(per_worker),
            spread=f"{100 * spread(per_worker):.1f}%", submits_retried=len(sub.refused))
     assert not crashed, crashed
-    # shuffled jobs mix batches as test_spread.py's do: every difference must be a near-tie
-    # the engine explains (the tiny random model's flat logits tie at ~3% of jobs there too)
-    assert result.done + result.flipped == result.total, (str(result), result.problems[:5])
+    # shuffled jobs mix batches as test_spread.py's do (near-ties at ~3% of jobs there too)
+    assert result.explained, (str(result), result.problems[:5])
 
 
 def _wait_for(cond, timeout=600.0):
