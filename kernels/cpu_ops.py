@@ -39,7 +39,7 @@ from pagedq.worker.logging import get_logger
 LIBRARY = "pagedq_cpu_ops"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(CSRC / f for f in ("attention.cpp", "gemv.cpp", "rmsnorm.cpp", "fused_layer.cpp",
-                                   "quant_gemv.cpp", "quant_gemm.cpp", "quant_linear.cpp",
+                                   "quant_gemv.cpp", "group_gemv.cpp", "quant_gemm.cpp", "quant_linear.cpp",
                                    "library.cpp"))
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 STALE_LOCK_SECONDS = 600  # a build lock this old was left by a process killed mid-compile

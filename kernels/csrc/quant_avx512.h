@@ -14,7 +14,7 @@
 // The walkers' target; code compiled for it (or a superset) inlines them.
 #define PAGEDQ_AVX512_BEGIN \
   _Pragma("GCC push_options")  \
-  _Pragma("GCC target(\"avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni\")")
+  _Pragma("GCC target(\"avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,bmi2\")")
 #define PAGEDQ_AVX512_END _Pragma("GCC pop_options")
 
 PAGEDQ_AVX512_BEGIN
@@ -32,6 +32,28 @@ inline __m512 quarter_lanes(__m512 v, int first) {  // [v[first] x4, ..., v[firs
   return _mm512_permutexvar_ps(idx, v);
 }
 
+// Where one weight row's bytes are: field `off` (`size` bytes, of the format's block layout) of
+// its block b. Rows follow one another (GGUF's layout), or, kGrouped, 16 rows share each block
+// position field by field (group_gemv.cpp): the code fields in group_slot order, scales in row
+// order.
+struct RowRef {
+  const uint8_t* row;  // plain: the row's first byte; grouped: its group's
+  int64_t block_bytes;
+  int64_t r = -1, slot = 0;  // grouped: the row within its group and its code slot
+  static RowRef plain(const uint8_t* w, int64_t n, int64_t row_bytes, int64_t block_bytes) {
+    return {w + n * row_bytes, block_bytes};
+  }
+  static RowRef grouped(int64_t fmt, const uint8_t* w, int64_t n, int64_t row_bytes,
+                        int64_t block_bytes) {
+    const int64_t r = n % kGroupRows;
+    return {w + (n - r) * row_bytes, block_bytes, r, group_slot(fmt, r)};
+  }
+  const uint8_t* at(int64_t b, int64_t off, int64_t size, bool code) const {
+    if (r < 0) return row + b * block_bytes + off;
+    return row + kGroupRows * (b * block_bytes + off) + (code ? slot : r) * size;
+  }
+};
+
 // Each walker calls f(chunk, codes, ws, wm) for every chunk of one weight row; codes are
 // unsigned bytes (Q8_0/int8 stored +128, with wm = -128 * ws).
 
@@ -44,33 +66,36 @@ struct Nibble32 {  // Q4_0, Q4_1, Q5_0, Q5_1
   static constexpr int64_t kQs = kQh + (kFive ? 4 : 0);
 
   template <class F>
-  static inline void walk(const uint8_t* row, int64_t K, float, F&& f) {
+  static inline void walk(const RowRef& row, int64_t K, float, F&& f) {
     const int64_t blocks = K / 32;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     for (int64_t c = 0; c * 2 < blocks; ++c) {
-      const uint8_t* b0 = row + 2 * c * kBytes;
-      const bool pair = 2 * c + 1 < blocks;
-      const uint8_t* b1 = b0 + kBytes;
-      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + kQs));
-      const __m128i q1 = pair ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + kQs))
+      const int64_t i0 = 2 * c, i1 = 2 * c + 1;
+      const bool pair = i1 < blocks;
+      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.at(i0, kQs, 16, true)));
+      const __m128i q1 = pair ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.at(i1, kQs, 16, true)))
                               : _mm_setzero_si128();
       const __m256i qs = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
       __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(qs), _mm256_srli_epi16(qs, 4), 1);
       w = _mm512_and_si512(w, low4);
       if constexpr (kFive) {
         uint32_t h0, h1 = 0;
-        std::memcpy(&h0, b0 + kQh, 4);
-        if (pair) std::memcpy(&h1, b1 + kQh, 4);
+        std::memcpy(&h0, row.at(i0, kQh, 4, true), 4);
+        if (pair) std::memcpy(&h1, row.at(i1, kQh, 4, true), 4);
         const uint64_t bits = (h0 & 0xFFFFull) | (uint64_t(h1 & 0xFFFF) << 16) |
                               (uint64_t(h0 >> 16) << 32) | (uint64_t(h1 >> 16) << 48);
         w = _mm512_mask_add_epi8(w, bits, w, _mm512_set1_epi8(16));
       }
-      // d0, m0, d1, m1 (fp16 pairs at each block's start)
-      uint32_t dm0, dm1 = 0;
-      std::memcpy(&dm0, b0, 4);
-      if (pair) std::memcpy(&dm1, b1, 4);
-      const __m128 dm = _mm_cvtph_ps(_mm_setr_epi32(dm0, dm1, 0, 0));  // d0 m0 d1 m1
-      const __m512 v = _mm512_castps128_ps512(dm);
+      // d0, m0, d1, m1 (fp16 each; the min fields are unused without kMin)
+      uint16_t dm[4] = {0, 0, 0, 0};
+      std::memcpy(&dm[0], row.at(i0, 0, 2, false), 2);
+      if constexpr (kMin) std::memcpy(&dm[1], row.at(i0, 2, 2, false), 2);
+      if (pair) std::memcpy(&dm[2], row.at(i1, 0, 2, false), 2);
+      if (kMin && pair) std::memcpy(&dm[3], row.at(i1, 2, 2, false), 2);
+      uint64_t dm64;
+      std::memcpy(&dm64, dm, 8);
+      const __m128 dmf = _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(dm64)));  // d0 m0 d1 m1
+      const __m512 v = _mm512_castps128_ps512(dmf);
       const __m512 ws = _mm512_permutexvar_ps(
           _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2), v);
       __m512 wm;
@@ -85,20 +110,20 @@ struct Nibble32 {  // Q4_0, Q4_1, Q5_0, Q5_1
 
 struct Q8_0 {
   template <class F>
-  static inline void walk(const uint8_t* row, int64_t K, float, F&& f) {
+  static inline void walk(const RowRef& row, int64_t K, float, F&& f) {
     const int64_t blocks = K / 32;
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int64_t c = 0; c * 2 < blocks; ++c) {
-      const uint8_t* b0 = row + 2 * c * 34;
-      const bool pair = 2 * c + 1 < blocks;
-      const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2));
-      const __m256i q1 = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 36))
+      const int64_t i0 = 2 * c, i1 = 2 * c + 1;
+      const bool pair = i1 < blocks;
+      const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.at(i0, 2, 32, true)));
+      const __m256i q1 = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.at(i1, 2, 32, true)))
                               : _mm256_set1_epi8(static_cast<char>(0x80));  // codes 0 after the flip
       const __m512i w = _mm512_xor_si512(
           _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1), flip);
       uint16_t h[2] = {0, 0};
-      std::memcpy(&h[0], b0, 2);
-      if (pair) std::memcpy(&h[1], b0 + 34, 2);
+      std::memcpy(&h[0], row.at(i0, 0, 2, false), 2);
+      if (pair) std::memcpy(&h[1], row.at(i1, 0, 2, false), 2);
       uint32_t both;
       std::memcpy(&both, h, 4);
       const __m512 v = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(both))));
@@ -110,7 +135,8 @@ struct Q8_0 {
 
 struct Int8 {
   template <class F>
-  static inline void walk(const uint8_t* row, int64_t K, float scale, F&& f) {
+  static inline void walk(const RowRef& ref, int64_t K, float scale, F&& f) {
+    const uint8_t* row = ref.row;
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     const __m512 ws = _mm512_set1_ps(scale), wm = _mm512_set1_ps(-128.f * scale);
     for (int64_t c = 0; c * kChunk < K; ++c) {
@@ -125,7 +151,8 @@ template <int64_t Fmt>
 struct KQuant45 {  // Q4_K, Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins
   static constexpr int64_t kBytes = Fmt == kQ4_K ? 144 : 176;
   template <class F>
-  static inline void walk(const uint8_t* row, int64_t K, float, F&& f) {
+  static inline void walk(const RowRef& ref, int64_t K, float, F&& f) {
+    const uint8_t* row = ref.row;  // K-quants are never grouped
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     for (int64_t sb = 0; sb < K / 256; ++sb) {
       const uint8_t* blk = row + sb * kBytes;
@@ -165,7 +192,8 @@ struct KQuant45 {  // Q4_K, Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins
 
 struct Q6_K {
   template <class F>
-  static inline void walk(const uint8_t* row, int64_t K, float, F&& f) {
+  static inline void walk(const RowRef& ref, int64_t K, float, F&& f) {
+    const uint8_t* row = ref.row;  // K-quants are never grouped
     const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);
     for (int64_t sb = 0; sb < K / 256; ++sb) {
       const uint8_t* blk = row + sb * 210;
@@ -195,19 +223,20 @@ inline __m512 dequant16(__m512i w, __m512 ws, __m512 wm) {
   return _mm512_fmadd_ps(codes, quarter_lanes(ws, 4 * G), quarter_lanes(wm, 4 * G));
 }
 
-// Walks one row of format fmt; f(chunk, codes, ws, wm) as above.
+// Walks one row of format fmt; f(chunk, codes, ws, wm) as above. Only the groupable formats
+// (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0) take a grouped row.
 template <class F>
-inline void walk_row(int64_t fmt, const uint8_t* row, int64_t K, float scale, F&& f) {
+inline void walk_row(int64_t fmt, const RowRef& ref, int64_t K, float scale, F&& f) {
   switch (fmt) {
-    case kQ4_0: Nibble32<kQ4_0>::walk(row, K, scale, f); break;
-    case kQ4_1: Nibble32<kQ4_1>::walk(row, K, scale, f); break;
-    case kQ5_0: Nibble32<kQ5_0>::walk(row, K, scale, f); break;
-    case kQ5_1: Nibble32<kQ5_1>::walk(row, K, scale, f); break;
-    case kQ8_0: Q8_0::walk(row, K, scale, f); break;
-    case kInt8: Int8::walk(row, K, scale, f); break;
-    case kQ4_K: KQuant45<kQ4_K>::walk(row, K, scale, f); break;
-    case kQ5_K: KQuant45<kQ5_K>::walk(row, K, scale, f); break;
-    case kQ6_K: Q6_K::walk(row, K, scale, f); break;
+    case kQ4_0: Nibble32<kQ4_0>::walk(ref, K, scale, f); break;
+    case kQ4_1: Nibble32<kQ4_1>::walk(ref, K, scale, f); break;
+    case kQ5_0: Nibble32<kQ5_0>::walk(ref, K, scale, f); break;
+    case kQ5_1: Nibble32<kQ5_1>::walk(ref, K, scale, f); break;
+    case kQ8_0: Q8_0::walk(ref, K, scale, f); break;
+    case kInt8: Int8::walk(ref, K, scale, f); break;
+    case kQ4_K: KQuant45<kQ4_K>::walk(ref, K, scale, f); break;
+    case kQ5_K: KQuant45<kQ5_K>::walk(ref, K, scale, f); break;
+    case kQ6_K: Q6_K::walk(ref, K, scale, f); break;
   }
 }
 

@@ -26,6 +26,23 @@ enum Format : int64_t {
   kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30, kInt8 = 100,
 };
 
+// A format code with this bit set: the same blocks regrouped 16 rows at a time (group_gemv.cpp
+// describes the layout), which the one-row GEMV reads without shuffling.
+constexpr int64_t kGrouped = 1 << 10;
+constexpr int64_t kGroupRows = 16;
+
+// Formats that can be regrouped: the 32-element blocks of one fp16 scale (and min).
+inline bool groupable(int64_t fmt) {
+  return fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ5_0 || fmt == kQ5_1 || fmt == kQ8_0;
+}
+
+// Slot of row r within its group for the code fields (scales keep row order): the order in which
+// group_gemv's reduction leaves the rows' sums, so its output lanes come out in row order.
+inline int64_t group_slot(int64_t fmt, int64_t r) {
+  if (fmt == kQ8_0) return 8 * (r / 8) + 2 * (r % 4) + (r / 4) % 2;  // 2 rows per vector
+  return 4 * (r % 4) + r / 4;  // nibble formats: 4 rows per vector
+}
+
 constexpr int64_t kChunk = 64;  // codes per chunk
 constexpr int64_t kLanesPerChunk = kChunk / 4;
 constexpr int64_t kActBlock = 32;  // activations are quantized per 32 values
@@ -45,6 +62,12 @@ inline bool format_size(int64_t fmt, int64_t& block, int64_t& bytes) {
     case kInt8: block = 1; bytes = 1; return true;
     default: return false;
   }
+}
+
+inline int64_t block_bytes(int64_t fmt) {
+  int64_t block = 0, bytes = 0;
+  format_size(fmt, block, bytes);
+  return bytes;
 }
 
 // The nibble formats (Q4_0, Q4_1, Q5_0, Q5_1) decode two blocks per chunk as
@@ -158,7 +181,8 @@ inline void dequant_row_f32(int64_t fmt, const uint8_t* row, int64_t K, float sc
 // out may be a column slice of a wider matrix (row stride ldo): fused projections (q, k and v
 // of different formats) write their parts of one output.
 struct LinearArgs {
-  int64_t fmt, rows, K, N, row_bytes, ldo;
+  int64_t fmt, rows, K, N, row_bytes, ldo;  // fmt without the kGrouped bit
+  bool grouped;  // rows grouped 16 at a time (kGrouped)
   const float* x;
   const uint8_t* w;
   const float* scales;  // kInt8 row scales, else null
@@ -170,8 +194,12 @@ inline LinearArgs check_linear(const char* op, at::Tensor& out, const at::Tensor
                                const at::Tensor& w, int64_t fmt,
                                const c10::optional<at::Tensor>& scales,
                                const c10::optional<at::Tensor>& bias) {
+  const bool grouped = (fmt & kGrouped) != 0;
+  fmt &= ~kGrouped;
   int64_t block = 0, bytes = 0;
   TORCH_CHECK(format_size(fmt, block, bytes), op, ": unknown format ", fmt);
+  TORCH_CHECK(!grouped || (groupable(fmt) && w.size(0) % kGroupRows == 0), op,
+              ": only Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 rows can be grouped, 16 rows at a time");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               op, ": x must be contiguous CPU fp32 [rows, K]");
   const int64_t rows = x.size(0), K = x.size(1);
@@ -195,8 +223,13 @@ inline LinearArgs check_linear(const char* op, at::Tensor& out, const at::Tensor
                 op, ": bias must be fp32 [N]");
     bp = bias->data_ptr<float>();
   }
-  return {fmt, rows, K, N, w.size(1), rows > 1 ? out.stride(0) : N, x.data_ptr<float>(),
+  return {fmt, rows, K, N, w.size(1), rows > 1 ? out.stride(0) : N, grouped, x.data_ptr<float>(),
           static_cast<const uint8_t*>(w.data_ptr()), sp, bp, out.data_ptr<float>()};
 }
+
+namespace v512 {
+// x @ W^T over grouped rows (group_gemv.cpp); AVX-512 VNNI CPUs only.
+void group_gemv(const LinearArgs& p);
+}  // namespace v512
 
 }  // namespace pagedq_cpu

@@ -84,7 +84,7 @@ inline void split_bf16(__m512 v, BFloat16* hi, BFloat16* lo) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), to_bf16(tail));
 }
 
-void dequant_row(int64_t fmt, const uint8_t* row, int64_t K, float scale, BFloat16* hi,
+void dequant_row(int64_t fmt, const RowRef& row, int64_t K, float scale, BFloat16* hi,
                  BFloat16* lo) {
   walk_row(fmt, row, K, scale, [&](int64_t c, __m512i w, __m512 ws, __m512 wm) {
     const int64_t at = c * kChunk;
@@ -100,7 +100,7 @@ inline void store_bf16(__m512 v, BFloat16* to) {
 }
 
 // The row rounded to bf16 once (precision bf16): one store per value, no tail.
-void dequant_row_rounded(int64_t fmt, const uint8_t* row, int64_t K, float scale, BFloat16* hi) {
+void dequant_row_rounded(int64_t fmt, const RowRef& row, int64_t K, float scale, BFloat16* hi) {
   walk_row(fmt, row, K, scale, [&](int64_t c, __m512i w, __m512 ws, __m512 wm) {
     BFloat16* at = hi + c * kChunk;
     store_bf16(dequant16<0>(w, ws, wm), at);
@@ -235,6 +235,7 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
   const bool tails = precision != kBf16;  // the activations' tails
   const bool weight_tails = precision == kBf16x3;
   const LinearArgs args = check_linear("quant_gemm", out, x, w, fmt, scales, bias);
+  fmt = args.fmt;  // without the kGrouped bit
   const int64_t M = args.rows, K = args.K, N = args.N;
   const float* sp = args.scales;
   const float* bp = args.bias;
@@ -242,6 +243,8 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
   const bool bf16 = fmt == kBF16;  // the rows already are brgemm's A operand, exactly
   const int64_t padded = bf16 ? K : (K + kChunk - 1) / kChunk * kChunk;
   const bool fast = isa == kAvx512Vnni;  // the AVX-512 decoders (chunk order), else portable ones
+  TORCH_CHECK(fast || !args.grouped, "quant_gemm: grouped rows need the AVX-512 VNNI decoders");
+  const int64_t fmt_bytes = bf16 ? 0 : block_bytes(fmt);
   const bool nibbles = fast && nibble_order(fmt);
   const auto [x_hi, x_lo] = pack_x(x, padded, nibbles, tails, fast);
   const BFloat16* xh = static_cast<const BFloat16*>(x_hi.data_ptr());
@@ -260,13 +263,16 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
       const BFloat16* hi = bf16 ? reinterpret_cast<const BFloat16*>(wp + n0 * row_bytes) : a_hi.data();
       for (int64_t i = 0; i < rows && !bf16; ++i) {
         const uint8_t* row = wp + (n0 + i) * row_bytes;
+        const v512::RowRef ref = args.grouped
+            ? v512::RowRef::grouped(args.fmt, wp, n0 + i, row_bytes, fmt_bytes)
+            : v512::RowRef::plain(wp, n0 + i, row_bytes, fmt_bytes);
         const float scale = sp ? sp[n0 + i] : 0.f;
         BFloat16* h = a_hi.data() + i * padded;
         BFloat16* l = weight_tails ? a_lo.data() + i * padded : nullptr;
         if (fast && weight_tails)
-          v512::dequant_row(fmt, row, K, scale, h, l);  // whole chunks: a half chunk's tail is 0
+          v512::dequant_row(args.fmt, ref, K, scale, h, l);  // whole chunks: a half chunk's tail is 0
         else if (fast)
-          v512::dequant_row_rounded(fmt, row, K, scale, h);
+          v512::dequant_row_rounded(args.fmt, ref, K, scale, h);
         else
           dequant_row_portable(fmt, row, K, scale, values.data(), h, l);
       }

@@ -105,7 +105,8 @@ void rows_group(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n0, int6
     __m512 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
     const float scale = p.scales ? p.scales[n] : 0.f;
-    Walker::walk(row, p.K, scale, [&](int64_t c, __m512i w, __m512 ws, __m512 wm) {
+    Walker::walk(RowRef{row, block_bytes(p.fmt)}, p.K, scale,
+                 [&](int64_t c, __m512i w, __m512 ws, __m512 wm) {
       const __m512i zero = _mm512_setzero_si512();
       const __m512i w_lo = _mm512_unpacklo_epi8(w, zero), w_hi = _mm512_unpackhi_epi8(w, zero);
       for (int g = 0; g < G; ++g) {
@@ -288,8 +289,14 @@ void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
   check_isa(isa);
   const LinearArgs p = check_linear("quant_gemv", out, x, w, fmt, scales, bias);
   if (p.rows == 0 || p.N == 0) return;
-  static thread_local Acts acts;
+  fmt = p.fmt;  // without the kGrouped bit
   const bool vnni = isa == kAvx512Vnni;
+  if (p.grouped) {
+    TORCH_CHECK(vnni, "quant_gemv: grouped rows need AVX-512 VNNI (isa 2)");
+    v512::group_gemv(p);
+    return;
+  }
+  static thread_local Acts acts;
   if (fmt != kBF16 && vnni)
     v512::quantize_acts(p.x, p.rows, p.K, nibble_order(fmt), acts);
   else if (fmt != kBF16)

@@ -16,7 +16,7 @@ import torch
 
 from pagedq.kernels.cpu_features import detect_cpu_features
 from pagedq.kernels.cpu_ops import GemmPrecision, Isa
-from pagedq.worker.models.quant import FORMATS, dequantize, quantize_int4
+from pagedq.worker.models.quant import GROUPED, FORMATS, QuantWeight, dequantize, quantize_int4
 from tests.quant_fixtures import ALL, random_weight
 
 
@@ -122,6 +122,76 @@ def test_bf16x2_gemm_matches_rounded_weights_times_exact_activations(cpu_ops, is
     for k, rows, x, out, dense, bias in products(cpu_ops.quant_gemm, fmt, 45, (1, 17, 64, 130),
                                                  isa, 2, int(GemmPrecision.BF16X2)):
         assert relative_error(out, x.double() @ rounded(dense).T + bias) < 2e-5, (fmt, k, rows)
+
+
+GROUPABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+needs_vnni = pytest.mark.skipif(not detect_cpu_features().has_avx512_vnni,
+                                reason="grouped rows run on AVX-512 VNNI only")
+
+
+def grouped_weight(fmt: str, n: int, k: int, gen: torch.Generator):
+    """A random weight and its grouped twin (the same rows, regrouped 16 at a time)."""
+    w = random_weight(fmt, n, k, gen)
+    g = QuantWeight(w.fmt, w.data.clone(), w.shape)
+    g.set_grouped(True)
+    return w, g
+
+
+def split_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the grouped GEMV sees it: each run of 32 values rounded to int16 steps of
+    max|x| / 32512 (the largest code whose high byte fits in int8)."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 32512) * (1 / amax), torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / 32512)).view_as(x)
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", GROUPABLE)
+def test_grouped_gemv_matches_dequantized_matmul(cpu_ops, fmt):
+    """Grouped rows: 4 (Q8_0: 2) rows per vector, activations split into two signed bytes."""
+    gen = torch.Generator().manual_seed(11)
+    for k in (32, 96, 576):
+        w, g = grouped_weight(fmt, 48, k, gen)
+        dense = dequantize(w).double()
+        bias = torch.randn(48, generator=gen)
+        for rows in (1, 3, 8, 9):
+            x = torch.randn(rows, k, generator=gen)
+            out = torch.empty(rows, 48)
+            cpu_ops.quant_gemv(out, x, g.data, g.kernel_code, None, bias, BEST)
+            want = split_activations(x).double() @ dense.T + bias.double()
+            assert relative_error(out, want) < 1e-5, (fmt, k, rows)
+            assert relative_error(out, x.double() @ dense.T + bias.double()) < 1e-4
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", GROUPABLE)
+@pytest.mark.parametrize("precision", list(GemmPrecision), ids=lambda p: p.name)
+def test_grouped_gemm_equals_plain_rows(cpu_ops, fmt, precision):
+    """The GEMM's tile decoder reads a grouped row's blocks where they are: same bits out."""
+    gen = torch.Generator().manual_seed(12)
+    w, g = grouped_weight(fmt, 64, 96, gen)
+    x = torch.randn(70, 96, generator=gen)
+    plain, grouped = torch.empty(70, 64), torch.empty(70, 64)
+    cpu_ops.quant_gemm(plain, x, w.data, w.fmt.code, None, None, BEST, int(precision))
+    cpu_ops.quant_gemm(grouped, x, g.data, g.kernel_code, None, None, BEST, int(precision))
+    torch.testing.assert_close(grouped, plain, rtol=0, atol=0)
+
+
+def test_grouping_is_checked(cpu_ops):
+    gen = torch.Generator().manual_seed(13)
+    w = random_weight("q4_k", 16, 256, gen)
+    with pytest.raises(RuntimeError, match="can be grouped"):
+        cpu_ops.quant_gemv(torch.empty(1, 16), torch.randn(1, 256), w.data,
+                           w.fmt.code | GROUPED, None, None, BEST)
+    w = random_weight("q8_0", 24, 64, gen)  # not a whole number of groups
+    with pytest.raises(RuntimeError, match="16 rows at a time"):
+        cpu_ops.quant_gemv(torch.empty(1, 24), torch.randn(1, 64), w.data,
+                           w.fmt.code | GROUPED, None, None, BEST)
+    _, g = grouped_weight("q8_0", 16, 64, gen)
+    with pytest.raises(RuntimeError, match="VNNI"):
+        cpu_ops.quant_gemv(torch.empty(1, 16), torch.randn(1, 64), g.data, g.kernel_code, None,
+                           None, int(Isa.AVX2))
 
 
 def test_gemm_precision_is_checked(cpu_ops):

@@ -12,6 +12,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from pagedq.worker.models.quant import (
     FORMATS,
+    GROUPED,
     QuantWeight,
     dequantize,
     quantize_int4,
@@ -82,6 +83,35 @@ def test_rows_selects_packed_rows():
     torch.testing.assert_close(dequantize(w.rows(index)), dequantize(w)[index], rtol=0, atol=0)
     q = quantize_int8(torch.randn(5, 64))
     torch.testing.assert_close(dequantize(q.rows(index)), dequantize(q)[index], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"))
+def test_grouped_layout_is_a_permutation_of_the_rows(fmt):
+    """Grouping rewrites the bytes in place (16 rows share each block position, field by
+    field); dequantizing, picking rows and ungrouping all give the GGUF rows back."""
+    rng = np.random.default_rng(3)
+    raw = torch.from_numpy(random_blocks(fmt, 48, 96, rng))
+    w = QuantWeight(FORMATS[fmt], raw.clone(), (48, 96))
+    w.set_grouped(True)
+    assert w.grouped and w.kernel_code == FORMATS[fmt].code | GROUPED
+    assert not torch.equal(w.data, raw) and w.nbytes == raw.numel()
+    assert torch.equal(w.data.flatten().sort().values, raw.flatten().sort().values)
+    plain = QuantWeight(FORMATS[fmt], raw, (48, 96))
+    torch.testing.assert_close(dequantize(w), dequantize(plain), rtol=0, atol=0)
+    index = torch.tensor([47, 0, 17, 17, 5])
+    assert torch.equal(w.rows(index).data, raw[index])
+    assert torch.equal(w.plain().data, raw)
+    w.set_grouped(False)
+    assert torch.equal(w.data, raw) and not w.grouped
+
+
+def test_only_whole_groups_of_block_formats_are_grouped():
+    rng = np.random.default_rng(4)
+    assert not QuantWeight(FORMATS["q8_0"], torch.from_numpy(random_blocks("q8_0", 24, 64, rng)),
+                           (24, 64)).groupable
+    k = QuantWeight(FORMATS["q4_k"], torch.from_numpy(random_blocks("q4_k", 16, 256, rng)), (16, 256))
+    with pytest.raises(ValueError, match="cannot be grouped"):
+        k.set_grouped(True)
 
 
 def test_shapes_are_checked():

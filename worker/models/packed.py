@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedq.kernels import Backend
+from pagedq.kernels.cpu_ops import Isa
 from pagedq.worker.models.quant import QuantWeight, dequantize, to_gpu_layout
 
 Segment = QuantWeight | torch.Tensor
@@ -77,8 +78,11 @@ def build_projection(segments: list[Segment], bias: torch.Tensor | None, backend
     kind = choices[0].kind
     if kind == "cpp":
         ops = choices[0].ops
+        for s, choice in zip(segments, choices, strict=True):
+            if isinstance(s, QuantWeight):  # the one-row GEMV's layout where its kernel runs
+                s.set_grouped(s.groupable and choice.isa == int(Isa.AVX512_VNNI))
         data = [s.data if isinstance(s, QuantWeight) else s.float().contiguous() for s in segments]
-        codes = [s.fmt.code if isinstance(s, QuantWeight) else 0 for s in segments]
+        codes = [s.kernel_code if isinstance(s, QuantWeight) else 0 for s in segments]
         scales = [s.scales if isinstance(s, QuantWeight) else None for s in segments]
         bias = None if bias is None else bias.float().contiguous()
         return ops.quant_linear(data, codes, scales, bias, segments[0].shape[1],

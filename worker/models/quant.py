@@ -13,6 +13,7 @@ kernels do not compute, such as embedding lookups.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -61,6 +62,26 @@ FORMATS: dict[str, BlockFormat] = {
 }
 BY_CODE = {f.code: f for f in FORMATS.values()}
 
+GROUPED = 1 << 10  # kGrouped in kernels/csrc/quant_formats.h: the format code's layout bit
+GROUP_ROWS = 16
+# The byte fields of each groupable block, in GGUF's order: (size, holds codes). Scales (d, m)
+# keep row order in a group; code fields (qh, qs) take the kernel's slot order (group_slots).
+GROUP_FIELDS: dict[str, tuple[tuple[int, bool], ...]] = {
+    "q4_0": ((2, False), (16, True)),
+    "q4_1": ((2, False), (2, False), (16, True)),
+    "q5_0": ((2, False), (4, True), (16, True)),
+    "q5_1": ((2, False), (2, False), (4, True), (16, True)),
+    "q8_0": ((2, False), (32, True)),
+}
+
+
+def group_slots(name: str) -> torch.Tensor:
+    """Slot of each of a group's 16 rows in the code fields (group_slot in quant_formats.h)."""
+    r = torch.arange(GROUP_ROWS)
+    if name == "q8_0":
+        return 8 * (r // 8) + 2 * (r % 4) + (r // 4) % 2
+    return 4 * (r % 4) + r // 4
+
 
 @dataclass
 class QuantWeight:
@@ -71,6 +92,7 @@ class QuantWeight:
     data: torch.Tensor
     shape: tuple[int, int]  # (N, K): output channels, input features
     scales: torch.Tensor | None = None
+    grouped: bool = False  # rows regrouped 16 at a time for the CPU GEMV (see regroup)
 
     def __post_init__(self) -> None:
         n, k = self.shape
@@ -85,17 +107,104 @@ class QuantWeight:
         extra = self.scales.numel() * self.scales.element_size() if self.scales is not None else 0
         return self.data.numel() * self.data.element_size() + extra
 
+    @property
+    def kernel_code(self) -> int:
+        """The format code the C++ kernels take (with the layout bit when grouped)."""
+        return self.fmt.code | (GROUPED if self.grouped else 0)
+
+    @property
+    def groupable(self) -> bool:
+        return self.fmt.name in GROUP_FIELDS and self.shape[0] % GROUP_ROWS == 0
+
     def rows(self, index: torch.Tensor) -> QuantWeight:
-        """The packed rows ``index`` (rows are independent: blocks never straddle rows)."""
+        """The packed rows ``index`` in GGUF's layout (rows are independent: blocks never
+        straddle rows; grouped rows are gathered field by field)."""
+        if self.grouped:
+            return QuantWeight(self.fmt, _grouped_rows(self.fmt.name, self.data, index),
+                               (len(index), self.shape[1]))
         scales = self.scales[index] if self.scales is not None else None
         return QuantWeight(self.fmt, self.data[index].contiguous(), (len(index), self.shape[1]), scales)
+
+    def set_grouped(self, grouped: bool) -> None:
+        """Rewrite the rows in place into the grouped layout (or back): the same bytes, permuted.
+
+        Grouped, the 16 rows of a group share each block position, field by field ([d x16]
+        [m x16] [qh x16] [qs x16]), which the CPU's one-row GEMV reads 4 rows per vector
+        (kernels/csrc/group_gemv.cpp). In place, so a table the embedding and a tied LM head
+        share stays one copy.
+        """
+        if grouped == self.grouped:
+            return
+        if grouped and not self.groupable:
+            raise ValueError(f"{self.fmt.name} [{self.shape[0]} rows] cannot be grouped")
+        self.data = _group(self.fmt.name, self.data) if grouped else _ungroup(self.fmt.name, self.data)
+        self.grouped = grouped
+
+    def plain(self) -> QuantWeight:
+        """This weight in GGUF's row layout (itself when not grouped)."""
+        if not self.grouped:
+            return self
+        return QuantWeight(self.fmt, _ungroup(self.fmt.name, self.data), self.shape, self.scales)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self).to(dtype)
 
     def to(self, device: torch.device | str) -> QuantWeight:
         scales = None if self.scales is None else self.scales.to(device)
-        return QuantWeight(self.fmt, self.data.to(device), self.shape, scales)
+        return QuantWeight(self.fmt, self.data.to(device), self.shape, scales, self.grouped)
+
+
+def _group(name: str, data: torch.Tensor) -> torch.Tensor:
+    """GGUF rows [N, B * S] -> the grouped layout, same shape (QuantWeight.set_grouped)."""
+    fields = GROUP_FIELDS[name]
+    size = sum(f for f, _ in fields)
+    n = data.shape[0]
+    blocks = data.view(n // GROUP_ROWS, GROUP_ROWS, -1, size).transpose(1, 2)  # [G, B, row, S]
+    by_slot = torch.argsort(group_slots(name))  # the row each slot holds
+    parts, at = [], 0
+    for width, code in fields:
+        field = blocks[..., at:at + width]
+        parts.append((field[:, :, by_slot] if code else field).flatten(2))
+        at += width
+    return torch.cat(parts, dim=2).reshape(n, -1)
+
+
+def _ungroup(name: str, data: torch.Tensor) -> torch.Tensor:
+    """The grouped layout -> GGUF rows [N, B * S]."""
+    fields = GROUP_FIELDS[name]
+    size = sum(f for f, _ in fields)
+    n = data.shape[0]
+    groups = data.view(n // GROUP_ROWS, -1, GROUP_ROWS * size)  # [G, B, 16 * S]
+    slots = group_slots(name)
+    parts, at = [], 0
+    for width, code in fields:
+        field = groups[..., at:at + GROUP_ROWS * width].unflatten(2, (GROUP_ROWS, width))
+        parts.append(field[:, :, slots] if code else field)  # [G, B, row, width]
+        at += GROUP_ROWS * width
+    return torch.cat(parts, dim=3).transpose(1, 2).reshape(n, -1)
+
+
+@functools.cache
+def _row_offsets(name: str) -> torch.Tensor:
+    """[16, S]: where each byte of row r's block sits within its group's 16 * S bytes."""
+    slots = group_slots(name)
+    offsets, at = [], 0
+    for width, code in GROUP_FIELDS[name]:
+        pos = slots if code else torch.arange(GROUP_ROWS)
+        offsets.append(at + pos[:, None] * width + torch.arange(width)[None, :])
+        at += GROUP_ROWS * width
+    return torch.cat(offsets, dim=1)
+
+
+def _grouped_rows(name: str, data: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """GGUF rows ``index`` of a grouped weight: one gather (the embedding's lookup per step)."""
+    index = index.long().cpu()
+    size = sum(f for f, _ in GROUP_FIELDS[name])
+    row_bytes = data.shape[1]
+    blocks = torch.arange(row_bytes // size) * (GROUP_ROWS * size)
+    base = (index // GROUP_ROWS * (GROUP_ROWS * row_bytes))[:, None, None] + blocks[None, :, None]
+    return data.view(-1)[base + _row_offsets(name)[index % GROUP_ROWS][:, None, :]].reshape(
+        len(index), row_bytes)
 
 
 # --------------------------------------------------------------------------- dequantization
@@ -181,6 +290,7 @@ def _block_codes(name: str, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def codes(w: QuantWeight) -> Codes:
     """The integer codes and per-group scale/offset of a packed weight (not bf16: no codes)."""
+    w = w.plain()
     n, k = w.shape
     if w.fmt.name == "bf16":
         raise ValueError("bf16 weights have no integer codes")
