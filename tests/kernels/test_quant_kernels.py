@@ -16,7 +16,7 @@ import torch
 
 from pagedq.kernels.cpu_features import detect_cpu_features
 from pagedq.kernels.cpu_ops import GemmPrecision, Isa
-from pagedq.worker.models.quant import GROUPED, FORMATS, QuantWeight, dequantize, quantize_int4
+from pagedq.worker.models.quant import FORMATS, GROUPED, QuantWeight, dequantize, quantize_int4
 from tests.quant_fixtures import ALL, random_weight
 
 
