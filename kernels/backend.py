@@ -179,6 +179,14 @@ GEMV_ROWS = {"q4_0": 10, "q4_1": 10, "q5_0": 10, "q5_1": 10, "q8_0": 10, "q4_k":
              "q6_k": 10, "int8": 10, "bf16": 8, "float32": SKINNY_MAX_ROWS}
 BF16X3_GEMV_ROWS = 16
 NO_BF16_GEMV_ROWS = 64
+# The 32-element block formats' GEMV on AVX-512 VNNI reads rows grouped 16 at a time
+# (csrc/group_gemv.cpp): it shares each weight load among 8 activation rows at ~1/3 of the
+# row-at-a-time kernel's cost per row, and beats the GEMM up to these many rows (quant_bench, ms
+# per pass at 16/24/32 rows, Q4_1: grouped GEMV 28.7/41.7/53.2, GEMM bf16 38.3/46.9/46.5, bf16x2
+# 45.9/64.1/63.4, bf16x3 59.6/82.4/82.0). A matrix whose rows are not a whole number of groups
+# keeps the row-at-a-time GEMV under the same limit (no model we know has one).
+GROUPED_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+GROUPED_GEMV_ROWS = {"bf16": 24, "bf16x2": 32, "bf16x3": 40}
 PACKED_FORMATS = tuple(GEMV_ROWS)
 # The packed GEMM's precisions (EngineConfig.packed_gemm_precision names the same ones and the
 # same default, which docs/quantization.md justifies with the fidelity and speed figures).
@@ -188,12 +196,15 @@ DEFAULT_PACKED_PRECISION = "bf16x2"
 
 
 
-def _gemv_rows(fmt: str, rows: int, bf16_hardware: bool, precision: str) -> int:
-    """The row count up to which ``fmt``'s packed GEMV runs (GEMV_ROWS and its exceptions)."""
+def _gemv_rows(fmt: str, rows: int, bf16_hardware: bool, precision: str, grouped: bool) -> int:
+    """The row count up to which ``fmt``'s packed GEMV runs (GEMV_ROWS and its exceptions;
+    ``grouped``: the CPU runs the grouped GEMV)."""
     if fmt == "float32":
         return rows
     if not bf16_hardware:
         return NO_BF16_GEMV_ROWS
+    if grouped and fmt in GROUPED_FORMATS:
+        return GROUPED_GEMV_ROWS[precision]
     if fmt == "bf16":  # exact bf16 rows: every precision multiplies them alike
         return rows
     return max(rows, BF16X3_GEMV_ROWS) if precision == "bf16x3" else rows
@@ -398,8 +409,9 @@ class Selector:
         reasons.append(f"packed weights: GEMV in {'AVX-512 VNNI' if isa else 'AVX2'}, "
                        f"{'bf16' if bf16 else 'no bf16'} matmul hardware for the GEMM "
                        f"({precision} products)")
-        return tuple(PackedChoice(f, "cpp", _gemv_rows(f, rows, bf16, precision), isa, ops,
-                                  precision) for f, rows in GEMV_ROWS.items())
+        grouped = isa == Isa.AVX512_VNNI
+        return tuple(PackedChoice(f, "cpp", _gemv_rows(f, rows, bf16, precision, grouped), isa,
+                                  ops, precision) for f, rows in GEMV_ROWS.items())
 
     def compute_dtype(self, device: torch.device | str, dtype: torch.dtype,
                       packed: bool = False) -> torch.dtype:

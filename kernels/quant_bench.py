@@ -6,6 +6,7 @@ plus the LM head): the passes a decode step makes, with weights too big for the 
 real model's are. Paths: fp32 (the skinny GEMV below 17 rows, oneDNN-prepacked above), bf16
 (``F.linear`` and oneDNN-prepacked), torch's weight-only int8/int4 ops (bf16 activations), and
 pagedq's packed-weight kernels (``gemv-<format>`` reading the blocks with integer dot products,
+grouped 16 rows at a time where the engine groups them, ``rowgemv-<format>`` one row at a time,
 ``gemm-<format>`` dequantizing bf16 tiles for oneDNN's micro-kernel in precision bf16x3,
 ``x2gemm-<format>`` in precision bf16x2, ``bf16gemm-<format>`` in precision bf16). K-quants need K % 256 == 0,
 so ``--shapes down`` times the 30 down projections (K = 1536) alone.
@@ -104,15 +105,18 @@ def build_path(name: str, shapes: list[tuple[int, int]], gen: torch.Generator) -
     selector = process_selector()
     ops = selector.library()
     isa = int(Isa.AVX512_VNNI if selector.cpu.has_avx512_vnni else Isa.AVX2)
-    op = {"gemv": ops.quant_gemv,
+    vnni = isa == int(Isa.AVX512_VNNI)
+    op = {"gemv": ops.quant_gemv, "rowgemv": ops.quant_gemv,
           "gemm": partial(ops.quant_gemm, precision=int(GemmPrecision.BF16X3)),
           "x2gemm": partial(ops.quant_gemm, precision=int(GemmPrecision.BF16X2)),
           "bf16gemm": partial(ops.quant_gemm, precision=int(GemmPrecision.BF16))}[kind]
 
     def packed(w: QuantWeight) -> Callable:
+        w.set_grouped(vnni and w.groupable and kind != "rowgemv")  # the engine's layout
+
         def call(xs):
             x = xs[w.shape[1]]
-            op(x.new_empty(x.shape[0], w.shape[0]), x, w.data, w.fmt.code, w.scales, None, isa)
+            op(x.new_empty(x.shape[0], w.shape[0]), x, w.data, w.kernel_code, w.scales, None, isa)
         return call
     del floats
     return [packed(random_packed(fmt, n, k, gen)) for n, k in shapes]

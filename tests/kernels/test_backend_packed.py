@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from pagedq.kernels import Selector, Switches
-from pagedq.kernels.backend import DEFAULT_PACKED_PRECISION, GEMV_ROWS, PACKED_PRECISIONS
+from pagedq.kernels.backend import (
+    DEFAULT_PACKED_PRECISION,
+    GEMV_ROWS,
+    GROUPED_FORMATS,
+    GROUPED_GEMV_ROWS,
+    PACKED_PRECISIONS,
+)
 from pagedq.kernels.cpu_features import CpuFeatures
 from pagedq.worker.config import PACKED_GEMM_PRECISIONS, EngineConfig
 from pagedq.worker.models.packed import build_projection
@@ -35,12 +41,19 @@ def kernels(cpu: CpuFeatures, fmt: str, rows: list[int], switches: Switches | No
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_block_formats_take_the_vnni_gemv_then_the_bf16_gemm(cpu_ops, fmt):
-    """With bf16 matmul hardware the GEMV runs small decode steps (up to 8-10 rows, where it
-    is faster: backend.GEMV_ROWS) and the bf16 tiles everything larger."""
-    limit = GEMV_ROWS[fmt]
-    assert 8 <= limit <= 10
+    """With bf16 matmul hardware the GEMV runs small decode steps (where it is faster:
+    backend.GEMV_ROWS, 8-10 rows; the grouped GEMV of the 32-element block formats 32) and the
+    bf16 tiles everything larger."""
+    limit = GROUPED_GEMV_ROWS["bf16x2"] if fmt in GROUPED_FORMATS else GEMV_ROWS[fmt]
+    assert 8 <= limit <= 10 or (fmt in GROUPED_FORMATS and limit == 32)
     assert kernels(AMX, fmt, [1, limit, limit + 1, 256]) == (["cpp-gemv-vnni"] * 2
                                                              + ["cpp-gemm-bf16x2"] * 2)
+
+
+def test_the_grouped_formats_are_the_groupable_ones():
+    from pagedq.worker.models.quant import GROUP_FIELDS
+
+    assert set(GROUPED_FORMATS) == set(GROUP_FIELDS)
 
 
 def test_bf16_rows_hand_over_to_the_gemm_sooner(cpu_ops):
@@ -58,7 +71,7 @@ def test_the_gemm_runs_in_the_precision_asked_for(cpu_ops):
     model builds from it; the GEMV is the same in both."""
     for precision in ("bf16", "bf16x2", "bf16x3"):
         backend = Selector(cpu=AMX).select("cpu", F32, None, 64, packed_precision=precision)
-        limit = 16 if precision == "bf16x3" else GEMV_ROWS["q4_1"]  # bf16x3: BF16X3_GEMV_ROWS
+        limit = GROUPED_GEMV_ROWS[precision]  # q4_1 is read grouped on VNNI
         assert [backend.packed_for("q4_1").kernel(r) for r in (limit, limit + 1)] == [
             "cpp-gemv-vnni", f"cpp-gemm-{precision}"]
         assert re.search(rf"\+cpp-gemm-{precision}(,|$)", backend.summary()["packed"])
