@@ -185,7 +185,7 @@ NO_BF16_GEMV_ROWS = 64
 # per pass at 16/24/32 rows, Q4_1: grouped GEMV 28.7/41.7/53.2, GEMM bf16 38.3/46.9/46.5, bf16x2
 # 45.9/64.1/63.4, bf16x3 59.6/82.4/82.0). A matrix whose rows are not a whole number of groups
 # keeps the row-at-a-time GEMV under the same limit (no model we know has one).
-GROUPED_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+GROUPED_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k")
 GROUPED_GEMV_ROWS = {"bf16": 24, "bf16x2": 32, "bf16x3": 40}
 PACKED_FORMATS = tuple(GEMV_ROWS)
 # The packed GEMM's precisions (EngineConfig.packed_gemm_precision names the same ones and the

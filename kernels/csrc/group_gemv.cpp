@@ -1,5 +1,5 @@
 // The GEMV over grouped rows (format code | kGrouped): the one-stream decode's kernel for the
-// 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
+// 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and Q4_K.
 //
 // Why: the row-at-a-time GEMV (quant_gemv.cpp) spends most of each 64-code chunk expanding that
 // row's two fp16 scales into lanes and widening its codes to 16 bits: shuffles, which this CPU
@@ -11,7 +11,7 @@
 // Layout (QuantWeight.grouped in pagedq/worker/models/quant.py writes it): the rows of a group of
 // 16 share each block position; block b of the group holds the format's fields one after
 // another, each field for all 16 rows: [d x16][m x16][qh x16][qs x16] (the fields the format
-// has, in GGUF's order). Scales are in row order; the code fields are in group_slot order, the
+// has, in GGUF's order; Q4_K: d, dmin, each of its 12 scale bytes and each 32-byte run of qs). Scales are in row order; the code fields are in group_slot order, the
 // order in which the reduction below leaves the rows' sums, so the sums come out in row order.
 // The same bytes as the GGUF rows: the layout is a permutation of them.
 //
@@ -203,6 +203,77 @@ void q8_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, 
   }
 }
 
+// Q4_K's eight (scale, min) pairs of 16 rows, unpacked from their 12 bytes (one 16-row field
+// per byte, row order) into fp32 vectors: w = d sc_j code - dmin mn_j for sub-block j.
+inline void k_scale_vectors(const uint8_t* at, __m512 sc[8], __m512 mn[8]) {
+  __m512i s[12];
+  for (int i = 0; i < 12; ++i)
+    s[i] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 64 + 16 * i)));
+  const __m512i six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(15);
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+  const __m512 neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 2 * kGroupRows))));
+  for (int j = 0; j < 4; ++j) {  // k_scales (quant_formats.h), 16 rows at a time
+    const __m512i hi_sc = _mm512_slli_epi32(_mm512_srli_epi32(s[j], 6), 4);
+    const __m512i hi_mn = _mm512_slli_epi32(_mm512_srli_epi32(s[j + 4], 6), 4);
+    const __m512i codes[4] = {_mm512_and_si512(s[j], six), _mm512_and_si512(s[j + 4], six),
+                              _mm512_or_si512(_mm512_and_si512(s[j + 8], four), hi_sc),
+                              _mm512_or_si512(_mm512_srli_epi32(s[j + 8], 4), hi_mn)};
+    sc[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(codes[0]));
+    mn[j] = _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(codes[1]));
+    sc[j + 4] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(codes[2]));
+    mn[j + 4] = _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(codes[3]));
+  }
+}
+
+// Q4_K: per super-block of 256, four 32-byte runs of nibbles (low: sub-block 2c, high: 2c + 1),
+// each a field of 16 rows read 2 rows per vector as Q8_0's codes are.
+template <int G>
+void q4k_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int64_t g1) {
+  const int64_t supers = p.K / 256, blocks = p.K / 32;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t grp = g0; grp < g1; ++grp) {
+    const uint8_t* base = p.w + grp * kGroupRows * p.row_bytes;
+    __m512 acc[G], mins[G];
+    for (int g = 0; g < G; ++g) acc[g] = mins[g] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < supers; ++sb) {
+      const uint8_t* at = base + sb * kGroupRows * 144;
+      __m512 sc[8], mn[8];
+      k_scale_vectors(at, sc, mn);
+      for (int c = 0; c < 4; ++c) {
+        const uint8_t* q = at + kGroupRows * (16 + 32 * c);
+        for (int64_t off = 0; off < 512; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(q + 4096 + off), _MM_HINT_T0);
+        __m512i lo[8], hi[8];
+        for (int k = 0; k < 8; ++k) {
+          const __m512i v = _mm512_loadu_si512(q + 64 * k);
+          lo[k] = _mm512_and_si512(v, low4);
+          hi[k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+        for (int g = 0; g < G; ++g) {
+          for (int half = 0; half < 2; ++half) {  // sub-block 2c + half
+            const int j = 2 * c + half;
+            const int64_t i = (b0 + g) * blocks + sb * 8 + j;
+            const __m512i h = _mm512_broadcast_i64x4(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.hi.data() + i * 32)));
+            const __m512i l = _mm512_broadcast_i64x4(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.lo.data() + i * 32)));
+            __m512i s[8];
+            for (int k = 0; k < 8; ++k) s[k] = dot(half ? hi[k] : lo[k], h, l);
+            const __m512 isum = _mm512_cvtepi32_ps(reduce8(s));
+            acc[g] = _mm512_fmadd_ps(isum, _mm512_mul_ps(sc[j], _mm512_set1_ps(a.da[i])), acc[g]);
+            mins[g] = _mm512_fmadd_ps(mn[j], _mm512_set1_ps(a.sx[i]), mins[g]);
+          }
+        }
+      }
+    }
+    const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + grp * kGroupRows) : _mm512_setzero_ps();
+    for (int g = 0; g < G; ++g)
+      _mm512_storeu_ps(p.out + (b0 + g) * p.ldo + grp * kGroupRows,
+                       _mm512_add_ps(_mm512_add_ps(acc[g], mins[g]), bias));
+  }
+}
+
 template <int G>
 void groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int64_t g1) {
   switch (p.fmt) {
@@ -210,6 +281,7 @@ void groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int
     case kQ4_1: nibble_groups<kQ4_1, G>(p, a, b0, g0, g1); break;
     case kQ5_0: nibble_groups<kQ5_0, G>(p, a, b0, g0, g1); break;
     case kQ5_1: nibble_groups<kQ5_1, G>(p, a, b0, g0, g1); break;
+    case kQ4_K: q4k_groups<G>(p, a, b0, g0, g1); break;
     default: q8_groups<G>(p, a, b0, g0, g1); break;
   }
 }

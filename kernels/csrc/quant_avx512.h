@@ -151,16 +151,19 @@ template <int64_t Fmt>
 struct KQuant45 {  // Q4_K, Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins
   static constexpr int64_t kBytes = Fmt == kQ4_K ? 144 : 176;
   template <class F>
-  static inline void walk(const RowRef& ref, int64_t K, float, F&& f) {
-    const uint8_t* row = ref.row;  // K-quants are never grouped
+  static inline void walk(const RowRef& row, int64_t K, float, F&& f) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     for (int64_t sb = 0; sb < K / 256; ++sb) {
-      const uint8_t* blk = row + sb * kBytes;
-      uint8_t sc[8], mn[8];
-      k_scales(blk + 4, sc, mn);
-      uint32_t dd;
-      std::memcpy(&dd, blk, 4);
-      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dd)));  // d, dmin
+      const uint8_t* blk = row.at(sb, 0, 1, false);  // plain rows only (Q5_K is never grouped)
+      uint8_t packed[12], sc[8], mn[8];
+      for (int i = 0; i < 12; ++i) packed[i] = *row.at(sb, 4 + i, 1, false);
+      k_scales(packed, sc, mn);
+      uint16_t dd[2];
+      std::memcpy(&dd[0], row.at(sb, 0, 2, false), 2);
+      std::memcpy(&dd[1], row.at(sb, 2, 2, false), 2);
+      uint32_t both;
+      std::memcpy(&both, dd, 4);
+      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(both)));  // d, dmin
       const __m256 d8 = _mm256_broadcastss_ps(dm);
       const __m256 dmin8 = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
       uint64_t sc64, mn64;
@@ -171,11 +174,12 @@ struct KQuant45 {  // Q4_K, Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins
       // [d*sc 0-7 | -dmin*m 0-7]
       const __m512 table = _mm512_insertf32x8(_mm512_castps256_ps512(scales),
                                               _mm256_sub_ps(_mm256_setzero_ps(), mins), 1);
-      const uint8_t* qs = blk + (Fmt == kQ4_K ? 16 : 48);
+      const int64_t qs = Fmt == kQ4_K ? 16 : 48;
       const __m256i qh = Fmt == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16))
                                       : _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+      for (int j = 0; j < 4; ++j) {  // Q4_K grouped: each 32-byte run of qs is a field of its own
+        const __m256i q = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(row.at(sb, qs + 32 * j, 32, true)));
         __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
         w = _mm512_and_si512(w, low4);
         if constexpr (Fmt == kQ5_K) {

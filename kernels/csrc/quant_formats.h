@@ -31,15 +31,16 @@ enum Format : int64_t {
 constexpr int64_t kGrouped = 1 << 10;
 constexpr int64_t kGroupRows = 16;
 
-// Formats that can be regrouped: the 32-element blocks of one fp16 scale (and min).
+// Formats that can be regrouped: the 32-element blocks of one fp16 scale (and min), and Q4_K.
 inline bool groupable(int64_t fmt) {
-  return fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ5_0 || fmt == kQ5_1 || fmt == kQ8_0;
+  return fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ5_0 || fmt == kQ5_1 || fmt == kQ8_0 ||
+         fmt == kQ4_K;
 }
 
 // Slot of row r within its group for the code fields (scales keep row order): the order in which
 // group_gemv's reduction leaves the rows' sums, so its output lanes come out in row order.
 inline int64_t group_slot(int64_t fmt, int64_t r) {
-  if (fmt == kQ8_0) return 8 * (r / 8) + 2 * (r % 4) + (r / 4) % 2;  // 2 rows per vector
+  if (fmt == kQ8_0 || fmt == kQ4_K) return 8 * (r / 8) + 2 * (r % 4) + (r / 4) % 2;  // 2 rows per vector
   return 4 * (r % 4) + r / 4;  // nibble formats: 4 rows per vector
 }
 

@@ -124,7 +124,7 @@ def test_bf16x2_gemm_matches_rounded_weights_times_exact_activations(cpu_ops, is
         assert relative_error(out, x.double() @ rounded(dense).T + bias) < 2e-5, (fmt, k, rows)
 
 
-GROUPABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+GROUPABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k")
 needs_vnni = pytest.mark.skipif(not detect_cpu_features().has_avx512_vnni,
                                 reason="grouped rows run on AVX-512 VNNI only")
 
@@ -151,7 +151,7 @@ def split_activations(x: torch.Tensor) -> torch.Tensor:
 def test_grouped_gemv_matches_dequantized_matmul(cpu_ops, fmt):
     """Grouped rows: 4 (Q8_0: 2) rows per vector, activations split into two signed bytes."""
     gen = torch.Generator().manual_seed(11)
-    for k in (32, 96, 576):
+    for k in (256, 1536) if fmt == "q4_k" else (32, 96, 576):
         w, g = grouped_weight(fmt, 48, k, gen)
         dense = dequantize(w).double()
         bias = torch.randn(48, generator=gen)
@@ -170,8 +170,9 @@ def test_grouped_gemv_matches_dequantized_matmul(cpu_ops, fmt):
 def test_grouped_gemm_equals_plain_rows(cpu_ops, fmt, precision):
     """The GEMM's tile decoder reads a grouped row's blocks where they are: same bits out."""
     gen = torch.Generator().manual_seed(12)
-    w, g = grouped_weight(fmt, 64, 96, gen)
-    x = torch.randn(70, 96, generator=gen)
+    k = 256 if fmt == "q4_k" else 96
+    w, g = grouped_weight(fmt, 64, k, gen)
+    x = torch.randn(70, k, generator=gen)
     plain, grouped = torch.empty(70, 64), torch.empty(70, 64)
     cpu_ops.quant_gemm(plain, x, w.data, w.fmt.code, None, None, BEST, int(precision))
     cpu_ops.quant_gemm(grouped, x, g.data, g.kernel_code, None, None, BEST, int(precision))
@@ -180,7 +181,7 @@ def test_grouped_gemm_equals_plain_rows(cpu_ops, fmt, precision):
 
 def test_grouping_is_checked(cpu_ops):
     gen = torch.Generator().manual_seed(13)
-    w = random_weight("q4_k", 16, 256, gen)
+    w = random_weight("q6_k", 16, 256, gen)
     with pytest.raises(RuntimeError, match="can be grouped"):
         cpu_ops.quant_gemv(torch.empty(1, 16), torch.randn(1, 256), w.data,
                            w.fmt.code | GROUPED, None, None, BEST)

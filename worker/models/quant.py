@@ -72,13 +72,15 @@ GROUP_FIELDS: dict[str, tuple[tuple[int, bool], ...]] = {
     "q5_0": ((2, False), (4, True), (16, True)),
     "q5_1": ((2, False), (2, False), (4, True), (16, True)),
     "q8_0": ((2, False), (32, True)),
+    # d, dmin, the 12 bytes of packed 6-bit scales one by one, the four 32-byte runs of nibbles
+    "q4_k": ((2, False), (2, False), *((1, False),) * 12, *((32, True),) * 4),
 }
 
 
 def group_slots(name: str) -> torch.Tensor:
     """Slot of each of a group's 16 rows in the code fields (group_slot in quant_formats.h)."""
     r = torch.arange(GROUP_ROWS)
-    if name == "q8_0":
+    if name in ("q8_0", "q4_k"):  # 2 rows per vector
         return 8 * (r // 8) + 2 * (r % 4) + (r // 4) % 2
     return 4 * (r % 4) + r // 4
 
