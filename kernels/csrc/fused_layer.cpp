@@ -88,8 +88,9 @@ inline void norm_rope(const float* src, const float* norm_w, float eps, const fl
     for (int64_t d = 0; d < D; ++d) tmp[d] = norm_w[d] * (src[d] * inv);
     x = tmp;
   }
-  const int64_t half = D / 2;
-  for (int64_t d = 0; d < D; ++d) dst[d] = x[d] * cos[d] + x[(d + half) % D] * ssin[d];
+  const int64_t half = D / 2;  // two loops, not one with (d + half) % D: they vectorize
+  for (int64_t d = 0; d < half; ++d) dst[d] = x[d] * cos[d] + x[d + half] * ssin[d];
+  for (int64_t d = half; d < D; ++d) dst[d] = x[d] * cos[d] + x[d - half] * ssin[d];
 }
 
 // Rotates q into q_out [T, NH, D] and k into its cache slot; copies v into its slot. Tokens with
