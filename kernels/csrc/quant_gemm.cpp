@@ -35,6 +35,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "quant_avx512.h"
@@ -74,41 +76,7 @@ inline __m256i to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-// 16 floats -> bf16 heads at hi and tails at lo. The head is v truncated to bf16, which is
-// exact as a float (no conversion back), and the tail v - head, rounded: together within ~2^-17
-// of v (one op cheaper per value than rounding the head too).
-inline void split_bf16(__m512 v, BFloat16* hi, BFloat16* lo) {
-  const __m512i head = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(-65536));
-  const __m512 tail = _mm512_sub_ps(v, _mm512_castsi512_ps(head));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), _mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), to_bf16(tail));
-}
-
-void dequant_row(int64_t fmt, const RowRef& row, int64_t K, float scale, BFloat16* hi,
-                 BFloat16* lo) {
-  walk_row(fmt, row, K, scale, [&](int64_t c, __m512i w, __m512 ws, __m512 wm) {
-    const int64_t at = c * kChunk;
-    split_bf16(dequant16<0>(w, ws, wm), hi + at, lo + at);
-    split_bf16(dequant16<1>(w, ws, wm), hi + at + 16, lo + at + 16);
-    split_bf16(dequant16<2>(w, ws, wm), hi + at + 32, lo + at + 32);
-    split_bf16(dequant16<3>(w, ws, wm), hi + at + 48, lo + at + 48);
-  });
-}
-
-inline void store_bf16(__m512 v, BFloat16* to) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), to_bf16(v));
-}
-
-// The row rounded to bf16 once (precision bf16): one store per value, no tail.
-void dequant_row_rounded(int64_t fmt, const RowRef& row, int64_t K, float scale, BFloat16* hi) {
-  walk_row(fmt, row, K, scale, [&](int64_t c, __m512i w, __m512 ws, __m512 wm) {
-    BFloat16* at = hi + c * kChunk;
-    store_bf16(dequant16<0>(w, ws, wm), at);
-    store_bf16(dequant16<1>(w, ws, wm), at + 16);
-    store_bf16(dequant16<2>(w, ws, wm), at + 32);
-    store_bf16(dequant16<3>(w, ws, wm), at + 48);
-  });
-}
+#include "quant_gemm_rows.inc"
 
 // 16 rows of 16 32-bit words transposed in registers: r[i] holds row i, then column i.
 inline void transpose16(__m512i r[16]) {
@@ -205,7 +173,32 @@ void pack_acts(const float* x, int64_t M, int64_t K, int64_t padded, bool nibble
 }  // namespace v512
 PAGEDQ_AVX512_END
 
+// The row decoders again where the CPU converts fp32 to bf16 in one instruction (AVX512_BF16:
+// round to nearest even, as above), which the rounding written out takes six for. Perf: the
+// decoders were a quarter of a 64-row GEMM step.
+_Pragma("GCC push_options")
+_Pragma("GCC target(\"avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,bmi2,avx512bf16\")")
+namespace v512_bf16 {
+using namespace v512;
+
+inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+#include "quant_gemm_rows.inc"
+
+}  // namespace v512_bf16
+_Pragma("GCC pop_options")
+
 namespace {
+
+// Whether this CPU converts to bf16 in one instruction (PAGEDQ_CPU_BF16_CONVERT=0: never, so the
+// tests can run the other decoders too).
+bool native_bf16() {
+  static const bool yes = [] {
+    const char* env = std::getenv("PAGEDQ_CPU_BF16_CONVERT");
+    return __builtin_cpu_supports("avx512bf16") && !(env && std::string(env) == "0");
+  }();
+  return yes;
+}
 
 // x [M, K] fp32 -> bf16 [padded / 2, M, 2] (brgemm's VNNI layout for B = x^T), K in chunk order.
 at::Tensor pack_activations(const at::Tensor& x, int64_t padded, bool nibbles) {
@@ -268,6 +261,7 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
   const bool fast = isa == kAvx512Vnni;  // the AVX-512 decoders (chunk order), else portable ones
   TORCH_CHECK(fast || !args.grouped, "quant_gemm: grouped rows need the AVX-512 VNNI decoders");
   const int64_t fmt_bytes = bf16 ? 0 : block_bytes(fmt);
+  const bool bf16_convert = fast && native_bf16();
   const bool nibbles = fast && nibble_order(fmt);
   const auto [x_hi, x_lo] = pack_x(x, padded, nibbles, tails, fast);
   const BFloat16* xh = static_cast<const BFloat16*>(x_hi.data_ptr());
@@ -292,8 +286,12 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
         const float scale = sp ? sp[n0 + i] : 0.f;
         BFloat16* h = a_hi.data() + i * padded;
         BFloat16* l = weight_tails ? a_lo.data() + i * padded : nullptr;
-        if (fast && weight_tails)
+        if (fast && weight_tails && bf16_convert)
+          v512_bf16::dequant_row(args.fmt, ref, K, scale, h, l);
+        else if (fast && weight_tails)
           v512::dequant_row(args.fmt, ref, K, scale, h, l);  // whole chunks: a half chunk's tail is 0
+        else if (fast && bf16_convert)
+          v512_bf16::dequant_row_rounded(args.fmt, ref, K, scale, h);
         else if (fast)
           v512::dequant_row_rounded(args.fmt, ref, K, scale, h);
         else

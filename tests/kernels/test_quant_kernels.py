@@ -260,3 +260,20 @@ def test_linear_segments_pick_gemv_or_gemm_by_rows(cpu_ops, precision):
                 want = rounded(x) @ rounded(dense[col:col + n]).T
             assert relative_error(got, want) < 2e-5, (rows, part.fmt.name)
             col += n
+
+
+@needs_vnni
+def test_gemm_decoders_without_the_bf16_convert_instruction():
+    """CPUs with AVX512_BF16 round to bf16 in one instruction; the GEMM's decoders written out
+    for the others are the same tests run in a process that may not use it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PAGEDQ_CPU_BF16_CONVERT="0")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           __file__, "-k", "gemm and not without_the_bf16"],
+                          env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
