@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedq.worker.bench.config import quick
-from pagedq.worker.bench.quant import TARGETS, figures, markdown, table
+from pagedq.worker.bench.quant import TARGETS, best_rows, figures, markdown, table
 from pagedq.worker.bench.report import markdown as report_markdown
 from pagedq.worker.bench.run import run_bench
 from pagedq.worker.bench.workload import LengthDist
@@ -40,6 +40,13 @@ def test_the_file_is_measured_packed(doc):
     assert 0.0 <= f["mean_matching_prefix"] <= 1.0 and f["prefix_target"] == 0.9
     assert set(f["perplexity"]) == {"packed", "dequantized"}
     assert all(v > 1 for v in f["perplexity"].values())
+
+
+def test_each_stream_count_keeps_its_best_sweep():
+    """quant_repeats sweeps per engine, alternated: the fastest row per stream count is kept."""
+    sweeps = [[{"b": 1, "s_tg": 80.0}, {"b": 8, "s_tg": 300.0}],
+              [{"b": 1, "s_tg": 95.0}, {"b": 8, "s_tg": 250.0}]]
+    assert best_rows(sweeps) == [{"b": 1, "s_tg": 95.0}, {"b": 8, "s_tg": 300.0}]
 
 
 def test_llama_cpp_is_missing_with_a_reason(doc):

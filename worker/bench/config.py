@@ -93,6 +93,9 @@ class BenchConfig(EngineConfig):
     # beyond the bundled Q4_1 they are made by llama-quantize from its F32 dequantization
     quant_types: tuple[str, ...] = ("Q4_1", "Q8_0", "Q4_K_M")
     quant_fidelity_tokens: int = 32  # greedy tokens per fidelity prompt
+    # decode sweeps per engine and file, alternated (pagedq, llama.cpp, pagedq, ...): each side's
+    # best per stream count is reported, as a shared machine only ever slows a run down
+    quant_repeats: int = 2
 
     extra: dict[str, Any] = field(default_factory=dict)
 

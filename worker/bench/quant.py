@@ -7,7 +7,7 @@ alone. For each file:
 
 - decode tok/s at each of ``decode_batches`` streams: pagedq's decode sweep and
   ``llama-batched-bench -nr`` (no weight repacking: build 11434 crashes in its AMX repack path on
-  every quantized type);
+  every quantized type), ``quant_repeats`` sweeps each, alternated, best of each;
 - the mixed (throughput) trace: pagedq in process and ``llama-server -nr``;
 - resident weight bytes (``engine.stats()["weight_bytes"]``) against the file's size;
 - fidelity: greedy continuations of fixed prompts against the dequantized model
@@ -101,22 +101,56 @@ def measure(run: Any) -> None:
         results["llama_cpp_version"] = cpp.version()
     for type_name, path in files(run, cpp).items():
         log.info("quant scenario", type=type_name, gguf=str(path))
+        ours, theirs = pagedq_side(run, path, cpp)
         entry = {"gguf": str(path), "file_bytes": path.stat().st_size,
-                 "eight_bit": mostly_eight_bit(path), **pagedq_side(run, path)}
+                 "eight_bit": mostly_eight_bit(path), **ours}
         if cpp is not None:
-            entry["llama_cpp"] = llama_cpp_side(run, cpp, path)
+            entry["llama_cpp"] = {**theirs, **llama_cpp_side(run, cpp, path)}
         results["files"][type_name] = entry
     run.results["quant"] = results
 
 
-def pagedq_side(run: Any, path: Path) -> dict[str, Any]:
-    """Decode sweep, mixed trace, resident weights and fidelity of pagedq on one file."""
+def best_rows(sweeps: list[list[dict[str, float]]]) -> list[dict[str, float]]:
+    """Per stream count, the sweep row with the most decode tok/s."""
+    return [max(rows, key=lambda r: r["s_tg"]) for rows in zip(*sweeps, strict=True)]
+
+
+def decode_sweeps(run: Any, engine: Any, cpp: llama_cpp.LlamaCpp | None,
+                  path: Path) -> tuple[list[dict[str, float]], dict[str, Any]]:
+    """``quant_repeats`` decode sweeps of each engine, alternated, the best of each kept: on a
+    shared machine other work only ever slows a sweep, and it slows the two engines unevenly."""
+    c = run.config
+    threads = c.num_threads or torch.get_num_threads()
+    ours, theirs, error = [], [], None
+    for _ in range(max(1, c.quant_repeats)):
+        ours.append(scenarios.decode_rows(run, engine))
+        if cpp is None or error:
+            continue
+        try:
+            theirs.append(llama_cpp.batched_bench(
+                cpp, path, c.decode_prompt_tokens, c.decode_new_tokens, c.decode_batches, threads,
+                no_repack=True))
+        except RuntimeError as exc:
+            error = str(exc)
+    cpp_out: dict[str, Any] = {"threads": threads, "decode_sweeps": len(theirs)}
+    if theirs:
+        cpp_out["decode_rows"] = best_rows(theirs)
+    if error:
+        cpp_out["decode_error"] = error
+    return best_rows(ours), cpp_out
+
+
+def pagedq_side(run: Any, path: Path,
+                cpp: llama_cpp.LlamaCpp | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Decode sweeps (llama.cpp's alternated with them), mixed trace, resident weights and
+    fidelity of pagedq on one file; and llama.cpp's decode figures."""
     from pagedq.worker import Engine
 
     c = run.config
     engine = run.engine(model=str(path), quantization="auto", **run.serving_engine_kwargs())
-    out: dict[str, Any] = {"weight_bytes": engine.stats()["weight_bytes"]}
-    out["decode_rows"] = scenarios.decode_rows(run, engine)
+    ours, theirs = decode_sweeps(run, engine, cpp, path)
+    out: dict[str, Any] = {"weight_bytes": engine.stats()["weight_bytes"], "decode_rows": ours,
+                           "decode_sweeps": max(1, c.quant_repeats)}
     trace = run.throughput_trace()
     out["mixed_tok_s"] = driver.serve(engine, trace).timeline.tokens_per_s
     prompts = fidelity.PROMPTS
@@ -129,19 +163,14 @@ def pagedq_side(run: Any, path: Path) -> dict[str, Any]:
     out["perplexity"] = {"packed": packed_ppl, "dequantized": fidelity.perplexity(twin)}
     out["fidelity"] = {"prompts": len(prompts), "new_tokens": c.quant_fidelity_tokens,
                        "reference": "the same file dequantized to fp32 (quantization='none')"}
-    return out
+    return out, theirs
 
 
 def llama_cpp_side(run: Any, cpp: llama_cpp.LlamaCpp, path: Path) -> dict[str, Any]:
+    """llama-server on the mixed trace (the decode sweeps are decode_sweeps')."""
     c = run.config
     threads = c.num_threads or torch.get_num_threads()
-    out: dict[str, Any] = {"threads": threads}
-    try:
-        out["decode_rows"] = llama_cpp.batched_bench(
-            cpp, path, c.decode_prompt_tokens, c.decode_new_tokens, c.decode_batches, threads,
-            no_repack=True)
-    except RuntimeError as exc:
-        out["decode_error"] = str(exc)
+    out: dict[str, Any] = {}
     try:
         served = llama_cpp.serve_trace(cpp, path, run.throughput_trace(), c.llama_cpp_server_slots,
                                        c.max_model_len, threads, c.queue_timeout_s, no_repack=True)
