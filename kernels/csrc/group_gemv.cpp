@@ -99,6 +99,24 @@ inline __m512i reduce8(const __m512i s[8]) {
   return _mm512_add_epi32(_mm512_shuffle_i32x4(b0, b1, 0x88), _mm512_shuffle_i32x4(b0, b1, 0xDD));
 }
 
+// One block of activation block i against 16 rows: acc += isum * scale * da, mins += offset *
+// da * sum(codes) (the rows' integer sums isum, their scales and offsets in row order).
+inline void accumulate(__m512& acc, __m512& mins, __m512i isum, __m512 scale, __m512 offset,
+                       const SplitActs& a, int64_t i) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scale, _mm512_set1_ps(a.da[i])), acc);
+  mins = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.sx[i]), mins);
+}
+
+// The 16 outputs of group grp for the G activation rows from b0 (plus the bias).
+template <int G>
+inline void store_group(const LinearArgs& p, int64_t b0, int64_t grp, const __m512 acc[G],
+                        const __m512 mins[G]) {
+  const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + grp * kGroupRows) : _mm512_setzero_ps();
+  for (int g = 0; g < G; ++g)
+    _mm512_storeu_ps(p.out + (b0 + g) * p.ldo + grp * kGroupRows,
+                     _mm512_add_ps(_mm512_add_ps(acc[g], mins[g]), bias));
+}
+
 // The 16 rows' weight codes of one block as unsigned bytes, 4 rows per vector (nibble formats).
 template <int64_t Fmt>
 inline void nibble_codes(const uint8_t* at, __m512i lo[4], __m512i hi[4]) {
@@ -153,15 +171,10 @@ void nibble_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t 
         __m512i s[4];
         for (int k = 0; k < 4; ++k)
           s[k] = _mm512_add_epi32(dot(lo[k], h0, l0), dot(hi[k], h1, l1));
-        const __m512 isum = _mm512_cvtepi32_ps(reduce4(s));
-        acc[g] = _mm512_fmadd_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(a.da[i])), acc[g]);
-        mins[g] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx[i]), mins[g]);
+        accumulate(acc[g], mins[g], reduce4(s), d, m, a, i);
       }
     }
-    const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + grp * kGroupRows) : _mm512_setzero_ps();
-    for (int g = 0; g < G; ++g)
-      _mm512_storeu_ps(p.out + (b0 + g) * p.ldo + grp * kGroupRows,
-                       _mm512_add_ps(_mm512_add_ps(acc[g], mins[g]), bias));
+    store_group<G>(p, b0, grp, acc, mins);
   }
 }
 
@@ -191,15 +204,10 @@ void q8_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, 
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.lo.data() + i * 32)));
         __m512i s[8];
         for (int k = 0; k < 8; ++k) s[k] = dot(v[k], h, l);
-        const __m512 isum = _mm512_cvtepi32_ps(reduce8(s));
-        acc[g] = _mm512_fmadd_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(a.da[i])), acc[g]);
-        mins[g] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx[i]), mins[g]);
+        accumulate(acc[g], mins[g], reduce8(s), d, m, a, i);
       }
     }
-    const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + grp * kGroupRows) : _mm512_setzero_ps();
-    for (int g = 0; g < G; ++g)
-      _mm512_storeu_ps(p.out + (b0 + g) * p.ldo + grp * kGroupRows,
-                       _mm512_add_ps(_mm512_add_ps(acc[g], mins[g]), bias));
+    store_group<G>(p, b0, grp, acc, mins);
   }
 }
 
@@ -260,17 +268,12 @@ void q4k_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0,
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.lo.data() + i * 32)));
             __m512i s[8];
             for (int k = 0; k < 8; ++k) s[k] = dot(half ? hi[k] : lo[k], h, l);
-            const __m512 isum = _mm512_cvtepi32_ps(reduce8(s));
-            acc[g] = _mm512_fmadd_ps(isum, _mm512_mul_ps(sc[j], _mm512_set1_ps(a.da[i])), acc[g]);
-            mins[g] = _mm512_fmadd_ps(mn[j], _mm512_set1_ps(a.sx[i]), mins[g]);
+            accumulate(acc[g], mins[g], reduce8(s), sc[j], mn[j], a, i);
           }
         }
       }
     }
-    const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + grp * kGroupRows) : _mm512_setzero_ps();
-    for (int g = 0; g < G; ++g)
-      _mm512_storeu_ps(p.out + (b0 + g) * p.ldo + grp * kGroupRows,
-                       _mm512_add_ps(_mm512_add_ps(acc[g], mins[g]), bias));
+    store_group<G>(p, b0, grp, acc, mins);
   }
 }
 
