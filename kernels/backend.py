@@ -179,7 +179,7 @@ GEMV_ROWS = {"q4_0": 10, "q4_1": 10, "q5_0": 10, "q5_1": 10, "q8_0": 10, "q4_k":
              "q6_k": 10, "int8": 10, "bf16": 8, "float32": SKINNY_MAX_ROWS}
 BF16X3_GEMV_ROWS = 16
 NO_BF16_GEMV_ROWS = 64
-# The 32-element block formats' GEMV on AVX-512 VNNI reads rows grouped 16 at a time
+# The 32-element block formats' and Q4_K's GEMV on AVX-512 VNNI reads rows grouped 16 at a time
 # (csrc/group_gemv.cpp): it shares each weight load among 8 activation rows at ~1/3 of the
 # row-at-a-time kernel's cost per row, and beats the GEMM up to these many rows (quant_bench, ms
 # per pass at 16/24/32 rows, Q4_1: grouped GEMV 28.7/41.7/53.2, GEMM bf16 38.3/46.9/46.5, bf16x2

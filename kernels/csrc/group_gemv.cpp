@@ -107,14 +107,19 @@ inline void accumulate(__m512& acc, __m512& mins, __m512i isum, __m512 scale, __
   mins = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.sx[i]), mins);
 }
 
-// The 16 outputs of group grp for the G activation rows from b0 (plus the bias).
-template <int G>
-inline void store_group(const LinearArgs& p, int64_t b0, int64_t grp, const __m512 acc[G],
-                        const __m512 mins[G]) {
-  const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + grp * kGroupRows) : _mm512_setzero_ps();
-  for (int g = 0; g < G; ++g)
-    _mm512_storeu_ps(p.out + (b0 + g) * p.ldo + grp * kGroupRows,
-                     _mm512_add_ps(_mm512_add_ps(acc[g], mins[g]), bias));
+// Runs body(group's first byte, acc, mins) over the groups [g0, g1) for the G activation rows
+// from b0, the accumulators zeroed before, and stores each group's 16 outputs (plus the bias).
+template <int G, class Body>
+inline void each_group(const LinearArgs& p, int64_t b0, int64_t g0, int64_t g1, Body&& body) {
+  for (int64_t grp = g0; grp < g1; ++grp) {
+    __m512 acc[G], mins[G];
+    for (int g = 0; g < G; ++g) acc[g] = mins[g] = _mm512_setzero_ps();
+    body(p.w + grp * kGroupRows * p.row_bytes, acc, mins);
+    const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + grp * kGroupRows) : _mm512_setzero_ps();
+    for (int g = 0; g < G; ++g)
+      _mm512_storeu_ps(p.out + (b0 + g) * p.ldo + grp * kGroupRows,
+                       _mm512_add_ps(_mm512_add_ps(acc[g], mins[g]), bias));
+  }
 }
 
 // The 16 rows' weight codes of one block as unsigned bytes, 4 rows per vector (nibble formats).
@@ -144,10 +149,7 @@ template <int64_t Fmt, int G>
 void nibble_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int64_t g1) {
   using W = Nibble32<Fmt>;
   const int64_t blocks = p.K / 32;
-  for (int64_t grp = g0; grp < g1; ++grp) {
-    const uint8_t* base = p.w + grp * kGroupRows * p.row_bytes;
-    __m512 acc[G], mins[G];
-    for (int g = 0; g < G; ++g) acc[g] = mins[g] = _mm512_setzero_ps();
+  each_group<G>(p, b0, g0, g1, [&](const uint8_t* base, __m512* acc, __m512* mins) {
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const uint8_t* at = base + blk * kGroupRows * W::kBytes;
       _mm_prefetch(reinterpret_cast<const char*>(at + 4096), _MM_HINT_T0);
@@ -174,8 +176,7 @@ void nibble_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t 
         accumulate(acc[g], mins[g], reduce4(s), d, m, a, i);
       }
     }
-    store_group<G>(p, b0, grp, acc, mins);
-  }
+  });
 }
 
 // The same for Q8_0 (codes stored +128 as unsigned bytes, 2 rows per vector).
@@ -183,10 +184,7 @@ template <int G>
 void q8_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int64_t g1) {
   const int64_t blocks = p.K / 32;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t grp = g0; grp < g1; ++grp) {
-    const uint8_t* base = p.w + grp * kGroupRows * p.row_bytes;
-    __m512 acc[G], mins[G];
-    for (int g = 0; g < G; ++g) acc[g] = mins[g] = _mm512_setzero_ps();
+  each_group<G>(p, b0, g0, g1, [&](const uint8_t* base, __m512* acc, __m512* mins) {
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const uint8_t* at = base + blk * kGroupRows * 34;
       for (int64_t off = 0; off < kGroupRows * 34; off += 64)
@@ -207,8 +205,7 @@ void q8_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, 
         accumulate(acc[g], mins[g], reduce8(s), d, m, a, i);
       }
     }
-    store_group<G>(p, b0, grp, acc, mins);
-  }
+  });
 }
 
 // Q4_K's eight (scale, min) pairs of 16 rows, unpacked from their 12 bytes (one 16-row field
@@ -240,10 +237,7 @@ template <int G>
 void q4k_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int64_t g1) {
   const int64_t supers = p.K / 256, blocks = p.K / 32;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t grp = g0; grp < g1; ++grp) {
-    const uint8_t* base = p.w + grp * kGroupRows * p.row_bytes;
-    __m512 acc[G], mins[G];
-    for (int g = 0; g < G; ++g) acc[g] = mins[g] = _mm512_setzero_ps();
+  each_group<G>(p, b0, g0, g1, [&](const uint8_t* base, __m512* acc, __m512* mins) {
     for (int64_t sb = 0; sb < supers; ++sb) {
       const uint8_t* at = base + sb * kGroupRows * 144;
       __m512 sc[8], mn[8];
@@ -273,8 +267,7 @@ void q4k_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0,
         }
       }
     }
-    store_group<G>(p, b0, grp, acc, mins);
-  }
+  });
 }
 
 template <int G>

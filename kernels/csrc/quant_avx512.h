@@ -16,6 +16,11 @@
   _Pragma("GCC push_options")  \
   _Pragma("GCC target(\"avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,bmi2\")")
 #define PAGEDQ_AVX512_END _Pragma("GCC pop_options")
+// The same plus AVX512_BF16 (its fp32 -> bf16 conversion), for code the caller runs only where
+// the CPU has it; closed by PAGEDQ_AVX512_END.
+#define PAGEDQ_AVX512_BF16_BEGIN \
+  _Pragma("GCC push_options")  \
+  _Pragma("GCC target(\"avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,bmi2,avx512bf16\")")
 
 PAGEDQ_AVX512_BEGIN
 namespace pagedq_cpu::v512 {
@@ -154,7 +159,7 @@ struct KQuant45 {  // Q4_K, Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins
   static inline void walk(const RowRef& row, int64_t K, float, F&& f) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     for (int64_t sb = 0; sb < K / 256; ++sb) {
-      const uint8_t* blk = row.at(sb, 0, 1, false);  // plain rows only (Q5_K is never grouped)
+      const uint8_t* blk = row.at(sb, 0, 1, false);  // Q5_K's qh below (Q5_K is never grouped)
       uint8_t packed[12], sc[8], mn[8];
       for (int i = 0; i < 12; ++i) packed[i] = *row.at(sb, 4 + i, 1, false);
       k_scales(packed, sc, mn);
@@ -197,7 +202,7 @@ struct KQuant45 {  // Q4_K, Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins
 struct Q6_K {
   template <class F>
   static inline void walk(const RowRef& ref, int64_t K, float, F&& f) {
-    const uint8_t* row = ref.row;  // K-quants are never grouped
+    const uint8_t* row = ref.row;  // Q6_K is never grouped
     const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);
     for (int64_t sb = 0; sb < K / 256; ++sb) {
       const uint8_t* blk = row + sb * 210;
@@ -228,7 +233,7 @@ inline __m512 dequant16(__m512i w, __m512 ws, __m512 wm) {
 }
 
 // Walks one row of format fmt; f(chunk, codes, ws, wm) as above. Only the groupable formats
-// (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0) take a grouped row.
+// (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K) take a grouped row.
 template <class F>
 inline void walk_row(int64_t fmt, const RowRef& ref, int64_t K, float scale, F&& f) {
   switch (fmt) {

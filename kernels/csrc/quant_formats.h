@@ -200,7 +200,7 @@ inline LinearArgs check_linear(const char* op, at::Tensor& out, const at::Tensor
   int64_t block = 0, bytes = 0;
   TORCH_CHECK(format_size(fmt, block, bytes), op, ": unknown format ", fmt);
   TORCH_CHECK(!grouped || (groupable(fmt) && w.size(0) % kGroupRows == 0), op,
-              ": only Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 rows can be grouped, 16 rows at a time");
+              ": only Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K rows can be grouped, 16 rows at a time");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               op, ": x must be contiguous CPU fp32 [rows, K]");
   const int64_t rows = x.size(0), K = x.size(1);

@@ -176,8 +176,7 @@ PAGEDQ_AVX512_END
 // The row decoders again where the CPU converts fp32 to bf16 in one instruction (AVX512_BF16:
 // round to nearest even, as above), which the rounding written out takes six for. Perf: the
 // decoders were a quarter of a 64-row GEMM step.
-_Pragma("GCC push_options")
-_Pragma("GCC target(\"avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,bmi2,avx512bf16\")")
+PAGEDQ_AVX512_BF16_BEGIN
 namespace v512_bf16 {
 using namespace v512;
 
@@ -186,7 +185,7 @@ inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 #include "quant_gemm_rows.inc"
 
 }  // namespace v512_bf16
-_Pragma("GCC pop_options")
+PAGEDQ_AVX512_END
 
 namespace {
 

@@ -105,7 +105,7 @@ void rows_group(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n0, int6
     __m512 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
     const float scale = p.scales ? p.scales[n] : 0.f;
-    Walker::walk(RowRef{row, block_bytes(p.fmt)}, p.K, scale,
+    Walker::walk(RowRef::plain(p.w, n, p.row_bytes, block_bytes(p.fmt)), p.K, scale,
                  [&](int64_t c, __m512i w, __m512 ws, __m512 wm) {
       const __m512i zero = _mm512_setzero_si512();
       const __m512i w_lo = _mm512_unpacklo_epi8(w, zero), w_hi = _mm512_unpackhi_epi8(w, zero);

@@ -20,7 +20,7 @@ from pagedq.kernels.backend import (
     GROUPED_GEMV_ROWS,
     PACKED_PRECISIONS,
 )
-from pagedq.kernels.cpu_features import CpuFeatures
+from pagedq.kernels.cpu_features import CpuFeatures, detect_cpu_features
 from pagedq.worker.config import PACKED_GEMM_PRECISIONS, EngineConfig
 from pagedq.worker.models.packed import build_projection
 from pagedq.worker.models.quant import quantize_int4
@@ -42,12 +42,34 @@ def kernels(cpu: CpuFeatures, fmt: str, rows: list[int], switches: Switches | No
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_block_formats_take_the_vnni_gemv_then_the_bf16_gemm(cpu_ops, fmt):
     """With bf16 matmul hardware the GEMV runs small decode steps (where it is faster:
-    backend.GEMV_ROWS, 8-10 rows; the grouped GEMV of the 32-element block formats 32) and the
+    backend.GEMV_ROWS, 8-10 rows; the grouped GEMV of the 32-element block formats and Q4_K 32) and the
     bf16 tiles everything larger."""
     limit = GROUPED_GEMV_ROWS["bf16x2"] if fmt in GROUPED_FORMATS else GEMV_ROWS[fmt]
     assert 8 <= limit <= 10 or (fmt in GROUPED_FORMATS and limit == 32)
     assert kernels(AMX, fmt, [1, limit, limit + 1, 256]) == (["cpp-gemv-vnni"] * 2
                                                              + ["cpp-gemm-bf16x2"] * 2)
+
+
+def test_projections_group_their_rows_where_the_vnni_gemv_runs(cpu_ops):
+    """build_projection regroups a groupable weight in place for the VNNI GEMV (the embedding
+    and a tied head share the object) and leaves GGUF's rows for the AVX2 kernels; the output is
+    the dequantized matmul either way."""
+    from pagedq.worker.models.quant import dequantize
+    from tests.quant_fixtures import random_weight
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 64, generator=gen)
+    for cpu, grouped in ((AMX, True), (AVX2, False)):
+        if grouped and not detect_cpu_features().has_avx512_vnni:
+            continue  # the VNNI kernels cannot run here
+        weight = random_weight("q4_1", 32, 64, gen)
+        want = x.double() @ dequantize(weight).double().T
+        backend = Selector(cpu=cpu).select("cpu", F32, None, 64)
+        projection = build_projection([weight], None, backend, torch.device("cpu"))
+        assert weight.grouped is grouped
+        # the int16 activations' rounding, relative to the output's scale (as the kernel tests)
+        err = (projection.forward(x).double() - want).abs().max() / want.abs().max()
+        assert err < 1e-4, (cpu, err)
 
 
 def test_the_grouped_formats_are_the_groupable_ones():

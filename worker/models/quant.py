@@ -94,7 +94,7 @@ class QuantWeight:
     data: torch.Tensor
     shape: tuple[int, int]  # (N, K): output channels, input features
     scales: torch.Tensor | None = None
-    grouped: bool = False  # rows regrouped 16 at a time for the CPU GEMV (see regroup)
+    grouped: bool = False  # rows regrouped 16 at a time for the CPU GEMV (see set_grouped)
 
     def __post_init__(self) -> None:
         n, k = self.shape
