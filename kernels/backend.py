@@ -195,7 +195,6 @@ PACKED_PRECISIONS = {"bf16": GemmPrecision.BF16, "bf16x2": GemmPrecision.BF16X2,
 DEFAULT_PACKED_PRECISION = "bf16x2"
 
 
-
 def _gemv_rows(fmt: str, rows: int, bf16_hardware: bool, precision: str, grouped: bool) -> int:
     """The row count up to which ``fmt``'s packed GEMV runs (GEMV_ROWS and its exceptions;
     ``grouped``: the CPU runs the grouped GEMV)."""
