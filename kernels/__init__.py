@@ -18,10 +18,12 @@ from pagedq.kernels.backend import (
     Switches,
     select_backend,
 )
+from pagedq.kernels.cpu_features import ISA_LEVELS, UnsupportedIsaError, cpu_isa_levels
 from pagedq.kernels.plan import AttentionPlan, KernelArgumentError, plan_attention
 from pagedq.kernels.reference import reference_paged_attention, reference_write_kv
 
 __all__ = [
+    "ISA_LEVELS",
     "AttentionPlan",
     "Backend",
     "BackendUnavailableError",
@@ -29,6 +31,8 @@ __all__ = [
     "LinearChoice",
     "Selector",
     "Switches",
+    "UnsupportedIsaError",
+    "cpu_isa_levels",
     "paged_attention",
     "plan_attention",
     "reference_paged_attention",

@@ -16,18 +16,22 @@ that runs:
   Triton weight-only GEMM (``"triton"``, CUDA), or dequantize-then-``F.linear`` (``"torch"``).
   The GEMM runs in the precision the engine asks for (``packed_gemm_precision``): ``"bf16"``
   (one AMX product per tile), ``"bf16x2"`` (the default: weights rounded once, activations'
-  heads and tails, two products) or ``"bf16x3"`` (heads and tails of both: the dequantized fp32
-  product);
+  heads and tails, two products), ``"bf16x3"`` (heads and tails of both: the dequantized fp32
+  product) or ``"fp32"`` (fp32 tiles into ATen's GEMM: what every CPU without AMX runs, whatever
+  was asked);
 - ``norm``: ``"cpp"`` or ``"torch"``; ``layer``: ``"cpp-fused"`` (every decoder layer of a step
   in one C++ call, for steps whose rows all fit the attention kernel) or ``"python"``.
 
 The :class:`Selector` decides from the device, the model's dtype, the KV-cache dtype and head
-size, the CPU's vector extensions (:mod:`pagedq.kernels.cpu_features`) and these environment
+size, the CPU's vector extensions (:mod:`pagedq.kernels.cpu_features`; capped at a level by
+``cpu_isa``, so every level a machine runs can be run and tested there) and these environment
 switches, which :meth:`Switches.from_environ` reads once per process:
 
     PAGEDQ_CPU_KERNEL=0    no C++ kernels: attention "sdpa", linears oneDNN or torch
     PAGEDQ_ONEDNN=0        no oneDNN-prepacked weights: batched CPU linears use F.linear
     PAGEDQ_FUSED_LAYER=0   the per-op Python decoder layer instead of the fused C++ one
+    PAGEDQ_CPU_ISA=LEVEL   the process sees its CPU capped at LEVEL (avx2, avx512, avx512_vnni,
+                           amx), in Python and in the C++ ops; EngineConfig.cpu_isa caps further
     TRITON_INTERPRET=1     allow attention "triton" on CPU tensors (Triton's interpreter)
     TORCH_EXTENSIONS_DIR   where the C++ library is built and cached
 
@@ -90,6 +94,7 @@ class Switches:
     fused_layer: bool = True  # PAGEDQ_FUSED_LAYER
     triton_interpret: bool = False  # TRITON_INTERPRET
     extensions_dir: Path | None = None  # TORCH_EXTENSIONS_DIR
+    cpu_isa: str = "auto"  # PAGEDQ_CPU_ISA
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] = os.environ) -> Switches:
@@ -101,7 +106,8 @@ class Switches:
         return cls(cpu_kernels=on("PAGEDQ_CPU_KERNEL", True), onednn=on("PAGEDQ_ONEDNN", True),
                    fused_layer=on("PAGEDQ_FUSED_LAYER", True),
                    triton_interpret=on("TRITON_INTERPRET", False),
-                   extensions_dir=Path(ext).expanduser() if ext else None)
+                   extensions_dir=Path(ext).expanduser() if ext else None,
+                   cpu_isa=env.get("PAGEDQ_CPU_ISA", "").strip().lower() or "auto")
 
 
 @dataclass(frozen=True)
@@ -169,16 +175,19 @@ def padded_rows(rows: int) -> int:
 
 
 # Rows up to which each packed format's GEMV beats its bf16-tile GEMM in the default precision
-# (bf16x2) on CPUs with bf16 matmul hardware (AMX or AVX512_BF16); measured with ``python -m
+# (bf16x2) on CPUs with AMX (the only ones where torch runs bf16 tiles); measured with ``python -m
 # pagedq.kernels.quant_bench`` over SmolLM2-135M's matrices (docs/quantization.md has the
 # table): the GEMM costs about the same from 1 to 16 rows (dequantizing dominates), the GEMV
 # grows with every row. bf16x3's third product and weight tails keep the GEMV to
-# BF16X3_GEMV_ROWS. Without bf16 hardware the GEMM's tiles multiply slowly, and the GEMV keeps
-# NO_BF16_GEMV_ROWS rows.
+# BF16X3_GEMV_ROWS.
 GEMV_ROWS = {"q4_0": 10, "q4_1": 10, "q5_0": 10, "q5_1": 10, "q8_0": 10, "q4_k": 8, "q5_k": 8,
              "q6_k": 10, "int8": 10, "bf16": 8, "float32": SKINNY_MAX_ROWS}
 BF16X3_GEMV_ROWS = 16
-NO_BF16_GEMV_ROWS = 64
+# Without AMX the GEMM multiplies fp32 tiles (precision "fp32": ATen's sgemm). Rows up to which
+# the GEMV beats it, per GEMV kind, measured with quant_bench on an AMD EPYC (Zen 4, AVX-512
+# VNNI/BF16, no AMX) at each level (docs/quantization.md has the table): "grouped" is the VNNI
+# GEMV over rows grouped 16 at a time, "vnni" the row-at-a-time VNNI GEMV, "avx2" the AVX2 one.
+F32_GEMV_ROWS = {"grouped": 16, "vnni": 8, "avx2": 8}
 # The 32-element block formats' and Q4_K's GEMV on AVX-512 VNNI reads rows grouped 16 at a time
 # (csrc/group_gemv.cpp): it shares each weight load among 8 activation rows at ~1/3 of the
 # row-at-a-time kernel's cost per row, and beats the GEMM up to these many rows (quant_bench, ms
@@ -191,17 +200,20 @@ PACKED_FORMATS = tuple(GEMV_ROWS)
 # The packed GEMM's precisions (EngineConfig.packed_gemm_precision names the same ones and the
 # same default, which docs/quantization.md justifies with the fidelity and speed figures).
 PACKED_PRECISIONS = {"bf16": GemmPrecision.BF16, "bf16x2": GemmPrecision.BF16X2,
-                     "bf16x3": GemmPrecision.BF16X3}
+                     "bf16x3": GemmPrecision.BF16X3, "fp32": GemmPrecision.F32}
+TILE_PRECISIONS = ("bf16", "bf16x2", "bf16x3")  # bf16 tiles: AMX only
 DEFAULT_PACKED_PRECISION = "bf16x2"
 
 
-def _gemv_rows(fmt: str, rows: int, bf16_hardware: bool, precision: str, grouped: bool) -> int:
+def _gemv_rows(fmt: str, rows: int, precision: str, grouped: bool) -> int:
     """The row count up to which ``fmt``'s packed GEMV runs (GEMV_ROWS and its exceptions;
-    ``grouped``: the CPU runs the grouped GEMV)."""
+    ``grouped``: the CPU runs the grouped GEMV; ``precision`` the GEMM's)."""
     if fmt == "float32":
         return rows
-    if not bf16_hardware:
-        return NO_BF16_GEMV_ROWS
+    if precision == "fp32":
+        if grouped:
+            return F32_GEMV_ROWS["grouped" if fmt in GROUPED_FORMATS else "vnni"]
+        return F32_GEMV_ROWS["avx2"]
     if grouped and fmt in GROUPED_FORMATS:
         return GROUPED_GEMV_ROWS[precision]
     if fmt == "bf16":  # exact bf16 rows: every precision multiplies them alike
@@ -314,9 +326,9 @@ class Selector:
     """
 
     def __init__(self, switches: Switches | None = None, cpu: CpuFeatures | None = None,
-                 has_triton: bool | None = None) -> None:
+                 has_triton: bool | None = None, cpu_isa: str = "auto") -> None:
         self.switches = switches or Switches()
-        self.cpu = cpu or detect_cpu_features()
+        self.cpu = (cpu or detect_cpu_features()).capped(self.switches.cpu_isa).capped(cpu_isa)
         self.has_triton = triton_available() if has_triton is None else has_triton
 
     def library(self) -> CpuOps | None:
@@ -404,12 +416,19 @@ class Selector:
         if ops is None:
             return tuple(PackedChoice(f, "torch") for f in PACKED_FORMATS)
         isa = int(Isa.AVX512_VNNI if self.cpu.has_avx512_vnni else Isa.AVX2)
-        bf16 = self.cpu.has_bf16_matmul
+        # A described CPU (tests, CpuFeatures.of) is taken at its word; this machine's AMX is
+        # also asked of torch (ONEDNN_MAX_CPU_ISA can hide it from oneDNN's brgemm).
+        tiles = self.cpu.has_amx and (ops.bf16_tiles or self.cpu.source == "given")
+        if precision in TILE_PRECISIONS and not tiles:
+            why = ("AMX hidden by ONEDNN_MAX_CPU_ISA" if self.cpu.has_amx
+                   else f"no AMX at level {self.cpu.level}")
+            reasons.append(f"packed GEMM: fp32 tiles, not {precision} ({why}: torch runs bf16 "
+                           "tiles only with AMX)")
+            precision = "fp32"
         reasons.append(f"packed weights: GEMV in {'AVX-512 VNNI' if isa else 'AVX2'}, "
-                       f"{'bf16' if bf16 else 'no bf16'} matmul hardware for the GEMM "
-                       f"({precision} products)")
+                       f"GEMM on {precision} tiles")
         grouped = isa == Isa.AVX512_VNNI
-        return tuple(PackedChoice(f, "cpp", _gemv_rows(f, rows, bf16, precision, grouped), isa,
+        return tuple(PackedChoice(f, "cpp", _gemv_rows(f, rows, precision, grouped), isa,
                                   ops, precision) for f, rows in GEMV_ROWS.items())
 
     def compute_dtype(self, device: torch.device | str, dtype: torch.dtype,
@@ -431,16 +450,18 @@ class Selector:
 
 
 @functools.cache
-def process_selector() -> Selector:
-    """The selector of this process: the environment's switches (read here, once) and this CPU."""
-    return Selector(Switches.from_environ())
+def process_selector(cpu_isa: str = "auto") -> Selector:
+    """The selector of this process: the environment's switches (read here, once) and this CPU,
+    capped at ``cpu_isa`` (EngineConfig.cpu_isa)."""
+    return Selector(Switches.from_environ(), cpu_isa=cpu_isa)
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype = torch.float32,
                    kv_dtype: torch.dtype | None = None, head_dim: int | None = None,
-                   packed_precision: str = DEFAULT_PACKED_PRECISION) -> Backend:
+                   packed_precision: str = DEFAULT_PACKED_PRECISION,
+                   cpu_isa: str = "auto") -> Backend:
     """:meth:`Selector.select` of :func:`process_selector`: what the engine runs at start."""
-    return process_selector().select(device, dtype, kv_dtype, head_dim, packed_precision)
+    return process_selector(cpu_isa).select(device, dtype, kv_dtype, head_dim, packed_precision)
 
 
 @functools.cache

@@ -1,9 +1,16 @@
-"""The x86 vector extensions of this CPU, detected once at run time.
+"""The x86 vector extensions of this CPU, detected once at run time, and the ISA levels.
 
 The C++ library is built for AVX2 + FMA + F16C, so it runs only where the CPU has all three. The
 skinny GEMV also has AVX-512F tiles (they need VL and DQ too), chosen per call; the packed-weight
-GEMV's AVX-512 path needs BW and VNNI as well. AVX512_BF16 and AMX decide whether many-row steps
-over packed weights multiply in bf16 (oneDNN's micro-kernel) or keep fp32.
+GEMV's AVX-512 path needs BW and VNNI as well. AMX decides whether many-row steps over packed
+weights multiply bf16 tiles (oneDNN's brgemm, which torch runs only with AMX) or fp32 ones.
+
+The kernels come in four **levels**, lowest first (:data:`ISA_LEVELS`): ``avx2`` (AVX2, FMA,
+F16C), ``avx512`` (+ AVX-512 F/VL/DQ/BW: the skinny GEMV's wide tiles), ``avx512_vnni`` (+ VNNI,
+and AVX512_BF16 where present: the packed GEMV's integer dot products, rows grouped 16 at a
+time) and ``amx`` (+ AMX tiles: the bf16-tile GEMM). ``CpuFeatures.capped(level)`` hides every
+flag above a level, so an AMX machine runs (and tests) exactly what an AVX2 machine runs:
+``EngineConfig.cpu_isa`` / ``--cpu-isa`` set the cap.
 
 Linux lists the flags in /proc/cpuinfo. Elsewhere torch's own dispatch level
 (``torch.backends.cpu.get_cpu_capability()``) stands in: it tells AVX2 from AVX-512 but not the
@@ -20,11 +27,25 @@ import torch
 
 # The flags worth knowing, in /proc/cpuinfo's spelling, in the order the log lists them.
 FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512dq", "avx512bw", "avx512_vnni",
-         "avx512_bf16", "amx_bf16", "amx_int8")
+         "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 KERNEL_FLAGS = frozenset({"avx2", "fma", "f16c"})  # what the whole C++ library is built for
 AVX512_FLAGS = frozenset({"avx512f", "avx512vl", "avx512dq"})  # the GEMV's AVX-512 tiles
 VNNI_FLAGS = AVX512_FLAGS | {"avx512bw", "avx512_vnni"}  # the packed-weight kernels' AVX-512 path
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})  # the bf16-tile GEMM (oneDNN's brgemm)
 X86_64 = ("x86_64", "amd64")
+ISA_LEVELS = ("avx2", "avx512", "avx512_vnni", "amx")
+# What a CPU needs to run each level, and what a cap at that level leaves visible (a level's
+# optional extras, like AVX512_BF16 beside VNNI, stay where the CPU has them).
+LEVEL_NEEDS = {"avx2": KERNEL_FLAGS, "avx512": KERNEL_FLAGS | AVX512_FLAGS,
+               "avx512_vnni": KERNEL_FLAGS | VNNI_FLAGS,
+               "amx": KERNEL_FLAGS | VNNI_FLAGS | AMX_FLAGS}
+LEVEL_KEEPS = {"avx2": KERNEL_FLAGS, "avx512": KERNEL_FLAGS | AVX512_FLAGS | {"avx512bw"},
+               "avx512_vnni": KERNEL_FLAGS | VNNI_FLAGS | {"avx512_bf16"},
+               "amx": frozenset(FLAGS)}
+
+
+class UnsupportedIsaError(ValueError):
+    """A cap above what this CPU runs, or a name that is no level; the message lists the levels."""
 # What each of torch's dispatch levels implies (its AVX512 level needs F, BW, VL and DQ).
 TORCH_CAPABILITY_FLAGS = {
     "AVX2": KERNEL_FLAGS,
@@ -58,6 +79,38 @@ class CpuFeatures:
         return VNNI_FLAGS <= self.flags
 
     @property
+    def has_amx(self) -> bool:
+        """AMX bf16 tiles: the packed GEMM's bf16 precisions (oneDNN's brgemm) run here."""
+        return AMX_FLAGS <= self.flags
+
+    @property
+    def levels(self) -> tuple[str, ...]:
+        """The ISA levels this CPU runs, lowest first (none where the C++ kernels cannot run)."""
+        if self.arch.lower() not in X86_64:
+            return ()
+        return tuple(level for level in ISA_LEVELS if LEVEL_NEEDS[level] <= self.flags)
+
+    @property
+    def level(self) -> str | None:
+        """The highest level this CPU runs (None: not even AVX2)."""
+        return self.levels[-1] if self.levels else None
+
+    def capped(self, level: str) -> CpuFeatures:
+        """This CPU as one of ``level`` would look ("auto": itself): every flag above the level
+        hidden. Raises :class:`UnsupportedIsaError` for a level this CPU does not run."""
+        if level == "auto":
+            return self
+        if level not in ISA_LEVELS:
+            raise UnsupportedIsaError(f"cpu_isa must be auto or one of {', '.join(ISA_LEVELS)}, "
+                                      f"got {level!r}")
+        if level not in self.levels:
+            runs = ", ".join(self.levels) or "none (no AVX2)"
+            raise UnsupportedIsaError(f"cpu_isa={level} needs {' '.join(sorted(LEVEL_NEEDS[level]))}; "
+                                      f"this CPU runs: {runs}. Pick one of those, or auto")
+        return CpuFeatures(self.arch, self.flags & LEVEL_KEEPS[level],
+                           f"{self.source}, capped at {level}")
+
+    @property
     def has_bf16_matmul(self) -> bool:
         """bf16 products in hardware (AMX tiles or AVX-512 BF16): oneDNN's bf16 kernels, and so
         the packed weights' many-row GEMM, run an order of magnitude faster than fp32 there."""
@@ -87,3 +140,8 @@ def detect_cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuFeatures:
         return CpuFeatures(arch, TORCH_CAPABILITY_FLAGS.get(capability, frozenset()),
                            f"torch capability {capability}")
     return CpuFeatures(arch, frozenset(line.split(":", 1)[1].split()) & frozenset(FLAGS), str(cpuinfo))
+
+
+def cpu_isa_levels() -> tuple[str, ...]:
+    """The ISA levels this machine runs, lowest first: every one can be set as ``cpu_isa``."""
+    return detect_cpu_features().levels

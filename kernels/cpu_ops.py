@@ -9,7 +9,8 @@
   ``decoder_layers_packed`` the same over packed projections;
 - ``quant_gemv`` / ``quant_gemm`` (quant_gemv.cpp, quant_gemm.cpp): ``x @ W.T`` straight from
   packed weights (GGUF blocks, int8, bf16 rows): integer dot products for few rows, bf16 tiles
-  for brgemm (AMX) for many; ``QuantLinear`` (quant_linear.cpp) picks between them per step.
+  for brgemm (AMX) or fp32 tiles for ATen's GEMM (any CPU) for many; ``QuantLinear``
+  (quant_linear.cpp) picks between them per step.
 
 library.cpp registers them; cpu_ops.h holds what the files share. The library compiles with
 ``torch.utils.cpp_extension`` (needs ``ninja`` and a C++ compiler) into the torch extensions
@@ -65,6 +66,7 @@ class GemmPrecision(IntEnum):
     BF16X3 = 0  # bf16 heads and tails of both operands: the dequantized fp32 product
     BF16 = 1  # each operand rounded once to bf16: one AMX product per tile, no tails
     BF16X2 = 2  # weights rounded once, activations' heads and tails: two products per tile
+    F32 = 3  # tiles dequantized to fp32, ATen's fp32 GEMM: any CPU (the bf16 ones need AMX)
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class CpuOps:
     quant_gemm: Callable
     quant_linear: Callable  # torch.classes.pagedq_cpu.QuantLinear
     build_dir: Path
+    bf16_tiles: bool = False  # torch's bf16 brgemm runs here (AMX): the bf16 GEMM precisions
 
 
 def build_directory(name: str, root: Path | None) -> Path:
@@ -122,7 +125,7 @@ def build(sources: tuple[Path, ...], name: str, root: Path | None) -> CpuOps:
     ops = torch.ops.pagedq_cpu
     return CpuOps(ops.paged_attention_rows, ops.skinny_linear, ops.rms_norm, ops.decoder_layers,
                   ops.decoder_layers_packed, ops.quant_gemv, ops.quant_gemm,
-                  torch.classes.pagedq_cpu.QuantLinear, build_dir)
+                  torch.classes.pagedq_cpu.QuantLinear, build_dir, bool(ops.bf16_tiles()))
 
 
 def try_build(sources: tuple[Path, ...] = SOURCES, name: str = LIBRARY,

@@ -25,7 +25,8 @@ from pagedq.errors import InvalidRequestError
 Dtype = Literal["float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: the model's dtype
 Quantization = Literal["auto", "none", "int8", "int4"]
-PackedGemmPrecision = Literal["bf16", "bf16x2", "bf16x3"]  # pagedq.kernels.backend.PACKED_PRECISIONS
+PackedGemmPrecision = Literal["bf16", "bf16x2", "bf16x3", "fp32"]  # kernels.backend.PACKED_PRECISIONS
+CpuIsa = Literal["auto", "avx2", "avx512", "avx512_vnni", "amx"]  # pagedq.kernels.ISA_LEVELS
 DTYPES: tuple[str, ...] = get_args(Dtype)
 
 
@@ -49,6 +50,7 @@ ByteSize = Annotated[int, parse_bytes]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 PACKED_GEMM_PRECISIONS: tuple[str, ...] = get_args(PackedGemmPrecision)
+CPU_ISAS: tuple[str, ...] = get_args(CpuIsa)
 
 
 @dataclass(frozen=True)
@@ -133,8 +135,14 @@ class EngineConfig:
     tails (two AMX products: the activations keep fp32 accuracy); bf16x3 adds the weights'
     tails too (three products, the dequantized model to fp32 accuracy, about 1.3x slower); bf16
     rounds both once (one product, about 1.4x faster than bf16x2, but greedy output parts from
-    the dequantized model sooner: it misses the fidelity bars on tiny test models). Decode steps
-    of up to 16 rows take the integer GEMV either way."""
+    the dequantized model sooner: it misses the fidelity bars on tiny test models); fp32
+    dequantizes tiles to fp32 for ATen's GEMM. The bf16 ones need AMX: every other CPU runs fp32
+    whatever is asked (the start-up log says so). Decode steps take the integer GEMV either way."""
+    cpu_isa: CpuIsa = "auto"
+    """The highest CPU instruction-set level the kernels may use: avx2, avx512 (AVX-512F/VL/DQ/BW),
+    avx512_vnni (+ VNNI: integer dot products), amx (+ AMX bf16 tiles); auto: all this CPU has.
+    A cap runs exactly what a CPU of that level runs (pagedq.kernels.cpu_isa_levels() lists the
+    levels this machine runs); a level above the CPU's is refused at start."""
     kv_cache_dtype: KVCacheDtype = "auto"
     """KV cache dtype (auto: the model's). float16 under a float32 model on the CPU halves the
     memory attention reads per token."""
@@ -211,6 +219,7 @@ class EngineConfig:
         need(self.packed_gemm_precision in PACKED_GEMM_PRECISIONS,
              f"packed_gemm_precision must be one of {PACKED_GEMM_PRECISIONS}, "
              f"got {self.packed_gemm_precision!r}")
+        need(self.cpu_isa in CPU_ISAS, f"cpu_isa must be one of {CPU_ISAS}, got {self.cpu_isa!r}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 

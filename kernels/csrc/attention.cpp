@@ -324,6 +324,7 @@ void paged_attention_rows(at::Tensor& out, const at::Tensor& query, const at::Te
                           const at::Tensor& v_cache, const at::Tensor& block_table,
                           const at::Tensor& rows, double scale, int64_t heads_per_item,
                           int64_t grain) {
+  check_cpu();
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "paged_attention_rows runs on CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes() && k_cache.dim() == 4 &&

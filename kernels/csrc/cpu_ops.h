@@ -9,6 +9,8 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 namespace pagedq_cpu {
@@ -20,16 +22,42 @@ namespace pagedq_cpu {
 // GEMV runs its AVX-512 tiles for it too.
 enum Isa : int64_t { kAvx2 = 0, kAvx512 = 1, kAvx512Vnni = 2 };
 
+// The whole library is compiled for AVX2 + FMA + F16C: every op checks that first, so a call on
+// an older CPU (or through a stale build) is a clear error, not an illegal instruction.
+inline void check_cpu() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  TORCH_CHECK(ok, "pagedq's C++ CPU kernels need AVX2, FMA and F16C, which this CPU lacks: run "
+              "with PAGEDQ_CPU_KERNEL=0 (the PyTorch kernels)");
+}
+
+// The level this process may use (pagedq.kernels.cpu_features.ISA_LEVELS, 0 = avx2 .. 3 = amx):
+// PAGEDQ_CPU_ISA caps it, as the Python selector does, so a capped process (the tests' way to run
+// an AVX2 machine's paths on a bigger CPU) cannot reach a path above its level from C++ either.
+inline int64_t isa_cap() {
+  static const int64_t cap = [] {
+    const char* env = std::getenv("PAGEDQ_CPU_ISA");
+    const std::string level = env ? env : "";
+    if (level == "avx2") return 0;
+    if (level == "avx512") return 1;
+    if (level == "avx512_vnni") return 2;
+    return 3;
+  }();
+  return cap;
+}
+
 // A wrong `isa` would crash on an illegal instruction; refuse it with a message instead.
 inline void check_isa(int64_t isa) {
-  static const bool has_avx512 = __builtin_cpu_supports("avx512f") &&
+  check_cpu();
+  static const bool has_avx512 = isa_cap() >= 1 && __builtin_cpu_supports("avx512f") &&
                                  __builtin_cpu_supports("avx512vl") &&
                                  __builtin_cpu_supports("avx512dq");
-  static const bool has_vnni = has_avx512 && __builtin_cpu_supports("avx512bw") &&
+  static const bool has_vnni = has_avx512 && isa_cap() >= 2 && __builtin_cpu_supports("avx512bw") &&
                                __builtin_cpu_supports("avx512vnni");
   TORCH_CHECK(isa == kAvx2 || (isa == kAvx512 && has_avx512) || (isa == kAvx512Vnni && has_vnni),
-              "isa ", isa, " is not one this CPU runs: pass 0 (AVX2), 1 (AVX-512) on a CPU with "
-              "AVX-512F/VL/DQ, or 2 (AVX-512 VNNI) on one that also has AVX-512BW/VNNI");
+              "isa ", isa, " is not one this CPU runs (or PAGEDQ_CPU_ISA allows): pass 0 (AVX2), 1 "
+              "(AVX-512) on a CPU with AVX-512F/VL/DQ, or 2 (AVX-512 VNNI) on one that also has "
+              "AVX-512BW/VNNI");
 }
 
 // The `precision` argument of quant_gemm (pagedq.kernels.cpu_ops.GemmPrecision mirrors it):
@@ -37,12 +65,23 @@ inline void check_isa(int64_t isa) {
 // ~2^-16); kBf16 multiplies the weights and activations each rounded once to bf16 (one brgemm
 // per tile, no tails: ~2^-8 per product, the model then follows a bf16 twin); kBf16x2 rounds the
 // weights once and splits the activations (two brgemms: the product of the bf16-rounded weights
-// with the fp32 activations, to ~2^-16).
-enum GemmPrecision : int64_t { kBf16x3 = 0, kBf16 = 1, kBf16x2 = 2 };
+// with the fp32 activations, to ~2^-16). These three run on bf16 tiles (oneDNN's brgemm), which
+// torch runs only on CPUs with AMX. kF32Tiles (any CPU) dequantizes tiles to fp32, multiplied
+// by ATen's fp32 GEMM: the dequantized model's product, exactly.
+enum GemmPrecision : int64_t { kBf16x3 = 0, kBf16 = 1, kBf16x2 = 2, kF32Tiles = 3 };
+
+// Whether torch's bf16 brgemm runs here (oneDNN's micro-kernel with AMX; ONEDNN_MAX_CPU_ISA below
+// AMX turns it off): the bf16 precisions need it.
+bool bf16_tiles();
 
 inline void check_precision(int64_t precision) {
-  TORCH_CHECK(precision == kBf16x3 || precision == kBf16 || precision == kBf16x2, "precision ",
-              precision, " is not a GEMM precision: pass 0 (bf16x3), 1 (bf16) or 2 (bf16x2)");
+  TORCH_CHECK(precision == kBf16x3 || precision == kBf16 || precision == kBf16x2 ||
+                  precision == kF32Tiles,
+              "precision ", precision,
+              " is not a GEMM precision: pass 0 (bf16x3), 1 (bf16), 2 (bf16x2) or 3 (fp32)");
+  TORCH_CHECK(precision == kF32Tiles || bf16_tiles(), "GEMM precision ", precision,
+              " multiplies bf16 tiles, which torch runs only on CPUs with AMX (this one lacks it, "
+              "or ONEDNN_MAX_CPU_ISA hides it): pass precision 3 (fp32)");
 }
 
 // Horizontal sum of 8 floats.

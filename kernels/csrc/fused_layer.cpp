@@ -297,6 +297,7 @@ at::Tensor decoder_layers_packed(const at::Tensor& x, const at::Tensor& rope, at
                                  const at::Tensor& block_table, const at::Tensor& rows,
                                  int64_t num_heads, int64_t heads_per_item, int64_t grain,
                                  double eps, double scale) {
+  check_cpu();
   const size_t layers = qkv.size();
   TORCH_CHECK(in_norm.size() == layers && o.size() == layers && post_norm.size() == layers &&
                   gate_up.size() == layers && down.size() == layers &&

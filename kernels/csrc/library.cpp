@@ -25,6 +25,7 @@ TORCH_LIBRARY(pagedq_cpu, m) {
         "int isa) -> ()");
   m.def("quant_gemm(Tensor(a!) out, Tensor x, Tensor w, int fmt, Tensor? scales, Tensor? bias, "
         "int isa, int precision=0) -> ()");
+  m.def("bf16_tiles() -> bool", &pagedq_cpu::bf16_tiles);
   using pagedq_cpu::QuantLinear;
   m.class_<QuantLinear>("QuantLinear")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>,

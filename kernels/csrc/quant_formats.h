@@ -138,6 +138,14 @@ inline void dequant_row_f32(int64_t fmt, const uint8_t* row, int64_t K, float sc
       for (int64_t k = 0; k < K; ++k) out[k] = scale * static_cast<float>(q[k]);
       break;
     }
+    case kBF16:  // the upper half of an fp32: widened exactly
+      for (int64_t k = 0; k < K; ++k) {
+        uint16_t h;
+        std::memcpy(&h, row + 2 * k, 2);
+        const uint32_t bits = static_cast<uint32_t>(h) << 16;
+        std::memcpy(out + k, &bits, 4);
+      }
+      break;
     case kQ4_K: case kQ5_K: {
       const int64_t bytes = fmt == kQ4_K ? 144 : 176;
       for (int64_t sb = 0; sb < K / 256; ++sb) {

@@ -18,6 +18,11 @@
 // operand once to bf16 and runs one product per tile: no tails are split, stored, packed or
 // multiplied, for a model that follows a bf16 twin instead.
 //
+// Precision "fp32" (CPUs without AMX, where torch's bf16 brgemm does not run: AVX2, and AVX-512
+// without AMX such as Zen 4 or Ice Lake): each tile is dequantized to fp32 and multiplied by
+// ATen's fp32 GEMM (at::mm: MKL or oneDNN sgemm, which pick their own vector paths at run time), the
+// activations read in the decoders' order: the dequantized model's product, exactly.
+//
 // The tile computes C^T[n, m] = W[n, :] . x[m, :]: the dequantized rows are brgemm's row-major
 // A operand as they come out of the decoder, and x, packed once per call, is the VNNI B operand.
 // Both use the decoder's chunk order of K (quant_formats.h), so the nibble formats' interleaved
@@ -30,6 +35,7 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/native/CPUBlas.h>
+#include <ATen/ops/mm.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
@@ -77,6 +83,17 @@ inline __m256i to_bf16(__m512 v) {
 }
 
 #include "quant_gemm_rows.inc"
+
+// One weight row dequantized to fp32 in chunk order (precision fp32).
+void dequant_row_f32(int64_t fmt, const RowRef& row, int64_t K, float scale, float* out) {
+  walk_row(fmt, row, K, scale, [&](int64_t c, __m512i w, __m512 ws, __m512 wm) {
+    float* at = out + c * kChunk;
+    _mm512_storeu_ps(at, dequant16<0>(w, ws, wm));
+    _mm512_storeu_ps(at + 16, dequant16<1>(w, ws, wm));
+    _mm512_storeu_ps(at + 32, dequant16<2>(w, ws, wm));
+    _mm512_storeu_ps(at + 48, dequant16<3>(w, ws, wm));
+  });
+}
 
 // 16 rows of 16 32-bit words transposed in registers: r[i] holds row i, then column i.
 inline void transpose16(__m512i r[16]) {
@@ -240,7 +257,71 @@ std::pair<at::Tensor, at::Tensor> pack_x(const at::Tensor& x, int64_t padded, bo
   return {hi, lo};
 }
 
+constexpr int64_t kF32TileBytes = 192 * 1024;  // an fp32 tile that stays in L2 beside x's rows
+
+// x [M, K] in the decoders' order of K, zero-padded to `padded` columns (itself when that is K).
+at::Tensor order_x(const at::Tensor& x, int64_t padded, bool nibbles) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (!nibbles && padded == K) return x;
+  at::Tensor xo = at::zeros({M, padded}, x.options());
+  if (!nibbles) {
+    xo.narrow(1, 0, K).copy_(x);
+    return xo;
+  }
+  std::vector<int64_t> pos(K);
+  for (int64_t k = 0; k < K; ++k) pos[k] = chunk_position(k, true);
+  at::Tensor index = at::from_blob(pos.data(), {K}, at::TensorOptions().dtype(at::kLong));
+  xo.index_copy_(1, index, x);
+  return xo;
+}
+
+// Precision fp32: tiles of W dequantized to fp32 (AVX-512 decoders in chunk order where `fast`,
+// else the portable ones in natural order), each multiplied by all of x with ATen's fp32 GEMM
+// into its columns of out. Threads take whole tiles; the GEMM inside runs on one thread.
+void gemm_f32(const LinearArgs& args, const at::Tensor& x, bool fast) {
+  const int64_t M = args.rows, K = args.K, N = args.N;
+  const bool decode_fast = fast && args.fmt != kBF16;
+  const int64_t padded = decode_fast ? (K + kChunk - 1) / kChunk * kChunk : K;
+  const at::Tensor xo = order_x(x, padded, decode_fast && nibble_order(args.fmt));
+  const int64_t tile = std::clamp<int64_t>(kF32TileBytes / (padded * 4) / 16 * 16, 16, 256);
+  const int64_t fmt_bytes = args.fmt == kBF16 ? 0 : block_bytes(args.fmt);
+  at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> a(tile * padded, 0.f);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
+      for (int64_t i = 0; i < rows; ++i) {
+        const float scale = args.scales ? args.scales[n0 + i] : 0.f;
+        float* dst = a.data() + i * padded;
+        if (decode_fast) {
+          const v512::RowRef ref = args.grouped
+              ? v512::RowRef::grouped(args.fmt, args.w, n0 + i, args.row_bytes, fmt_bytes)
+              : v512::RowRef::plain(args.w, n0 + i, args.row_bytes, fmt_bytes);
+          v512::dequant_row_f32(args.fmt, ref, K, scale, dst);
+        } else {
+          dequant_row_f32(args.fmt, args.w + (n0 + i) * args.row_bytes, K, scale, dst);
+        }
+      }
+      // out's columns n0.. (row stride ldo) = x · tile^T (+ bias): ATen's fp32 GEMM, one thread
+      // (this runs inside the parallel region), writing through the strided view.
+      float* c = args.out + n0;
+      at::Tensor cv = at::from_blob(c, {M, rows}, {args.ldo, 1}, xo.options());
+      const at::Tensor tile_t = at::from_blob(a.data(), {rows, padded}, xo.options()).t();
+      if (args.bias) {
+        for (int64_t m = 0; m < M; ++m) std::copy(args.bias + n0, args.bias + n0 + rows, c + m * args.ldo);
+        cv.addmm_(xo, tile_t);
+      } else {
+        at::mm_out(cv, xo, tile_t);
+      }
+    }
+  });
+}
+
 }  // namespace
+
+bool bf16_tiles() {
+  static const bool yes = isa_cap() >= 3 && at::native::cpublas::could_pack(at::kBFloat16);
+  return yes;
+}
 
 void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
                 const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias,
@@ -255,10 +336,14 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
   const float* sp = args.scales;
   const float* bp = args.bias;
   if (M == 0 || N == 0) return;
-  const bool bf16 = fmt == kBF16;  // the rows already are brgemm's A operand, exactly
-  const int64_t padded = bf16 ? K : (K + kChunk - 1) / kChunk * kChunk;
   const bool fast = isa == kAvx512Vnni;  // the AVX-512 decoders (chunk order), else portable ones
   TORCH_CHECK(fast || !args.grouped, "quant_gemm: grouped rows need the AVX-512 VNNI decoders");
+  if (precision == kF32Tiles) {
+    gemm_f32(args, x, fast);
+    return;
+  }
+  const bool bf16 = fmt == kBF16;  // the rows already are brgemm's A operand, exactly
+  const int64_t padded = bf16 ? K : (K + kChunk - 1) / kChunk * kChunk;
   const int64_t fmt_bytes = bf16 ? 0 : block_bytes(fmt);
   const bool bf16_convert = fast && native_bf16();
   const bool nibbles = fast && nibble_order(fmt);

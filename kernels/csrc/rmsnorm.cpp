@@ -14,6 +14,7 @@
 namespace pagedq_cpu {
 
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_cpu();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
               "rms_norm: fp32 [rows, hidden]");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(),

@@ -29,7 +29,7 @@ from pagedq.kernels.cases import make_case
 from pagedq.kernels.cpu_features import CpuFeatures
 
 AVX512 = CpuFeatures.of("avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512dq", "avx512_vnni",
-                        "amx_bf16", "amx_int8")
+                        "amx_tile", "amx_bf16", "amx_int8")
 AVX2 = CpuFeatures.of("avx2", "fma", "f16c")
 NO_AVX2 = CpuFeatures.of("fma", "f16c")
 ARM = CpuFeatures.of(arch="aarch64")
@@ -102,8 +102,8 @@ def test_portable_backend_runs_only_torch():
 def test_switches_from_the_environment():
     assert Switches.from_environ({}) == Switches()
     env = {"PAGEDQ_CPU_KERNEL": "0", "PAGEDQ_ONEDNN": "off", "PAGEDQ_FUSED_LAYER": "No",
-           "TRITON_INTERPRET": "1", "TORCH_EXTENSIONS_DIR": "/tmp/ext"}
-    assert Switches.from_environ(env) == Switches(False, False, False, True, Path("/tmp/ext"))
+           "TRITON_INTERPRET": "1", "TORCH_EXTENSIONS_DIR": "/tmp/ext", "PAGEDQ_CPU_ISA": "AVX2"}
+    assert Switches.from_environ(env) == Switches(False, False, False, True, Path("/tmp/ext"), "avx2")
     assert Switches.from_environ({"PAGEDQ_CPU_KERNEL": "1", "TRITON_INTERPRET": "0"}) == Switches()
 
 
@@ -118,7 +118,7 @@ def test_each_switch_is_read_once():
     env = Recording(PAGEDQ_FUSED_LAYER="0")
     Switches.from_environ(env)
     assert set(env.reads) == {"PAGEDQ_CPU_KERNEL", "PAGEDQ_ONEDNN", "PAGEDQ_FUSED_LAYER",
-                              "TRITON_INTERPRET", "TORCH_EXTENSIONS_DIR"}
+                              "TRITON_INTERPRET", "TORCH_EXTENSIONS_DIR", "PAGEDQ_CPU_ISA"}
     assert set(env.reads.values()) == {1}
 
 

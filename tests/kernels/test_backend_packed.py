@@ -15,19 +15,22 @@ import torch
 from pagedq.kernels import Selector, Switches
 from pagedq.kernels.backend import (
     DEFAULT_PACKED_PRECISION,
+    F32_GEMV_ROWS,
     GEMV_ROWS,
     GROUPED_FORMATS,
     GROUPED_GEMV_ROWS,
     PACKED_PRECISIONS,
+    process_selector,
 )
-from pagedq.kernels.cpu_features import CpuFeatures, detect_cpu_features
+from pagedq.kernels.cpu_features import ISA_LEVELS, CpuFeatures
 from pagedq.worker.config import PACKED_GEMM_PRECISIONS, EngineConfig
 from pagedq.worker.models.packed import build_projection
 from pagedq.worker.models.quant import quantize_int4
 
 BASE = ("avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512dq", "avx512bw")
-AMX = CpuFeatures.of(*BASE, "avx512_vnni", "amx_bf16", "amx_int8")
+AMX = CpuFeatures.of(*BASE, "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 VNNI_NO_BF16 = CpuFeatures.of(*BASE, "avx512_vnni")
+ZEN4 = CpuFeatures.of(*BASE, "avx512_vnni", "avx512_bf16")  # AVX-512 BF16 without AMX
 AVX2 = CpuFeatures.of("avx2", "fma", "f16c")
 ARM = CpuFeatures.of(arch="aarch64")
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -50,26 +53,29 @@ def test_block_formats_take_the_vnni_gemv_then_the_bf16_gemm(cpu_ops, fmt):
                                                              + ["cpp-gemm-bf16x2"] * 2)
 
 
-def test_projections_group_their_rows_where_the_vnni_gemv_runs(cpu_ops):
+@pytest.mark.parametrize(("level", "grouped"), [("avx512_vnni", True), ("avx2", False)])
+def test_projections_group_their_rows_where_the_vnni_gemv_runs(cpu_ops, level, grouped):
     """build_projection regroups a groupable weight in place for the VNNI GEMV (the embedding
     and a tied head share the object) and leaves GGUF's rows for the AVX2 kernels; the output is
-    the dequantized matmul either way."""
+    the dequantized matmul either way, through the GEMV and the GEMM. This machine's CPU, capped
+    at ``level``: the kernels really run."""
     from pagedq.worker.models.quant import dequantize
     from tests.quant_fixtures import random_weight
 
+    if level not in process_selector().cpu.levels:
+        pytest.skip(f"this CPU (or PAGEDQ_CPU_ISA) does not run level {level}")
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 64, generator=gen)
-    for cpu, grouped in ((AMX, True), (AVX2, False)):
-        if grouped and not detect_cpu_features().has_avx512_vnni:
-            continue  # the VNNI kernels cannot run here
-        weight = random_weight("q4_1", 32, 64, gen)
-        want = x.double() @ dequantize(weight).double().T
-        backend = Selector(cpu=cpu).select("cpu", F32, None, 64)
-        projection = build_projection([weight], None, backend, torch.device("cpu"))
-        assert weight.grouped is grouped
+    weight = random_weight("q4_1", 32, 64, gen)
+    dense = dequantize(weight).double()
+    backend = Selector(Switches(), cpu_isa=level).select("cpu", F32, None, 64)
+    projection = build_projection([weight], None, backend, torch.device("cpu"))
+    assert weight.grouped is grouped
+    for rows in (2, 100):  # the GEMV, then the GEMM
+        x = torch.randn(rows, 64, generator=gen)
+        want = x.double() @ dense.T
         # the int16 activations' rounding, relative to the output's scale (as the kernel tests)
         err = (projection.forward(x).double() - want).abs().max() / want.abs().max()
-        assert err < 1e-4, (cpu, err)
+        assert err < 1e-4, (level, rows, err)
 
 
 def test_the_grouped_formats_are_the_groupable_ones():
@@ -82,10 +88,42 @@ def test_bf16_rows_hand_over_to_the_gemm_sooner(cpu_ops):
     assert kernels(AMX, "bf16", [1, 8, 9]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-bf16x2"]
 
 
-def test_without_bf16_hardware_the_gemv_keeps_more_rows(cpu_ops):
-    """bf16 tiles multiply slowly without AMX/AVX512_BF16, so the integer GEMV keeps 64 rows."""
-    assert kernels(VNNI_NO_BF16, "q4_1", [1, 64, 65]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-bf16x2"]
-    assert kernels(AVX2, "q8_0", [1, 64, 65]) == ["cpp-gemv-avx2"] * 2 + ["cpp-gemm-bf16x2"]
+def test_without_amx_the_gemm_multiplies_fp32_tiles(cpu_ops):
+    """torch runs bf16 tiles only with AMX: every other CPU (AVX2; AVX-512 with or without
+    AVX512_BF16) takes the fp32-tile GEMM past its GEMV's measured crossover (F32_GEMV_ROWS),
+    whatever precision was asked, and says why in the start-up line."""
+    limit = F32_GEMV_ROWS["grouped"]
+    for cpu in (VNNI_NO_BF16, ZEN4):
+        assert kernels(cpu, "q4_1", [1, limit, limit + 1, 300]) == (["cpp-gemv-vnni"] * 2
+                                                                    + ["cpp-gemm-fp32"] * 2)
+    limit = F32_GEMV_ROWS["avx2"]
+    assert kernels(AVX2, "q8_0", [1, limit, limit + 1]) == ["cpp-gemv-avx2"] * 2 + ["cpp-gemm-fp32"]
+    backend = Selector(cpu=AVX2).select("cpu", F32, None, 64, packed_precision="bf16x3")
+    assert "fp32 tiles, not bf16x3 (no AMX at level avx2" in " ".join(backend.reasons)
+
+
+@pytest.mark.parametrize("level", ISA_LEVELS)
+def test_each_level_routes_only_kernels_it_runs(cpu_ops, level):
+    """This machine capped at each level it runs: every packed route and GEMM precision is one
+    that level's CPU runs, and a projection through it computes (the kernels take the call)."""
+    from pagedq.worker.models.quant import dequantize
+    from tests.quant_fixtures import random_weight
+
+    if level not in process_selector().cpu.levels:
+        pytest.skip(f"this CPU (or PAGEDQ_CPU_ISA) does not run level {level}: it runs "
+                    f"{', '.join(process_selector().cpu.levels)}")
+    backend = Selector(Switches(), cpu_isa=level).select("cpu", F32, None, 64)
+    assert backend.cpu.level == level
+    for choice in backend.packed:
+        if choice.weight_format != "float32":
+            assert ("vnni" in choice.kernel(1)) == (level in ("avx512_vnni", "amx"))
+        assert choice.precision in (PACKED_PRECISIONS if level == "amx" else ("fp32",))
+    gen = torch.Generator().manual_seed(8)
+    weight = random_weight("q4_k", 32, 256, gen)
+    projection = build_projection([weight], None, backend, torch.device("cpu"))
+    x = torch.randn(80, 256, generator=gen)
+    want = x.double() @ dequantize(weight).double().T
+    assert ((projection.forward(x).double() - want).abs().max() / want.abs().max()) < 1e-4
 
 
 def test_the_gemm_runs_in_the_precision_asked_for(cpu_ops):
@@ -97,10 +135,13 @@ def test_the_gemm_runs_in_the_precision_asked_for(cpu_ops):
         assert [backend.packed_for("q4_1").kernel(r) for r in (limit, limit + 1)] == [
             "cpp-gemv-vnni", f"cpp-gemm-{precision}"]
         assert re.search(rf"\+cpp-gemm-{precision}(,|$)", backend.summary()["packed"])
-        assert "products" in " ".join(backend.reasons) and precision in " ".join(backend.reasons)
+        assert f"GEMM on {precision} tiles" in " ".join(backend.reasons)
+        # this machine: the precision asked for where it has AMX, fp32 tiles elsewhere
+        real = Selector(Switches()).select("cpu", F32, None, 64, packed_precision=precision)
         weight = quantize_int4(torch.randn(8, 64))
-        projection = build_projection([weight], None, backend, torch.device("cpu"))
-        assert projection.precision == int(PACKED_PRECISIONS[precision])
+        projection = build_projection([weight], None, real, torch.device("cpu"))
+        want = precision if cpu_ops.bf16_tiles else "fp32"
+        assert projection.precision == int(PACKED_PRECISIONS[want])
     with pytest.raises(ValueError, match="packed_precision"):
         Selector(cpu=AMX).select("cpu", F32, None, 64, packed_precision="fp8")
 

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedq.kernels import cpu_features
-from pagedq.kernels.cpu_features import CpuFeatures, detect_cpu_features
+from pagedq.kernels.cpu_features import (
+    ISA_LEVELS,
+    CpuFeatures,
+    UnsupportedIsaError,
+    cpu_isa_levels,
+    detect_cpu_features,
+)
 
 CPUINFO = """processor\t: 0
 model name\t: Some Xeon
@@ -19,9 +26,9 @@ def test_flags_come_from_cpuinfo(tmp_path, monkeypatch):
     path.write_text(CPUINFO)
     cpu = detect_cpu_features(path)
     assert cpu.flags == {"avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512vl", "avx512_vnni",
-                         "amx_int8"}
+                         "amx_int8", "amx_tile"}
     assert cpu.runs_cpp_kernels and cpu.has_avx512 and cpu.source == str(path)
-    assert cpu.summary() == "avx2 fma f16c avx512f avx512vl avx512dq avx512_vnni amx_int8"
+    assert cpu.summary() == "avx2 fma f16c avx512f avx512vl avx512dq avx512_vnni amx_tile amx_int8"
 
 
 def test_without_cpuinfo_torch_capability_stands_in(tmp_path, monkeypatch):
@@ -53,3 +60,43 @@ def test_this_machine_agrees_with_torch():
         assert cpu.runs_cpp_kernels
     if level == "AVX512":
         assert cpu.has_avx512
+
+
+ZEN4 = CpuFeatures.of("avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512dq", "avx512bw",
+                      "avx512_vnni", "avx512_bf16")
+SAPPHIRE_RAPIDS = CpuFeatures.of(*ZEN4.flags, "amx_tile", "amx_bf16", "amx_int8")
+
+
+def test_levels_lowest_first():
+    assert SAPPHIRE_RAPIDS.levels == ("avx2", "avx512", "avx512_vnni", "amx")
+    assert ZEN4.levels == ("avx2", "avx512", "avx512_vnni") and ZEN4.level == "avx512_vnni"
+    assert CpuFeatures.of("avx2", "fma", "f16c").levels == ("avx2",)
+    assert CpuFeatures.of("avx2").levels == () and CpuFeatures.of("avx2").level is None
+    assert CpuFeatures.of(*ZEN4.flags, arch="aarch64").levels == ()
+
+
+def test_a_cap_hides_every_flag_above_its_level():
+    avx2 = SAPPHIRE_RAPIDS.capped("avx2")
+    assert avx2.flags == {"avx2", "fma", "f16c"} and avx2.level == "avx2"
+    assert not avx2.has_avx512 and not avx2.has_amx and not avx2.has_bf16_matmul
+    assert "capped at avx2" in avx2.source
+    avx512 = SAPPHIRE_RAPIDS.capped("avx512")
+    assert avx512.has_avx512 and not avx512.has_avx512_vnni and avx512.level == "avx512"
+    vnni = SAPPHIRE_RAPIDS.capped("avx512_vnni")
+    assert vnni.has_avx512_vnni and "avx512_bf16" in vnni.flags and not vnni.has_amx
+    assert SAPPHIRE_RAPIDS.capped("amx") == SAPPHIRE_RAPIDS.capped("auto") or \
+        SAPPHIRE_RAPIDS.capped("amx").flags == SAPPHIRE_RAPIDS.flags
+
+
+def test_a_cap_above_the_cpu_is_refused_naming_what_it_runs():
+    with pytest.raises(UnsupportedIsaError, match="this CPU runs: avx2, avx512, avx512_vnni"):
+        ZEN4.capped("amx")
+    with pytest.raises(UnsupportedIsaError, match="one of avx2, avx512"):
+        ZEN4.capped("sse4")
+
+
+def test_this_machines_levels():
+    """cpu_isa_levels() lists what this machine runs; the session's note says which ran."""
+    levels = cpu_isa_levels()
+    assert levels == detect_cpu_features().levels
+    assert list(levels) == [lvl for lvl in ISA_LEVELS if lvl in levels]

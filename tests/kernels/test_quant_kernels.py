@@ -6,7 +6,10 @@ multiplies the fp32 activations themselves. quant_gemm in precision bf16x3 multi
 and tails of both operands with fp32 accumulation: its oracle is the exact product, to ~1e-5. In
 precision bf16 it rounds each operand once to bf16 (nearest even): its oracle is the product of
 the bf16-rounded operands in float64, to fp32 accumulation, and the exact product only to bf16's
-~1e-2. Every path this CPU can run is tested (AVX-512 VNNI and the AVX2 fallback).
+~1e-2. Those three multiply bf16 tiles, which torch runs only with AMX: elsewhere they are
+skipped, saying so. Precision fp32 (every CPU) multiplies fp32 tiles: its oracle is the exact
+product, to fp32 accumulation. Every path this process's CPU can run is tested (AVX-512 VNNI and
+the AVX2 path); tests/kernels/test_isa_levels.py runs this file again at every lower level.
 """
 
 from __future__ import annotations
@@ -14,20 +17,31 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedq.kernels.cpu_features import detect_cpu_features
+from pagedq.kernels.backend import process_selector
 from pagedq.kernels.cpu_ops import GemmPrecision, Isa
 from pagedq.worker.models.quant import FORMATS, GROUPED, QuantWeight, dequantize, quantize_int4
 from tests.quant_fixtures import ALL, random_weight
 
 
+CPU = process_selector().cpu  # this CPU, capped at PAGEDQ_CPU_ISA where that is set
+
+
 @pytest.fixture(params=[Isa.AVX512_VNNI, Isa.AVX2], ids=lambda i: i.name)
 def isa(request) -> int:
-    if request.param == Isa.AVX512_VNNI and not detect_cpu_features().has_avx512_vnni:
-        pytest.skip("this CPU has no AVX-512 VNNI")
+    if request.param == Isa.AVX512_VNNI and not CPU.has_avx512_vnni:
+        pytest.skip(f"no AVX-512 VNNI at this process's level ({CPU.level})")
     return int(request.param)
 
 
-BEST = int(Isa.AVX512_VNNI if detect_cpu_features().has_avx512_vnni else Isa.AVX2)
+BEST = int(Isa.AVX512_VNNI if CPU.has_avx512_vnni else Isa.AVX2)
+TILE_PRECISIONS = (GemmPrecision.BF16X3, GemmPrecision.BF16, GemmPrecision.BF16X2)
+
+
+def need_tiles(cpu_ops, precision: int) -> None:
+    """Skip a bf16-tile precision where torch cannot run bf16 tiles (no AMX)."""
+    if precision in TILE_PRECISIONS and not cpu_ops.bf16_tiles:
+        pytest.skip(f"precision {GemmPrecision(precision).name} multiplies bf16 tiles, which torch "
+                    f"runs only with AMX (level here: {CPU.level})")
 
 
 def quantized_activations(x: torch.Tensor, isa: int) -> torch.Tensor:
@@ -53,7 +67,8 @@ def test_output_can_be_a_column_slice(cpu_ops):
     gen = torch.Generator().manual_seed(5)
     w = random_weight("q8_0", 24, 64, gen)
     x = torch.randn(5, 64, generator=gen)
-    for op in (cpu_ops.quant_gemv, cpu_ops.quant_gemm):
+    gemm = lambda *a: cpu_ops.quant_gemm(*a, int(GemmPrecision.F32))  # noqa: E731
+    for op in (cpu_ops.quant_gemv, gemm):
         wide = torch.full((5, 40), 7.0)
         op(wide[:, 10:34], x, w.data, w.fmt.code, None, None, BEST)
         solo = torch.empty(5, 24)
@@ -95,9 +110,28 @@ def test_gemv_matches_dequantized_matmul(cpu_ops, isa, fmt):
 
 @pytest.mark.parametrize("fmt", ALL)
 def test_gemm_matches_dequantized_matmul(cpu_ops, isa, fmt):
+    need_tiles(cpu_ops, GemmPrecision.BF16X3)
     for k, rows, x, out, dense, bias in products(cpu_ops.quant_gemm, fmt, 45, (1, 17, 64, 130),
                                                  isa, 2, int(GemmPrecision.BF16X3)):
         assert relative_error(out, x.double() @ dense.T + bias) < 2e-5, (fmt, k, rows)
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_fp32_gemm_matches_dequantized_matmul(cpu_ops, isa, fmt):
+    """Precision fp32 (every CPU without AMX): fp32 tiles into ATen's GEMM, the exact product."""
+    for k, rows, x, out, dense, bias in products(cpu_ops.quant_gemm, fmt, 45, (1, 17, 64, 130),
+                                                 isa, 2, int(GemmPrecision.F32)):
+        assert relative_error(out, x.double() @ dense.T + bias) < 1e-5, (fmt, k, rows)
+
+
+def test_fp32_gemm_takes_many_tiles_and_rows(cpu_ops):
+    """More output rows than one tile holds and more activation rows than a step's bucket."""
+    gen = torch.Generator().manual_seed(21)
+    w = random_weight("q4_0", 600, 1536, gen)
+    x = torch.randn(300, 1536, generator=gen)
+    out = torch.empty(300, 600)
+    cpu_ops.quant_gemm(out, x, w.data, w.fmt.code, None, None, BEST, int(GemmPrecision.F32))
+    assert relative_error(out, x.double() @ dequantize(w).double().T) < 1e-5
 
 
 def rounded(t: torch.Tensor) -> torch.Tensor:
@@ -108,6 +142,7 @@ def rounded(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", ALL)
 def test_bf16_gemm_matches_bf16_dequantized_matmul(cpu_ops, isa, fmt):
     """Precision bf16: the product of the bf16-rounded dequantized weights and activations."""
+    need_tiles(cpu_ops, GemmPrecision.BF16)
     for k, rows, x, out, dense, bias in products(cpu_ops.quant_gemm, fmt, 45, (1, 17, 64, 130),
                                                  isa, 2, int(GemmPrecision.BF16)):
         assert relative_error(out, rounded(x) @ rounded(dense).T + bias) < 2e-5, (fmt, k, rows)
@@ -119,14 +154,15 @@ def test_bf16_gemm_matches_bf16_dequantized_matmul(cpu_ops, isa, fmt):
 @pytest.mark.parametrize("fmt", ALL)
 def test_bf16x2_gemm_matches_rounded_weights_times_exact_activations(cpu_ops, isa, fmt):
     """Precision bf16x2: the bf16-rounded dequantized weights times the fp32 activations."""
+    need_tiles(cpu_ops, GemmPrecision.BF16X2)
     for k, rows, x, out, dense, bias in products(cpu_ops.quant_gemm, fmt, 45, (1, 17, 64, 130),
                                                  isa, 2, int(GemmPrecision.BF16X2)):
         assert relative_error(out, x.double() @ rounded(dense).T + bias) < 2e-5, (fmt, k, rows)
 
 
 GROUPABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k")
-needs_vnni = pytest.mark.skipif(not detect_cpu_features().has_avx512_vnni,
-                                reason="grouped rows run on AVX-512 VNNI only")
+needs_vnni = pytest.mark.skipif(not CPU.has_avx512_vnni,
+                                reason=f"grouped rows run on AVX-512 VNNI only (level here: {CPU.level})")
 
 
 def grouped_weight(fmt: str, n: int, k: int, gen: torch.Generator):
@@ -169,6 +205,7 @@ def test_grouped_gemv_matches_dequantized_matmul(cpu_ops, fmt):
 @pytest.mark.parametrize("precision", list(GemmPrecision), ids=lambda p: p.name)
 def test_grouped_gemm_equals_plain_rows(cpu_ops, fmt, precision):
     """The GEMM's tile decoder reads a grouped row's blocks where they are: same bits out."""
+    need_tiles(cpu_ops, precision)
     gen = torch.Generator().manual_seed(12)
     k = 256 if fmt == "q4_k" else 96
     w, g = grouped_weight(fmt, 64, k, gen)
@@ -199,7 +236,20 @@ def test_gemm_precision_is_checked(cpu_ops):
     w = random_weight("q8_0", 8, 64, torch.Generator().manual_seed(7))
     with pytest.raises(RuntimeError, match="precision"):
         cpu_ops.quant_gemm(torch.empty(2, 8), torch.randn(2, 64), w.data, w.fmt.code, None, None,
-                           BEST, 3)
+                           BEST, 7)
+
+
+def test_bf16_tiles_without_amx_are_a_clear_error(cpu_ops):
+    """Where torch cannot run bf16 tiles, asking for them names the fix (not oneDNN's words)."""
+    if cpu_ops.bf16_tiles:
+        pytest.skip("this CPU runs bf16 tiles (AMX)")
+    w = random_weight("q8_0", 8, 64, torch.Generator().manual_seed(7))
+    for precision in TILE_PRECISIONS:
+        with pytest.raises(RuntimeError, match=r"only on CPUs with AMX.*precision 3 \(fp32\)"):
+            cpu_ops.quant_gemm(torch.empty(2, 8), torch.randn(2, 64), w.data, w.fmt.code, None,
+                               None, BEST, int(precision))
+        with pytest.raises(RuntimeError, match="AMX"):
+            cpu_ops.quant_linear([w.data], [w.fmt.code], [None], None, 64, [1], BEST, int(precision))
 
 
 def test_int4_is_q4_1_blocks(cpu_ops):
@@ -220,7 +270,8 @@ def test_kernels_refuse_mismatched_shapes(cpu_ops):
     with pytest.raises(RuntimeError, match="quant_gemv"):
         cpu_ops.quant_gemv(torch.empty(1, 8), torch.randn(1, 96), w.data, w.fmt.code, None, None, BEST)
     with pytest.raises(RuntimeError, match="quant_gemm"):
-        cpu_ops.quant_gemm(torch.empty(2, 7), torch.randn(2, 64), w.data, w.fmt.code, None, None, BEST)
+        cpu_ops.quant_gemm(torch.empty(2, 7), torch.randn(2, 64), w.data, w.fmt.code, None, None, BEST,
+                           int(GemmPrecision.F32))
     with pytest.raises(RuntimeError, match="unknown format"):
         cpu_ops.quant_gemv(torch.empty(1, 8), torch.randn(1, 64), w.data, 99, None, None, BEST)
     with pytest.raises(RuntimeError, match="scales"):
@@ -234,6 +285,7 @@ def test_kernels_refuse_mismatched_shapes(cpu_ops):
 def test_linear_segments_pick_gemv_or_gemm_by_rows(cpu_ops, precision):
     """A QuantLinear of three segments in different formats equals each part's own product; rows
     up to a segment's limit take its GEMV, more rows the GEMM in the linear's precision."""
+    need_tiles(cpu_ops, precision)
     gen = torch.Generator().manual_seed(6)
     parts = [random_weight(f, n, 64, gen) for f, n in (("q5_0", 16), ("q8_0", 8), ("int8", 8))]
     bias = torch.randn(32, generator=gen)
@@ -252,7 +304,7 @@ def test_linear_segments_pick_gemv_or_gemm_by_rows(cpu_ops, precision):
             got = out[:, col:col + n].double() - bias[col:col + n].double()
             if rows <= limit:
                 want = quantized_activations(x, BEST).double() @ dense[col:col + n].T
-            elif precision == GemmPrecision.BF16X3:
+            elif precision in (GemmPrecision.BF16X3, GemmPrecision.F32):
                 want = x.double() @ dense[col:col + n].T
             elif precision == GemmPrecision.BF16X2:
                 want = x.double() @ rounded(dense[col:col + n]).T
@@ -263,17 +315,12 @@ def test_linear_segments_pick_gemv_or_gemm_by_rows(cpu_ops, precision):
 
 
 @needs_vnni
-def test_gemm_decoders_without_the_bf16_convert_instruction():
+def test_gemm_decoders_without_the_bf16_convert_instruction(cpu_ops):
     """CPUs with AVX512_BF16 round to bf16 in one instruction; the GEMM's decoders written out
     for the others are the same tests run in a process that may not use it."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.subprocess_pytest import run_pytest
 
-    env = dict(os.environ, PAGEDQ_CPU_BF16_CONVERT="0")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                           __file__, "-k", "gemm and not without_the_bf16"],
-                          env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    if not cpu_ops.bf16_tiles:
+        pytest.skip("the bf16 decoders feed bf16 tiles, which torch runs only with AMX")
+    run_pytest([__file__, "-k", "gemm and not without_the_bf16 and not fp32"],
+               {"PAGEDQ_CPU_BF16_CONVERT": "0"})

@@ -61,6 +61,8 @@ class Engine(OfflineAPI):
         self.device = torch.device(config.device or default_device())
         self.config = config = replace(
             config, block_size=config.block_size or default_block_size(self.device.type))
+        if self.device.type == "cpu":
+            process_selector(config.cpu_isa)  # a cap above this CPU is refused before loading
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.kv_dtype = sizing.kv_cache_dtype(config, self.device.type)
@@ -75,7 +77,7 @@ class Engine(OfflineAPI):
         with waiting("selecting the kernels and packing the weights for them", log):
             self.model.use_backend(select_backend(self.device, self.model.compute_dtype,
                                                   self.kv_dtype, self.model.head_dim,
-                                                  config.packed_gemm_precision))
+                                                  config.packed_gemm_precision, config.cpu_isa))
         budget = sizing.kv_budget(config, config.block_size, self.device, self.model)
         plan = sizing.plan_kv(self.hf_config, config, self.kv_dtype, config.block_size, budget)
         self.max_model_len = plan.max_model_len
@@ -299,7 +301,7 @@ def load_model(path, hf_config, config: EngineConfig, device: torch.device) -> C
     backend selector picks for its compute dtype (which builds or loads the C++ ones then, not
     on the first step)."""
     positions = config.max_model_len or hf_config.max_position_embeddings
-    mode, compute = weight_mode(config, path, device, process_selector())
+    mode, compute = weight_mode(config, path, device, process_selector(config.cpu_isa))
     model = CausalLM(hf_config, compute, device, positions)
     model.load_weights(pack_weights(iter_weights(path), mode))
     model.eval()
