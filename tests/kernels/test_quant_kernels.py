@@ -22,7 +22,6 @@ from pagedq.kernels.cpu_ops import GemmPrecision, Isa
 from pagedq.worker.models.quant import FORMATS, GROUPED, QuantWeight, dequantize, quantize_int4
 from tests.quant_fixtures import ALL, random_weight
 
-
 CPU = process_selector().cpu  # this CPU, capped at PAGEDQ_CPU_ISA where that is set
 
 
