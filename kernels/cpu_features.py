@@ -142,6 +142,28 @@ def detect_cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuFeatures:
     return CpuFeatures(arch, frozenset(line.split(":", 1)[1].split()) & frozenset(FLAGS), str(cpuinfo))
 
 
+# What each level hides from the libraries under torch too, for a process that should run as a
+# CPU of that level would (tests/kernels/test_isa_levels.py, the bench's capped runs): oneDNN
+# (fp32 linears, brgemm), ATen's own vector kernels and MKL read these once at start.
+LEVEL_ENVIRONMENT = {
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "ATEN_CPU_CAPABILITY": "avx512",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "avx512_vnni": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "ATEN_CPU_CAPABILITY": "avx512",
+                    "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "amx": {},
+}
+
+
+def isa_environment(level: str) -> dict[str, str]:
+    """The environment of a process capped at ``level``: PAGEDQ_CPU_ISA for pagedq's kernels
+    (Python and C++) and :data:`LEVEL_ENVIRONMENT`'s caps for oneDNN, ATen and MKL."""
+    if level not in ISA_LEVELS:
+        raise UnsupportedIsaError(f"cpu_isa must be one of {', '.join(ISA_LEVELS)}, got {level!r}")
+    return {"PAGEDQ_CPU_ISA": level, **LEVEL_ENVIRONMENT[level]}
+
+
 def cpu_isa_levels() -> tuple[str, ...]:
     """The ISA levels this machine runs, lowest first: every one can be set as ``cpu_isa``."""
     return detect_cpu_features().levels

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from pagedq.kernels.backend import process_selector
+from pagedq.kernels.cpu_ops import CpuOps, unavailable_reason
 from pagedq.worker.config import settings
 
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -24,3 +26,19 @@ def fresh_settings():
     settings.cache_clear()
     yield
     settings.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def cpu_ops() -> CpuOps:
+    """The C++ CPU ops. Skipped, saying why, only where they cannot run (not x86-64, no AVX2, or
+    PAGEDQ_CPU_KERNEL=0); on a CPU that runs them a failed build fails every test that needs
+    them: a broken compile must not turn the suite green with skips."""
+    selector = process_selector()
+    if not selector.switches.cpu_kernels:
+        pytest.skip("PAGEDQ_CPU_KERNEL=0 switches the C++ CPU ops off")
+    if not selector.cpu.runs_cpp_kernels:
+        pytest.skip(f"the C++ CPU ops cannot run on this machine: {selector.cpu.missing_for_kernels()}")
+    ops = selector.library()
+    if ops is None:
+        pytest.fail(f"the C++ CPU ops failed to build on a CPU that runs them: {unavailable_reason()}")
+    return ops

@@ -13,7 +13,10 @@
 //     out += sum_lanes ws * da * isum(lane) + wm * da * sum(qa in lane)
 //   The unpack pairs bytes 2m, 2m+1 with 8 + 2m, 9 + 2m of each 16-code group into lane m of
 //   that group, so the activations are stored in that order (act_position).
-// - AVX2: each row is dequantized to fp32 (the portable decoder) and meets fp32 activations.
+// - AVX2: the same int16 activations per 32 values, in natural order; each 32-code block is
+//   decoded to int16 codes (quant_avx2.h) and meets them in _mm256_madd_epi16, the block's
+//   scales applied to the int32 sums. (It dequantized each row to fp32 before: compute-bound,
+//   half of llama.cpp's speed on an AVX2 machine.)
 //
 // The library is built for AVX2; the AVX-512 functions are compiled for AVX-512 (pragma below)
 // and run only when the caller passes Isa kAvx512Vnni (check_isa refuses it on CPUs without).
@@ -27,6 +30,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "quant_avx2.h"
 #include "quant_avx512.h"
 #include "quant_formats.h"
 #include "cpu_ops.h"
@@ -37,18 +41,17 @@ namespace {
 constexpr int kMaxGroup = 8;  // activation rows per pass over a weight row (accumulators live in registers)
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the current weight row to prefetch
 
-// Activation rows prepared for one call, in the chunk order of the weight format: int16 codes
-// (VNNI path) or fp32 values (AVX2 path).
+// Activation rows prepared for one call as int16 codes. VNNI path: in the chunk order of the
+// weight format (act_position), padded to whole chunks, da/ab per 4-code lane. AVX2 path: in
+// natural order (padded = K), da/ab per 32-value block.
 struct Acts {
-  int64_t rows = 0, padded = 0;  // padded: K rounded up to a whole chunk
-  std::vector<int16_t> q;  // [rows, padded], act_position order
-  std::vector<float> da;  // [rows, padded / 4]: the activation scale of each lane
-  std::vector<float> ab;  // [rows, padded / 4]: da * (the lane's share of its group's code sum)
-  std::vector<float> xf;  // [rows, padded]: the fp32 activations themselves, natural order
+  int64_t rows = 0, padded = 0, steps = 0;  // steps: da / ab entries per row
+  std::vector<int16_t> q;  // [rows, padded]
+  std::vector<float> da;  // [rows, padded / 4] (VNNI) or [rows, K / 32] (AVX2): the code step
+  std::vector<float> ab;  // likewise: da * (the lane's share of / the block's) code sum
   const int16_t* qrow(int64_t b) const { return q.data() + b * padded; }
-  const float* darow(int64_t b) const { return da.data() + b * padded / 4; }
-  const float* abrow(int64_t b) const { return ab.data() + b * padded / 4; }
-  const float* xrow(int64_t b) const { return xf.data() + b * padded; }
+  const float* darow(int64_t b) const { return da.data() + b * steps; }
+  const float* abrow(int64_t b) const { return ab.data() + b * steps; }
 };
 
 // Where chunk position pos's activation goes among the chunk's 64 int16s: the first 32 meet the
@@ -56,14 +59,6 @@ struct Acts {
 inline int64_t act_position(int64_t pos) {
   const int64_t chunk = pos / kChunk, group = pos % kChunk / 16, r = pos % 16;
   return chunk * kChunk + (r < 8 ? 0 : 32) + group * 8 + r % 8;
-}
-
-// The fp32 activations zero-padded to whole chunks (the AVX2 GEMV's input, natural order).
-void order_acts(const float* x, int64_t rows, int64_t K, Acts& a) {
-  a.rows = rows;
-  a.padded = (K + kChunk - 1) / kChunk * kChunk;
-  a.xf.assign(rows * a.padded, 0.f);
-  for (int64_t b = 0; b < rows; ++b) std::copy(x + b * K, x + (b + 1) * K, a.xf.data() + b * a.padded);
 }
 
 inline void prefetch_row(const uint8_t* row, int64_t bytes) {
@@ -161,6 +156,7 @@ void run_rows(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
 void quantize_acts(const float* x, int64_t rows, int64_t K, bool nibbles, Acts& a) {
   a.rows = rows;
   a.padded = (K + kChunk - 1) / kChunk * kChunk;
+  a.steps = a.padded / 4;
   a.q.assign(rows * a.padded, 0);
   a.da.assign(rows * a.padded / 4, 0.f);
   a.ab.assign(rows * a.padded / 4, 0.f);
@@ -215,36 +211,59 @@ void gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
 }  // namespace v512
 PAGEDQ_AVX512_END
 
-// ================================================================ AVX2 (portable decode)
+// ================================================================ AVX2 (integer codes)
 namespace v256 {
 namespace {
 
-// fp32 activations against a row dequantized to fp32 (the float GEMV's AVX2 form).
-template <int G>
-void float_group(const LinearArgs& p, const Acts& a, int64_t b0, const float* wf, int64_t n) {
-  __m256 acc[G][2];
-  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < a.padded; k += 16) {
-    const __m256 w0 = _mm256_loadu_ps(wf + k), w1 = _mm256_loadu_ps(wf + k + 8);
-    for (int g = 0; g < G; ++g) {
-      const float* x = a.xrow(b0 + g) + k;
-      acc[g][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc[g][0]);
-      acc[g][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), acc[g][1]);
-    }
-  }
-  const float bias = p.bias ? p.bias[n] : 0.f;
-  for (int g = 0; g < G; ++g)
-    p.out[(b0 + g) * p.ldo + n] = hsum(_mm256_add_ps(acc[g][0], acc[g][1])) + bias;
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
 }
 
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// G activation rows from b0 against weight row n: per 32-block, the decoded int16 codes meet
+// each row's int16 activations in madd; the block's scales apply to the int32 sums.
+template <class W, int G>
+void int_group(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n) {
+  __m256 acc[G];
+  float mins[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps(), mins[g] = 0.f;
+  const float scale = p.scales ? p.scales[n] : 0.f;
+  W::walk(p.w + n * p.row_bytes, p.K, scale,
+          [&](int64_t b, __m256i lo, __m256i hi, float s_lo, float s_hi, float m) {
+    for (int g = 0; g < G; ++g) {
+      const int16_t* q = a.qrow(b0 + g) + b * kActBlock;
+      const float da = a.darow(b0 + g)[b];
+      const __m256i p_lo = _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+      const __m256i p_hi = _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16)));
+      if constexpr (W::kTwoScales) {
+        acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_lo), _mm256_set1_ps(s_lo * da), acc[g]);
+        acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_hi), _mm256_set1_ps(s_hi * da), acc[g]);
+      } else {
+        acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p_lo, p_hi)),
+                                 _mm256_set1_ps(s_lo * da), acc[g]);
+      }
+      if constexpr (W::kHasMin) mins[g] += m * a.abrow(b0 + g)[b];
+    }
+  });
+  const float bias = p.bias ? p.bias[n] : 0.f;
+  for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = hsum(acc[g]) + mins[g] + bias;
+}
+
+template <class W>
 void run_rows(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
-  std::vector<float> wf(a.padded, 0.f);  // the row's tail past K stays 0
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = p.w + n * p.row_bytes;
-    prefetch_row(row, p.row_bytes);
-    dequant_row_f32(p.fmt, row, p.K, p.scales ? p.scales[n] : 0.f, wf.data());
+    prefetch_row(p.w + n * p.row_bytes, p.row_bytes);
     for_each_group(a.rows, [&](int64_t b, auto group) {
-      float_group<decltype(group)::value>(p, a, b, wf.data(), n);
+      int_group<W, decltype(group)::value>(p, a, b, n);
     });
   }
 }
@@ -270,13 +289,58 @@ void bf16_group(const LinearArgs& p, int64_t b0, int64_t n0, int64_t n1) {
 
 }  // namespace
 
+// The activations as int16 codes per 32 values in natural order (the VNNI path's rule: steps of
+// max|x| / 32767, rounded to nearest even), with each block's step at da and step x code sum at
+// ab (the weights' offsets meet it), 8 values at a time.
+void quantize_acts(const float* x, int64_t rows, int64_t K, Acts& a) {
+  a.rows = rows;
+  a.padded = K;
+  a.steps = K / kActBlock;
+  a.q.assign(rows * K, 0);
+  a.da.assign(rows * K / kActBlock, 0.f);
+  a.ab.assign(rows * K / kActBlock, 0.f);
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t blk = 0; blk < K / kActBlock; ++blk) {
+      const float* xb = x + r * K + blk * kActBlock;
+      __m256 v[4], amax = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], sign));
+      }
+      const float m = hmax(amax), d = m / 32767.f, inv = m > 0.f ? 32767.f / m : 0.f;
+      __m256i c[4], total = _mm256_setzero_si256();
+      for (int i = 0; i < 4; ++i) {
+        c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+        total = _mm256_add_epi32(total, c[i]);
+      }
+      int16_t* q = a.q.data() + r * K + blk * kActBlock;
+      for (int i = 0; i < 2; ++i)  // packs interleaves 128-bit lanes: put them back in order
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * i),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2 * i], c[2 * i + 1]), 0xD8));
+      a.da[r * K / kActBlock + blk] = d;
+      a.ab[r * K / kActBlock + blk] = d * static_cast<float>(hsum_epi32(total));
+    }
+  }
+}
+
 void gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
-  if (p.fmt == kBF16)
-    for_each_group(p.rows, [&](int64_t b, auto group) {
-      bf16_group<decltype(group)::value>(p, b, n0, n1);
-    });
-  else
-    run_rows(p, a, n0, n1);
+  switch (p.fmt) {
+    case kQ4_0: run_rows<Nibble32<kQ4_0>>(p, a, n0, n1); break;
+    case kQ4_1: run_rows<Nibble32<kQ4_1>>(p, a, n0, n1); break;
+    case kQ5_0: run_rows<Nibble32<kQ5_0>>(p, a, n0, n1); break;
+    case kQ5_1: run_rows<Nibble32<kQ5_1>>(p, a, n0, n1); break;
+    case kQ8_0: run_rows<Q8_0>(p, a, n0, n1); break;
+    case kInt8: run_rows<Int8>(p, a, n0, n1); break;
+    case kQ4_K: run_rows<KQuant45<kQ4_K>>(p, a, n0, n1); break;
+    case kQ5_K: run_rows<KQuant45<kQ5_K>>(p, a, n0, n1); break;
+    case kQ6_K: run_rows<Q6_K>(p, a, n0, n1); break;
+    case kBF16:
+      for_each_group(p.rows, [&](int64_t b, auto group) {
+        bf16_group<decltype(group)::value>(p, b, n0, n1);
+      });
+      break;
+  }
 }
 
 }  // namespace v256
@@ -300,7 +364,7 @@ void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
   if (fmt != kBF16 && vnni)
     v512::quantize_acts(p.x, p.rows, p.K, nibble_order(fmt), acts);
   else if (fmt != kBF16)
-    order_acts(p.x, p.rows, p.K, acts);
+    v256::quantize_acts(p.x, p.rows, p.K, acts);
   // Rows per task: enough weight bytes (~32 KiB) that a thread's start-up cost stays small.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(p.row_bytes, 1));
   const Acts& a = acts;

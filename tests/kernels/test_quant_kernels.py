@@ -1,8 +1,7 @@
 """The packed-weight CPU kernels against dequantize-then-matmul in plain PyTorch (float64).
 
-quant_gemv's AVX-512 VNNI path rounds the activations to int16 per 32 values, so its oracle
-applies that same rounding in PyTorch first and must then agree to float rounding; its AVX2 path
-multiplies the fp32 activations themselves. quant_gemm in precision bf16x3 multiplies bf16 heads
+quant_gemv (AVX-512 VNNI and AVX2 alike) rounds the activations to int16 per 32 values, so its
+oracle applies that same rounding in PyTorch first and must then agree to float rounding. quant_gemm in precision bf16x3 multiplies bf16 heads
 and tails of both operands with fp32 accumulation: its oracle is the exact product, to ~1e-5. In
 precision bf16 it rounds each operand once to bf16 (nearest even): its oracle is the product of
 the bf16-rounded operands in float64, to fp32 accumulation, and the exact product only to bf16's
@@ -44,10 +43,8 @@ def need_tiles(cpu_ops, precision: int) -> None:
 
 
 def quantized_activations(x: torch.Tensor, isa: int) -> torch.Tensor:
-    """x as the GEMV on ``isa`` sees it: on AVX-512 VNNI each run of 32 values rounded to int16
-    steps of max|x| / 32767 (the kernel's rule); on AVX2 unchanged."""
-    if isa != Isa.AVX512_VNNI:
-        return x
+    """x as the GEMV sees it (the same rule on every ``isa``): each run of 32 values rounded to
+    int16 steps of max|x| / 32767."""
     blocks = x.view(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     # torch.full_like(...) / amax, not 32767 / amax: the latter is reciprocal() * 32767, one ulp

@@ -12,6 +12,7 @@ import pytest
 
 from pagedq.client import SamplingParams
 from pagedq.worker import Engine
+from pagedq.worker.bench.fidelity import mean_matching_prefix
 from tests.oracle import assert_greedy
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
@@ -49,3 +50,18 @@ def test_greedy_matches_transformers(dequantized):
         assert_greedy(dequantized.model_path, out.prompt_token_ids, out.outputs[0].token_ids)
         assert out.outputs[0].text == dequantized.tokenizer.decode(out.outputs[0].token_ids,
                                                                    skip_special_tokens=True)
+
+
+def test_a_batch_over_64_rows_follows_the_twin(engine, dequantized):
+    """Steps of more than 64 rows (a long prompt's chunk, then 70 prompts decoding together)
+    take the packed GEMM at this process's ISA level (tests/kernels/test_isa_levels.py runs this
+    again at every lower level): every request finishes, and greedy output follows the
+    dequantized twin to the 4-bit bar of test_quant_fidelity.py."""
+    prompts = ["Summarize: " + " ".join(f"item {i} is {i * 7 % 13}" for i in range(40))]
+    prompts += [f"Question {i}: what is {i} plus {i * 3}? Answer:" for i in range(69)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert len(engine.tokenizer(prompts[0]).input_ids) > 200
+    got = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in dequantized.generate(prompts, params)]
+    assert all(len(ids) == 6 for ids in got)
+    assert mean_matching_prefix(got, want) >= 0.8

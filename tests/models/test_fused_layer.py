@@ -19,8 +19,7 @@ from pagedq.params import SamplingParams
 from pagedq.worker import Engine
 from tests.oracle import assert_greedy
 
-pytestmark = pytest.mark.skipif(process_selector().library() is None,
-                                reason="the C++ CPU kernel library is unavailable")
+pytestmark = pytest.mark.usefixtures("cpu_ops")  # fails, not skips, where the build broke
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 AVX2 = CpuFeatures.of("avx2", "fma", "f16c")

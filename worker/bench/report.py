@@ -88,6 +88,7 @@ def machine_info(run: BenchRun) -> dict[str, Any]:
         "cpu_affinity_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
         else None,
         "cpu_model": _cpu_model(),
+        **_cpu_level(run),
         "torch_threads": torch.get_num_threads(),
         "device": device,
         "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
@@ -100,6 +101,19 @@ def machine_info(run: BenchRun) -> dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_peak_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
     return info
+
+
+def _cpu_level(run: BenchRun) -> dict[str, Any]:
+    """The CPU's vector extensions, the ISA level the engines ran at (``--cpu-isa``) and the
+    streaming read bandwidth measured now: a figure without its CPU is not a figure."""
+    from pagedq.kernels.backend import process_selector
+    from pagedq.kernels.cpu_features import detect_cpu_features
+    from pagedq.worker.bench.bandwidth import stream_read_gbps
+
+    machine = detect_cpu_features()
+    return {"cpu_flags": machine.summary(), "cpu_isa_levels": list(machine.levels),
+            "cpu_isa_used": process_selector(run.config.cpu_isa).cpu.level,
+            "stream_read_gbps": round(stream_read_gbps(run.config.num_threads), 1)}
 
 
 def _cpu_model() -> str | None:
@@ -593,6 +607,8 @@ def markdown(doc: dict[str, Any]) -> str:
     m = doc["machine"]
     lines.append("")
     lines.append(f"Measured on {m.get('cpu_model')} ({m.get('cpu_affinity_cores')} cores, "
+                 f"ISA level {m.get('cpu_isa_used')} of {', '.join(m.get('cpu_isa_levels') or [])}, "
+                 f"streaming read {m.get('stream_read_gbps')} GB/s, "
                  f"{m.get('torch_threads')} torch threads, {m.get('device')}), model "
                  f"{(doc.get('model') or {}).get('architecture')} {doc['config'].get('dtype')}, "
                  f"profile {doc['config'].get('profile')}, torch {m.get('torch')}.")

@@ -1,0 +1,161 @@
+// AVX2 decoders of the packed formats (quant_formats.h) for the integer GEMV on CPUs without
+// AVX-512 VNNI (AVX2 machines such as AMD Zen 2/3 and older Intel, or any CPU capped at avx2).
+//
+// Why: dequantizing each weight row to fp32 before multiplying made the AVX2 GEMV compute-bound
+// at half of llama.cpp's speed. Here each 32-element block becomes two vectors of 16 int16 codes
+// (elements 0-15 and 16-31, in natural order), which meet the activations' int16 codes in
+// _mm256_madd_epi16 (16 x 16 -> 32 bits, pairs summed): the same int16 activation rounding as the
+// VNNI path (its precision argument in quant_gemv.cpp holds here too), no float per weight.
+//
+// Each walker calls f(b, lo, hi, s_lo, s_hi, m) for 32-block b of one row: the block's value is
+// s * code + m, with s_lo for elements 0-15 and s_hi for 16-31 (equal except Q6_K, whose scales
+// cover 16 elements). Symmetric formats fold their offset into the codes (Q4_0: code - 8), so m
+// is 0 for them and the caller skips that term at compile time (kHasMin).
+
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "quant_formats.h"
+
+namespace pagedq_cpu::v256 {
+
+// 16 bytes -> 16 int16 lanes (unsigned, then minus `offset`).
+inline __m256i widen(__m128i bytes, int16_t offset) {
+  const __m256i w = _mm256_cvtepu8_epi16(bytes);
+  return offset ? _mm256_sub_epi16(w, _mm256_set1_epi16(offset)) : w;
+}
+
+// Bit i of `bits` (i < 16, from byte `first_byte` on) as 0x10 in byte i, else 0: the fifth bit
+// of Q5_0/Q5_1 codes.
+inline __m128i fifth_bits(uint32_t bits, int first_byte) {
+  const __m128i spread = _mm_shuffle_epi8(
+      _mm_set1_epi32(static_cast<int>(bits)),
+      _mm_setr_epi8(first_byte, first_byte, first_byte, first_byte, first_byte, first_byte,
+                    first_byte, first_byte, first_byte + 1, first_byte + 1, first_byte + 1,
+                    first_byte + 1, first_byte + 1, first_byte + 1, first_byte + 1,
+                    first_byte + 1));
+  const __m128i mask = _mm_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(spread, mask), mask);
+  return _mm_and_si128(set, _mm_set1_epi8(0x10));
+}
+
+template <int64_t Fmt>
+struct Nibble32 {  // Q4_0, Q4_1, Q5_0, Q5_1
+  static constexpr int64_t kBytes = Fmt == kQ4_0 ? 18 : Fmt == kQ4_1 ? 20 : Fmt == kQ5_0 ? 22 : 24;
+  static constexpr bool kHasMin = Fmt == kQ4_1 || Fmt == kQ5_1;
+  static constexpr bool kFive = Fmt == kQ5_0 || Fmt == kQ5_1;
+  static constexpr bool kTwoScales = false;
+  static constexpr int16_t kOffset = kHasMin ? 0 : (kFive ? 16 : 8);
+
+  template <class F>
+  static inline void walk(const uint8_t* row, int64_t K, float, F&& f) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const uint8_t* blk = row + b * kBytes;
+      const float d = fp16(blk);
+      const float m = kHasMin ? fp16(blk + 2) : 0.f;
+      const __m128i qs = _mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(blk + (kHasMin ? 4 : 2) + (kFive ? 4 : 0)));
+      __m128i lo = _mm_and_si128(qs, low), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low);
+      if constexpr (kFive) {
+        uint32_t qh;
+        std::memcpy(&qh, blk + (kHasMin ? 4 : 2), 4);
+        lo = _mm_or_si128(lo, fifth_bits(qh, 0));
+        hi = _mm_or_si128(hi, fifth_bits(qh, 2));
+      }
+      f(b, widen(lo, kOffset), widen(hi, kOffset), d, d, m);
+    }
+  }
+};
+
+struct Q8_0 {
+  static constexpr bool kHasMin = false, kTwoScales = false;
+  template <class F>
+  static inline void walk(const uint8_t* row, int64_t K, float, F&& f) {
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const uint8_t* blk = row + b * 34;
+      const float d = fp16(blk);
+      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+      const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));
+      f(b, _mm256_cvtepi8_epi16(q0), _mm256_cvtepi8_epi16(q1), d, d, 0.f);
+    }
+  }
+};
+
+struct Int8 {  // per-channel int8: the row's scale for every block
+  static constexpr bool kHasMin = false, kTwoScales = false;
+  template <class F>
+  static inline void walk(const uint8_t* row, int64_t K, float scale, F&& f) {
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 32));
+      const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 32 + 16));
+      f(b, _mm256_cvtepi8_epi16(q0), _mm256_cvtepi8_epi16(q1), scale, scale, 0.f);
+    }
+  }
+};
+
+template <int64_t Fmt>
+struct KQuant45 {  // Q4_K, Q5_K: 8 sub-blocks of 32 per 256, six-bit scales and mins
+  static constexpr int64_t kBytes = Fmt == kQ4_K ? 144 : 176;
+  static constexpr bool kHasMin = true, kTwoScales = false;
+
+  template <class F>
+  static inline void walk(const uint8_t* row, int64_t K, float, F&& f) {
+    const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+      const uint8_t* blk = row + sb * kBytes;
+      const float d = fp16(blk), dmin = fp16(blk + 2);
+      uint8_t sc[8], mn[8];
+      k_scales(blk + 4, sc, mn);
+      const uint8_t* qs = blk + (Fmt == kQ4_K ? 16 : 48);
+      __m256i qh = _mm256_setzero_si256();
+      if constexpr (Fmt == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+      for (int j = 0; j < 8; ++j) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (j / 2) * 32));
+        __m256i codes = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low);
+        if constexpr (Fmt == kQ5_K)  // bit j of qh[t], moved to bit 4 (no carry across bytes)
+          codes = _mm256_or_si256(
+              codes, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), one), 4));
+        const float s = d * sc[j];
+        f(sb * 8 + j, _mm256_cvtepu8_epi16(_mm256_castsi256_si128(codes)),
+          _mm256_cvtepu8_epi16(_mm256_extracti128_si256(codes, 1)), s, s, -dmin * mn[j]);
+      }
+    }
+  }
+};
+
+struct Q6_K {  // 6-bit codes minus 32, one int8 scale per 16 elements
+  static constexpr bool kHasMin = false, kTwoScales = true;
+
+  template <class F>
+  static inline void walk(const uint8_t* row, int64_t K, float, F&& f) {
+    const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+    const __m256i offset = _mm256_set1_epi16(32);
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+      const uint8_t* blk = row + sb * 210;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      const float d = fp16(blk + 208);
+      for (int half = 0; half < 2; ++half) {
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + half * 32));
+        for (int quarter = 0; quarter < 4; ++quarter) {
+          const __m256i ql = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(blk + half * 64 + (quarter % 2) * 32));
+          const __m256i lo4 = _mm256_and_si256(quarter < 2 ? ql : _mm256_srli_epi16(ql, 4), low);
+          const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * quarter), three);
+          const __m256i codes = _mm256_or_si256(lo4, _mm256_slli_epi16(hi2, 4));
+          const int s = half * 8 + quarter * 2;
+          f(sb * 8 + half * 4 + quarter,
+            _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(codes)), offset),
+            _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(codes, 1)), offset),
+            d * sc[s], d * sc[s + 1], 0.f);
+        }
+      }
+    }
+  }
+};
+
+}  // namespace pagedq_cpu::v256

@@ -1,0 +1,40 @@
+"""Every ISA level this machine runs passes the same tests (the issue's rule: a path tested only
+where it was written is untested).
+
+The rest of the suite runs at the machine's own level. Here, for each lower level, a fresh
+process runs the kernel tests, the quantization fidelity tests and an engine batch of more than
+64 rows on the default model with the CPU capped at that level: PAGEDQ_CPU_ISA for pagedq's
+kernels (Python and C++), ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY and MKL_ENABLE_INSTRUCTIONS for
+the libraries under torch (cpu_features.isa_environment). So an AMX machine runs what an AVX2 or
+an AVX-512-without-AMX machine runs. A level this CPU lacks is skipped, saying so; an inner run
+that tests nothing fails (tests/subprocess_pytest.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedq.kernels.cpu_features import ISA_LEVELS, detect_cpu_features, isa_environment
+from tests.subprocess_pytest import run_pytest
+
+MACHINE = detect_cpu_features()
+SUITES = [
+    "tests/kernels/test_quant_kernels.py",
+    "tests/kernels/test_gemv.py",
+    "tests/kernels/test_backend_packed.py",
+    "tests/kernels/test_cpu_ops.py",
+    "tests/models/test_fused_layer.py",
+    "tests/models/test_quant_fidelity.py",
+    "tests/models/test_default_model.py::test_a_batch_over_64_rows_follows_the_twin",
+]
+
+
+@pytest.mark.parametrize("level", ISA_LEVELS)
+def test_every_level_this_machine_runs(level):
+    if level not in MACHINE.levels:
+        pytest.skip(f"this CPU ({MACHINE.summary()}) cannot run level {level}; it runs "
+                    f"{', '.join(MACHINE.levels) or 'none'}")
+    if level == MACHINE.level:
+        pytest.skip(f"{level} is this machine's own level: the rest of the suite runs it")
+    counts = run_pytest(SUITES, isa_environment(level))
+    assert counts.get("failed", 0) == 0 and counts.get("error", 0) == 0, counts
