@@ -1,7 +1,8 @@
 """The packed-weight CPU kernels against dequantize-then-matmul in plain PyTorch (float64).
 
 quant_gemv (AVX-512 VNNI and AVX2 alike) rounds the activations to int16 per 32 values, so its
-oracle applies that same rounding in PyTorch first and must then agree to float rounding. quant_gemm in precision bf16x3 multiplies bf16 heads
+oracle applies that same rounding in PyTorch first and must then agree to float rounding.
+quant_gemm in precision bf16x3 multiplies bf16 heads
 and tails of both operands with fp32 accumulation: its oracle is the exact product, to ~1e-5. In
 precision bf16 it rounds each operand once to bf16 (nearest even): its oracle is the product of
 the bf16-rounded operands in float64, to fp32 accumulation, and the exact product only to bf16's

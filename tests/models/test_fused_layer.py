@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedq.kernels import Selector, Switches
-from pagedq.kernels.backend import portable_backend, process_selector
+from pagedq.kernels.backend import portable_backend
 from pagedq.kernels.cpu_features import CpuFeatures
 from pagedq.params import SamplingParams
 from pagedq.worker import Engine
