@@ -173,7 +173,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of prompt prefixes already computed."""
     num_threads: int | None = None
-    """CPU threads for torch's intra-op parallelism (default: torch's choice)."""
+    """CPU threads for torch's intra-op parallelism (default: torch's choice, capped at the CPUs
+    this process may use: its affinity and its cgroup's CPU quota)."""
+    adaptive_threads: bool = True
+    """On the CPU, time each step on num_threads and on one thread and run the faster (per size
+    of step, re-tried every few steps): on a shared machine a step's parallel regions wait for
+    descheduled threads and one thread can be many times faster; on a quiet one, all threads."""
     seed: int = 0
     """Seed of the random draws of requests that bring no seed of their own."""
     grammar_cache_size: int = 128

@@ -32,6 +32,7 @@ from pagedq.worker.engine.sampler import Sampler
 from pagedq.worker.engine.scheduler import Scheduler
 from pagedq.worker.engine.sequence import Request, SamplingHook, Sequence
 from pagedq.worker.engine.structured import StructuredOutputs
+from pagedq.worker.engine.threads import ThreadGovernor, usable_cpus
 from pagedq.worker.logging import get_logger
 from pagedq.worker.models.llama import CausalLM
 from pagedq.worker.models.loader import (
@@ -63,8 +64,7 @@ class Engine(OfflineAPI):
             config, block_size=config.block_size or default_block_size(self.device.type))
         if self.device.type == "cpu":
             process_selector(config.cpu_isa)  # a cap above this CPU is refused before loading
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        self.governor = thread_governor(config, self.device)
         self.kv_dtype = sizing.kv_cache_dtype(config, self.device.type)
         self.kv_dtype_name = str(self.kv_dtype).removeprefix("torch.")
         started = time.perf_counter()
@@ -191,7 +191,8 @@ class Engine(OfflineAPI):
             if self.structured.num_compiling:  # only compiles to wait for: don't spin
                 self.structured.wait_compiling(timeout=0.01)
             return outputs
-        logits, sample_seqs = self.runner.execute(sched)
+        logits, sample_seqs = self.governor.run(sched.num_batched_tokens,
+                                                lambda: self.runner.execute(sched))
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
             self.kv.commit(seq)
@@ -292,7 +293,16 @@ class Engine(OfflineAPI):
                 "num_steps": self.num_steps, "num_generated_tokens": self.num_generated_tokens,
                 "num_computed_tokens": self.num_computed_tokens,
                 "max_model_len": self.max_model_len, "max_num_seqs": self.config.max_num_seqs,
-                **self.structured.stats()}
+                "threads": self.governor.chosen, **self.structured.stats()}
+
+
+def thread_governor(config: EngineConfig, device: torch.device) -> ThreadGovernor:
+    """The step's thread counts: num_threads (default torch's, capped at the usable CPUs) and,
+    on the CPU with adaptive_threads, one thread too (threads.py says why)."""
+    threads = config.num_threads or min(torch.get_num_threads(), usable_cpus())
+    torch.set_num_threads(threads)
+    adaptive = config.adaptive_threads and device.type == "cpu" and threads > 1
+    return ThreadGovernor((threads, 1) if adaptive else (threads,))
 
 
 def load_model(path, hf_config, config: EngineConfig, device: torch.device) -> CausalLM:

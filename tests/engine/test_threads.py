@@ -1,0 +1,115 @@
+"""The thread governor (worker/engine/threads.py) against a simulated machine: a fake clock
+whose step durations depend on the thread count the step ran on, so the choice it must make is
+known, and no test depends on this machine's timing."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedq.worker.engine.threads import (
+    EXPLORE_AT_MOST,
+    ThreadGovernor,
+    size_class,
+    usable_cpus,
+)
+
+
+class Machine:
+    """A clock that advances by the cost of the step that just ran on the current threads."""
+
+    def __init__(self, cost: dict[int, float]) -> None:
+        self.cost, self.now, self.runs = cost, 0.0, []
+
+    def clock(self) -> float:
+        return self.now
+
+    def forward(self) -> str:
+        threads = torch.get_num_threads()
+        self.runs.append(threads)
+        self.now += self.cost[threads]
+        return "logits"
+
+
+def run_steps(governor: ThreadGovernor, machine: Machine, steps: int, tokens: int = 1) -> list[int]:
+    start = len(machine.runs)
+    for _ in range(steps):
+        assert governor.run(tokens, machine.forward) == "logits"
+    return machine.runs[start:]
+
+
+def test_a_quiet_machine_keeps_every_thread():
+    before = torch.get_num_threads()
+    try:
+        machine = Machine({2: 0.010, 1: 0.016})
+        governor = ThreadGovernor((2, 1), clock=machine.clock)
+        runs = run_steps(governor, machine, 200)
+        assert runs[:2] == [2, 1] and governor.chosen == 2
+        assert runs.count(1) <= 8  # the tries of one thread, ever rarer
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_shared_machine_falls_back_to_one_thread_and_tries_rarely():
+    before = torch.get_num_threads()
+    try:
+        machine = Machine({2: 0.300, 1: 0.020})  # barriers waiting on descheduled threads
+        governor = ThreadGovernor((2, 1), clock=machine.clock)
+        runs = run_steps(governor, machine, 2000)
+        assert governor.chosen == 1
+        tries = [i for i, t in enumerate(runs) if t == 2][1:]
+        gaps = [b - a for a, b in zip(tries, tries[1:], strict=False)]
+        assert gaps == sorted(gaps) and gaps[-1] == EXPLORE_AT_MOST  # backing off
+        # what the tries cost: a few percent of the steps on the slow count
+        assert sum(machine.cost[t] for t in runs) < 1.25 * 2000 * 0.020
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_it_follows_the_load_when_it_goes_away():
+    before = torch.get_num_threads()
+    try:
+        machine = Machine({2: 0.300, 1: 0.020})
+        governor = ThreadGovernor((2, 1), clock=machine.clock)
+        run_steps(governor, machine, 300)
+        assert governor.chosen == 1
+        machine.cost = {2: 0.010, 1: 0.020}  # the other work ended
+        run_steps(governor, machine, EXPLORE_AT_MOST * 3)
+        assert governor.chosen == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_steps_of_different_sizes_are_timed_apart():
+    before = torch.get_num_threads()
+    try:
+        machine = Machine({2: 0.010, 1: 0.016})
+        governor = ThreadGovernor((2, 1), clock=machine.clock)
+        run_steps(governor, machine, 20, tokens=1)
+        run_steps(governor, machine, 20, tokens=300)
+        assert set(governor.snapshot()) == {str(size_class(1)), str(size_class(300))}
+        assert size_class(2) == size_class(3) != size_class(4)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_one_count_is_no_choice():
+    before = torch.get_num_threads()
+    try:
+        machine = Machine({1: 0.01})
+        assert set(run_steps(ThreadGovernor((1,), clock=machine.clock), machine, 50)) == {1}
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_usable_cpus_honours_a_cgroup_quota(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert usable_cpus(tmp_path) == 1
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cpus(tmp_path) >= 1
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert usable_cpus(v1) == usable_cpus(tmp_path / "none")
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")
+    assert usable_cpus(v1) == 1
