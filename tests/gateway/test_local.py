@@ -21,3 +21,29 @@ def test_serve_joins_an_advertised_embedded_redis(tmp_path, monkeypatch):
         finally:
             withdraw(path)
     settings.cache_clear()
+
+
+def test_serve_and_batch_hand_every_engine_flag_to_their_worker(tmp_path, monkeypatch,
+                                                                 tiny_model_dir):
+    """`serve` and `batch` take the worker's engine flags (--num-threads, --quantization,
+    --cpu-isa, ...) and start their embedded worker with them."""
+    import psutil
+
+    from pagedq.worker.cli import build_parser
+    from pagedq.worker.gateway.commands import engine_config
+
+    monkeypatch.setenv("PAGEDQ_CACHE", str(tmp_path))
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    settings.cache_clear()
+    flags = ["--model", str(tiny_model_dir), "--num-threads", "1", "--cpu-isa", "avx2",
+             "--quantization", "none", "--no-adaptive-threads"]
+    for command in (["serve"], ["batch", "in.jsonl", "-o", "out.jsonl"]):
+        engine = engine_config(build_parser().parse_args([*command, *flags]))
+        assert (engine.model, engine.num_threads, engine.cpu_isa, engine.quantization,
+                engine.adaptive_threads) == (str(tiny_model_dir), 1, "avx2", "none", False)
+    with queue_stack(None, "default", "pagedq", engine):
+        (worker,) = [p for p in psutil.Process().children() if "pagedq.worker" in p.cmdline()]
+        line = " ".join(worker.cmdline())
+        assert all(f in line for f in ("--num-threads 1", "--cpu-isa avx2", "--quantization none",
+                                       "--no-adaptive-threads", f"--model {tiny_model_dir}"))
+    settings.cache_clear()

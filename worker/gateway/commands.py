@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pagedq.worker.cli.flags import add_config_flags, given
-from pagedq.worker.config import GatewayConfig
+from pagedq.worker.cli.flags import add_config_flags, add_engine_flags, engine_knobs, given
+from pagedq.worker.config import EngineConfig, GatewayConfig
 
 NOT_FLAGS = ("api_keys",)  # --api-key, repeatable, below
 QUEUE_FIELDS = ("redis_url", "queue", "prefix")
 MODEL_HELP = ("the embedded worker's model, when no Redis URL is given (default: the bundled "
-              "SmolLM2-135M)")
+              "SmolLM2-135M); the other engine flags also go to that worker")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,8 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accepted Bearer key (repeatable; default: $PAGEDQ_API_KEY, "
                         "comma-separated); with none the gateway is open")
-    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_engine_flags(p, helps={"model": MODEL_HELP})
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("batch", help="run an OpenAI batch file (JSONL) through the queue",
@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("input", type=Path, help="JSONL lines {custom_id, method, url, body}")
     p.add_argument("-o", "--output", type=Path, required=True, help="results, one line each")
     add_config_flags(p, GatewayConfig, only=QUEUE_FIELDS + ("batch_window",))
-    p.add_argument("--model", default=None, help=MODEL_HELP)
+    add_engine_flags(p, helps={"model": MODEL_HELP})
     p.add_argument("--ready-timeout", type=float, default=600.0,
                    help="seconds to wait for a live worker (the embedded one loads its model)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -47,6 +47,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     keys = {"api_keys": tuple(args.api_key)} if getattr(args, "api_key", None) else {}
     return GatewayConfig(**given(args, GatewayConfig, skip=NOT_FLAGS), **keys)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The embedded worker's engine, from the engine flags given (checked here, before any
+    process starts: a bad value is a usage error, not a worker that dies loading)."""
+    return EngineConfig(**engine_knobs(args))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -62,7 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not config.api_keys:
         log.warning("no API key configured: anyone who can reach the gateway may use it; set "
                     "--api-key or $PAGEDQ_API_KEY")
-    with queue_stack(config.redis_url, config.queue, config.prefix, args.model) as url:
+    with queue_stack(config.redis_url, config.queue, config.prefix, engine_config(args)) as url:
         log.info("gateway listening", url=f"http://{config.host}:{config.port}/v1",
                  queue=config.queue)
         uvicorn.run(create_app(config, url), host=config.host, port=config.port,
@@ -81,7 +87,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
         print(f"error: {args.input} is not a file", file=sys.stderr)
         return 2
     config = gateway_config(args)
-    with queue_stack(config.redis_url, config.queue, config.prefix, args.model) as url:
+    with queue_stack(config.redis_url, config.queue, config.prefix, engine_config(args)) as url:
         ok, failed = asyncio.run(run_batch(args.input, args.output, url, config.queue,
                                            config.prefix, config.batch_window,
                                            args.ready_timeout, progress=not args.no_progress))

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from pagedq.client.redis_url import resolve_redis_url
+from pagedq.worker.cli.flags import to_flags
+from pagedq.worker.config import EngineConfig
 from pagedq.worker.logging import get_logger
 from pagedq.worker.processes import stop_process
 from pagedq.worker.service.embedded_redis import (
@@ -27,10 +29,11 @@ log = get_logger("pagedq.gateway.local")
 
 @contextmanager
 def queue_stack(redis_url: str | None, queue: str, prefix: str,
-                model: str | None) -> Iterator[str]:
+                engine: EngineConfig | None = None) -> Iterator[str]:
     """The Redis URL to use: the given one (or $REDIS_URL), else the embedded Redis a local
-    `pagedq worker` advertises, else a local Redis + worker (advertised in turn, so
-    `pagedq submit`/`stats` and more workers find it)."""
+    `pagedq worker` advertises, else a local Redis + worker running ``engine`` (every engine
+    flag `serve` and `batch` were given; advertised in turn, so `pagedq submit`/`stats` and more
+    workers find it)."""
     url = resolve_redis_url(redis_url, default=None) or find_advertised()
     if url is not None:
         yield url
@@ -39,12 +42,12 @@ def queue_stack(redis_url: str | None, queue: str, prefix: str,
         cmd = [sys.executable, "-m", "pagedq.worker", "--redis-url", server.url, "--queue",
                queue, "--prefix", prefix, "--consumer-name", "local", "--log-format", "console",
                "--log-level", "WARNING"]
-        if model:
-            cmd += ["--model", model]
+        cmd += to_flags(engine) if engine else []
         worker = subprocess.Popen(cmd, preexec_fn=_detach)
         log.warning("no --redis-url or REDIS_URL: started an embedded redis-server and one "
                     "worker (the model loads in the background; requests get 503 until then)",
-                    redis=server.url, worker_pid=worker.pid, model=model or "default")
+                    redis=server.url, worker_pid=worker.pid,
+                    model=(engine.model if engine else None) or "default")
         try:
             yield server.url
         finally:
