@@ -31,7 +31,8 @@ switches, which :meth:`Switches.from_environ` reads once per process:
     PAGEDQ_ONEDNN=0        no oneDNN-prepacked weights: batched CPU linears use F.linear
     PAGEDQ_FUSED_LAYER=0   the per-op Python decoder layer instead of the fused C++ one
     PAGEDQ_CPU_ISA=LEVEL   the process sees its CPU capped at LEVEL (avx2, avx512, avx512_vnni,
-                           amx), in Python and in the C++ ops; EngineConfig.cpu_isa caps further
+                           amx), in Python (process_cpu: every Selector starts from it) and
+                           in the C++ ops; EngineConfig.cpu_isa caps further
     TRITON_INTERPRET=1     allow attention "triton" on CPU tensors (Triton's interpreter)
     TORCH_EXTENSIONS_DIR   where the C++ library is built and cached
 
@@ -187,7 +188,7 @@ BF16X3_GEMV_ROWS = 16
 # the GEMV beats it, per GEMV kind, measured with quant_bench on an AMD EPYC (Zen 4, AVX-512
 # VNNI/BF16, no AMX) at each level (docs/quantization.md has the table): "grouped" is the VNNI
 # GEMV over rows grouped 16 at a time, "vnni" the row-at-a-time VNNI GEMV, "avx2" the AVX2 one.
-F32_GEMV_ROWS = {"grouped": 16, "vnni": 8, "avx2": 8}
+F32_GEMV_ROWS = {"grouped": 32, "vnni": 16, "avx2": 16}
 # The 32-element block formats' and Q4_K's GEMV on AVX-512 VNNI reads rows grouped 16 at a time
 # (csrc/group_gemv.cpp): it shares each weight load among 8 activation rows at ~1/3 of the
 # row-at-a-time kernel's cost per row, and beats the GEMM up to these many rows (quant_bench, ms
@@ -328,7 +329,7 @@ class Selector:
     def __init__(self, switches: Switches | None = None, cpu: CpuFeatures | None = None,
                  has_triton: bool | None = None, cpu_isa: str = "auto") -> None:
         self.switches = switches or Switches()
-        self.cpu = (cpu or detect_cpu_features()).capped(self.switches.cpu_isa).capped(cpu_isa)
+        self.cpu = (cpu or process_cpu()).capped(cpu_isa)
         self.has_triton = triton_available() if has_triton is None else has_triton
 
     def library(self) -> CpuOps | None:
@@ -447,6 +448,14 @@ class Selector:
                 and self.library() is not None:
             return torch.float32
         return dtype
+
+
+@functools.cache
+def process_cpu() -> CpuFeatures:
+    """This machine's features as this process may use them: capped at PAGEDQ_CPU_ISA when set
+    (as the C++ ops cap themselves), so every Selector of a capped process, and every test that
+    asks what this CPU runs, sees the capped machine."""
+    return detect_cpu_features().capped(Switches.from_environ().cpu_isa)
 
 
 @functools.cache

