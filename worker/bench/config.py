@@ -15,7 +15,7 @@ from pagedq.worker.config import EngineConfig
 from .workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT, LengthDist
 
 SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue", "gateway",
-             "structured", "llama_cpp", "quant")
+             "structured", "llama_cpp", "quant", "shared")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,11 @@ class BenchConfig(EngineConfig):
     do not depend on the model's context length; llama-server gets the same context)."""
     scenarios: tuple[str, ...] = SCENARIOS
     profile: str = "full"
+
+    # shared: one stream on a CPU other processes keep busy (worker/bench/shared_cpu.py)
+    shared_new_tokens: int = 64
+    shared_repeats: int = 3
+    shared_load_seconds: float = 600.0  # a bound: the load is stopped when the rounds end
 
     # throughput: a ShareGPT-like mixed trace, pagedq vs HF generate in static batches
     throughput_requests: int = 64
@@ -173,6 +178,8 @@ def quick(**overrides: Any) -> BenchConfig:
         prefix_repeats=2,
         sharing_new_tokens=32,
         quant_types=("Q4_1",),  # the full run adds Q8_0 and Q4_K_M
+        shared_new_tokens=32,
+        shared_repeats=2,
         quant_fidelity_tokens=16,
         structured_requests=16,
     )

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import quant
+from . import quant, shared_cpu
 from .run import BenchRun
 from .timeline import p99_over_p50, summarize
 
@@ -420,6 +420,7 @@ def assemble(run: BenchRun) -> dict[str, Any]:
     if "quant" in run.config.scenarios and out["quant"] is None:
         why = run.unavailable.get("quant") or run.errors.get("quant")
         out["unavailable"]["quant"] = f"unavailable: {why or 'no measurement was produced'}"
+    out["shared"] = shared_cpu.figures(res.get("shared"))
     out["config"] = _jsonable(run.config.to_dict())
     out["elapsed_s"] = run.elapsed_s
     out["errors"] = run.errors
@@ -524,6 +525,8 @@ def table(doc: dict[str, Any]) -> str:
         lines.append("(ITL: decodes running while a long prompt arrives; details in the JSON)")
     if doc.get("quant"):
         lines.append(quant.table(doc["quant"]))
+    if doc.get("shared"):
+        lines.append(shared_cpu.markdown(doc["shared"]))
     for key, why in doc["unavailable"].items():
         lines.append(f"{key}: {why}")
     for key, why in doc["errors"].items():
@@ -616,6 +619,8 @@ def markdown(doc: dict[str, Any]) -> str:
         lines.append(f"- `{key}`: {why}")
     if doc.get("quant"):
         lines += ["", quant.markdown(doc["quant"])]
+    if doc.get("shared"):
+        lines += ["", shared_cpu.markdown(doc["shared"])]
     return "\n".join(lines) + "\n"
 
 

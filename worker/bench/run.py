@@ -27,7 +27,7 @@ import torch
 
 from pagedq.worker.logging import get_logger
 
-from . import driver, hf_baseline, quant, scenarios, structured
+from . import driver, hf_baseline, quant, scenarios, shared_cpu, structured
 from .config import BenchConfig
 from .scenarios import Unavailable
 from .workload import BenchRequest, TokenSpace, fixed_shape, sharegpt_like
@@ -146,6 +146,8 @@ class BenchRun:
             engine_parts.append(("itl", functools.partial(scenarios.itl, self)))
         if "structured" in wanted:
             engine_parts.append(("structured", functools.partial(structured.structured, self)))
+        if "shared" in wanted:
+            engine_parts.append(("shared", functools.partial(shared_cpu.measure, self)))
         for name, part in engine_parts:
             self._timed(name, part)
             gc.collect()  # the part's engine (and its KV cache) is gone before the next one
