@@ -15,7 +15,7 @@ from pagedq.worker.config import EngineConfig
 from .workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT, LengthDist
 
 SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue", "gateway",
-             "structured", "llama_cpp", "quant", "shared")
+             "structured", "llama_cpp", "quant", "shared", "memory")
 
 
 @dataclass(frozen=True)

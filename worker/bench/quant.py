@@ -42,16 +42,21 @@ TARGETS = {"decode_1": 1.1, "decode_64": 2.0, "mixed": 1.5, "weights_vs_file": 1
 def quantize_gguf(cpp: llama_cpp.LlamaCpp, f32: Path, type_name: str) -> Path:
     """``f32`` quantized to ``type_name`` by llama-quantize (built once, cached beside it)."""
     out = f32.with_name(f32.name.replace(".F32.gguf", f".{type_name}.gguf"))
-    if out.is_file():
-        return out
+    if not out.is_file():
+        requantize(cpp, f32, out, type_name)
+    return out
+
+
+def requantize(cpp: llama_cpp.LlamaCpp, source: Path, out: Path, type_name: str) -> None:
+    """``source`` written as ``type_name`` to ``out`` by llama-quantize (via a temporary file:
+    an interrupted run leaves no half file behind)."""
     tmp = out.with_suffix(".tmp")
-    proc = subprocess.run([cpp.exe("llama-quantize"), str(f32), str(tmp), type_name],
+    proc = subprocess.run([cpp.exe("llama-quantize"), str(source), str(tmp), type_name],
                           capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0 or not tmp.is_file():
-        raise RuntimeError(f"llama-quantize could not write {type_name} from {f32}: "
+        raise RuntimeError(f"llama-quantize could not write {type_name} from {source}: "
                            f"{(proc.stderr or proc.stdout).strip()[-600:]}")
     tmp.rename(out)
-    return out
 
 
 def files(run: Any, cpp: llama_cpp.LlamaCpp | None) -> dict[str, Path]:

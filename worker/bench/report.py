@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import quant, shared_cpu
+from . import memory_bound, quant, shared_cpu
 from .run import BenchRun
 from .timeline import p99_over_p50, summarize
 
@@ -421,6 +421,7 @@ def assemble(run: BenchRun) -> dict[str, Any]:
         why = run.unavailable.get("quant") or run.errors.get("quant")
         out["unavailable"]["quant"] = f"unavailable: {why or 'no measurement was produced'}"
     out["shared"] = shared_cpu.figures(res.get("shared"))
+    out["memory"] = memory_bound.figures(res.get("memory"))
     out["config"] = _jsonable(run.config.to_dict())
     out["elapsed_s"] = run.elapsed_s
     out["errors"] = run.errors
@@ -527,6 +528,8 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(quant.table(doc["quant"]))
     if doc.get("shared"):
         lines.append(shared_cpu.markdown(doc["shared"]))
+    if doc.get("memory"):
+        lines.append(memory_bound.markdown(doc["memory"]))
     for key, why in doc["unavailable"].items():
         lines.append(f"{key}: {why}")
     for key, why in doc["errors"].items():
@@ -621,6 +624,8 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += ["", quant.markdown(doc["quant"])]
     if doc.get("shared"):
         lines += ["", shared_cpu.markdown(doc["shared"])]
+    if doc.get("memory"):
+        lines += ["", memory_bound.markdown(doc["memory"])]
     return "\n".join(lines) + "\n"
 
 

@@ -27,7 +27,7 @@ import torch
 
 from pagedq.worker.logging import get_logger
 
-from . import driver, hf_baseline, quant, scenarios, shared_cpu, structured
+from . import driver, hf_baseline, memory_bound, quant, scenarios, shared_cpu, structured
 from .config import BenchConfig
 from .scenarios import Unavailable
 from .workload import BenchRequest, TokenSpace, fixed_shape, sharegpt_like
@@ -164,6 +164,8 @@ class BenchRun:
             self._timed("llama_cpp", lambda: scenarios.llama_cpp(self, wanted))
         if "quant" in wanted:
             self._timed("quant", functools.partial(quant.measure, self))
+        if "memory" in wanted:
+            self._timed("memory", functools.partial(memory_bound.measure, self))
         self.results["peak_rss_mb_total"] = peak_rss_mb()
         self.elapsed_s["total"] = round(time.perf_counter() - began, 3)
 

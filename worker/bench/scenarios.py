@@ -132,9 +132,11 @@ def decode_pagedq_kv(bench: BenchRun, kv_cache_dtype: str) -> None:
                                         "rows": decode_rows(bench, engine)}
 
 
-def decode_rows(bench: BenchRun, engine: Any) -> list[dict[str, float]]:
+def decode_rows(bench: BenchRun, engine: Any,
+                batches: tuple[int, ...] | None = None) -> list[dict[str, float]]:
+    """The decode sweep over ``batches`` streams (default: the run's decode_batches)."""
     rows = []
-    for batch in bench.config.decode_batches:
+    for batch in batches or bench.config.decode_batches:
         run = driver.serve(engine, bench.decode_trace(batch), record_kv=False)
         rows.append(pagedq_batched_row(run.timeline, batch, bench.config))
     return rows
