@@ -7,13 +7,12 @@ On a CUDA machine the cases run natively in this session instead, so this wrappe
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.subprocess_pytest import run_pytest
 
 CASES = Path(__file__).with_name("test_triton_cases.py")
 
@@ -21,15 +20,5 @@ CASES = Path(__file__).with_name("test_triton_cases.py")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: the cases run natively")
 def test_triton_kernels_in_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=CASES.parents[2],
-    )
-    summary = result.stdout.strip().splitlines()[-1:] or [result.stderr[-2000:]]
-    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
-    assert "passed" in summary[0] and "skipped" not in summary[0], summary[0]
+    counts = run_pytest([str(CASES)], {"TRITON_INTERPRET": "1"}, timeout=600)
+    assert not counts.get("skipped"), counts
