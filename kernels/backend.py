@@ -185,10 +185,20 @@ GEMV_ROWS = {"q4_0": 10, "q4_1": 10, "q5_0": 10, "q5_1": 10, "q8_0": 10, "q4_k":
              "q6_k": 10, "int8": 10, "bf16": 8, "float32": SKINNY_MAX_ROWS}
 BF16X3_GEMV_ROWS = 16
 # Without AMX the GEMM multiplies fp32 tiles (precision "fp32": ATen's sgemm). Rows up to which
-# the GEMV beats it, per GEMV kind, measured with quant_bench on an AMD EPYC (Zen 4, AVX-512
-# VNNI/BF16, no AMX) at each level (docs/quantization.md has the table): "grouped" is the VNNI
-# GEMV over rows grouped 16 at a time, "vnni" the row-at-a-time VNNI GEMV, "avx2" the AVX2 one.
-F32_GEMV_ROWS = {"grouped": 32, "vnni": 16, "avx2": 16}
+# each GEMV beats it, per GEMV kind and format, measured with quant_bench (``f32gemm-<fmt>``
+# against ``gemv-``/``rowgemv-<fmt>``, 16-256 rows) on an AMD EPYC (Zen 4: AVX-512 VNNI/BF16, no
+# AMX), 2 threads, at its own level and capped at avx2 (docs/quantization.md has the table).
+# "grouped": the VNNI GEMV over rows grouped 16 at a time beat the fp32 GEMM at every row count
+# measured (Q4_1 at 256 rows: 166 against 433 ms a pass: vpdpbusd does 4x the products of an fp32
+# FMA), so it takes every step; "vnni": the row-at-a-time VNNI GEMV; "avx2": the int16-code GEMV
+# of AVX2 and AVX-512-without-VNNI CPUs.
+ALL_ROWS = 1 << 20
+F32_GEMV_ROWS = {
+    "grouped": dict.fromkeys(("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k"), ALL_ROWS),
+    "vnni": {"q5_k": 32, "q6_k": 32, "int8": ALL_ROWS, "bf16": 16},
+    "avx2": {"q4_0": 24, "q4_1": 24, "q5_0": 24, "q5_1": 24, "q8_0": 64, "q4_k": 20, "q5_k": 20,
+             "q6_k": 20, "int8": 64, "bf16": 16},
+}
 # The 32-element block formats' and Q4_K's GEMV on AVX-512 VNNI reads rows grouped 16 at a time
 # (csrc/group_gemv.cpp): it shares each weight load among 8 activation rows at ~1/3 of the
 # row-at-a-time kernel's cost per row, and beats the GEMM up to these many rows (quant_bench, ms
@@ -212,9 +222,8 @@ def _gemv_rows(fmt: str, rows: int, precision: str, grouped: bool) -> int:
     if fmt == "float32":
         return rows
     if precision == "fp32":
-        if grouped:
-            return F32_GEMV_ROWS["grouped" if fmt in GROUPED_FORMATS else "vnni"]
-        return F32_GEMV_ROWS["avx2"]
+        kind = ("grouped" if fmt in GROUPED_FORMATS else "vnni") if grouped else "avx2"
+        return F32_GEMV_ROWS[kind][fmt]
     if grouped and fmt in GROUPED_FORMATS:
         return GROUPED_GEMV_ROWS[precision]
     if fmt == "bf16":  # exact bf16 rows: every precision multiplies them alike

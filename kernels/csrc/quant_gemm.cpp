@@ -45,6 +45,7 @@
 #include <string>
 #include <vector>
 
+#include "quant_avx2.h"
 #include "quant_avx512.h"
 #include "quant_formats.h"
 #include "cpu_ops.h"
@@ -298,7 +299,9 @@ void gemm_f32(const LinearArgs& args, const at::Tensor& x, bool fast) {
               : v512::RowRef::plain(args.w, n0 + i, args.row_bytes, fmt_bytes);
           v512::dequant_row_f32(args.fmt, ref, K, scale, dst);
         } else {
-          dequant_row_f32(args.fmt, args.w + (n0 + i) * args.row_bytes, K, scale, dst);
+          const uint8_t* row = args.w + (n0 + i) * args.row_bytes;
+          if (!v256::dequant_row_f32(args.fmt, row, K, scale, dst))
+            dequant_row_f32(args.fmt, row, K, scale, dst);  // bf16 rows: widened exactly
         }
       }
       // out's columns n0.. (row stride ldo) = x · tile^T (+ bias): ATen's fp32 GEMM, one thread

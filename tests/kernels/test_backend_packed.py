@@ -92,12 +92,13 @@ def test_without_amx_the_gemm_multiplies_fp32_tiles(cpu_ops):
     """torch runs bf16 tiles only with AMX: every other CPU (AVX2; AVX-512 with or without
     AVX512_BF16) takes the fp32-tile GEMM past its GEMV's measured crossover (F32_GEMV_ROWS),
     whatever precision was asked, and says why in the start-up line."""
-    limit = F32_GEMV_ROWS["grouped"]
-    for cpu in (VNNI_NO_BF16, ZEN4):
-        assert kernels(cpu, "q4_1", [1, limit, limit + 1, 300]) == (["cpp-gemv-vnni"] * 2
-                                                                    + ["cpp-gemm-fp32"] * 2)
-    limit = F32_GEMV_ROWS["avx2"]
+    for cpu in (VNNI_NO_BF16, ZEN4):  # the grouped GEMV beats fp32 tiles at every row count
+        assert kernels(cpu, "q4_1", [1, 64, 4096]) == ["cpp-gemv-vnni"] * 3
+        limit = F32_GEMV_ROWS["vnni"]["q6_k"]
+        assert kernels(cpu, "q6_k", [1, limit, limit + 1]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-fp32"]
+    limit = F32_GEMV_ROWS["avx2"]["q8_0"]
     assert kernels(AVX2, "q8_0", [1, limit, limit + 1]) == ["cpp-gemv-avx2"] * 2 + ["cpp-gemm-fp32"]
+    assert F32_GEMV_ROWS["avx2"].keys() == set(GEMV_ROWS) - {"float32"}
     backend = Selector(cpu=AVX2).select("cpu", F32, None, 64, packed_precision="bf16x3")
     assert "fp32 tiles, not bf16x3 (no AMX at level avx2" in " ".join(backend.reasons)
 
