@@ -113,3 +113,17 @@ def test_usable_cpus_honours_a_cgroup_quota(tmp_path):
     assert usable_cpus(v1) == usable_cpus(tmp_path / "none")
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")
     assert usable_cpus(v1) == 1
+
+
+def test_load_arriving_is_noticed_within_steps_not_a_back_off():
+    before = torch.get_num_threads()
+    try:
+        machine = Machine({2: 0.010, 1: 0.016})
+        governor = ThreadGovernor((2, 1), clock=machine.clock)
+        run_steps(governor, machine, 2000)  # quiet for long: the back-off is at its longest
+        assert governor.chosen == 2
+        machine.cost = {2: 0.300, 1: 0.020}  # the load arrives
+        runs = run_steps(governor, machine, 10)
+        assert runs[-1] == 1 and governor.chosen == 1 and runs.count(2) <= 2
+    finally:
+        torch.set_num_threads(before)

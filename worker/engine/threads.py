@@ -30,6 +30,7 @@ T = TypeVar("T")
 EXPLORE_EVERY = 16  # steps of one size before another thread count is tried again
 EXPLORE_AT_MOST = 512  # ... doubling after each try it lost, up to this many
 SMOOTHING = 0.3  # weight of the newest step in a count's running mean
+REACT = 2.0  # a chosen-count step this many times the other's mean: try the other at once
 
 
 def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
@@ -113,14 +114,21 @@ class ThreadGovernor:
         return timings.chosen
 
     def record(self, timings: _Timings, threads: int, seconds: float) -> None:
-        """The chosen count's mean follows its steps smoothly; a try of another count replaces
-        that count's (stale) mean: it measures the machine as it is now."""
+        """The chosen count's mean follows its steps smoothly, and a step of it slower than REACT
+        times another count's mean brings that count's next try forward (load arrives within a
+        step; it must not wait out a back-off); a try of another count replaces that count's
+        (stale) mean: it measures the machine as it is now."""
         old = timings.mean.get(threads)
         if old is None or threads != timings.chosen:
             timings.mean[threads] = seconds
         else:
             timings.mean[threads] = old + SMOOTHING * (seconds - old)
-        if not timings.chosen or threads == timings.chosen:
+        if not timings.chosen:
+            return
+        if threads == timings.chosen:  # load arriving: a step far slower than the other count
+            others = [m for c, m in timings.mean.items() if c != threads]
+            if others and seconds > REACT * min(others):
+                timings.next_try = min(timings.next_try, timings.steps + 1)
             return
         # a try of another count: it takes over if now faster, else waits twice as long
         if timings.mean[threads] < timings.mean[timings.chosen]:
