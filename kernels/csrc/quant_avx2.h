@@ -175,18 +175,8 @@ inline bool dequant_row_f32(int64_t fmt, const uint8_t* row, int64_t K, float sc
     store_scaled(lo, s_lo, m, out + b * 32);
     store_scaled(hi, s_hi, m, out + b * 32 + 16);
   };
-  switch (fmt) {
-    case kQ4_0: Nibble32<kQ4_0>::walk(row, K, scale, store); return true;
-    case kQ4_1: Nibble32<kQ4_1>::walk(row, K, scale, store); return true;
-    case kQ5_0: Nibble32<kQ5_0>::walk(row, K, scale, store); return true;
-    case kQ5_1: Nibble32<kQ5_1>::walk(row, K, scale, store); return true;
-    case kQ8_0: Q8_0::walk(row, K, scale, store); return true;
-    case kInt8: Int8::walk(row, K, scale, store); return true;
-    case kQ4_K: KQuant45<kQ4_K>::walk(row, K, scale, store); return true;
-    case kQ5_K: KQuant45<kQ5_K>::walk(row, K, scale, store); return true;
-    case kQ6_K: Q6_K::walk(row, K, scale, store); return true;
-    default: return false;
-  }
+  return visit_walker<Nibble32, Q8_0, Int8, KQuant45, Q6_K>(
+      fmt, [&](auto w) { decltype(w)::walk(row, K, scale, store); });
 }
 
 }  // namespace pagedq_cpu::v256

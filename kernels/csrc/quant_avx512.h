@@ -236,17 +236,8 @@ inline __m512 dequant16(__m512i w, __m512 ws, __m512 wm) {
 // (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K) take a grouped row.
 template <class F>
 inline void walk_row(int64_t fmt, const RowRef& ref, int64_t K, float scale, F&& f) {
-  switch (fmt) {
-    case kQ4_0: Nibble32<kQ4_0>::walk(ref, K, scale, f); break;
-    case kQ4_1: Nibble32<kQ4_1>::walk(ref, K, scale, f); break;
-    case kQ5_0: Nibble32<kQ5_0>::walk(ref, K, scale, f); break;
-    case kQ5_1: Nibble32<kQ5_1>::walk(ref, K, scale, f); break;
-    case kQ8_0: Q8_0::walk(ref, K, scale, f); break;
-    case kInt8: Int8::walk(ref, K, scale, f); break;
-    case kQ4_K: KQuant45<kQ4_K>::walk(ref, K, scale, f); break;
-    case kQ5_K: KQuant45<kQ5_K>::walk(ref, K, scale, f); break;
-    case kQ6_K: Q6_K::walk(ref, K, scale, f); break;
-  }
+  visit_walker<Nibble32, Q8_0, Int8, KQuant45, Q6_K>(
+      fmt, [&](auto w) { decltype(w)::walk(ref, K, scale, f); });
 }
 
 }  // namespace pagedq_cpu::v512

@@ -188,6 +188,26 @@ inline void dequant_row_f32(int64_t fmt, const uint8_t* row, int64_t K, float sc
   }
 }
 
+// f(W{}) with the decoder ("walker") type an ISA's namespace has for fmt: the same dispatch for
+// the AVX-512 and the AVX2 decoders (their namespaces name their walkers alike). Returns false
+// for a format no walker decodes (bf16 rows, fp32).
+template <template <int64_t> class Nibble32, class Q8_0, class Int8,
+          template <int64_t> class KQuant45, class Q6_K, class F>
+inline bool visit_walker(int64_t fmt, F&& f) {
+  switch (fmt) {
+    case kQ4_0: f(Nibble32<kQ4_0>{}); return true;
+    case kQ4_1: f(Nibble32<kQ4_1>{}); return true;
+    case kQ5_0: f(Nibble32<kQ5_0>{}); return true;
+    case kQ5_1: f(Nibble32<kQ5_1>{}); return true;
+    case kQ8_0: f(Q8_0{}); return true;
+    case kInt8: f(Int8{}); return true;
+    case kQ4_K: f(KQuant45<kQ4_K>{}); return true;
+    case kQ5_K: f(KQuant45<kQ5_K>{}); return true;
+    case kQ6_K: f(Q6_K{}); return true;
+    default: return false;
+  }
+}
+
 // The checked arguments of quant_gemv / quant_gemm: out[rows, N] = x[rows, K] @ W^T (+ bias).
 // out may be a column slice of a wider matrix (row stride ldo): fused projections (q, k and v
 // of different formats) write their parts of one output.

@@ -190,22 +190,12 @@ void quantize_acts(const float* x, int64_t rows, int64_t K, bool nibbles, Acts& 
 }
 
 void gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
-  switch (p.fmt) {
-    case kQ4_0: run_rows<Nibble32<kQ4_0>>(p, a, n0, n1); break;
-    case kQ4_1: run_rows<Nibble32<kQ4_1>>(p, a, n0, n1); break;
-    case kQ5_0: run_rows<Nibble32<kQ5_0>>(p, a, n0, n1); break;
-    case kQ5_1: run_rows<Nibble32<kQ5_1>>(p, a, n0, n1); break;
-    case kQ8_0: run_rows<Q8_0>(p, a, n0, n1); break;
-    case kInt8: run_rows<Int8>(p, a, n0, n1); break;
-    case kQ4_K: run_rows<KQuant45<kQ4_K>>(p, a, n0, n1); break;
-    case kQ5_K: run_rows<KQuant45<kQ5_K>>(p, a, n0, n1); break;
-    case kQ6_K: run_rows<Q6_K>(p, a, n0, n1); break;
-    case kBF16:
-      for_each_group(p.rows, [&](int64_t b, auto group) {
-        bf16_group<decltype(group)::value>(p, b, n0, n1);
-      });
-      break;
-  }
+  const bool decoded = visit_walker<Nibble32, Q8_0, Int8, KQuant45, Q6_K>(
+      p.fmt, [&](auto w) { run_rows<decltype(w)>(p, a, n0, n1); });
+  if (!decoded && p.fmt == kBF16)
+    for_each_group(p.rows, [&](int64_t b, auto group) {
+      bf16_group<decltype(group)::value>(p, b, n0, n1);
+    });
 }
 
 }  // namespace v512
@@ -325,22 +315,12 @@ void quantize_acts(const float* x, int64_t rows, int64_t K, Acts& a) {
 }
 
 void gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
-  switch (p.fmt) {
-    case kQ4_0: run_rows<Nibble32<kQ4_0>>(p, a, n0, n1); break;
-    case kQ4_1: run_rows<Nibble32<kQ4_1>>(p, a, n0, n1); break;
-    case kQ5_0: run_rows<Nibble32<kQ5_0>>(p, a, n0, n1); break;
-    case kQ5_1: run_rows<Nibble32<kQ5_1>>(p, a, n0, n1); break;
-    case kQ8_0: run_rows<Q8_0>(p, a, n0, n1); break;
-    case kInt8: run_rows<Int8>(p, a, n0, n1); break;
-    case kQ4_K: run_rows<KQuant45<kQ4_K>>(p, a, n0, n1); break;
-    case kQ5_K: run_rows<KQuant45<kQ5_K>>(p, a, n0, n1); break;
-    case kQ6_K: run_rows<Q6_K>(p, a, n0, n1); break;
-    case kBF16:
-      for_each_group(p.rows, [&](int64_t b, auto group) {
-        bf16_group<decltype(group)::value>(p, b, n0, n1);
-      });
-      break;
-  }
+  const bool decoded = visit_walker<Nibble32, Q8_0, Int8, KQuant45, Q6_K>(
+      p.fmt, [&](auto w) { run_rows<decltype(w)>(p, a, n0, n1); });
+  if (!decoded && p.fmt == kBF16)
+    for_each_group(p.rows, [&](int64_t b, auto group) {
+      bf16_group<decltype(group)::value>(p, b, n0, n1);
+    });
 }
 
 }  // namespace v256
