@@ -4,6 +4,7 @@ known, and no test depends on this machine's timing."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedq.worker.engine.threads import (
@@ -12,6 +13,14 @@ from pagedq.worker.engine.threads import (
     size_class,
     usable_cpus,
 )
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    """The governor sets torch's thread count: each test leaves it as it found it."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
 class Machine:
@@ -38,67 +47,47 @@ def run_steps(governor: ThreadGovernor, machine: Machine, steps: int, tokens: in
 
 
 def test_a_quiet_machine_keeps_every_thread():
-    before = torch.get_num_threads()
-    try:
-        machine = Machine({2: 0.010, 1: 0.016})
-        governor = ThreadGovernor((2, 1), clock=machine.clock)
-        runs = run_steps(governor, machine, 200)
-        assert runs[:2] == [2, 1] and governor.chosen == 2
-        assert runs.count(1) <= 8  # the tries of one thread, ever rarer
-    finally:
-        torch.set_num_threads(before)
+    machine = Machine({2: 0.010, 1: 0.016})
+    governor = ThreadGovernor((2, 1), clock=machine.clock)
+    runs = run_steps(governor, machine, 200)
+    assert runs[:2] == [2, 1] and governor.chosen == 2
+    assert runs.count(1) <= 8  # the tries of one thread, ever rarer
 
 
 def test_a_shared_machine_falls_back_to_one_thread_and_tries_rarely():
-    before = torch.get_num_threads()
-    try:
-        machine = Machine({2: 0.300, 1: 0.020})  # barriers waiting on descheduled threads
-        governor = ThreadGovernor((2, 1), clock=machine.clock)
-        runs = run_steps(governor, machine, 2000)
-        assert governor.chosen == 1
-        tries = [i for i, t in enumerate(runs) if t == 2][1:]
-        gaps = [b - a for a, b in zip(tries, tries[1:], strict=False)]
-        assert gaps == sorted(gaps) and gaps[-1] == EXPLORE_AT_MOST  # backing off
-        # what the tries cost: a few percent of the steps on the slow count
-        assert sum(machine.cost[t] for t in runs) < 1.25 * 2000 * 0.020
-    finally:
-        torch.set_num_threads(before)
+    machine = Machine({2: 0.300, 1: 0.020})  # barriers waiting on descheduled threads
+    governor = ThreadGovernor((2, 1), clock=machine.clock)
+    runs = run_steps(governor, machine, 2000)
+    assert governor.chosen == 1
+    tries = [i for i, t in enumerate(runs) if t == 2][1:]
+    gaps = [b - a for a, b in zip(tries, tries[1:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] == EXPLORE_AT_MOST  # backing off
+    # what the tries cost: a few percent of the steps on the slow count
+    assert sum(machine.cost[t] for t in runs) < 1.25 * 2000 * 0.020
 
 
 def test_it_follows_the_load_when_it_goes_away():
-    before = torch.get_num_threads()
-    try:
-        machine = Machine({2: 0.300, 1: 0.020})
-        governor = ThreadGovernor((2, 1), clock=machine.clock)
-        run_steps(governor, machine, 300)
-        assert governor.chosen == 1
-        machine.cost = {2: 0.010, 1: 0.020}  # the other work ended
-        run_steps(governor, machine, EXPLORE_AT_MOST * 3)
-        assert governor.chosen == 2
-    finally:
-        torch.set_num_threads(before)
+    machine = Machine({2: 0.300, 1: 0.020})
+    governor = ThreadGovernor((2, 1), clock=machine.clock)
+    run_steps(governor, machine, 300)
+    assert governor.chosen == 1
+    machine.cost = {2: 0.010, 1: 0.020}  # the other work ended
+    run_steps(governor, machine, EXPLORE_AT_MOST * 3)
+    assert governor.chosen == 2
 
 
 def test_steps_of_different_sizes_are_timed_apart():
-    before = torch.get_num_threads()
-    try:
-        machine = Machine({2: 0.010, 1: 0.016})
-        governor = ThreadGovernor((2, 1), clock=machine.clock)
-        run_steps(governor, machine, 20, tokens=1)
-        run_steps(governor, machine, 20, tokens=300)
-        assert set(governor.snapshot()) == {str(size_class(1)), str(size_class(300))}
-        assert size_class(2) == size_class(3) != size_class(4)
-    finally:
-        torch.set_num_threads(before)
+    machine = Machine({2: 0.010, 1: 0.016})
+    governor = ThreadGovernor((2, 1), clock=machine.clock)
+    run_steps(governor, machine, 20, tokens=1)
+    run_steps(governor, machine, 20, tokens=300)
+    assert set(governor.snapshot()) == {str(size_class(1)), str(size_class(300))}
+    assert size_class(2) == size_class(3) != size_class(4)
 
 
 def test_one_count_is_no_choice():
-    before = torch.get_num_threads()
-    try:
-        machine = Machine({1: 0.01})
-        assert set(run_steps(ThreadGovernor((1,), clock=machine.clock), machine, 50)) == {1}
-    finally:
-        torch.set_num_threads(before)
+    machine = Machine({1: 0.01})
+    assert set(run_steps(ThreadGovernor((1,), clock=machine.clock), machine, 50)) == {1}
 
 
 def test_usable_cpus_honours_a_cgroup_quota(tmp_path):
@@ -116,14 +105,10 @@ def test_usable_cpus_honours_a_cgroup_quota(tmp_path):
 
 
 def test_load_arriving_is_noticed_within_steps_not_a_back_off():
-    before = torch.get_num_threads()
-    try:
-        machine = Machine({2: 0.010, 1: 0.016})
-        governor = ThreadGovernor((2, 1), clock=machine.clock)
-        run_steps(governor, machine, 2000)  # quiet for long: the back-off is at its longest
-        assert governor.chosen == 2
-        machine.cost = {2: 0.300, 1: 0.020}  # the load arrives
-        runs = run_steps(governor, machine, 10)
-        assert runs[-1] == 1 and governor.chosen == 1 and runs.count(2) <= 2
-    finally:
-        torch.set_num_threads(before)
+    machine = Machine({2: 0.010, 1: 0.016})
+    governor = ThreadGovernor((2, 1), clock=machine.clock)
+    run_steps(governor, machine, 2000)  # quiet for long: the back-off is at its longest
+    assert governor.chosen == 2
+    machine.cost = {2: 0.300, 1: 0.020}  # the load arrives
+    runs = run_steps(governor, machine, 10)
+    assert runs[-1] == 1 and governor.chosen == 1 and runs.count(2) <= 2
