@@ -35,15 +35,16 @@ def test_serve_and_batch_hand_every_engine_flag_to_their_worker(tmp_path, monkey
     monkeypatch.setenv("PAGEDQ_CACHE", str(tmp_path))
     monkeypatch.delenv("REDIS_URL", raising=False)
     settings.cache_clear()
-    flags = ["--model", str(tiny_model_dir), "--num-threads", "1", "--cpu-isa", "avx2",
+    model = tiny_model_dir()
+    flags = ["--model", str(model), "--num-threads", "1", "--cpu-isa", "avx2",
              "--quantization", "none", "--no-adaptive-threads"]
     for command in (["serve"], ["batch", "in.jsonl", "-o", "out.jsonl"]):
         engine = engine_config(build_parser().parse_args([*command, *flags]))
         assert (engine.model, engine.num_threads, engine.cpu_isa, engine.quantization,
-                engine.adaptive_threads) == (str(tiny_model_dir), 1, "avx2", "none", False)
+                engine.adaptive_threads) == (str(model), 1, "avx2", "none", False)
     with queue_stack(None, "default", "pagedq", engine):
         (worker,) = [p for p in psutil.Process().children() if "pagedq.worker" in p.cmdline()]
         line = " ".join(worker.cmdline())
         assert all(f in line for f in ("--num-threads 1", "--cpu-isa avx2", "--quantization none",
-                                       "--no-adaptive-threads", f"--model {tiny_model_dir}"))
+                                       "--no-adaptive-threads", f"--model {model}"))
     settings.cache_clear()
