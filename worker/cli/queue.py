@@ -72,11 +72,9 @@ def add_connection_flags(p: argparse.ArgumentParser) -> None:
 def redis_url_of(args: argparse.Namespace) -> str:
     """--redis-url, else $REDIS_URL, else a local worker's advertised embedded server, else
     Redis on localhost's default port."""
-    from pagedq.client.redis_url import DEFAULT_REDIS_URL, resolve_redis_url
-    from pagedq.worker.service.embedded_redis import find_advertised
+    from pagedq.client.redis_url import client_redis_url
 
-    return (resolve_redis_url(getattr(args, "redis_url", None), default=None)
-            or find_advertised() or DEFAULT_REDIS_URL)
+    return client_redis_url(getattr(args, "redis_url", None))
 
 
 def connect(args: argparse.Namespace, url: str) -> Any:
