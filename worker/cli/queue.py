@@ -135,7 +135,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def submit_and_stream(args: argparse.Namespace, client: Any, prompt: Any, params: Any) -> int:
-    """Enqueue, warn at once when no worker serves the queue, then print the answer."""
+    """Enqueue, warn at once when no worker serves the queue (or wait for one that announces
+    it is loading its model), then print the answer."""
     from pagedq.client import ProtocolError, RequestError, ResultTimeoutError
     from pagedq.errors import InvalidParamsError
 
@@ -145,7 +146,12 @@ def submit_and_stream(args: argparse.Namespace, client: Any, prompt: Any, params
     except (ProtocolError, InvalidParamsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if not client.stats()["workers"]:
+    stats = client.stats()
+    if not stats["workers"] and stats.get("starting"):
+        print(f"a worker is starting on queue {client.keys.queue!r} (loading its model); "
+              f"waiting for it (Ctrl-C stops waiting; the job stays queued, id {handle.id}).",
+              file=sys.stderr)
+    elif not stats["workers"]:
         print(f"no worker has checkpointed on queue {client.keys.queue!r} in the last few "
               f"seconds; the job stays queued (id {handle.id}) for the next worker. "
               + ("Waiting for one (Ctrl-C stops waiting; the job stays queued)." if args.wait
@@ -208,7 +214,9 @@ def render_stats(stats: dict[str, Any]) -> str:
             f"{w.get('running', 0):>6}{w.get('waiting', 0):>6}{kv:>14}"
             f"{100 * float(w.get('kv_usage', 0)):>6.1f}%{float(w.get('tokens_per_s', 0)):>9.1f}"
             f"{w.get('preemptions', 0):>9}{now - float(w.get('heartbeat', now)):>7.1f}")
-    if not stats["workers"]:
+    if stats.get("starting"):
+        lines.append(f"({stats['starting']} worker(s) starting: loading the model)")
+    elif not stats["workers"]:
         lines.append("(no live workers)")
     return "\n".join(lines)
 

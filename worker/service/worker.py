@@ -40,7 +40,7 @@ from pagedq.progress import waiting
 from pagedq.worker.config import WorkerConfig, settings
 from pagedq.worker.logging import get_logger
 from pagedq.worker.service.admission import Admission
-from pagedq.worker.service.checkpoints import Checkpoints, claim_name
+from pagedq.worker.service.checkpoints import Checkpoints, Starting, claim_name
 from pagedq.worker.service.consumer import Consumer
 from pagedq.worker.service.embedded_redis import advertised_path
 from pagedq.worker.service.engine_loop import EngineLoop, Report
@@ -166,6 +166,7 @@ class Worker:
         self.denied = False  # the Redis user may not run a command the worker needs
         self._stopping = asyncio.Event()  # set by stop(): the drain begins
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._starting: Starting | None = None  # says "loading" on the queue until serving
 
     # -- life cycle -----------------------------------------------------------------------
     def stop(self) -> None:
@@ -191,6 +192,9 @@ class Worker:
                       error=redact_url(str(exc)) or type(exc).__name__)
             return 1
         self.redis_url = link.url
+        self._starting = Starting(link.redis, self.keys, self.config.checkpoint_ttl_s,
+                                  self.config.checkpoint_interval)
+        self._starting.start()
         try:
             if self.engine is None and not await self._load():
                 return 0 if self._stopping.is_set() else 2
@@ -202,6 +206,7 @@ class Worker:
             await self._serve(parts)
             return 1 if self.denied else 0
         finally:
+            await self._starting.stop()  # a no-op once serving began
             await link.close()
 
     async def _load(self) -> bool:
@@ -250,6 +255,8 @@ class Worker:
             self._on_report, parts, report))
         server = await self._start_metrics(parts)
         await parts.checkpoints.write()
+        if self._starting is not None:  # stats now name this worker among the serving ones
+            await self._starting.stop()
         full = parts.shared.redis_full
         tasks = [asyncio.create_task(repeat(name, once, None, full, self._denied), name=name)
                  for name, once in [
