@@ -149,6 +149,10 @@ class Parts:
     checkpoints: Checkpoints
 
 
+class _StoppedLoading(Exception):
+    """A stop came while the model was loading (ends the load's wait as "failed")."""
+
+
 class Worker:
     """One worker process's service. ``await run()``; ``stop()`` from any thread or a signal."""
 
@@ -210,21 +214,25 @@ class Worker:
             await link.close()
 
     async def _load(self) -> bool:
-        """Load the model; False when it fails (logged) or a stop came first."""
+        """Load the model; False when it fails (logged) or a stop came first. The wait's own
+        lines end in "failed: loading the model" then, never "done"."""
         load = asyncio.ensure_future(in_own_thread(build_engine, self.config))
         stop = asyncio.ensure_future(self._stopping.wait())
-        with waiting("loading the model", log, delay=0, model=self.config.model or "default"):
-            await asyncio.wait([load, stop], return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if not load.done():
+        try:
+            with waiting("loading the model", log, delay=0, model=self.config.model or "default"):
+                await asyncio.wait([load, stop], return_when=asyncio.FIRST_COMPLETED)
+                if not load.done():
+                    raise _StoppedLoading
+                self.engine = load.result()
+        except _StoppedLoading:
             load.cancel()
             log.info("stopped while the model was loading")
             return False
-        try:
-            self.engine = load.result()
         except Exception as exc:
             log.error("cannot load the model", model=self.config.model, error=str(exc))
             return False
+        finally:
+            stop.cancel()
         return True
 
     async def _assemble(self, link: RedisLink) -> Parts:
