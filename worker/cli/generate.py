@@ -100,7 +100,9 @@ def prepare(config: Any, texts: list[str], params: Any, args: argparse.Namespace
     from pagedq.worker.engine.sizing import blocks_for
     from pagedq.worker.models.loader import load_config, load_tokenizer, resolve_model
 
-    path = resolve_model(config.model)
+    # The engine's rule (Engine.__init__): quantization "auto" keeps a GGUF packed, so the
+    # bundled model runs from its GGUF's blocks, with no fp32 conversion and no second fetch.
+    path = resolve_model(config.model, packed=config.quantization == "auto")
     hf_config, tokenizer = load_config(path), load_tokenizer(path)
     if args.chat:
         prompts = [chat_prompt(tokenizer, path, conversation(args, t)) for t in texts]
