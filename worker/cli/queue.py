@@ -13,11 +13,14 @@ from typing import Any
 
 from pagedq.errors import InvalidRequestError
 from pagedq.worker.cli.console import PROMPT_HELP, event_sentence, read_prompt
-from pagedq.worker.cli.flags import add_config_flags, add_sampling_flags, sampling_params
+from pagedq.worker.cli.flags import (
+    COMMAND_SAMPLING,
+    add_config_flags,
+    add_sampling_flags,
+    sampling_params,
+)
 from pagedq.worker.config import WorkerConfig
 
-# A terminal user wants a greedy, readable answer, not the wire's 16 random tokens.
-SAMPLING_DEFAULTS: dict[str, Any] = {"max_tokens": 64, "temperature": 0.0}
 CONNECTION = ("redis_url", "queue", "prefix")
 REDIS_URL_HELP = ("Redis holding the queue (default: $REDIS_URL, else the embedded Redis a "
                   "`pagedq worker` on this machine started, else redis://localhost:6379/0)")
@@ -51,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="when no worker serves the queue, wait for one instead of leaving the "
                    "job queued and exiting")
     p.add_argument("--json", action="store_true", help="print each event as a JSON line")
-    add_sampling_flags(p, defaults=SAMPLING_DEFAULTS)
+    add_sampling_flags(p, defaults=COMMAND_SAMPLING["submit"])
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("stats", help="show the queue's depth and its workers' load",
@@ -121,7 +124,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     try:
         prompt = submit_prompt(args)
-        params = sampling_params(args, SAMPLING_DEFAULTS)
+        params = sampling_params(args, COMMAND_SAMPLING["submit"])
     except (InvalidRequestError, InvalidParamsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

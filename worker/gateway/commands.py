@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pagedq.worker.cli.console import add_log_level_flag
 from pagedq.worker.cli.flags import add_config_flags, given
 from pagedq.worker.config import GatewayConfig
 
@@ -29,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="accepted Bearer key (repeatable; default: $PAGEDQ_API_KEY, "
                         "comma-separated); with none the gateway is open")
     p.add_argument("--model", default=None, help=MODEL_HELP)
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_log_level_flag(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("batch", help="run an OpenAI batch file (JSONL) through the queue",
