@@ -182,16 +182,23 @@ class LocalCluster:
         return self.nodes[0].url
 
     def start(self, timeout: float = 120.0) -> LocalCluster:
-        for node in self.nodes:
-            node.start(wait=False)
-        for node in self.nodes:
-            node.wait_ready()
-        addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
-        out = subprocess.run([cli_binary(), "--cluster", "create", *addresses,
-                              "--cluster-replicas", "1", "--cluster-yes"],
-                             capture_output=True, text=True, timeout=timeout)
-        assert out.returncode == 0, out.stdout + out.stderr
-        self.wait_ok(timeout)
+        """Start the nodes and create the cluster; whatever fails or skips on the way (no
+        redis-cli, a node that does not come up) stops every node started, none leaks."""
+        cli = cli_binary()  # a skip here comes before any node starts
+        try:
+            for node in self.nodes:
+                node.start(wait=False)
+            for node in self.nodes:
+                node.wait_ready()
+            addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+            out = subprocess.run([cli, "--cluster", "create", *addresses,
+                                  "--cluster-replicas", "1", "--cluster-yes"],
+                                 capture_output=True, text=True, timeout=timeout)
+            assert out.returncode == 0, out.stdout + out.stderr
+            self.wait_ok(timeout)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def wait_ok(self, timeout: float = 120.0) -> None:
