@@ -124,7 +124,8 @@ def test_worker_in_one_terminal_submit_in_another(tiny_text_model_dir, tmp_path,
 
     from pagedq.worker.config import settings
 
-    env = {**os.environ, "PAGEDQ_CACHE": str(tmp_path)}
+    # PAGEDQ_CPU_KERNEL=0: what is tested is discovery, not a first compile of the C++ kernels
+    env = {**os.environ, "PAGEDQ_CACHE": str(tmp_path), "PAGEDQ_CPU_KERNEL": "0"}
     env.pop("REDIS_URL", None)
     worker = subprocess.Popen(
         [sys.executable, "-m", "pagedq.worker.cli", "worker", "--model", str(tiny_text_model_dir),
