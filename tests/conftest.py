@@ -26,11 +26,14 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 
 
+# default_model.GGUF_FILENAME, written out: importing that module imports torch (4 s), which
+# an SDK-only session never needs (tests/models/test_loader.py checks the two agree).
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 def _session_cache() -> tuple[Path, bool]:
     """The session's pagedq cache and whether it is ours to remove at the end."""
-    from pagedq.worker.models.default_model import GGUF_FILENAME
-
-    kept = pagedq_cache_dir() / "gguf" / GGUF_FILENAME
+    kept = pagedq_cache_dir() / "gguf" / BUNDLED_GGUF
     if not os.environ.get("PAGEDQ_DEFAULT_GGUF") and kept.is_file():
         os.environ["PAGEDQ_DEFAULT_GGUF"] = str(kept)
     chosen = os.environ.get("PAGEDQ_TEST_CACHE")

@@ -237,10 +237,11 @@ def test_repo_id_resolves_from_hf_home(tiny_model_dir, isolated_env, monkeypatch
 
 def test_the_suite_never_writes_into_the_users_cache():
     """tests/conftest.py gives the session a temporary pagedq cache, subprocesses included."""
-    from tests.conftest import SESSION_CACHE
+    from tests.conftest import BUNDLED_GGUF, SESSION_CACHE
 
     assert cache_dir() == SESSION_CACHE != Path.home() / ".cache" / "pagedq"
     assert os.environ["PAGEDQ_CACHE"] == str(SESSION_CACHE)
+    assert BUNDLED_GGUF == default_model.GGUF_FILENAME
 
 
 def test_cache_dir_from_env(isolated_env):
