@@ -38,7 +38,7 @@ from pagedq.client.protocol import (
 )
 from pagedq.client.queue import queue_stats, stats_query, workers_query
 from pagedq.client.reader import StreamReader
-from pagedq.client.redis_url import resolve_redis_url
+from pagedq.client.redis_url import client_redis_url
 from pagedq.client.scripts import CANCEL_ENDED, CANCEL_FLAGGED, cancel_call, run_calls
 from pagedq.params import SamplingParams
 
@@ -115,7 +115,7 @@ class AsyncClient:
                  prefix: str = DEFAULT_PREFIX, ttl: int = DEFAULT_TTL_S,
                  connection: Any = None, tls: TLSFiles | None = None,
                  limits: Limits | None = None):
-        self.url = resolve_redis_url(redis_url)
+        self.url = client_redis_url(redis_url)
         self.tls = tls
         self.keys = Keys(queue, prefix)
         self.ttl = ttl

@@ -38,7 +38,7 @@ from pagedq.client.protocol import (
     request_digest,
 )
 from pagedq.client.queue import parse_entries, queue_stats, stats_query, workers_query
-from pagedq.client.redis_url import resolve_redis_url
+from pagedq.client.redis_url import client_redis_url
 from pagedq.client.result import Result, ResultBuilder
 from pagedq.client.scripts import (
     CANCEL,
@@ -248,7 +248,8 @@ class Client:
     """Blocking client. ``Client(url, queue)`` then ``submit``/``generate``/``stats``.
 
     ``redis_url`` names a standalone Redis or any node of a Redis Cluster (default:
-    ``$REDIS_URL``, else localhost); ``tls`` adds a CA and a client certificate for
+    ``$REDIS_URL``, else the embedded Redis a ``pagedq worker`` on this machine started, else
+    localhost's default port); ``tls`` adds a CA and a client certificate for
     ``rediss://``. ``limits`` are checked before a job is enqueued (default: what a worker
     accepts unless started with higher limits). Thread-safe.
     """
@@ -257,7 +258,7 @@ class Client:
                  prefix: str = DEFAULT_PREFIX, ttl: int = DEFAULT_TTL_S,
                  connection: Any = None, tls: TLSFiles | None = None,
                  limits: Limits | None = None):
-        self.url = resolve_redis_url(redis_url)
+        self.url = client_redis_url(redis_url)
         self.tls = tls
         self.keys = Keys(queue, prefix)
         self.ttl = ttl

@@ -5,12 +5,12 @@ The URL names a standalone server or any node of a Redis Cluster; which one is a
 client follows the slots from there. ``rediss://`` is TLS; ``TLSFiles`` adds a private CA and a
 client certificate (mutual TLS), or the URL carries them as redis-py query arguments
 (``?ssl_ca_certs=...&ssl_certfile=...&ssl_keyfile=...``). Credentials ride in the URL
-(``redis://user:password@host``) and never reach a log line (``redact_url``).
+(``redis://user:password@host``) and never reach a log line (``redact_url``, from the ground
+floor's pagedq/redact.py).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,8 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import BusyLoadingError, ConnectionError, RedisError, TimeoutError
 from redis.retry import Retry
 
+from pagedq.redact import redact_url as redact_url  # re-exported: its home was here
+
 # Errors worth a retry: the server is away, restarting or still loading its data.
 TRANSIENT = (ConnectionError, TimeoutError, BusyLoadingError)
 SDK_RETRIES = 8  # ~10 s of backoff (50 ms doubling to 2 s) before a command gives up
@@ -27,14 +29,6 @@ BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 2.0
 PROBE_TIMEOUT_S = 5.0
 
-_CREDENTIALS = re.compile(r"(rediss?://)(?:([^:@/\s]*):)?([^@/\s]*)@")
-
-
-def redact_url(text: str) -> str:
-    """``text`` with the password of every Redis URL in it replaced by ``***`` (the user name,
-    before a colon, stays: it says which ACL user connected)."""
-    return _CREDENTIALS.sub(lambda m: f"{m[1]}{m[2]}:***@" if m[2] is not None
-                            else f"{m[1]}***@", text)
 
 
 @dataclass(frozen=True)

@@ -141,6 +141,11 @@ class Keys:
     def worker(self, name: str) -> str:
         return f"{self.base}:worker:{name}"
 
+    @property
+    def starting(self) -> str:
+        """Workers still loading their model: zset ``host:pid`` -> when the claim expires."""
+        return f"{self.base}:starting"
+
     def lock(self, name: str) -> str:
         """Held (with the checkpoint TTL) by the live worker using consumer name ``name``."""
         return f"{self.base}:lock:{name}"

@@ -9,6 +9,7 @@ blocking and asyncio pipelines; only ``execute()`` differs, and the caller runs 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from pagedq.client.protocol import GROUP, LEVELS, Keys, Request, job_fields
@@ -107,9 +108,18 @@ def queue_depth(replies: list[Any]) -> dict[str, Any]:
 
 
 def stats_query(pipe: Any, keys: Keys) -> None:
-    """Queue the first round trip of stats: the depth, and the live workers' names."""
+    """Queue the first round trip of stats: the depth, the live workers' names, and the workers
+    still loading their model."""
     depth_query(pipe, keys)
     pipe.zrange(keys.workers, 0, -1)
+    pipe.zrange(keys.starting, 0, -1, withscores=True)
+
+
+def _starting(reply: Any, now: float) -> int:
+    """How many workers announce they are loading their model (claims not yet expired)."""
+    if not isinstance(reply, list):
+        return 0
+    return sum(1 for item in reply if isinstance(item, (list, tuple)) and float(item[1]) > now)
 
 
 def _worker_names(first: list[Any]) -> list[str]:
@@ -123,10 +133,12 @@ def workers_query(pipe: Any, keys: Keys, first: list[Any]) -> None:
 
 
 def queue_stats(keys: Keys, first: list[Any], hashes: list[dict[bytes, bytes]]) -> dict[str, Any]:
-    """Assemble ``stats()`` from both round trips; a worker whose hash expired is left out."""
+    """Assemble ``stats()`` from both round trips; a worker whose hash expired is left out.
+    ``starting`` counts the workers loading their model (not serving yet)."""
     workers = [parse_worker_hash(name, raw)
                for name, raw in zip(_worker_names(first), hashes, strict=True) if raw]
-    return {"queue": keys.queue, **queue_depth(first[:DEPTH_REPLIES]), "workers": workers}
+    return {"queue": keys.queue, **queue_depth(first[:DEPTH_REPLIES]), "workers": workers,
+            "starting": _starting(first[DEPTH_REPLIES + 1], time.time())}
 
 
 def _num(value: bytes | str) -> Any:

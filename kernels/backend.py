@@ -62,7 +62,7 @@ from pagedq.kernels.cpu_ops import (
     load_cpu_ops,
     unavailable_reason,
 )
-from pagedq.worker.logging import get_logger
+from pagedq.logging import get_logger
 
 ATTENTION = ("cpp", "sdpa", "triton")
 KV_WRITE = ("torch", "triton")

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
+from pagedq.logging import get_logger
 from pagedq.progress import waiting
-from pagedq.worker.logging import get_logger
 
 LIBRARY = "pagedq_cpu_ops"
 CSRC = Path(__file__).parent / "csrc"

@@ -2,20 +2,56 @@
 
 Subprocesses the tests start (workers, kernel checks) import pagedq from this checkout, the
 tree under test, whatever copy of pagedq is installed in the environment.
+
+The tests never write into the user's pagedq cache (~/.cache/pagedq, or $PAGEDQ_CACHE): the
+session runs on a temporary one (``$PAGEDQ_CACHE`` for this process and every subprocess),
+removed at the end. ``$PAGEDQ_TEST_CACHE`` names a directory to use instead and keep (a CI
+cache, so the bundled model's conversions are made once). The bundled model's GGUF is read
+from where the user's cache kept it, when it did, through ``$PAGEDQ_DEFAULT_GGUF`` (read only),
+so a session does not fetch it again.
 """
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from pagedq.kernels.backend import process_selector
 from pagedq.kernels.cpu_ops import CpuOps, unavailable_reason
+from pagedq.client.redis_url import pagedq_cache_dir
 from pagedq.worker.config import settings
 
 ROOT = str(Path(__file__).resolve().parents[1])
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+
+
+# default_model.GGUF_FILENAME, written out: importing that module imports torch (4 s), which
+# an SDK-only session never needs (tests/models/test_loader.py checks the two agree).
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _session_cache() -> tuple[Path, bool]:
+    """The session's pagedq cache and whether it is ours to remove at the end."""
+    kept = pagedq_cache_dir() / "gguf" / BUNDLED_GGUF
+    if not os.environ.get("PAGEDQ_DEFAULT_GGUF") and kept.is_file():
+        os.environ["PAGEDQ_DEFAULT_GGUF"] = str(kept)
+    chosen = os.environ.get("PAGEDQ_TEST_CACHE")
+    if chosen:
+        return Path(chosen).expanduser(), False
+    return Path(tempfile.mkdtemp(prefix="pagedq-test-cache-")), True
+
+
+SESSION_CACHE, _REMOVE_CACHE = _session_cache()
+os.environ["PAGEDQ_CACHE"] = str(SESSION_CACHE)
+settings.cache_clear()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _REMOVE_CACHE:
+        shutil.rmtree(SESSION_CACHE, ignore_errors=True)
 
 pytest_plugins = ["tests.tiny_models", "tests.redis_server"]
 

@@ -125,16 +125,25 @@ def test_readme_sizing_example_is_what_plan_prints(capsys):
         assert figure in readme, figure
 
 
-def test_readme_sdk_snippet_runs(redis_db, tiny_text_model_dir, capsys):
+def test_readme_sdk_snippet_runs(redis_db, tiny_text_model_dir, capsys, monkeypatch, tmp_path):
     """The README's Python snippet, as written, against a real Redis and a worker on a tiny
-    model (only the Redis URL differs)."""
+    model: ``Client()`` with no URL finds the Redis a local worker advertises, as `pagedq
+    submit` does (or $REDIS_URL when the suite runs against an external one)."""
+    import json
+
+    from pagedq.client.redis_url import ADVERTISED_FILE
     from tests.service.harness import running_worker
 
     (snippet,) = [b for b in readme_blocks("python") if "Client(" in b]
-    assert 'Client("redis://localhost:6379/0")' in snippet
-    code = snippet.replace("redis://localhost:6379/0", redis_db)
+    assert "Client()" in snippet
+    monkeypatch.setenv("PAGEDQ_CACHE", str(tmp_path))
+    if redis_db.startswith("redis://127.0.0.1:"):
+        monkeypatch.delenv("REDIS_URL", raising=False)
+        (tmp_path / ADVERTISED_FILE).write_text(json.dumps({"url": redis_db}))
+    else:
+        monkeypatch.setenv("REDIS_URL", redis_db)
     with running_worker(redis_db, str(tiny_text_model_dir), "docs"):
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(snippet, "README.md", "exec"), {})
     out = capsys.readouterr().out
     assert "'prompt_tokens'" in out and (": stop" in out or ": length" in out)
 

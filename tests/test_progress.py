@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from pagedq.progress import waiting
 
 
@@ -39,10 +41,7 @@ def test_a_short_wait_stays_silent():
 
 def test_delay_zero_announces_at_once_and_errors_pass_through():
     log = Lines()
-    try:
-        with waiting("downloading", log, delay=0):
-            time.sleep(0.05)
-            raise ValueError("network down")
-    except ValueError:
-        pass
+    with pytest.raises(ValueError, match="network down"), waiting("downloading", log, delay=0):
+        time.sleep(0.05)
+        raise ValueError("network down")
     assert [m for m, _ in log.lines] == ["downloading", "failed: downloading"]

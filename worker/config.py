@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pagedq.client.connection import TLSFiles
 from pagedq.client.protocol import DEFAULT_LIMITS, DEFAULT_PREFIX, DEFAULT_QUEUE, DEFAULT_TTL_S, Limits
+from pagedq.client.redis_url import pagedq_cache_dir
 from pagedq.errors import InvalidRequestError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -74,7 +75,7 @@ class Settings:
         home_cache = path("XDG_CACHE_HOME") or Path.home() / ".cache"
         hub = path("HF_HUB_CACHE") or ((path("HF_HOME") / "hub") if env.get("HF_HOME")
                                         else home_cache / "huggingface" / "hub")
-        return cls(cache_dir=path("PAGEDQ_CACHE") or Path.home() / ".cache" / "pagedq",
+        return cls(cache_dir=pagedq_cache_dir(env),
                    hf_hub_cache=hub, queue=env.get("PAGEDQ_QUEUE") or DEFAULT_QUEUE,
                    consumer_name=env.get("PAGEDQ_CONSUMER_NAME") or None,
                    model=env.get("PAGEDQ_MODEL") or None,

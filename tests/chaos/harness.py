@@ -3,7 +3,10 @@ processes to kill, and an audit that counts jobs lost, duplicated and mismatched
 
 The oracle for tokens is the in-process engine; the oracle for "ended exactly once" is the raw
 output stream in Redis (one terminal event, seq 1..N without a gap, each sample's positions
-contiguous) together with what the client's handle returned.
+contiguous) together with what the client's handle returned. A job whose tokens differ from
+the engine's is a near-tie flip only when transformers says so (``near_tie``: every token of
+the stream is transformers' own choice or within rounding of it, and at the first difference
+both tokens are), and flips are bounded (``Audit.max_flips``).
 """
 
 from __future__ import annotations
@@ -81,22 +84,32 @@ class Audit:
     # ended exactly once with a seamless stream whose tokens differ from the reference run's
     # at one near-tie only (see near_tie): fp32 logits round differently in another batch
     flipped: int = 0
+    tokens: int = 0  # tokens the jobs generate in all (the reference's)
     problems: list[str] = field(default_factory=list)
+
+    @property
+    def max_flips(self) -> int:
+        """The most near-tie flips a shuffled load may show: the long spread run saw 21 in 600
+        jobs (~100,000 tokens, one per ~5,000 on the tiny model's flat logits); allowed is 2.5
+        times that rate, plus 3 so a short run's chance clusters do not fail it."""
+        return 3 + self.tokens // 2000
 
     @property
     def clean(self) -> bool:
         """Every job ended exactly once with the engine's tokens; near-tie flips are allowed
         at the rate fp32 batch composition explains (well under 1% of jobs), nothing else."""
-        return self.explained and self.flipped <= self.total // 100
+        return self.done + self.flipped == self.total and self.flipped <= self.total // 100
 
     @property
     def explained(self) -> bool:
-        """Every job ended exactly once with the engine's tokens or a near-tie the engine
-        explains, at any rate (shuffled loads mix batches more than the fault scenarios do)."""
-        return self.done + self.flipped == self.total
+        """Every job ended exactly once with the engine's tokens or a near-tie transformers
+        explains, at most ``max_flips`` of them (shuffled loads mix batches more than the fault
+        scenarios do)."""
+        return self.done + self.flipped == self.total and self.flipped <= self.max_flips
 
     def __str__(self) -> str:
-        return (f"{self.total} jobs: {self.done} exact, {self.flipped} near-tie flips, "
+        return (f"{self.total} jobs: {self.done} exact, {self.flipped} near-tie flips "
+                f"(at most {self.max_flips}), "
                 f"{self.lost} lost, {self.duplicated} duplicated, {self.mismatched} mismatched, "
                 f"{self.failed} failed")
 
@@ -106,17 +119,16 @@ def audit(r, keys: Keys, jobs: list[Job], expected: list[list[list[int]]],
     """Count each job's fate. ``streams=False`` judges by what the clients got alone (a Redis
     that kept nothing across a restart has no streams left to read). With ``model``, a
     mismatch that ``near_tie`` explains counts as a flip."""
-    out = Audit(total=len(jobs))
+    out = Audit(total=len(jobs), tokens=sum(len(t) for w in expected for t in w))
     for job, want in zip(jobs, expected, strict=True):
-        if streams:
-            evs = [decode_event(f, i) for i, f in r.xrange(keys.out(job.id))]
-            verdict = _verdict(job, evs, want)
-        else:
-            verdict = _client_verdict(job, want)
+        evs = [decode_event(f, i) for i, f in r.xrange(keys.out(job.id))] if streams else None
+        verdict = _verdict(job, evs, want) if streams else _client_verdict(job, want)
         why = ""
         if verdict == "mismatched" and model is not None and not isinstance(job.result,
                                                                              Exception):
-            why = near_tie(model, job, [o.token_ids for o in job.result.outputs], want)
+            got = [o.token_ids for o in job.result.outputs]
+            if evs is None or [_stream_tokens(evs, k) for k in range(len(want))] == got:
+                why = near_tie(model, job, got, want)  # the stream and the client agree
             verdict = "flipped" if why else verdict
         setattr(out, verdict, getattr(out, verdict) + 1)
         if verdict != "done":
@@ -124,38 +136,68 @@ def audit(r, keys: Keys, jobs: list[Job], expected: list[list[list[int]]],
     return out
 
 
-_ENGINES: dict[str, object] = {}
+# How far from transformers' own choice a token may be and still be a near-tie: fp32 logits
+# of one request round differently in another batch, and only a choice that close can flip.
+TIE_LOGIT = 1e-3  # greedy: logit gap below transformers' argmax (tests/oracle.py's TIE)
+TIE_CDF = 1e-4  # sampled: distance of the seeded draw from the token's CDF interval (of 1)
 
 
 def near_tie(model: str, job: Job, got: list[list[int]], want: list[list[int]]) -> str:
-    """Why ``got`` differs from the reference ``want``, when the difference is a near-tie
-    decided the other way (fp32 logits of one request round differently in another batch),
-    else "". A near-tie: at each sample's first differing position the engine, resuming the
-    job alone from the tokens before it, picks one of the two tokens seen there; and resuming
-    from the stream's own tokens through that position, it continues exactly as the stream
-    did. A protocol fault (a token lost, repeated, or continued from the wrong prefix) fails
-    the second test."""
-    from pagedq.worker import Engine
-    from pagedq.worker.engine.outputs import RequestOutput
-
-    engine = _ENGINES.get(model) or _ENGINES.setdefault(model, Engine(model, **ENGINE))
+    """Why ``got`` (the stream) differs from the reference ``want``, when transformers calls
+    it a near-tie, else "". Teacher-forcing each sample's stream through transformers' forward,
+    every token must be the sampler's choice on transformers' logits (argmax, or the seeded
+    draw's inverse-CDF pick) or within TIE_LOGIT / TIE_CDF of it, and at the first position
+    where the stream and the reference differ, both tokens must be. A protocol fault (a token
+    lost, repeated, or continued from the wrong prefix) puts a far token in the stream."""
     if [len(g) for g in got] != [len(w) for w in want]:
         return ""
-    cuts = [next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), len(g))
-            for g, w in zip(got, want, strict=True)]
-
-    def run(resume: list[list[int]]) -> list[list[int]]:
-        (req,) = engine.run_to_completion("audit", [lambda rid: engine.add_request(
-            rid, job.prompt, job.params, resume=resume)])
-        return [o.token_ids for o in RequestOutput.from_request(req).outputs]
-
-    before = run([g[:c] for g, c in zip(got, cuts, strict=True)])
-    for b, g, w, c in zip(before, got, want, cuts, strict=True):
-        if c < len(g) and b[c] not in (g[c], w[c]):
+    cuts = []
+    for index, (g, w) in enumerate(zip(got, want, strict=True)):
+        slack = _slack_fn(model, job, index, g)
+        if any(not _near(job, slack(i, t)) for i, t in enumerate(g)):
             return ""
-    if run([g[:c + 1] for g, c in zip(got, cuts, strict=True)]) != got:
-        return ""
-    return f"(near-tie at positions {cuts})"
+        cut = next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), len(g))
+        if cut < len(g) and not _near(job, slack(cut, w[cut])):
+            return ""
+        cuts.append(cut)
+    return f"(transformers: near-tie at positions {cuts})"
+
+
+def _near(job: Job, slack: float) -> bool:
+    return slack < (TIE_LOGIT if job.params.greedy else TIE_CDF)
+
+
+def _slack_fn(model: str, job: Job, index: int, tokens: list[int]):
+    """slack(position, token): 0 when ``token`` is what the engine's sampler picks at that
+    position from transformers' logits (the stream's tokens before it as the context), else
+    how far it misses: a logit gap (greedy) or the seeded draw's distance from the token's
+    CDF interval (sampled; pagedq.worker.engine.sampler's inverse CDF, same uniform)."""
+    import torch
+
+    from pagedq.worker.engine.sampler import seeded_uniform
+    from tests.oracle import hf_logits
+
+    p = job.params
+    assert (p.top_k in (0, -1) and p.top_p == 1.0 and p.min_p == 0.0
+            and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty), "near_tie judges plain greedy or seeded draws only"
+    start = len(job.prompt) - 1
+    rows = hf_logits(model, job.prompt + tokens)[start:start + len(tokens)].double()
+
+    def slack(pos: int, token: int) -> float:
+        row = rows[pos]
+        if p.greedy:
+            return float(row.max() - row[token])
+        cdf = torch.softmax(row / p.temperature, dim=-1).cumsum(-1)
+        target = seeded_uniform(p.seed, index, pos) * float(cdf[-1])
+        low, high = (float(cdf[token - 1]) if token else 0.0), float(cdf[token])
+        return max(0.0, low - target, target - high) / float(cdf[-1])
+
+    return slack
+
+
+def _stream_tokens(evs: list, index: int) -> list[int]:
+    return [t for e in evs if e.type == TOKENS and e.index == index for t in e.token_ids]
 
 
 def _client_verdict(job: Job, want: list[list[int]]) -> str:

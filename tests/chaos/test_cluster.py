@@ -38,11 +38,12 @@ def test_a_master_killed_mid_load_loses_nothing(tmp_path, tiny_model_dir, profil
     model = str(tiny_model_dir("llama"))
     jobs = workload(count, seed=23, max_tokens=(40, 160), shuffle_seed=29)
     expected = expected_tokens(model, jobs)
-    cluster = LocalCluster(tmp_path / "cluster").start()
+    cluster = LocalCluster(tmp_path / "cluster")
     keys = Keys("scale")
     fleet = Fleet(cluster.url, model, keys.queue, tmp_path, "--reclaim-after", "5",
                   "--checkpoint-interval", "0.5")
     try:
+        cluster.start()  # stops its own nodes when it fails or skips
         r = RedisCluster.from_url(cluster.url)
         for name in NAMES:
             fleet.spawn(name)

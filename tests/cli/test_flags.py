@@ -161,12 +161,26 @@ def test_generate_seed_seeds_the_engine_and_each_request():
 
 def test_submit_sampling_flags_build_sampling_params():
     args = parse("submit", "--n", "2", "--top-k", "5", "--seed", "3", "--ignore-eos")
-    from pagedq.worker.cli.flags import sampling_params
-    from pagedq.worker.cli.queue import SAMPLING_DEFAULTS
+    from pagedq.worker.cli.flags import COMMAND_SAMPLING, sampling_params
 
-    params = sampling_params(args, SAMPLING_DEFAULTS)
+    params = sampling_params(args, COMMAND_SAMPLING["submit"])
     assert params == SamplingParams(n=2, top_k=5, seed=3, ignore_eos=True, max_tokens=64,
                                     temperature=0.0)
+
+
+def test_each_command_shows_its_row_of_the_sampling_table():
+    """One table (flags.COMMAND_SAMPLING) holds every command's sampling defaults; each
+    command's --help states its row, and a command given no flag samples with it."""
+    from pagedq.worker.cli.flags import COMMAND_SAMPLING, sampling_params
+
+    assert set(COMMAND_SAMPLING) == {"generate", "chat", "submit", "demo"}
+    sub = build_parser()._subparsers._group_actions[0]
+    for command, row in COMMAND_SAMPLING.items():
+        text = " ".join(sub.choices[command].format_help().split())
+        help_line = text.split("--max-tokens N ")[-1].split("--")[0]
+        assert f"(default: {row['max_tokens']})" in help_line, (command, help_line)
+        args = parse(command)
+        assert sampling_params(args, row) == SamplingParams(**row)
 
 
 def test_every_command_is_registered():
@@ -174,3 +188,19 @@ def test_every_command_is_registered():
     registered = set(sub.choices)
     assert {c for cmds in COMMANDS.values() for c in cmds} <= registered
     assert {"generate", "chat", "worker", "submit", "stats", "demo", "bench"} <= registered
+
+
+def test_log_level_is_one_flag_everywhere():
+    """Every command's --log-level is console.add_log_level_flag's: the same choices, any case."""
+    from pagedq.worker.cli.console import LOG_LEVELS
+
+    sub = build_parser()._subparsers._group_actions[0]
+    having = []
+    for command, parser in sub.choices.items():
+        (action,) = [a for a in parser._actions if "--log-level" in a.option_strings] or [None]
+        if action is None:
+            continue
+        having.append(command)
+        assert tuple(action.choices) == LOG_LEVELS, command
+        assert parse(command, "--log-level", "debug").log_level == "DEBUG"
+    assert {"worker", "serve", "chat", "generate", "plan", "demo"} <= set(having)

@@ -100,3 +100,16 @@ def test_chat_applies_the_template_and_generate_does_not(tiny_text_model_dir, en
         [len(tok(templated, add_special_tokens=False).input_ids) + 2], chat.config.block_size)
     assert plain.kv.pool.num_blocks == blocks_for([len(tok("Hello").input_ids) + 2],
                                                   plain.config.block_size)
+
+
+def test_chat_runs_the_bundled_model_packed(engines, capsys):
+    """`pagedq chat` with no --model runs the bundled GGUF as shipped (the engine's rule for
+    quantization "auto"): no fp32 conversion, weights about the file's size."""
+    from pagedq.worker.models.loader import packed_source
+
+    assert main(["chat", "What is the capital of France?", "--max-tokens", "24"]) == 0
+    assert "Paris" in capsys.readouterr().out
+    (engine,) = engines
+    gguf = packed_source(engine.model_path)
+    assert gguf is not None and gguf.suffix == ".gguf"
+    assert engine.stats()["weight_bytes"] <= 1.1 * gguf.stat().st_size

@@ -124,7 +124,8 @@ def test_worker_in_one_terminal_submit_in_another(tiny_text_model_dir, tmp_path,
 
     from pagedq.worker.config import settings
 
-    env = {**os.environ, "PAGEDQ_CACHE": str(tmp_path)}
+    # PAGEDQ_CPU_KERNEL=0: what is tested is discovery, not a first compile of the C++ kernels
+    env = {**os.environ, "PAGEDQ_CACHE": str(tmp_path), "PAGEDQ_CPU_KERNEL": "0"}
     env.pop("REDIS_URL", None)
     worker = subprocess.Popen(
         [sys.executable, "-m", "pagedq.worker.cli", "worker", "--model", str(tiny_text_model_dir),
@@ -151,3 +152,84 @@ def test_worker_in_one_terminal_submit_in_another(tiny_text_model_dir, tmp_path,
     assert worker.returncode == 0, log
     assert "started an embedded redis-server" in log
     assert not (tmp_path / "embedded-redis.json").exists()  # withdrawn on exit
+
+
+def _worker_loading_until(redis_db, model, release, monkeypatch, fail=False):
+    """A worker in a thread whose model load waits for ``release`` (then builds the real
+    engine, or fails): the window between `pagedq worker` and its first checkpoint, held open."""
+    import asyncio
+    import threading
+
+    from pagedq.worker.config import WorkerConfig
+    from pagedq.worker.service import worker as service
+
+    real = service.build_engine
+
+    def held_build(config):
+        assert release.wait(120), "the test never released the load"
+        if fail:
+            raise FileNotFoundError("no such model")
+        return real(config)
+
+    monkeypatch.setattr(service, "build_engine", held_build)
+    cfg = WorkerConfig(model=model, redis_url=redis_db, consumer_name="late",
+                       checkpoint_interval=0.2, read_block_ms=200, drain_timeout=5,
+                       engine=dict(num_kv_blocks=64, max_num_seqs=4, max_model_len=256))
+    worker = service.Worker(cfg)
+    codes = []
+    thread = threading.Thread(target=lambda: codes.append(asyncio.run(worker.run())),
+                              daemon=True)
+    thread.start()
+    return worker, thread, codes
+
+
+def test_submit_right_after_worker_waits_for_the_starting_one(redis_db, tiny_text_model_dir,
+                                                              capsys, monkeypatch):
+    """A worker announces itself while its model loads: submit says "a worker is starting"
+    and waits (no --wait needed), and the job it left queued is the worker's first."""
+    import re
+    import threading
+
+    from pagedq.client import Client
+    from tests.service.harness import wait_until
+
+    release = threading.Event()
+    worker, thread, codes = _worker_loading_until(redis_db, str(tiny_text_model_dir), release,
+                                                  monkeypatch)
+    try:
+        with Client(redis_db) as client:
+            wait_until(lambda: client.stats()["starting"] == 1, timeout=60)
+            assert main(["stats", "--redis-url", redis_db]) == 0
+            assert "1 worker(s) starting" in capsys.readouterr().out
+            assert main(["submit", "Hello", "--redis-url", redis_db, "--max-tokens", "4",
+                         "--ignore-eos", "--timeout", "0.5"]) == 3
+            err = capsys.readouterr().err
+            assert "a worker is starting on queue 'default' (loading its model)" in err, err
+            assert "no worker has checkpointed" not in err and "no answer within 0.5 s" in err
+            job_id = re.search(r"id ([^)\s,]+)\)", err).group(1)
+            release.set()
+            result = client.handle(job_id).result(timeout=120)
+            assert result.usage["completion_tokens"] == 4
+            stats = client.stats()
+            assert stats["starting"] == 0 and [w["name"] for w in stats["workers"]] == ["late"]
+    finally:
+        release.set()
+        worker.stop()
+        thread.join(90)
+    assert codes == [0]
+
+
+def test_a_failed_load_withdraws_the_announcement(redis_db, monkeypatch):
+    import threading
+
+    from pagedq.client import Client
+    from tests.service.harness import wait_until
+
+    release = threading.Event()
+    worker, thread, codes = _worker_loading_until(redis_db, "nonexistent", release, monkeypatch,
+                                                  fail=True)
+    with Client(redis_db) as client:
+        wait_until(lambda: client.stats()["starting"] == 1, timeout=60)
+        release.set()
+        thread.join(60)
+        assert codes == [2] and client.stats()["starting"] == 0

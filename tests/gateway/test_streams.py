@@ -103,15 +103,24 @@ def test_a_dropped_stream_is_cancelled_after_the_grace(redis_url, queue, worker,
 
 
 def test_a_stream_resumed_within_the_grace_is_not_cancelled(redis_url, queue, worker, tiny_id):
-    with serve(redis_url, queue=queue, disconnect_grace=1.5) as gw:
+    """Not vacuous: the job is checked to be still running after the first drop's grace ran
+    out, so only the resume can have kept it alive."""
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(queue)
+    with serve(redis_url, queue=queue, disconnect_grace=1.0) as gw:
         with gw.http() as http:
-            with http.stream("POST", "/v1/chat/completions", json=body(tiny_id, 600)) as resp:
+            with http.stream("POST", "/v1/chat/completions", json=body(tiny_id, 900)) as resp:
                 events = read_events(resp.iter_lines(), stop_after_id=2)
+            dropped = time.monotonic()
             rid = json.loads(events[-1][1])["id"]
-            time.sleep(0.5)
+            time.sleep(0.3)
             with http.stream("GET", f"/v1/requests/{rid}/stream",
                              headers={"Last-Event-ID": "2"}) as resp:
-                time.sleep(2.0)  # past the first drop's grace while attached
+                time.sleep(max(0.0, dropped + 1.5 - time.monotonic()))  # past the grace
+                running = r.hget(keys.state(rid), "done") != b"1"
                 rest = read_events(resp.iter_lines())
+    r.close()
+    assert running, ("the job ended within the first drop's grace, so this test proves "
+                     "nothing: give it more tokens")
     assert rest[-1][1] == "[DONE]"
-    assert json.loads(rest[-2][1])["usage"]["completion_tokens"] == 600
+    assert json.loads(rest[-2][1])["usage"]["completion_tokens"] == 900

@@ -158,7 +158,7 @@ def test_repo_id_not_cached_names_the_cache(isolated_env):
     message = str(info.value)
     assert str(isolated_env / "hf-hub") in message
     assert "not cached" in message
-    assert "huggingface-cli download" in message
+    assert "`hf download ORG/NAME`" in message
 
 
 def test_dir_without_config_and_non_gguf_file(isolated_env):
@@ -233,6 +233,15 @@ def test_repo_id_resolves_from_hf_home(tiny_model_dir, isolated_env, monkeypatch
     snapshot = _fake_hf_cache(isolated_env / "hf-home" / "hub", "tiny-org/tiny-qwen2",
                               tiny_model_dir("qwen2"), commit)
     assert resolve_model("tiny-org/tiny-qwen2") == snapshot
+
+
+def test_the_suite_never_writes_into_the_users_cache():
+    """tests/conftest.py gives the session a temporary pagedq cache, subprocesses included."""
+    from tests.conftest import BUNDLED_GGUF, SESSION_CACHE
+
+    assert cache_dir() == SESSION_CACHE != Path.home() / ".cache" / "pagedq"
+    assert os.environ["PAGEDQ_CACHE"] == str(SESSION_CACHE)
+    assert BUNDLED_GGUF == default_model.GGUF_FILENAME
 
 
 def test_cache_dir_from_env(isolated_env):
@@ -474,8 +483,8 @@ def test_failed_conversion_leaves_nothing(isolated_env, tmp_path):
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    """The default model in the machine's pagedq cache (converted on first use, ~40 s, then
-    shared with every later test session and the engine's tests)."""
+    """The default model in the session's pagedq cache (converted on first use, ~40 s, then
+    shared with the session's later tests; $PAGEDQ_TEST_CACHE keeps it between sessions)."""
     return default_model.ensure_default_model()
 
 

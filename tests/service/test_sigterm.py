@@ -5,7 +5,7 @@ clean exit 0, never a traceback."""
 from __future__ import annotations
 
 import signal
-import time
+import subprocess
 
 import pytest
 import redis
@@ -17,6 +17,7 @@ from tests.chaos.servers import RedisServer
 from tests.service.test_worker_procs import events, spawn, stop, wait_until
 
 DRAIN_S = 1.0
+BOUND_S = DRAIN_S + EXIT_GRACE_S + 30
 
 
 @pytest.fixture
@@ -38,16 +39,19 @@ def test_sigterm_exits_in_time_even_with_redis_frozen(server, tmp_path, tiny_mod
                                                           ignore_eos=True))
             wait_until(lambda: events(r, handle.id, "frozen"), proc=proc)
         server.process.send_signal(signal.SIGSTOP)  # every Redis call now hangs
-        began = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        # the bound the docs promise, with room for a loaded machine's scheduling
-        code = proc.wait(DRAIN_S + EXIT_GRACE_S + 30)
-        took = time.monotonic() - began
+        try:  # the bound the docs promise, with room for a loaded machine's scheduling
+            code = proc.wait(BOUND_S)
+        except subprocess.TimeoutExpired:
+            code = None  # the bound fired: still running (stop() below kills it)
     finally:
         stop(proc)
         r.close()
-    assert code == 0, (code, (tmp_path / "frozen-A.log").read_text()[-3000:])
-    assert took < DRAIN_S + EXIT_GRACE_S + 30
+    log = (tmp_path / "frozen-A.log").read_text()[-3000:]
+    assert code is not None, (f"still running {BOUND_S:g} s after SIGTERM with Redis frozen "
+                              f"(promised: --drain-timeout {DRAIN_S:g} s + {EXIT_GRACE_S:g} s "
+                              f"grace, plus 30 s of scheduling room)", log)
+    assert code == 0, (code, log)
 
 
 def test_sigterm_while_the_model_loads_exits_zero(server, tmp_path, tiny_model_dir):

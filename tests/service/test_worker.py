@@ -164,3 +164,21 @@ def test_a_redis_restart_mid_job_loses_no_event(tmp_path, model, reference):
     assert messages.count("Redis unreachable; every call waits and retries until it is back") == 1, \
         messages
     assert "task failed; carrying on" not in messages
+
+
+def test_a_model_that_does_not_load_ends_its_wait_as_failed(redis_db):
+    """`pagedq worker --model nonexistent`: the load's wait ends "failed", never "done", then
+    one error line whose hint names the current Hugging Face CLI; exit code 2."""
+    from pagedq.worker.config import WorkerConfig
+    from pagedq.worker.service.worker import Worker
+
+    with capture_logs() as logs:
+        code = asyncio.run(Worker(WorkerConfig(model="nonexistent/model",
+                                               redis_url=redis_db)).run())
+    assert code == 2
+    events = [e["event"] for e in logs]
+    assert "done: loading the model" not in events
+    (error,) = [e for e in logs if e["event"] == "cannot load the model"]
+    assert "`hf download ORG/NAME`" in error["error"]
+    if "loading the model" in events:  # announced (delay 0) before the load failed
+        assert events.index("failed: loading the model") < events.index("cannot load the model")

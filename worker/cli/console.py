@@ -14,7 +14,9 @@ PROMPT_HELP = "the prompt: text, @FILE to read it from a file, or - for standard
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
-def add_log_level_flag(parser: argparse.ArgumentParser, default: str = "INFO") -> None:
+def add_log_level_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                       default: str = "INFO") -> None:
+    """``--log-level``, the one definition every command uses (worker, serve, chat, plan, ...)."""
     parser.add_argument("--log-level", default=default, choices=LOG_LEVELS, type=str.upper,
                         help="least severe log lines shown on stderr; INFO shows what each long "
                         f"wait is doing (default: {default})")

@@ -19,7 +19,13 @@ from pagedq.worker.cli.console import (
     read_prompts,
     setup_console_logging,
 )
-from pagedq.worker.cli.flags import add_engine_flags, add_sampling_flags, engine_knobs, sampling_params
+from pagedq.worker.cli.flags import (
+    COMMAND_SAMPLING,
+    add_engine_flags,
+    add_sampling_flags,
+    engine_knobs,
+    sampling_params,
+)
 from pagedq.worker.cli.queue import redis_error_line, render_stats
 
 DEMO_PROMPTS = [
@@ -27,7 +33,6 @@ DEMO_PROMPTS = [
     "List three prime numbers.",
     "What is a paged KV cache?",
 ]
-SAMPLING_DEFAULTS: dict[str, Any] = {"max_tokens": 48, "temperature": 0.0}
 # Small on purpose: the live view's KV occupancy moves visibly (a few thousand tokens).
 DEMO_KV_CACHE = "128MiB"
 LINE_EVERY_S = 2.0  # progress lines without a terminal
@@ -43,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"{PROMPT_HELP} (default: three short questions)")
     add_log_level_flag(p)
     add_engine_flags(p, helps={"kv_cache_memory": DEMO_KV_HELP})
-    add_sampling_flags(p, defaults=SAMPLING_DEFAULTS, skip=("n", "logprobs", "seed"))
+    add_sampling_flags(p, defaults=COMMAND_SAMPLING["demo"], skip=("n", "logprobs", "seed"))
     p.set_defaults(func=run)
 
 
@@ -64,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     setup_console_logging(args.log_level)
     try:
         prompts = read_prompts(args.prompts) if args.prompts else DEMO_PROMPTS
-        params = sampling_params(args, SAMPLING_DEFAULTS)
+        params = sampling_params(args, COMMAND_SAMPLING["demo"])
         engine = engine_knobs(args)
         if "num_kv_blocks" not in engine:
             engine.setdefault("kv_cache_memory", DEMO_KV_CACHE)

@@ -202,6 +202,26 @@ SAMPLING_HELP = {
 }
 
 
+# -- per-command sampling defaults: the one table -----------------------------------------------
+# ``SamplingParams()`` keeps vLLM's defaults (temperature 1.0, max_tokens 16): what the SDK and
+# the wire mean when a caller says nothing, so code ported from vLLM behaves the same. A person
+# at a terminal wants a greedy, readable answer instead, so each command has its own row here
+# (and only here); every command is greedy, and the lengths differ for the reason given.
+# `pagedq serve` answers OpenAI's API with OpenAI's defaults (worker/gateway/openai.py): chat
+# max_tokens None (up to the model's length), completions 16, temperature 1.0.
+COMMAND_SAMPLING: dict[str, dict[str, Any]] = {
+    # the answer is the command's whole output, read once: room for a paragraph
+    "generate": {"max_tokens": 128, "temperature": 0.0},
+    "chat": {"max_tokens": 128, "temperature": 0.0},
+    # a job put on a shared queue from a terminal, often to check a fleet answers: half as
+    # long, so a busy worker's answer still comes back in seconds
+    "submit": {"max_tokens": 64, "temperature": 0.0},
+    # several answers stream side by side in one live view on a CPU: short enough that each
+    # fits its rows and all finish within seconds
+    "demo": {"max_tokens": 48, "temperature": 0.0},
+}
+
+
 def add_sampling_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, Any],
                        skip: Iterable[str] = ()) -> None:
     """SamplingParams fields as flags in a "sampling" group; ``defaults`` are the command's own

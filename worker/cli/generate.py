@@ -15,10 +15,14 @@ from typing import Any
 
 from pagedq.errors import PagedQError
 from pagedq.worker.cli.console import PROMPT_HELP, add_log_level_flag, read_prompts
-from pagedq.worker.cli.flags import add_engine_flags, add_sampling_flags, engine_knobs, sampling_params
+from pagedq.worker.cli.flags import (
+    COMMAND_SAMPLING,
+    add_engine_flags,
+    add_sampling_flags,
+    engine_knobs,
+    sampling_params,
+)
 
-# A terminal user wants a greedy, readable answer, not the wire's 16 random tokens.
-SAMPLING_DEFAULTS: dict[str, Any] = {"max_tokens": 128, "temperature": 0.0}
 # --seed is the engine's field; given, it also seeds each request (see sampling_from_args).
 SEED_HELP = ("Seed of the random draws: the same seed, prompt and flags give the same output "
              "(default: 0)")
@@ -40,17 +44,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help=PROMPT_HELP + " (several: one conversation each)")
     chat.add_argument("--system", default=None, help="a system message for every conversation")
     chat.set_defaults(func=run, chat=True)
-    for p in (gen, chat):
+    for command, p in (("generate", gen), ("chat", chat)):
         p.add_argument("--json", action="store_true", help="print results as JSON lines")
         add_log_level_flag(p)
         add_engine_flags(p, helps={"seed": SEED_HELP})
-        add_sampling_flags(p, defaults=SAMPLING_DEFAULTS, skip=("seed", "logprobs"))
+        add_sampling_flags(p, defaults=COMMAND_SAMPLING[command], skip=("seed", "logprobs"))
 
 
 def sampling_from_args(args: argparse.Namespace) -> Any:
     """The sampling flags; ``--seed`` also becomes each request's seed, so a seeded run's
     output does not depend on how its prompts were batched."""
-    params = sampling_params(args, SAMPLING_DEFAULTS)
+    params = sampling_params(args, COMMAND_SAMPLING["chat" if args.chat else "generate"])
     if getattr(args, "seed", None) is not None:
         params.seed = args.seed
         params.validate()
@@ -100,7 +104,9 @@ def prepare(config: Any, texts: list[str], params: Any, args: argparse.Namespace
     from pagedq.worker.engine.sizing import blocks_for
     from pagedq.worker.models.loader import load_config, load_tokenizer, resolve_model
 
-    path = resolve_model(config.model)
+    # The engine's rule (Engine.__init__): quantization "auto" keeps a GGUF packed, so the
+    # bundled model runs from its GGUF's blocks, with no fp32 conversion and no second fetch.
+    path = resolve_model(config.model, packed=config.quantization == "auto")
     hf_config, tokenizer = load_config(path), load_tokenizer(path)
     if args.chat:
         prompts = [chat_prompt(tokenizer, path, conversation(args, t)) for t in texts]

@@ -30,20 +30,26 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="jobs running at once (default: 32)")
     p.add_argument("--seq-len", type=int, default=1024, metavar="L",
                    help="tokens per job, prompt + output (default: 1024)")
-    add_log_level_flag(p, default="WARNING")
+    add_log_level_flag(p)  # INFO: a wait longer than 2 s (imports, a first conversion) shows
     add_engine_flags(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from pagedq.progress import waiting
     from pagedq.worker.cli.console import setup_console_logging
     from pagedq.worker.config import EngineConfig
+    from pagedq.worker.logging import get_logger
 
     setup_console_logging(args.log_level)
     try:
         if args.concurrency < 1 or args.seq_len < 1:
             raise PagedQError("--concurrency and --seq-len must be at least 1")
-        print(plan_text(EngineConfig(**engine_knobs(args)), args.concurrency, args.seq_len))
+        config = EngineConfig(**engine_knobs(args))
+        with waiting("reading the model's config (torch loads first)", get_logger("pagedq.plan"),
+                     model=config.model or "default"):
+            text = plan_text(config, args.concurrency, args.seq_len)
+        print(text)
     except PagedQError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

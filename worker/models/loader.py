@@ -171,8 +171,9 @@ def _not_found_message(model: str, tried: list[str]) -> str:
     lines += [
         "Pass one of: a directory with config.json and *.safetensors / pytorch_model*.bin; "
         "a .gguf file; a repo id already in the Hugging Face cache (fetch it first with "
-        "`huggingface-cli download ORG/NAME`, and set HF_HUB_CACHE or HF_HOME if the cache "
-        "lives elsewhere); or no model at all for the bundled default (SmolLM2-135M-Instruct)."
+        "`hf download ORG/NAME`, or `huggingface-cli download` with huggingface_hub < 0.34; set "
+        "HF_HUB_CACHE or HF_HOME if the cache lives elsewhere); or no model at all for the "
+        "bundled default (SmolLM2-135M-Instruct)."
     ]
     return "\n".join(lines)
 

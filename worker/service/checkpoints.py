@@ -14,6 +14,8 @@ Keys (docs/queue.md)::
     P:{Q}:stats        hash, TTL = checkpoint_ttl: per level length/pending/lag, depth,
                        pending, dead_letters, updated (every worker writes it; the latest wins)
     P:{Q}:lock:NAME    NAME, TTL = checkpoint_ttl: the consumer name is taken
+    P:{Q}:starting     zset host:pid -> expiry (unix s), TTL = checkpoint_ttl: workers still
+                       loading their model (``Starting``), so `pagedq submit` waits for them
 """
 
 from __future__ import annotations
@@ -26,14 +28,19 @@ from collections import deque
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from pagedq.client.protocol import Keys
 from pagedq.client.queue import depth_query, queue_depth
+from pagedq.worker.logging import get_logger
 from pagedq.worker.service.shared import Part, Shared
+
+log = get_logger(__name__)
 
 ENGINE_FIELDS = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage",
                  "kv_tokens_live", "preemptions", "prefix_cache_queries", "prefix_cache_hits")
 MAX_NAME_SUFFIX = 1000
+STOP_TIMEOUT_S = 1.0  # the most a stopping worker waits to withdraw its start announcement
 RATE_WINDOW_S = 10.0  # tokens_per_s averages over this long: tokens are published in bursts
 
 
@@ -64,6 +71,49 @@ async def claim_name(r: Redis, keys: Keys, base: str, ttl_s: float) -> str:
         if await r.set(keys.lock(name), name, nx=True, px=int(ttl_s * 1000)):
             return name
     raise RuntimeError(f"{MAX_NAME_SUFFIX} live workers already use the consumer name {base!r}")
+
+
+class Starting:
+    """A worker loading its model says so: ``P:{Q}:starting`` holds ``host:pid`` until the
+    first checkpoint (or a failed load) removes it, or its claim expires (a worker killed while
+    loading). ``pagedq submit`` right after ``pagedq worker`` then says "a worker is starting"
+    and waits, instead of "no worker". Advisory: a Redis error here is logged, never fatal."""
+
+    def __init__(self, r: Redis, keys: Keys, ttl_s: float, interval_s: float):
+        self.r = r
+        self.key = keys.starting
+        self.ttl_s = ttl_s
+        self.interval_s = interval_s
+        self.member = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._announce(), name="starting")
+
+    async def _announce(self) -> None:
+        while True:
+            now = time.time()
+            try:
+                pipe = self.r.pipeline(transaction=False)
+                pipe.zadd(self.key, {self.member: now + self.ttl_s})
+                pipe.zremrangebyscore(self.key, "-inf", now)
+                pipe.pexpire(self.key, int(self.ttl_s * 1000))
+                await pipe.execute()
+            except RedisError as exc:
+                log.debug("could not announce the start", error=repr(exc))
+            await asyncio.sleep(self.interval_s)
+
+    async def stop(self) -> None:
+        """Serving (its first checkpoint is written) or given up: withdraw the claim."""
+        if self._task is None:
+            return
+        self._task.cancel()
+        self._task = None
+        try:
+            # bounded: a SIGTERM while loading exits at once whatever Redis does
+            await asyncio.wait_for(self.r.zrem(self.key, self.member), STOP_TIMEOUT_S)
+        except (TimeoutError, RedisError) as exc:
+            log.debug("could not withdraw the start (it expires on its own)", error=repr(exc))
 
 
 class Checkpoints(Part):

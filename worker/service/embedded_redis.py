@@ -19,6 +19,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedq.client.redis_url import ADVERTISED_FILE, advertised_path, answers_ping, find_advertised
+
+# the advertisement's reader side is the client's (one rule); re-exported for the worker
+__all__ = ["ADVERTISED_FILE", "EmbeddedRedis", "RedisServerNotFoundError", "advertise",
+           "advertised_path", "find_advertised", "free_port", "redis_server_binary", "withdraw"]
 from pagedq.worker.processes import stop_process
 
 
@@ -105,19 +110,13 @@ class EmbeddedRedis:
 
 
 # -- discovery: how other commands on this machine find a worker's embedded server -----------
-ADVERTISED_FILE = "embedded-redis.json"
-
-
-def advertised_path() -> Path:
-    """Where a worker that started an embedded redis-server writes its URL (the pagedq cache)."""
-    from pagedq.worker.config import settings
-
-    return settings().cache_dir / ADVERTISED_FILE
+# The rule and the file live with the client (client/redis_url.py), which reads them too.
 
 
 def advertise(server: EmbeddedRedis, path: Path | None = None) -> Path:
-    """Write ``server``'s URL where ``pagedq submit``, ``stats`` and other workers look, so
-    `pagedq worker` in one terminal and `pagedq submit "hi"` in another find each other."""
+    """Write ``server``'s URL where ``Client()``, ``pagedq submit``, ``stats`` and other workers
+    look, so `pagedq worker` in one terminal and `pagedq submit "hi"` in another find each
+    other."""
     path = path or advertised_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -135,28 +134,6 @@ def withdraw(path: Path | None = None) -> None:
             path.unlink()
     except (OSError, ValueError):
         pass
-
-
-def find_advertised(path: Path | None = None, timeout: float = 0.5) -> str | None:
-    """The URL of the embedded redis-server a worker on this machine advertises, if it still
-    answers PING; None otherwise (a stale advertisement is ignored)."""
-    path = path or advertised_path()
-    try:
-        url = json.loads(path.read_text())["url"]
-        port = int(url.rsplit(":", 1)[1].split("/")[0])
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return None
-    return url if _answers_ping(port, timeout) else None
-
-
-def _answers_ping(port: int, timeout: float) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-            s.settimeout(timeout)
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
 
 
 def _detach() -> None:
@@ -178,7 +155,7 @@ def _wait_ping(port: int, proc: subprocess.Popen, timeout: float) -> bool:
     while time.monotonic() < end:
         if proc.poll() is not None:
             return False
-        if _answers_ping(port, 0.5):
+        if answers_ping(port, 0.5):
             return True
         time.sleep(0.05)
     return False

