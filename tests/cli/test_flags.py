@@ -28,7 +28,7 @@ ENGINE_SAMPLE = {
     "max_model_len": 777, "long_prefill_token_threshold": 16, "enable_chunked_prefill": False,
     "enable_prefix_caching": False, "num_threads": 3, "seed": 11, "grammar_cache_size": 5,
     "grammar_compile_threads": 3, "grammar_compile_timeout": 2.5, "quantization": "int4",
-    "packed_gemm_precision": "bf16",
+    "packed_gemm_precision": "bf16", "cpu_isa": "avx2", "adaptive_threads": False,
 }
 WORKER_SAMPLE = {
     "redis_url": "redis://h:1/2", "queue": "q2", "prefix": "px", "consumer_name": "c1",
@@ -43,8 +43,8 @@ WORKER_SAMPLE = {
 }
 # WorkerConfig fields carried by other flags: --model, and the engine group
 WORKER_VIA_ENGINE = {"model", "engine"}
-ENGINE_COMMANDS = ("generate", "chat", "worker", "bench", "demo")
-POSITIONAL = {"generate": ["hi"], "chat": ["hi"], "submit": ["hi"]}
+ENGINE_COMMANDS = ("generate", "chat", "worker", "bench", "demo", "serve", "batch")
+POSITIONAL = {"generate": ["hi"], "chat": ["hi"], "submit": ["hi"], "batch": ["in.jsonl", "-o", "o.jsonl"]}
 
 
 def argv(sample: dict) -> list[str]:
