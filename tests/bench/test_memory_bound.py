@@ -30,6 +30,6 @@ def test_figures_against_llama_cpp_and_the_roofline():
                                     "llama_cpp": [row(1, 15.0), row(16, 100.0)],
                                     "roofline_tok_s_1": 20.0}}}
     figs = memory_bound.figures(results)["files"]["Q4_K_M"]
-    assert figs["vs_llama_cpp"] == {1: 17 / 15, 16: 1.5} and figs["of_roofline_1"] == 0.85
+    assert figs["vs_llama_cpp"] == {"1": 17 / 15, "16": 1.5} and figs["of_roofline_1"] == 0.85
     assert "| Q4_K_M | 1.00 GB | 17.0 / 150.0 |" in memory_bound.markdown(
         memory_bound.figures(results))

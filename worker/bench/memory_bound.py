@@ -158,12 +158,13 @@ def figures(results: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     out: dict[str, Any] = {"stream_read_gbps": results["stream_read_gbps"], "files": {}}
     for type_name, f in results["files"].items():
-        ours = {int(r["b"]): r["s_tg"] for r in f["pagedq"]}
-        theirs = {int(r["b"]): r["s_tg"] for r in f["llama_cpp"]}
+        # string keys: the figures go through JSON, which keeps no int keys
+        ours = {str(int(r["b"])): r["s_tg"] for r in f["pagedq"]}
+        theirs = {str(int(r["b"])): r["s_tg"] for r in f["llama_cpp"]}
         out["files"][type_name] = {
             "pagedq": ours, "llama_cpp": theirs, "roofline_tok_s_1": f["roofline_tok_s_1"],
             "vs_llama_cpp": {s: ours[s] / theirs[s] for s in ours if theirs.get(s)},
-            "of_roofline_1": ours[1] / f["roofline_tok_s_1"], "weight_bytes": f["weight_bytes"]}
+            "of_roofline_1": ours["1"] / f["roofline_tok_s_1"], "weight_bytes": f["weight_bytes"]}
     return out
 
 
@@ -176,8 +177,8 @@ def markdown(figs: dict[str, Any] | None) -> str:
             "roofline at 1 | pagedq of roofline |", "|---|---|---|---|---|---|---|"]
     for type_name, f in figs["files"].items():
         p, q, r = f["pagedq"], f["llama_cpp"], f["vs_llama_cpp"]
-        rows.append(f"| {type_name} | {f['weight_bytes'] / 1e9:.2f} GB | {p[1]:.1f} / {p[16]:.1f} | "
-                    f"{q.get(1, 0):.1f} / {q.get(16, 0):.1f} | {r.get(1, 0):.2f}x / "
-                    f"{r.get(16, 0):.2f}x | {f['roofline_tok_s_1']:.1f} | "
+        rows.append(f"| {type_name} | {f['weight_bytes'] / 1e9:.2f} GB | {p['1']:.1f} / {p['16']:.1f} | "
+                    f"{q.get('1', 0):.1f} / {q.get('16', 0):.1f} | {r.get('1', 0):.2f}x / "
+                    f"{r.get('16', 0):.2f}x | {f['roofline_tok_s_1']:.1f} | "
                     f"{f['of_roofline_1']:.2f} |")
     return "\n".join(rows)
