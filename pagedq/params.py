@@ -20,6 +20,8 @@ MAX_N = 1024
 MAX_STOP = 1024
 MAX_STOP_CHARS = 4096
 MAX_LOGPROBS = 20
+MAX_SCHEMA_DEPTH = 128  # nested objects/arrays of a JSON Schema: far past real ones, far below
+# the interpreter's recursion limit (copying, encoding and compiling a schema all recurse)
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -83,12 +85,16 @@ class StructuredOutputsParams:
         if isinstance(schema, str):
             try:
                 schema = jsonlib.loads(schema)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise InvalidParamsError(
                     f"SamplingParams.structured_outputs.json is not valid JSON: {exc}") from exc
         if not isinstance(schema, dict):
             raise InvalidParamsError("SamplingParams.structured_outputs.json must be a JSON Schema "
                                      f"object (a dict or its JSON text), got {type(schema).__name__}")
+        if json_depth(schema) > MAX_SCHEMA_DEPTH:
+            raise InvalidParamsError(
+                "SamplingParams.structured_outputs.json nests objects and arrays more than "
+                f"{MAX_SCHEMA_DEPTH} levels deep: flatten the schema (use $defs and $ref)")
         return schema
 
     @property
@@ -124,6 +130,22 @@ class StructuredOutputsParams:
             raise InvalidParamsError(
                 f"unknown structured_outputs keys {unknown}; use exactly one of {list(STRUCTURED_KINDS)}")
         return cls(**value)
+
+
+def json_depth(value: Any, stop: int = MAX_SCHEMA_DEPTH + 1) -> int:
+    """How deeply dicts and lists nest in ``value`` (0 for a scalar), counted without recursion
+    and up to ``stop`` only, so a hostile 10,000-level document costs nothing."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if not isinstance(item, (dict, list, tuple)):
+            continue
+        deepest = max(deepest, depth)
+        if depth >= stop:
+            return deepest
+        children = item.values() if isinstance(item, dict) else item
+        todo.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import time
 from collections.abc import Coroutine
 from contextlib import asynccontextmanager
@@ -20,13 +21,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedq.client import AsyncClient
 from pagedq.worker.config import GatewayConfig
 from pagedq.worker.gateway.batch_store import BatchStore
 from pagedq.worker.gateway.batches import BatchDriver
-from pagedq.worker.gateway.errors import APIError
+from pagedq.worker.gateway.errors import APIError, unexpected
 from pagedq.worker.gateway.files import DirFileStore, FileStore, RedisFileStore
 from pagedq.worker.gateway.fleet import Fleet
 from pagedq.worker.gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -198,8 +200,20 @@ def too_large(limit: int) -> APIError:
                     "request_too_large")
 
 
+class ErrorResponse(JSONResponse):
+    """An error body as ASCII JSON: a message quoting a client's text (a lone surrogate
+    included) always renders."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def error_response(err: APIError) -> Response:
+    return ErrorResponse(err.body(), err.status, headers=err.headers)
+
+
 async def _send_error(send: Send, err: APIError) -> None:
-    response = JSONResponse(err.body(), err.status, headers=err.headers)
+    response = error_response(err)
     await response({"type": "http"}, _no_receive, send)
 
 
@@ -212,7 +226,7 @@ async def _no_receive() -> Message:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+    return error_response(exc)
 
 
 async def _validation_error(request: Request, exc: Exception) -> Response:
@@ -221,20 +235,26 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", exc))
-    return JSONResponse(APIError(400, message, param=param).body(), 400)
+    return error_response(APIError(400, message, param=param))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     err = APIError(exc.status_code, str(exc.detail), "invalid_request_error", code)
-    return JSONResponse(err.body(), exc.status_code)
+    return error_response(err)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    log.exception("request failed", path=request.url.path)
-    err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", "internal")
-    return JSONResponse(err.body(), 500)
+    """What no check foresaw: bad input is still a 400 (unexpected()), a client gone mid-body
+    is no error of ours, anything else a 500 that names nothing of the exception."""
+    if isinstance(exc, ClientDisconnect):
+        log.info("client disconnected mid-request", path=request.url.path)
+        return Response(status_code=499)
+    err = unexpected(exc)
+    if err.status >= 500:
+        log.exception("request failed", path=request.url.path)
+    return error_response(err)
 
 
 # -- small routes -------------------------------------------------------------------------------

@@ -15,12 +15,15 @@ from pagedq.client.protocol import (
     E_INVALID_REQUEST,
     E_TOO_LONG,
     E_UNSUPPORTED_VERSION,
+    ProtocolError,
 )
+from pagedq.errors import InvalidParamsError
 
 # Worker error codes that mean the request itself was bad (the client must change it).
 CLIENT_CODES = frozenset({E_BAD_PAYLOAD, E_INVALID_PARAMS, E_INVALID_REQUEST, E_TOO_LONG,
                           E_UNSUPPORTED_VERSION})
-_PARAM_RE = re.compile(r"SamplingParams\.(\w+)=")
+MAX_MESSAGE = 400  # characters of an error message (they may quote what a client sent)
+_PARAM_RE = re.compile(r"SamplingParams\.(\w+)\s*[=:]")
 # SamplingParams field -> the OpenAI request field a user set it through
 _OPENAI_NAMES = {"max_tokens": "max_tokens", "logprobs": "logprobs", "n": "n"}
 
@@ -31,6 +34,8 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  code: str | None = None, param: str | None = None,
                  headers: dict[str, str] | None = None):
+        if len(message) > MAX_MESSAGE:  # never echo a huge input back
+            message = message[:MAX_MESSAGE] + f"... ({len(message)} characters in all)"
         super().__init__(message)
         self.status = status
         self.message = message
@@ -64,3 +69,22 @@ def from_job_error(code: str, message: str) -> APIError:
     if code in CLIENT_CODES:
         return bad_request(message, code=code)
     return APIError(500, message, "server_error", code)
+
+
+def unexpected(exc: BaseException) -> APIError:
+    """An exception no check foresaw, as an answer. Bad input that slipped past the checks
+    (text that is not Unicode, nesting past the interpreter's limit) is still the client's 400;
+    anything else is a 500 that echoes nothing of the exception (the log has it)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ProtocolError):
+        return bad_request(str(exc), code=exc.code)
+    if isinstance(exc, InvalidParamsError):
+        return invalid_params(exc)
+    if isinstance(exc, UnicodeError):
+        return bad_request("the request holds text that is not valid Unicode (a lone UTF-16 "
+                           "surrogate such as \\ud800?): send UTF-8 text", code=E_INVALID_REQUEST)
+    if isinstance(exc, RecursionError):
+        return bad_request("the request nests objects or arrays too deeply", code=E_INVALID_REQUEST)
+    return APIError(500, "internal error: the gateway's log has the details", "server_error",
+                    "internal")

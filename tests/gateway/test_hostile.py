@@ -1,0 +1,120 @@
+"""``pagedq serve`` against hostile and careless clients (issue 25): every finding's repro,
+each answered as it must be now (a bad line fails alone, a bad body is a 400, ...)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import redis
+
+from pagedq.worker.gateway.batch_store import BatchKeys
+from tests.gateway.harness import serve, wait_until
+from tests.gateway.test_batches import MODEL, chat_line, jsonl, read_lines, wait_batch
+
+
+@pytest.fixture(autouse=True)
+def _model(tiny_id):
+    MODEL["id"] = tiny_id
+
+
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def bad_bodies(model: str) -> dict[str, dict]:
+    """Bodies that each once answered 500 (and stalled every batch holding one as a line)."""
+    hello = [{"role": "user", "content": "Hello"}]
+    return {
+        "n17": {"model": model, "messages": hello, "n": 17},
+        "stop17": {"model": model, "messages": hello, "stop": [f"s{i}" for i in range(17)]},
+        "stop300": {"model": model, "messages": hello, "stop": ["x" * 300]},
+        "surrogate": {"model": model, "messages": [{"role": "user", "content": "\ud800"}]},
+        "nested300": {"model": model, "messages": hello,
+                      "response_format": {"type": "json_schema", "json_schema": {
+                          "name": "deep", "schema": nested_schema(300)}}},
+        "nested450": {"model": model, "messages": hello,
+                      "response_format": {"type": "json_schema", "json_schema": {
+                          "name": "deep", "schema": nested_schema(450)}}},
+    }
+
+
+def test_bad_lines_fail_alone_and_never_stall_a_batch(redis_url, queue, tiny_worker, tiny_id):
+    """Each bad line gets one 400-style error line; its batch completes, the batches beside it
+    run, an unserved model's line is refused and not also answered, a cancel ends as cancelled."""
+    bad = bad_bodies(tiny_id)
+    rows = [chat_line("ok-0", "Hello", max_tokens=4)]
+    rows += [{"custom_id": name, "method": "POST", "url": "/v1/chat/completions", "body": body}
+             for name, body in bad.items()]
+    rows.append({**chat_line("unserved", "Hello", max_tokens=4),
+                 "body": {**chat_line("x", "Hello")["body"], "model": "gpt-4o"}})
+    rows.append(chat_line("ok-1", "Rome", max_tokens=4))
+    long = [chat_line(f"l{i}", "Hello", max_tokens=200, ignore_eos=True) for i in range(6)]
+    with serve(redis_url, queue=queue, batch_window=2) as gw:
+        client = gw.openai()
+        f = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
+        g = client.files.create(file=("long.jsonl", io.BytesIO(jsonl(long + rows))),
+                                purpose="batch")
+        ids = [client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                     completion_window="24h").id for _ in range(3)]
+        doomed = client.batches.create(input_file_id=g.id, endpoint="/v1/chat/completions",
+                                       completion_window="24h").id
+        wait_until(lambda: client.batches.retrieve(doomed).request_counts.completed >= 1, 120,
+                   "a first line of the batch to cancel")
+        client.batches.cancel(doomed)
+        assert wait_batch(client, doomed).status == "cancelled"
+        for bid in ids:
+            batch = wait_batch(client, bid)
+            assert batch.status == "completed", batch
+            assert batch.request_counts.model_dump() == {
+                "total": len(rows), "completed": 2, "failed": len(bad) + 1}
+            out = read_lines(client, batch.output_file_id)
+            err = read_lines(client, batch.error_file_id)
+            assert sorted(o["custom_id"] for o in out) == ["ok-0", "ok-1"]
+            assert sorted(e["custom_id"] for e in err) == sorted([*bad, "unserved"])
+            for e in err:
+                assert e["response"] is None and e["error"]["code"], e
+                assert len(e["error"]["message"]) < 600, e
+            codes = {e["custom_id"]: e["error"]["code"] for e in err}
+            assert codes["unserved"] == "model_not_found"
+            assert codes["surrogate"] == "invalid_request"
+            assert {codes[k] for k in ("n17", "stop17", "stop300", "nested300", "nested450")} \
+                == {"invalid_params"}
+
+
+def test_a_batch_whose_driving_raises_does_not_hold_the_others(redis_url, queue, tiny_worker):
+    """A batch whose state is corrupt (here: its record lost a field) is failed after a few
+    passes, and a batch beside it completes in the meantime."""
+    with serve(redis_url, queue=queue) as gw:
+        client = gw.openai()
+        f = client.files.create(file=("in.jsonl", io.BytesIO(jsonl([chat_line("a", "Hi", 4)]))),
+                                purpose="batch")
+        broken = "batch_0000broken"  # sorts before every batch the API makes
+        obj = {"id": broken, "object": "batch", "endpoint": "/v1/chat/completions",
+               "input_file_id": f.id, "status": "validating"}  # no expires_at
+        keys = BatchKeys(gw.config.prefix, queue)
+        r = redis.Redis.from_url(redis_url)
+        pipe = r.pipeline()
+        pipe.hset(keys.batch(broken), mapping={"obj": json.dumps(obj), "next": 0})
+        pipe.zadd(keys.index, {broken: 0})
+        pipe.sadd(keys.active, broken)
+        pipe.execute()
+        fine = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                     completion_window="24h").id
+        assert wait_batch(client, fine).status == "completed"
+        failed = wait_batch(client, broken)
+        assert failed.status == "failed" and failed.errors.data[0].code == "internal"
+
+
+@pytest.mark.parametrize("name", list(bad_bodies("m")))
+def test_bad_bodies_are_400_not_500(redis_url, queue, tiny_worker, tiny_id, name):
+    body = bad_bodies(tiny_id)[name]
+    with serve(redis_url, queue=queue) as gw, gw.http() as http:
+        resp = http.post("/v1/chat/completions", content=json.dumps(body),
+                         headers={"content-type": "application/json"})
+        assert resp.status_code == 400, resp.text
+        assert len(resp.text) < 1000 and "Traceback" not in resp.text
