@@ -108,7 +108,6 @@ def create_app(config: GatewayConfig, redis_url: str) -> FastAPI:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(Exception, _internal_error)
     app.include_router(completions.router)
     app.include_router(batch_api.router)
     app.add_api_route("/health", health, methods=["GET"])
@@ -126,8 +125,9 @@ class BodyTooLarge(Exception):
 
 
 class GatewayMiddleware:
-    """Bearer auth on /v1, the body limit (413) and per-route request metrics, in plain ASGI
-    (no BaseHTTPMiddleware: it would buffer streams and hide client disconnects)."""
+    """Bearer auth on /v1, the body limit (413), per-route request metrics and the answer to
+    what no route foresaw (``unexpected``: a 400 for bad input, else a 500 naming nothing), in
+    plain ASGI (no BaseHTTPMiddleware: it would buffer streams and hide client disconnects)."""
 
     def __init__(self, app: ASGIApp, config: GatewayConfig, metrics: GatewayMetrics):
         self.app = app
@@ -173,6 +173,16 @@ class GatewayMiddleware:
             await self.app(scope, receive_limited, send_wrapper)
         except BodyTooLarge:
             await send_wrapper({"type": "http.response.start"})
+        except ClientDisconnect:  # gone mid-body: no error of ours, nobody to answer
+            log.info("client disconnected mid-request", path=scope["path"])
+            state["code"] = 499
+        except Exception as exc:  # here, not in an app handler: Starlette re-raises those
+            err = unexpected(exc)
+            if err.status >= 500:
+                log.exception("request failed", path=scope["path"])
+            if state["started"]:
+                raise
+            await _send_error(send_counted, err)
         finally:
             route = scope.get("route")
             label = getattr(route, "path", "unmatched")
@@ -242,18 +252,6 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     err = APIError(exc.status_code, str(exc.detail), "invalid_request_error", code)
-    return error_response(err)
-
-
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    """What no check foresaw: bad input is still a 400 (unexpected()), a client gone mid-body
-    is no error of ours, anything else a 500 that names nothing of the exception."""
-    if isinstance(exc, ClientDisconnect):
-        log.info("client disconnected mid-request", path=request.url.path)
-        return Response(status_code=499)
-    err = unexpected(exc)
-    if err.status >= 500:
-        log.exception("request failed", path=request.url.path)
     return error_response(err)
 
 

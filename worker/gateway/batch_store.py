@@ -16,6 +16,7 @@ from pagedq.worker.gateway.openai import BatchCreateRequest
 
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 _WINDOW_RE = re.compile(r"^(\d+)h$")
+BATCH_ID_RE = re.compile(r"^batch_[A-Za-z0-9_-]{1,128}$")
 # KEYS: lease. ARGV: owner, ms. Take the lease if free, renew it if ours. -> 1 / 0.
 LEASE = """
 local cur = redis.call('GET', KEYS[1])
@@ -83,6 +84,8 @@ class BatchStore:
         await pipe.execute()
 
     async def load(self, bid: str, with_inflight: bool = False) -> BatchState | None:
+        if BATCH_ID_RE.match(bid) is None:  # no id of ours: no key is built from it
+            return None
         pipe = self.r.pipeline(transaction=False)
         pipe.hgetall(self.keys.batch(bid))
         pipe.hlen(self.keys.part(bid, "out"))

@@ -10,6 +10,7 @@ for the model) still gets a plain 400 rather than a stream that fails.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
@@ -29,6 +30,7 @@ from pagedq.worker.gateway.translate import JobSpec, chat_spec, completion_spec,
 router = APIRouter()
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's status for a client that went away (nobody receives it)
+EVENT_ID_RE = re.compile(r"^[0-9]{1,18}$")  # ASCII digits only ("²".isdigit() is True)
 
 
 class ClientGone(Exception):
@@ -60,10 +62,10 @@ async def resume_stream(request_id: str, request: Request,
                         "expired", "stream_not_found")
     after = None
     if last_event_id is not None and last_event_id.strip():
-        if not last_event_id.strip().isdigit():
+        if EVENT_ID_RE.match(last_event_id.strip()) is None:
             raise bad_request("Last-Event-ID must be an event id this stream sent (an integer)",
                               "Last-Event-ID")
-        after = int(last_event_id)
+        after = int(last_event_id.strip())
     fleet = await gw.fleet.view()
     renderer = ChunkRenderer(view, request_id, gw.tokens.lookup(fleet.path_of(view.model)))
     await gw.readers.attach(request_id)

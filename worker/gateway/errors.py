@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from redis.exceptions import RedisError, ResponseError
+
 from pagedq.client.protocol import (
     E_BAD_PAYLOAD,
     E_INVALID_PARAMS,
@@ -86,5 +88,11 @@ def unexpected(exc: BaseException) -> APIError:
                            "surrogate such as \\ud800?): send UTF-8 text", code=E_INVALID_REQUEST)
     if isinstance(exc, RecursionError):
         return bad_request("the request nests objects or arrays too deeply", code=E_INVALID_REQUEST)
+    if isinstance(exc, ResponseError) and str(exc).startswith("OOM"):
+        return APIError(503, "the queue's Redis is full (maxmemory): retry later", "server_error",
+                        "storage_full", headers={"Retry-After": "10"})
+    if isinstance(exc, RedisError):
+        return APIError(503, "the queue's Redis did not answer: retry later", "server_error",
+                        "redis_unavailable", headers={"Retry-After": "1"})
     return APIError(500, "internal error: the gateway's log has the details", "server_error",
                     "internal")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -38,8 +39,26 @@ class FileObject:
         return self.expires_at <= time.time()
 
 
+FILE_ID_RE = re.compile(r"^file-[A-Za-z0-9_-]{1,128}$")  # ours: file-HEX, file-BATCH-output
+
+
 def new_file_id() -> str:
     return "file-" + uuid.uuid4().hex
+
+
+def valid_file_id(file_id: str) -> bool:
+    """Whether ``file_id`` could name a file this gateway made; anything else is no file (so
+    no id reaches a path or a key: no NUL, no 5,000-character names, no separators)."""
+    return FILE_ID_RE.match(file_id) is not None
+
+
+def file_object(raw: bytes | str) -> FileObject | None:
+    """A stored file's metadata; None for a record that is not one (a stray file)."""
+    try:
+        meta = json.loads(raw)
+        return FileObject(**meta) if isinstance(meta, dict) else None
+    except (ValueError, TypeError):
+        return None
 
 
 class FileStore:
@@ -93,13 +112,19 @@ class RedisFileStore(FileStore):
         return obj
 
     async def meta(self, file_id: str) -> FileObject | None:
+        if not valid_file_id(file_id):
+            return None
         raw = await self.r.hget(self.key(file_id), "meta")
-        return FileObject(**json.loads(raw)) if raw else None
+        return file_object(raw) if raw else None
 
     async def content(self, file_id: str) -> bytes | None:
+        if not valid_file_id(file_id):
+            return None
         return await self.r.hget(self.key(file_id), "data")
 
     async def delete(self, file_id: str) -> bool:
+        if not valid_file_id(file_id):
+            return False
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(self.key(file_id))
         pipe.zrem(self.index, file_id)
@@ -111,7 +136,8 @@ class RedisFileStore(FileStore):
         pipe = self.r.pipeline(transaction=False)
         for file_id in ids:
             pipe.hget(self.key(file_id), "meta")
-        return [FileObject(**json.loads(raw)) for raw in await pipe.execute() if raw]
+        objs = [file_object(raw) for raw in await pipe.execute() if raw]
+        return [o for o in objs if o is not None]
 
 
 class DirFileStore(FileStore):
@@ -121,8 +147,8 @@ class DirFileStore(FileStore):
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def _paths(self, file_id: str) -> tuple[Path, Path]:
-        if "/" in file_id or file_id.startswith("."):
-            raise ValueError(f"bad file id {file_id!r}")
+        if not valid_file_id(file_id):
+            raise ValueError("not a file id")
         return self.dir / f"{file_id}.json", self.dir / f"{file_id}.data"
 
     async def put(self, data: bytes, filename: str, purpose: str,
@@ -136,8 +162,10 @@ class DirFileStore(FileStore):
     async def meta(self, file_id: str) -> FileObject | None:
         try:
             meta, _ = self._paths(file_id)
-            obj = FileObject(**json.loads(await asyncio.to_thread(meta.read_bytes)))
+            obj = file_object(await asyncio.to_thread(meta.read_bytes))
         except (OSError, ValueError):
+            return None
+        if obj is None or obj.id != file_id:  # a stray *.json, not one of ours
             return None
         if obj.expired:
             await self.delete(file_id)
@@ -153,21 +181,21 @@ class DirFileStore(FileStore):
             return None
 
     async def delete(self, file_id: str) -> bool:
-        try:
-            paths = self._paths(file_id)
-        except ValueError:
+        if await self.meta(file_id) is None:  # only our own records (meta drops expired ones)
             return False
+        paths = self._paths(file_id)
         found = False
         for path in paths:
             try:
                 path.unlink()
                 found = True
-            except FileNotFoundError:
+            except OSError:
                 pass
         return found
 
     async def list(self) -> list[FileObject]:
-        objs = [await self.meta(p.stem) for p in self.dir.glob("*.json")]
+        objs = [await self.meta(p.stem) for p in self.dir.glob("file-*.json")
+                if valid_file_id(p.stem)]
         return sorted((o for o in objs if o), key=lambda o: -o.created_at)
 
 
