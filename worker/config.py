@@ -330,8 +330,17 @@ class GatewayConfig:
     max_body_bytes: int = 4 << 20
     """Largest JSON request body (413 above); uploads have max_file_bytes."""
     max_queue_depth: int | None = None
-    """Answer 429 while more interactive (high and normal priority) jobs wait (default: no
-    limit)."""
+    """Answer 429 when a request's interactive (high and normal priority) jobs would take the
+    jobs waiting past this, each prompt counted (default: no limit)."""
+    max_prompts: int = 2048
+    """Most prompts in one /v1/completions request or batch line (OpenAI's limit); each is a
+    job (400 above)."""
+    min_priority: int = 0
+    """Most urgent priority a client may ask for, in vLLM's sense (lower runs earlier); a
+    request asking for more is clamped to it. 0: no client reaches pagedq's high stream; -1
+    lets them."""
+    max_priority: int = 1_000_000
+    """Least urgent priority a client may ask for (vLLM's sense); clamped likewise."""
     disconnect_grace: float = 10.0
     """Seconds a dropped stream may take to resume before its job is cancelled."""
     ttl: int = DEFAULT_TTL_S

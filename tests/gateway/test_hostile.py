@@ -169,3 +169,35 @@ def test_a_client_dropped_mid_upload_is_no_server_error(redis_url, queue, tiny_w
             metrics = http.get("/metrics").text
         assert 'route="/v1/files",status="499"' in metrics
         assert 'status="500"' not in metrics
+
+
+def test_prompts_per_request_are_capped_and_each_counts_against_the_depth(
+        redis_url, queue, tiny_worker, tiny_id):
+    with serve(redis_url, queue=queue) as gw, gw.http() as http:
+        resp = http.post("/v1/completions", json={"model": tiny_id, "prompt": [[1]] * 2049,
+                                                  "max_tokens": 1})
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "too_many_prompts"
+    with serve(redis_url, queue=queue, max_queue_depth=5) as gw, gw.http() as http:
+        resp = http.post("/v1/completions", json={"model": tiny_id, "prompt": [[1]] * 200,
+                                                  "max_tokens": 1})
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "too_many_prompts"
+        resp = http.post("/v1/completions", json={"model": tiny_id, "prompt": [[1, 2]] * 5,
+                                                  "max_tokens": 1, "temperature": 0})
+        assert resp.status_code == 200 and len(resp.json()["choices"]) == 5
+
+
+def test_a_clients_priority_is_clamped_to_the_allowed_range(redis_url, queue, tiny_worker,
+                                                            tiny_id):
+    r = redis.Redis.from_url(redis_url)
+    body = {"model": tiny_id, "prompt": "Hi", "max_tokens": 1, "priority": -1_000_000}
+    for flags, level in (({}, "normal"), ({"min_priority": -5}, "high")):
+        with serve(redis_url, queue=queue, **flags) as gw, gw.http() as http:
+            resp = http.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            state = f"{gw.config.prefix}:{{{queue}}}:req:{resp.json()['id']}:state"
+            assert r.hget(state, "stream").decode().endswith(f":jobs:{level}"), flags
+    with serve(redis_url, queue=queue) as gw, gw.http() as http:  # past the wire's bound
+        resp = http.post("/v1/completions", json={**body, "priority": 10**12})
+        assert resp.status_code == 200
+        state = f"{gw.config.prefix}:{{{queue}}}:req:{resp.json()['id']}:state"
+        assert r.hget(state, "stream").decode().endswith(":jobs:low")

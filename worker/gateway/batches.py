@@ -37,7 +37,7 @@ from redis.exceptions import RedisError
 from pagedq.client import AsyncClient
 from pagedq.worker.config import GatewayConfig
 from pagedq.worker.gateway.batch_store import TERMINAL, BatchState, BatchStore
-from pagedq.worker.gateway.errors import APIError, unexpected
+from pagedq.worker.gateway.errors import APIError, too_many_prompts, unexpected
 from pagedq.worker.gateway.files import FileStore
 from pagedq.worker.gateway.fleet import Fleet
 from pagedq.worker.gateway.lines import Line, dumps, error_line, parse_line, result_line
@@ -200,6 +200,8 @@ class BatchDriver:
         keys = self.store.keys
         pipe = self.r.pipeline(transaction=True)
         for line in parsed:
+            if line.spec is not None and len(line.spec.prompts) > self.config.max_prompts:
+                line.error = too_many_prompts(len(line.spec.prompts), self.config.max_prompts)
             if line.error is None and line.spec is not None and fleet.alive \
                     and fleet.path_of(line.spec.view.model) is None:
                 line.error = model_not_found(line.spec.view.model)

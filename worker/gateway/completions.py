@@ -21,7 +21,13 @@ from fastapi.responses import JSONResponse, Response
 from pagedq.client import AsyncRequestHandle, Event, RequestCancelledError, RequestFailedError
 from pagedq.client.protocol import ERROR, ProtocolError, check_request_id
 from pagedq.worker.gateway.app import Gateway, gateway
-from pagedq.worker.gateway.errors import APIError, bad_request, from_job_error, not_found
+from pagedq.worker.gateway.errors import (
+    APIError,
+    bad_request,
+    from_job_error,
+    not_found,
+    too_many_prompts,
+)
 from pagedq.worker.gateway.openai import ChatCompletionRequest, CompletionRequest
 from pagedq.worker.gateway.render import ChunkRenderer, response
 from pagedq.worker.gateway.sse import SSEResponse, StreamSession
@@ -39,12 +45,21 @@ class ClientGone(Exception):
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-    return await answer(gateway(request), request, chat_spec(req))
+    gw = gateway(request)
+    req.priority = clamp_priority(gw, req.priority)
+    return await answer(gw, request, chat_spec(req))
 
 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request) -> Response:
-    return await answer(gateway(request), request, completion_spec(req))
+    gw = gateway(request)
+    req.priority = clamp_priority(gw, req.priority)
+    return await answer(gw, request, completion_spec(req))
+
+
+def clamp_priority(gw: Gateway, priority: int) -> int:
+    """The client's (vLLM-sense) priority within the operator's --min/--max-priority."""
+    return max(gw.config.min_priority, min(gw.config.max_priority, priority))
 
 
 @router.get("/v1/requests/{request_id}/stream")
@@ -75,7 +90,7 @@ async def resume_stream(request_id: str, request: Request,
 
 async def answer(gw: Gateway, request: Request, spec: JobSpec) -> Response:
     began = time.perf_counter()
-    model_path = await admit(gw, spec.view.model)
+    model_path = await admit(gw, spec)
     text = gw.tokens.lookup(model_path)
     handles = await submit(gw.client, spec)
     if not spec.stream:
@@ -118,9 +133,15 @@ def _sse(gw: Gateway, session: StreamSession) -> Response:
     return SSEResponse(session, spawn)
 
 
-async def admit(gw: Gateway, model: str) -> str:
-    """The served model's path; 503 with no live worker, 404 for a model nobody serves, 429
-    while more interactive jobs wait than ``max_queue_depth``."""
+async def admit(gw: Gateway, spec: JobSpec) -> str:
+    """The served model's path; 400 for more prompts than ``max_prompts``, 503 with no live
+    worker, 404 for a model nobody serves, 429 when the request's interactive jobs would take
+    the waiting ones past ``max_queue_depth`` (each prompt is a job, and the jobs admitted
+    since the last reading of the queue count too)."""
+    jobs = len(spec.prompts)
+    if jobs > gw.config.max_prompts:
+        raise too_many_prompts(jobs, gw.config.max_prompts)
+    model = spec.view.model
     view = await gw.fleet.view()
     if not view.alive:
         raise APIError(503, f"no worker is serving queue {gw.config.queue!r}: start one "
@@ -131,10 +152,16 @@ async def admit(gw: Gateway, model: str) -> str:
         raise not_found(f"The model `{model}` does not exist: live workers serve {served}",
                         "model_not_found", "model")
     limit = gw.config.max_queue_depth
-    if limit is not None and view.interactive_depth > limit:
-        raise APIError(429, f"the queue holds {view.interactive_depth} waiting requests (limit "
-                       f"{limit}); retry later", "rate_limit_exceeded", "queue_full",
-                       headers={"Retry-After": "1"})
+    if limit is not None and spec.priority >= 0:  # low-priority jobs wait behind the rest
+        if jobs > limit:
+            raise bad_request(f"the request's {jobs} prompts are more jobs than the queue "
+                              f"admits at once (--max-queue-depth {limit}): split it", "prompt",
+                              "too_many_prompts")
+        if view.interactive_depth + jobs > limit:
+            raise APIError(429, f"the queue holds {view.interactive_depth} waiting requests "
+                           f"(limit {limit}); retry later", "rate_limit_exceeded", "queue_full",
+                           headers={"Retry-After": "1"})
+        view.interactive_depth += jobs  # a burst sharing one reading counts itself
     return path
 
 

@@ -55,6 +55,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", code, param)
 
 
+def too_many_prompts(count: int, limit: int) -> APIError:
+    return bad_request(f"the request has {count} prompts; at most {limit} (--max-prompts): "
+                       "split it", "prompt", "too_many_prompts")
+
+
 def not_found(message: str, code: str = "not_found", param: str | None = None) -> APIError:
     return APIError(404, message, "invalid_request_error", code, param)
 
