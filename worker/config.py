@@ -63,6 +63,7 @@ class Settings:
     default_gguf: Path | None  # $PAGEDQ_DEFAULT_GGUF: the default model's GGUF, pre-fetched
     llama_cpp_dir: Path | None  # $PAGEDQ_LLAMA_CPP: llama.cpp binaries for the bench
     api_keys: tuple[str, ...] = ()  # $PAGEDQ_API_KEY: the gateway's Bearer keys (comma-separated)
+    admin_keys: tuple[str, ...] = ()  # $PAGEDQ_ADMIN_KEY: keys that see every tenant's objects
 
     @classmethod
     def from_environ(cls, env: dict[str, str] | os._Environ = os.environ) -> Settings:
@@ -77,8 +78,12 @@ class Settings:
                    consumer_name=env.get("PAGEDQ_CONSUMER_NAME") or None,
                    model=env.get("PAGEDQ_MODEL") or None,
                    default_gguf=path("PAGEDQ_DEFAULT_GGUF"), llama_cpp_dir=path("PAGEDQ_LLAMA_CPP"),
-                   api_keys=tuple(k.strip() for k in env.get("PAGEDQ_API_KEY", "").split(",")
-                                  if k.strip()))
+                   api_keys=_keys(env.get("PAGEDQ_API_KEY", "")),
+                   admin_keys=_keys(env.get("PAGEDQ_ADMIN_KEY", "")))
+
+
+def _keys(text: str) -> tuple[str, ...]:
+    return tuple(k.strip() for k in text.split(",") if k.strip())
 
 
 @functools.cache
@@ -326,7 +331,14 @@ class GatewayConfig:
     port: int = 8000
     """Port to listen on."""
     api_keys: tuple[str, ...] = field(default_factory=lambda: settings().api_keys)
-    """Accepted Bearer keys (default: $PAGEDQ_API_KEY, comma-separated); none: open."""
+    """Accepted Bearer keys (default: $PAGEDQ_API_KEY, comma-separated); none: open. Each key
+    is a tenant: the files, batches and streams it makes are invisible to the others."""
+    admin_keys: tuple[str, ...] = field(default_factory=lambda: settings().admin_keys)
+    """Bearer keys that see and manage every tenant's files, batches and streams (default:
+    $PAGEDQ_ADMIN_KEY, comma-separated)."""
+    allowed_hosts: list[str] = field(default_factory=list)
+    """Host names (Host header, and Origin when sent) accepted besides the bound address and
+    loopback names; "*" accepts any. Refuses DNS-rebinding and cross-site requests."""
     max_body_bytes: int = 4 << 20
     """Largest JSON request body (413 above); uploads have max_file_bytes."""
     max_queue_depth: int | None = None

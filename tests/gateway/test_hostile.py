@@ -201,3 +201,68 @@ def test_a_clients_priority_is_clamped_to_the_allowed_range(redis_url, queue, ti
         assert resp.status_code == 200
         state = f"{gw.config.prefix}:{{{queue}}}:req:{resp.json()['id']}:state"
         assert r.hget(state, "stream").decode().endswith(":jobs:low")
+
+
+def test_each_key_is_a_tenant_and_an_admin_key_sees_all(redis_url, queue, tiny_worker, tiny_id):
+    import openai
+
+    with serve(redis_url, queue=queue, api_keys=("key-a", "key-b"),
+               admin_keys=("key-admin",)) as gw:
+        a, b, admin = gw.openai("key-a"), gw.openai("key-b"), gw.openai("key-admin")
+        f = a.files.create(file=("in.jsonl", io.BytesIO(jsonl([chat_line("x", "Hi", 2)]))),
+                           purpose="batch")
+        batch = a.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                 completion_window="24h")
+        stream = a.chat.completions.create(model=tiny_id, max_tokens=2, stream=True,
+                                           messages=[{"role": "user", "content": "Hi"}])
+        rid = next(iter(stream)).id
+        list(stream)
+        done = wait_batch(a, batch.id)
+        assert done.status == "completed" and read_lines(a, done.output_file_id)
+        for fid in (f.id, done.output_file_id):
+            for call in (b.files.retrieve, b.files.content, b.files.delete):
+                with pytest.raises(openai.NotFoundError):
+                    call(fid)
+            assert fid not in [x.id for x in b.files.list()]
+            assert fid in [x.id for x in admin.files.list()]
+            assert admin.files.retrieve(fid).id == fid
+        for call in (b.batches.retrieve, b.batches.cancel):
+            with pytest.raises(openai.NotFoundError):
+                call(batch.id)
+        assert batch.id not in [x.id for x in b.batches.list()]
+        assert batch.id in [x.id for x in a.batches.list()]
+        assert admin.batches.retrieve(batch.id).id == batch.id
+        with pytest.raises(openai.BadRequestError):  # B cannot run a batch on A's file
+            b.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                             completion_window="24h")
+        with gw.http() as http:
+            path = f"/v1/requests/{rid}/stream"
+            assert http.get(path, headers={"Authorization": "Bearer key-b"}).status_code == 404
+            for key in ("key-a", "key-admin"):
+                resp = http.get(path, headers={"Authorization": f"Bearer {key}"})
+                assert resp.status_code == 200 and "[DONE]" in resp.text
+            assert http.get("/openapi.json").status_code == 401
+        assert not r_keys_hold(redis_url, b"key-a")
+
+
+def r_keys_hold(redis_url: str, secret: bytes) -> bool:
+    """Whether any gateway record in Redis holds ``secret`` (the keys are stored hashed)."""
+    r = redis.Redis.from_url(redis_url)
+    for key in r.scan_iter(match="*:gw*"):
+        if r.type(key) == b"hash" and any(secret in v for v in r.hgetall(key).values()):
+            return True
+    return False
+
+
+def test_foreign_hosts_and_origins_are_refused(redis_url, queue, tiny_worker):
+    with serve(redis_url, queue=queue, allowed_hosts=["gw.internal"]) as gw, gw.http() as http:
+        port = gw.base.rsplit(":", 1)[1]
+        for host, status in (("evil.example", 421), (f"evil.example:{port}", 421),
+                             (f"localhost:{port}", 200), (f"127.0.0.1:{port}", 200),
+                             ("gw.internal", 200), (f"[::1]:{port}", 200), ("10.1.2.3", 200)):
+            assert http.get("/v1/models", headers={"Host": host}).status_code == status, host
+        for origin, status in (("http://evil.example", 403), ("null", 403),
+                               (f"http://localhost:{port}", 200), ("https://gw.internal", 200)):
+            resp = http.post("/v1/files", headers={"Origin": origin},
+                             files={"file": ("a.jsonl", b"{}\n")}, data={"purpose": "batch"})
+            assert resp.status_code == status, (origin, resp.text)

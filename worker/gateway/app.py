@@ -8,7 +8,9 @@ batch_api.py (files, batches). Everything a route needs hangs off ``Gateway``
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
+import ipaddress
 import json
 import time
 from collections.abc import Coroutine
@@ -88,6 +90,31 @@ def gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
+@dataclass(frozen=True)
+class Tenant:
+    """Who made a request: ``owner`` is its API key's fingerprint ("" on an open gateway);
+    files, batches and streams carry their owner, and only it (or an admin key) sees them."""
+
+    owner: str = ""
+    admin: bool = False
+
+    def sees(self, owner: str) -> bool:
+        return self.admin or hmac.compare_digest(owner, self.owner)
+
+
+OPEN = Tenant("", admin=True)  # no keys configured: one trust domain, as before
+TENANT = "pagedq.tenant"  # the scope key the middleware sets
+
+
+def key_owner(key: bytes) -> str:
+    """A key's tenant id: a fingerprint, so Redis never holds the key itself."""
+    return "key-" + hashlib.sha256(key).hexdigest()[:24]
+
+
+def tenant(request: Request) -> Tenant:
+    return request.scope.get(TENANT, OPEN)
+
+
 def create_app(config: GatewayConfig, redis_url: str) -> FastAPI:
     """The ASGI app for ``config`` against the Redis at ``redis_url``."""
     from pagedq.worker.gateway import batch_api, completions
@@ -131,7 +158,10 @@ class GatewayMiddleware:
 
     def __init__(self, app: ASGIApp, config: GatewayConfig, metrics: GatewayMetrics):
         self.app = app
-        self.keys = [k.encode() for k in config.api_keys]
+        self.tenants = [(k.encode(), Tenant(key_owner(k.encode()))) for k in config.api_keys]
+        self.tenants += [(k.encode(), Tenant(key_owner(k.encode()), admin=True))
+                         for k in config.admin_keys]
+        self.hosts = HostCheck(config.host, config.allowed_hosts)
         self.max_body = config.max_body_bytes
         self.max_file = config.max_file_bytes + MULTIPART_SLACK
         self.metrics = metrics
@@ -191,17 +221,64 @@ class GatewayMiddleware:
 
     def _refusal(self, scope: Scope, limit: int) -> APIError | None:
         headers = dict(scope["headers"])
-        if self.keys and scope["path"].startswith("/v1/"):
+        refused = self.hosts.refusal(headers)
+        if refused is not None:
+            return refused
+        if self.tenants and (scope["path"].startswith("/v1/") or scope["path"] == "/openapi.json"):
             auth = headers.get(b"authorization", b"")
             token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
-            if not any(hmac.compare_digest(token, key) for key in self.keys):
+            matched = [t for key, t in self.tenants if hmac.compare_digest(token, key)]
+            if not matched:
                 return APIError(401, "Incorrect API key provided: send the gateway's key as "
                                 "'Authorization: Bearer KEY'", "invalid_request_error",
                                 "invalid_api_key")
+            scope[TENANT] = matched[-1]  # an admin key listed as both is an admin
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             return too_large(limit)
         return None
+
+
+class HostCheck:
+    """DNS rebinding and cross-site requests: the Host header must be an IP address, a loopback
+    name, the bound address or an ``--allowed-hosts`` entry (a rebinding attack needs a name of
+    its own), and an Origin, when a browser sends one, must pass the same test."""
+
+    LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
+
+    def __init__(self, bound: str, allowed: list[str]):
+        self.any = "*" in allowed
+        self.names = self.LOOPBACK | {host_name(h) for h in [*allowed, bound]}
+
+    def allows(self, host: str) -> bool:
+        name = host_name(host)
+        if self.any or not name or name in self.names:
+            return True
+        try:
+            ipaddress.ip_address(name)
+            return True
+        except ValueError:
+            return False
+
+    def refusal(self, headers: dict[bytes, bytes]) -> APIError | None:
+        if not self.allows(headers.get(b"host", b"").decode("latin-1")):
+            return APIError(421, "this gateway does not answer to that Host: add it with "
+                            "--allowed-hosts", "invalid_request_error", "host_not_allowed")
+        origin = headers.get(b"origin", b"").decode("latin-1").strip()
+        if origin and (origin == "null" or not self.allows(
+                origin.split("://", 1)[-1].split("/", 1)[0])):
+            return APIError(403, "cross-origin requests from that Origin are refused: add its "
+                            "host with --allowed-hosts", "invalid_request_error",
+                            "origin_not_allowed")
+        return None
+
+
+def host_name(host: str) -> str:
+    """``name:port``, ``[v6]:port`` or a bare name/address -> the lowercased name."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.split(":", 1)[0] if host.count(":") == 1 else host
 
 
 def too_large(limit: int) -> APIError:

@@ -303,7 +303,7 @@ class BatchDriver:
             if records:
                 data = b"".join(records[k] + b"\n" for k in sorted(records, key=int))
                 f = await self.files.put(data, f"{bid}_{name}.jsonl", purpose,
-                                         file_id=f"file-{bid}-{name}")
+                                         file_id=f"file-{bid}-{name}", owner=state.owner)
                 obj[f"{name}_file_id"] = f.id
         obj["request_counts"] = {"total": state.total, "completed": len(out), "failed": len(err)}
         obj.update(status=status, finalizing_at=obj.get("finalizing_at") or now,

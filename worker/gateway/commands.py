@@ -14,7 +14,7 @@ from typing import Any
 from pagedq.worker.cli.flags import add_config_flags, given
 from pagedq.worker.config import GatewayConfig
 
-NOT_FLAGS = ("api_keys",)  # --api-key, repeatable, below
+NOT_FLAGS = ("api_keys", "admin_keys")  # --api-key, --admin-key, repeatable, below
 QUEUE_FIELDS = ("redis_url", "queue", "prefix")
 MODEL_HELP = ("the embedded worker's model, when no Redis URL is given (default: the bundled "
               "SmolLM2-135M)")
@@ -27,7 +27,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_flags(p, GatewayConfig, skip=NOT_FLAGS)
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accepted Bearer key (repeatable; default: $PAGEDQ_API_KEY, "
-                        "comma-separated); with none the gateway is open")
+                        "comma-separated); with none the gateway is open. Each key is a "
+                        "tenant: another key cannot see its files, batches or streams")
+    p.add_argument("--admin-key", action="append", default=[], metavar="KEY",
+                   help="a Bearer key that sees every tenant's files, batches and streams "
+                        "(repeatable; default: $PAGEDQ_ADMIN_KEY)")
     p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     p.set_defaults(func=cmd_serve)
@@ -45,7 +49,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
-    keys = {"api_keys": tuple(args.api_key)} if getattr(args, "api_key", None) else {}
+    keys: dict[str, Any] = {}
+    if getattr(args, "api_key", None):
+        keys["api_keys"] = tuple(args.api_key)
+    if getattr(args, "admin_key", None):
+        keys["admin_keys"] = tuple(args.admin_key)
     return GatewayConfig(**given(args, GatewayConfig, skip=NOT_FLAGS), **keys)
 
 
@@ -59,7 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(json=False, level=args.log_level)
     log = get_logger("pagedq.gateway")
     config = gateway_config(args)
-    if not config.api_keys:
+    if not config.api_keys and not config.admin_keys:
         log.warning("no API key configured: anyone who can reach the gateway may use it; set "
                     "--api-key or $PAGEDQ_API_KEY")
     with queue_stack(config.redis_url, config.queue, config.prefix, args.model) as url:

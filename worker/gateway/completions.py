@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedq.client import AsyncRequestHandle, Event, RequestCancelledError, RequestFailedError
 from pagedq.client.protocol import ERROR, ProtocolError, check_request_id
-from pagedq.worker.gateway.app import Gateway, gateway
+from pagedq.worker.gateway.app import Gateway, gateway, tenant
 from pagedq.worker.gateway.errors import (
     APIError,
     bad_request,
@@ -71,10 +71,11 @@ async def resume_stream(request_id: str, request: Request,
         check_request_id(request_id)
     except ProtocolError as exc:
         raise not_found(str(exc)) from exc
-    view = await gw.readers.view(request_id)
-    if view is None:
+    found = await gw.readers.view(request_id)
+    if found is None or not tenant(request).sees(found[1]):  # another tenant's: no such stream
         raise not_found(f"no stream {request_id}: it never existed, was not streamed, or "
                         "expired", "stream_not_found")
+    view = found[0]
     after = None
     if last_event_id is not None and last_event_id.strip():
         if EVENT_ID_RE.match(last_event_id.strip()) is None:
@@ -106,7 +107,7 @@ async def answer(gw: Gateway, request: Request, spec: JobSpec) -> Response:
             raise APIError(500, str(exc), "server_error", "cancelled") from exc
         return JSONResponse(response(spec.view, spec.id, results, text))
     handle = handles[0]
-    await gw.readers.save(spec.id, spec.view)
+    await gw.readers.save(spec.id, spec.view, tenant(request).owner)
     try:
         first = await until_disconnect(request, _first_event(handle))
     except ClientGone:

@@ -30,9 +30,11 @@ class FileObject:
     expires_at: int
     filename: str
     purpose: str
+    owner: str = ""  # the tenant (API key fingerprint) that made it; never shown
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "object": "file", "status": "processed", "status_details": None}
+        shown = {k: v for k, v in asdict(self).items() if k != "owner"}
+        return {**shown, "object": "file", "status": "processed", "status_details": None}
 
     @property
     def expired(self) -> bool:
@@ -67,13 +69,14 @@ class FileStore:
     def __init__(self, ttl: int):
         self.ttl = ttl
 
-    def _object(self, data: bytes, filename: str, purpose: str, file_id: str | None) -> FileObject:
+    def _object(self, data: bytes, filename: str, purpose: str, file_id: str | None,
+                owner: str) -> FileObject:
         now = int(time.time())
         return FileObject(file_id or new_file_id(), len(data), now, now + self.ttl, filename,
-                          purpose)
+                          purpose, owner)
 
     async def put(self, data: bytes, filename: str, purpose: str,
-                  file_id: str | None = None) -> FileObject:
+                  file_id: str | None = None, owner: str = "") -> FileObject:
         raise NotImplementedError
 
     async def meta(self, file_id: str) -> FileObject | None:
@@ -100,8 +103,8 @@ class RedisFileStore(FileStore):
         return f"{self.prefix}:gw:file:{file_id}"
 
     async def put(self, data: bytes, filename: str, purpose: str,
-                  file_id: str | None = None) -> FileObject:
-        obj = self._object(data, filename, purpose, file_id)
+                  file_id: str | None = None, owner: str = "") -> FileObject:
+        obj = self._object(data, filename, purpose, file_id, owner)
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(self.key(obj.id))
         pipe.hset(self.key(obj.id), mapping={"meta": json.dumps(asdict(obj)), "data": data})
@@ -152,8 +155,8 @@ class DirFileStore(FileStore):
         return self.dir / f"{file_id}.json", self.dir / f"{file_id}.data"
 
     async def put(self, data: bytes, filename: str, purpose: str,
-                  file_id: str | None = None) -> FileObject:
-        obj = self._object(data, filename, purpose, file_id)
+                  file_id: str | None = None, owner: str = "") -> FileObject:
+        obj = self._object(data, filename, purpose, file_id, owner)
         meta, body = self._paths(obj.id)
         await asyncio.to_thread(_write_atomic, body, data)
         await asyncio.to_thread(_write_atomic, meta, json.dumps(asdict(obj)).encode())
