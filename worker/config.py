@@ -372,4 +372,11 @@ class GatewayConfig:
     fleet_cache: float = 0.25
     """Seconds a reading of the live workers and the queue depth is reused."""
     redis_max_connections: int = 4096
-    """Redis connections of one gateway; each open stream holds one (a blocking read)."""
+    """Redis connections of one gateway (streams share them: one blocking read serves many);
+    a request finding none free waits up to redis_pool_timeout."""
+    redis_pool_timeout: float = 5.0
+    """Seconds a request waits for a free Redis connection before its 503."""
+    limit_concurrency: int | None = None
+    """Most open HTTP connections and tasks (uvicorn's; 503 above); default: no limit."""
+    timeout_keep_alive: int = 5
+    """Seconds an idle keep-alive connection stays open."""

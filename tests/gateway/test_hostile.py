@@ -266,3 +266,19 @@ def test_foreign_hosts_and_origins_are_refused(redis_url, queue, tiny_worker):
             resp = http.post("/v1/files", headers={"Origin": origin},
                              files={"file": ("a.jsonl", b"{}\n")}, data={"purpose": "batch"})
             assert resp.status_code == status, (origin, resp.text)
+
+
+def test_a_burst_past_the_connection_pool_waits_rather_than_fails(redis_url, queue, tiny_worker):
+    """150 concurrent reads through 4 connections: each waits for a free one (was: 500 "Too
+    many connections")."""
+    import asyncio
+
+    from tests.gateway.harness import httpx
+
+    async def burst(base: str) -> list[int]:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            resps = await asyncio.gather(*(http.get("/v1/batches/batch_x") for _ in range(150)))
+        return [r.status_code for r in resps]
+
+    with serve(redis_url, queue=queue, redis_max_connections=4, redis_pool_timeout=30) as gw:
+        assert set(asyncio.run(burst(gw.base))) == {404}

@@ -67,8 +67,10 @@ class Gateway:
 
     @classmethod
     def build(cls, config: GatewayConfig, redis_url: str, metrics: GatewayMetrics) -> Gateway:
-        r = aredis.Redis.from_url(redis_url, max_connections=config.redis_max_connections,
-                                  health_check_interval=30, socket_keepalive=True)
+        pool = aredis.BlockingConnectionPool.from_url(  # wait for a connection, don't fail
+            redis_url, max_connections=config.redis_max_connections,
+            timeout=config.redis_pool_timeout, health_check_interval=30, socket_keepalive=True)
+        r = aredis.Redis.from_pool(pool)  # closes the pool with the client
         client = AsyncClient(queue=config.queue, prefix=config.prefix, ttl=config.ttl,
                              connection=r)
         fleet = Fleet(client, config.fleet_cache)

@@ -75,7 +75,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  queue=config.queue)
         uvicorn.run(create_app(config, url), host=config.host, port=config.port,
                     loop=_loop(), http="httptools", log_level=args.log_level.lower(),
-                    access_log=False, timeout_graceful_shutdown=5)
+                    access_log=False, timeout_graceful_shutdown=5,
+                    limit_concurrency=config.limit_concurrency,
+                    timeout_keep_alive=config.timeout_keep_alive)
     return 0
 
 
