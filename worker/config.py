@@ -361,6 +361,10 @@ class GatewayConfig:
     """Keep files in this directory (shared by every gateway) instead of Redis."""
     max_file_bytes: int = 64 << 20
     """Largest uploaded file (413 above)."""
+    max_files: int = 100
+    """Most files one API key (tenant) keeps at once, batch outputs included (403 above)."""
+    max_files_bytes: int = 1 << 30
+    """Most bytes of files one API key (tenant) keeps at once (403 above)."""
     files_ttl: int = 7 * 24 * 3600
     """Seconds files and finished batches are kept."""
     max_batch_lines: int = 50_000

@@ -282,3 +282,51 @@ def test_a_burst_past_the_connection_pool_waits_rather_than_fails(redis_url, que
 
     with serve(redis_url, queue=queue, redis_max_connections=4, redis_pool_timeout=30) as gw:
         assert set(asyncio.run(burst(gw.base))) == {404}
+
+
+@pytest.mark.parametrize("files_dir", [False, True])
+def test_file_quotas_per_key_and_chunked_downloads(redis_url, queue, tiny_worker, tmp_path,
+                                                  files_dir):
+    import openai
+
+    from pagedq.worker.gateway.files import CHUNK
+
+    overrides = {"files_dir": str(tmp_path / "files")} if files_dir else {}
+    big = b"".join(b'{"n": %d}\n' % i for i in range(300_000))  # past two chunks
+    assert len(big) > 2 * CHUNK
+    with serve(redis_url, queue=queue, api_keys=("key-q", "key-r"), max_files=2,
+               max_files_bytes=len(big) + 100, max_file_bytes=len(big) + 100,
+               **overrides) as gw:
+        q, other = gw.openai("key-q"), gw.openai("key-r")
+        for f in q.files.list():  # the Redis store outlives a test
+            q.files.delete(f.id)
+        first = q.files.create(file=("big.jsonl", io.BytesIO(big)), purpose="batch")
+        with gw.http() as http:
+            with http.stream("GET", f"/v1/files/{first.id}/content",
+                             headers={"Authorization": "Bearer key-q"}) as resp:
+                assert resp.headers["content-length"] == str(len(big))
+                assert b"".join(resp.iter_bytes()) == big
+        with pytest.raises(openai.PermissionDeniedError) as err:  # bytes
+            q.files.create(file=("more.jsonl", io.BytesIO(b"{}\n" * 50)), purpose="batch")
+        assert err.value.code == "quota_exceeded"
+        other.files.create(file=("r.jsonl", io.BytesIO(b"{}\n")), purpose="batch")  # its own
+        q.files.delete(first.id)
+        for _ in range(2):
+            q.files.create(file=("s.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+        with pytest.raises(openai.PermissionDeniedError):  # count
+            q.files.create(file=("s.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+
+
+def test_batch_metadata_is_bounded_like_openais(redis_url, queue, tiny_worker):
+    with serve(redis_url, queue=queue) as gw, gw.http() as http:
+        up = http.post("/v1/files", files={"file": ("a.jsonl", b"{}\n")},
+                       data={"purpose": "batch"}).json()["id"]
+        body = {"input_file_id": up, "endpoint": "/v1/chat/completions"}
+        for metadata in ({str(i): "v" for i in range(17)}, {"k": "v" * 513},
+                         {"k" * 65: "v"}, {"k": "v" * (3 << 20)}):
+            resp = http.post("/v1/batches", json={**body, "metadata": metadata})
+            assert resp.status_code in (400, 413) and len(resp.text) < 1000, resp.text[:200]
+        ok = http.post("/v1/batches", json={**body, "metadata": {str(i): "v" * 512
+                                                                 for i in range(16)}})
+        assert ok.status_code == 200
+        http.post(f"/v1/batches/{ok.json()['id']}/cancel")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import uuid
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import UploadFile
 
 from pagedq.worker.gateway.app import Tenant, gateway, tenant, too_large
@@ -39,6 +39,7 @@ async def upload_file(request: Request) -> Response:
     data = await upload.read(gw.config.max_file_bytes + 1)
     if len(data) > gw.config.max_file_bytes:
         raise too_large(gw.config.max_file_bytes)
+    await _check_quota(request, len(data))
     obj = await gw.files.put(data, upload.filename or "upload.jsonl", purpose,
                              owner=tenant(request).owner)
     return JSONResponse(obj.to_json())
@@ -59,11 +60,12 @@ async def get_file(file_id: str, request: Request) -> Response:
 
 @router.get("/v1/files/{file_id}/content")
 async def file_content(file_id: str, request: Request) -> Response:
-    await _file(request, file_id)
-    data = await gateway(request).files.content(file_id)
-    if data is None:
+    obj = await _file(request, file_id)
+    chunks = await gateway(request).files.stream(file_id)
+    if chunks is None:
         raise _no_file(file_id)
-    return Response(data, media_type="application/octet-stream")
+    return StreamingResponse(chunks, media_type="application/octet-stream",
+                             headers={"Content-Length": str(obj.bytes)})
 
 
 @router.delete("/v1/files/{file_id}")
@@ -72,6 +74,19 @@ async def delete_file(file_id: str, request: Request) -> Response:
     if not await gateway(request).files.delete(file_id):
         raise _no_file(file_id)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+
+async def _check_quota(request: Request, size: int) -> None:
+    """403 when the tenant's files would pass --max-files or --max-files-bytes. (Checked at
+    upload: two racing uploads may both pass; the next one is refused.)"""
+    gw, who = gateway(request), tenant(request)
+    mine = [o for o in await gw.files.list() if o.owner == who.owner]
+    used = sum(o.bytes for o in mine)
+    if len(mine) + 1 > gw.config.max_files or used + size > gw.config.max_files_bytes:
+        raise APIError(403, f"this key keeps {len(mine)} files of {used} bytes; the quota is "
+                       f"{gw.config.max_files} files and {gw.config.max_files_bytes} bytes "
+                       "(--max-files, --max-files-bytes): delete files first",
+                       "invalid_request_error", "quota_exceeded")
 
 
 async def _file(request: Request, file_id: str) -> FileObject:

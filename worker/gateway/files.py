@@ -2,9 +2,11 @@
 
 Files hold batch inputs and the batches' output and error files. They are kept ``ttl``
 seconds (``expires_at`` says when) and are at most ``max_bytes`` each, so a client cannot
-fill the queue's Redis. In Redis a file is one hash ``P:gw:file:ID`` (meta + data) and the
-zset ``P:gw:files`` lists them; in a directory it is ``ID.json`` + ``ID.data``, written
-atomically (rename) and treated as gone once expired.
+fill the queue's Redis. In Redis a file is a hash ``P:gw:file:ID`` (its meta) and a string
+``P:gw:file:ID:data`` (its bytes, read in ``CHUNK``-sized ranges), and the zset
+``P:gw:files`` lists them; in a directory it is ``ID.json`` + ``ID.data``, written atomically
+(rename) and treated as gone once expired. Downloads stream chunk by chunk from either, so a
+gateway holds a chunk per download, never a whole file.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,7 @@ class FileObject:
         return self.expires_at <= time.time()
 
 
+CHUNK = 1 << 20  # bytes of a file read at once when it is streamed out
 FILE_ID_RE = re.compile(r"^file-[A-Za-z0-9_-]{1,128}$")  # ours: file-HEX, file-BATCH-output
 
 
@@ -85,6 +89,10 @@ class FileStore:
     async def content(self, file_id: str) -> bytes | None:
         raise NotImplementedError
 
+    async def stream(self, file_id: str) -> AsyncIterator[bytes] | None:
+        """The file's bytes in chunks of at most ``CHUNK``; None if there is no such file."""
+        raise NotImplementedError
+
     async def delete(self, file_id: str) -> bool:
         raise NotImplementedError
 
@@ -102,12 +110,16 @@ class RedisFileStore(FileStore):
     def key(self, file_id: str) -> str:
         return f"{self.prefix}:gw:file:{file_id}"
 
+    def data_key(self, file_id: str) -> str:
+        return f"{self.key(file_id)}:data"
+
     async def put(self, data: bytes, filename: str, purpose: str,
                   file_id: str | None = None, owner: str = "") -> FileObject:
         obj = self._object(data, filename, purpose, file_id, owner)
         pipe = self.r.pipeline(transaction=True)
-        pipe.delete(self.key(obj.id))
-        pipe.hset(self.key(obj.id), mapping={"meta": json.dumps(asdict(obj)), "data": data})
+        pipe.delete(self.key(obj.id), self.data_key(obj.id))
+        pipe.hset(self.key(obj.id), mapping={"meta": json.dumps(asdict(obj))})
+        pipe.set(self.data_key(obj.id), data, ex=self.ttl)
         pipe.expire(self.key(obj.id), self.ttl)
         pipe.zadd(self.index, {obj.id: obj.created_at})
         pipe.zremrangebyscore(self.index, "-inf", time.time() - self.ttl)
@@ -123,13 +135,30 @@ class RedisFileStore(FileStore):
     async def content(self, file_id: str) -> bytes | None:
         if not valid_file_id(file_id):
             return None
-        return await self.r.hget(self.key(file_id), "data")
+        data = await self.r.get(self.data_key(file_id))
+        return data if data is not None else await self.r.hget(self.key(file_id), "data")
+
+    async def stream(self, file_id: str) -> AsyncIterator[bytes] | None:
+        obj = await self.meta(file_id)
+        if obj is None:
+            return None
+        if not await self.r.exists(self.data_key(file_id)):  # a record from before chunking
+            data = await self.r.hget(self.key(file_id), "data")
+            return None if data is None else _one(data)
+        return self._ranges(file_id, obj.bytes)
+
+    async def _ranges(self, file_id: str, size: int) -> AsyncIterator[bytes]:
+        for start in range(0, size, CHUNK):
+            chunk = await self.r.getrange(self.data_key(file_id), start, start + CHUNK - 1)
+            if not chunk:  # expired or deleted meanwhile
+                return
+            yield chunk
 
     async def delete(self, file_id: str) -> bool:
         if not valid_file_id(file_id):
             return False
         pipe = self.r.pipeline(transaction=True)
-        pipe.delete(self.key(file_id))
+        pipe.delete(self.key(file_id), self.data_key(file_id))
         pipe.zrem(self.index, file_id)
         deleted, _ = await pipe.execute()
         return bool(deleted)
@@ -183,6 +212,15 @@ class DirFileStore(FileStore):
         except OSError:
             return None
 
+    async def stream(self, file_id: str) -> AsyncIterator[bytes] | None:
+        if await self.meta(file_id) is None:
+            return None
+        try:
+            f = await asyncio.to_thread(self._paths(file_id)[1].open, "rb")
+        except OSError:
+            return None
+        return _read_chunks(f)
+
     async def delete(self, file_id: str) -> bool:
         if await self.meta(file_id) is None:  # only our own records (meta drops expired ones)
             return False
@@ -200,6 +238,18 @@ class DirFileStore(FileStore):
         objs = [await self.meta(p.stem) for p in self.dir.glob("file-*.json")
                 if valid_file_id(p.stem)]
         return sorted((o for o in objs if o), key=lambda o: -o.created_at)
+
+
+async def _one(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def _read_chunks(f: Any) -> AsyncIterator[bytes]:
+    try:
+        while chunk := await asyncio.to_thread(f.read, CHUNK):
+            yield chunk
+    finally:
+        f.close()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
