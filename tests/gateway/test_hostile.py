@@ -330,3 +330,40 @@ def test_batch_metadata_is_bounded_like_openais(redis_url, queue, tiny_worker):
                                                                  for i in range(16)}})
         assert ok.status_code == 200
         http.post(f"/v1/batches/{ok.json()['id']}/cancel")
+
+
+def test_the_gateway_runs_under_the_documented_acl_rule(redis_url, tiny_model, tiny_id):
+    """A gateway and a worker whose Redis user has acl_rule(gateway=True): files, a batch, a
+    stream and its resume all work; admin commands are refused."""
+    from pagedq.client.acl import acl_rule
+    from tests.service.harness import running_worker
+
+    admin = redis.Redis.from_url(redis_url)
+    admin.execute_command("ACL", "SETUSER", *acl_rule("gw-acl", "gw-pw", prefix="gwacl",
+                                                      gateway=True).split())
+    host = redis_url.rsplit("@", 1)[-1] if "@" in redis_url else redis_url.split("://")[1]
+    url = f"redis://gw-acl:gw-pw@{host}"
+    narrow = redis.Redis.from_url(url)
+    for command in (("CONFIG", "GET", "maxmemory"), ("ACL", "SETUSER", "x"), ("KEYS", "*"),
+                    ("FLUSHALL",)):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            narrow.execute_command(*command)
+    with running_worker(url, tiny_model, "acl-w", queue="acl", prefix="gwacl"), \
+            serve(url, queue="acl", prefix="gwacl") as gw:
+        client = gw.openai()
+        wait_until(lambda: client.models.list().data, 60, "the worker")
+        f = client.files.create(file=("in.jsonl", io.BytesIO(jsonl([chat_line("a", "Hi", 2)]))),
+                                purpose="batch")
+        assert client.files.content(f.id).content.startswith(b'{"custom_id"')
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        done = wait_batch(client, batch.id)
+        assert done.status == "completed" and read_lines(client, done.output_file_id)
+        assert [b.id for b in client.batches.list()][0] == batch.id
+        stream = client.chat.completions.create(model=tiny_id, max_tokens=2, stream=True,
+                                                messages=[{"role": "user", "content": "Hi"}])
+        rid = next(iter(stream)).id
+        list(stream)
+        with gw.http() as http:
+            assert "[DONE]" in http.get(f"/v1/requests/{rid}/stream").text
+        client.files.delete(f.id)
