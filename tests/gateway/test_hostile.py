@@ -367,3 +367,36 @@ def test_the_gateway_runs_under_the_documented_acl_rule(redis_url, tiny_model, t
         with gw.http() as http:
             assert "[DONE]" in http.get(f"/v1/requests/{rid}/stream").text
         client.files.delete(f.id)
+
+
+def test_duplicate_custom_ids_fail_the_batch_and_models_show_no_path(redis_url, queue,
+                                                                    tiny_worker, tiny_model):
+    rows = [chat_line("same", "Hi", 2), chat_line("other", "Hi", 2), chat_line("same", "Yo", 2)]
+    with serve(redis_url, queue=queue) as gw:
+        client = gw.openai()
+        f = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
+        batch = wait_batch(client, client.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id)
+        assert batch.status == "failed"
+        assert batch.errors.data[0].code == "duplicate_custom_id"
+        assert "lines 1 and 3" in batch.errors.data[0].message
+        with gw.http() as http:
+            models = http.get("/v1/models").text
+        assert tiny_model not in models and "/tmp" not in models
+
+
+def test_offline_batch_fails_a_bad_line_alone(redis_url, queue, tiny_worker, tiny_id, tmp_path):
+    import asyncio
+
+    from pagedq.worker.config import DEFAULT_PREFIX
+    from pagedq.worker.gateway.offline import run_batch
+
+    rows = [chat_line("ok", "Hi", 2)]
+    rows += [{"custom_id": name, "method": "POST", "url": "/v1/chat/completions", "body": body}
+             for name, body in bad_bodies(tiny_id).items()]
+    (tmp_path / "in.jsonl").write_bytes(jsonl(rows))
+    ok, failed = asyncio.run(run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", redis_url,
+                                       queue, DEFAULT_PREFIX, 4, 30, progress=False))
+    assert (ok, failed) == (1, len(rows) - 1)
+    out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [o["custom_id"] for o in out] == [r["custom_id"] for r in rows]

@@ -353,6 +353,6 @@ async def metrics_route(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     view = await gateway(request).fleet.view()
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedq", "root": path}
-            for name, path in sorted(view.models.items())]
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedq", "root": name}
+            for name in sorted(view.models)]  # never the worker's path on its disk
     return JSONResponse({"object": "list", "data": data})

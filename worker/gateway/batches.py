@@ -175,6 +175,10 @@ class BatchDriver:
                                  f"the input has {len(lines)} lines; a batch takes 1 to "
                                  f"{self.config.max_batch_lines}")
                 return None
+            twice = duplicate_custom_id(lines)
+            if twice is not None:
+                await self._fail(state, "duplicate_custom_id", twice)
+                return None
             state.total = len(lines)
             state.obj.update(status="in_progress", in_progress_at=int(time.time()))
             await self.store.save_obj(state.obj, total=state.total)
@@ -317,6 +321,23 @@ class BatchDriver:
         await self.r.srem(keys.active, bid)
         self._inputs.pop(bid, None)
         log.info("batch ended", batch=bid, status=status, **obj["request_counts"])
+
+
+def duplicate_custom_id(lines: list[bytes]) -> str | None:
+    """The first custom_id two lines share, as a message (OpenAI refuses such a batch)."""
+    seen: dict[str, int] = {}
+    for n, raw in enumerate(lines):
+        try:
+            custom_id = json.loads(raw).get("custom_id")
+        except (ValueError, AttributeError, RecursionError):
+            continue  # a malformed line fails alone later
+        if not isinstance(custom_id, str):
+            continue
+        if custom_id in seen:
+            return (f"custom_id {custom_id[:64]!r} is on lines {seen[custom_id] + 1} and {n + 1}: "
+                    "give each line its own")
+        seen[custom_id] = n
+    return None
 
 
 def line_rid(bid: str, line: Line) -> str:

@@ -145,7 +145,8 @@ async def admit(gw: Gateway, spec: JobSpec) -> str:
     model = spec.view.model
     view = await gw.fleet.view()
     if not view.alive:
-        raise APIError(503, f"no worker is serving queue {gw.config.queue!r}: start one "
+        raise APIError(503, f"no worker is serving queue {gw.config.queue!r} yet: one starting "
+                       "is still loading its model (retry shortly); if none is, start one "
                        "(pagedq worker)", "server_error", "no_worker", headers={"Retry-After": "5"})
     path = view.path_of(model)
     if path is None:
