@@ -27,7 +27,13 @@ router = APIRouter()
 PURPOSES = ("batch",)
 
 
-@router.post("/v1/files")
+UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"],
+    "properties": {"file": {"type": "string", "format": "binary"},
+                   "purpose": {"type": "string", "enum": list(PURPOSES)}}}}}}}
+
+
+@router.post("/v1/files", openapi_extra=UPLOAD_BODY)  # the form is read by hand (size limits)
 async def upload_file(request: Request) -> Response:
     gw = gateway(request)
     form = await request.form(max_files=1, max_fields=8)
