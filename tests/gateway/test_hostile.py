@@ -40,7 +40,17 @@ def bad_bodies(model: str) -> dict[str, dict]:
         "nested450": {"model": model, "messages": hello,
                       "response_format": {"type": "json_schema", "json_schema": {
                           "name": "deep", "schema": nested_schema(450)}}},
+        "patterns450": {"model": model, "messages": hello,  # a ~30 KB schema bomb
+                        "response_format": {"type": "json_schema", "json_schema": {
+                            "name": "bomb", "schema": schema_bomb()}}},
     }
+
+
+def schema_bomb() -> dict:
+    """anyOf 30 objects x 15 pattern strings: ~34 s of compiling for SmolLM2's vocabulary."""
+    return {"anyOf": [{"type": "object", "properties": {
+        f"p{i}_{j}": {"type": "string", "pattern": f"^[a-z]{{3,40}}[0-9]{{{j}}}$"}
+        for j in range(15)}} for i in range(30)]}
 
 
 def test_bad_lines_fail_alone_and_never_stall_a_batch(redis_url, queue, tiny_worker, tiny_id):
@@ -82,8 +92,8 @@ def test_bad_lines_fail_alone_and_never_stall_a_batch(redis_url, queue, tiny_wor
             codes = {e["custom_id"]: e["error"]["code"] for e in err}
             assert codes["unserved"] == "model_not_found"
             assert codes["surrogate"] == "invalid_request"
-            assert {codes[k] for k in ("n17", "stop17", "stop300", "nested300", "nested450")} \
-                == {"invalid_params"}
+            assert {codes[k] for k in ("n17", "stop17", "stop300", "nested300", "nested450",
+                                       "patterns450")} == {"invalid_params"}
 
 
 def test_a_batch_whose_driving_raises_does_not_hold_the_others(redis_url, queue, tiny_worker):
