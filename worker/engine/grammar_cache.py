@@ -71,7 +71,10 @@ class GrammarCache:
         self.max_entries = max_entries
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="pagedq-grammar")
-        self._compiler = self._pool.submit(_Compiler, tokenizer, vocab_size, sorted(stop_token_ids))
+        self._compiler = self._pool.submit(_Compiler, tokenizer, vocab_size, sorted(stop_token_ids),
+                                           num_threads)
+        self._ready_at: float | None = None  # when the compiler and its processes were ready
+        self._compiler.add_done_callback(lambda _: setattr(self, "_ready_at", time.monotonic()))
         self._entries: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -98,10 +101,16 @@ class GrammarCache:
             raise entry.error
         if entry.future.done():
             return entry.future.result()  # raises the compile's InvalidParamsError
-        if time.monotonic() - entry.submitted - entry.paused > self.timeout_s:
+        if self._ready_at is None:  # the compiler is being built: no compile has begun
+            return None
+        if time.monotonic() - self._start(entry) - entry.paused > self.timeout_s:
             entry.error = self._too_slow(ticket.kind)
             raise entry.error
         return None
+
+    def _start(self, entry: _Entry) -> float:
+        """When the entry's time limit began: its submission, or once the compiler was ready."""
+        return max(entry.submitted, self._ready_at or time.monotonic())
 
     def _too_slow(self, kind: str) -> InvalidParamsError:
         return InvalidParamsError(
@@ -129,12 +138,11 @@ class GrammarCache:
 
     def _compile(self, entry: _Entry, kind: str, spec: str) -> Any:
         try:
-            with paused(entry):  # building the tokenizer table is ours, not the compile's
-                compiler = self._compiler.result()
+            compiler = self._compiler.result()
         except Exception as exc:  # xgrammar missing, or a tokenizer it can not read
             raise EngineError(f"structured outputs are unavailable on this worker: {exc!r}") from exc
         try:
-            return compiler.compile(kind, spec, entry, self.timeout_s)
+            return compiler.compile(kind, spec, entry, self._start(entry) + self.timeout_s)
         except CompileTimeout:
             raise self._too_slow(kind) from None
 
@@ -162,7 +170,8 @@ class _Compiler:
     """One tokenizer's compiles: each pool thread sends its constraints to a child process of
     its own and deserializes what comes back against the tokenizer table built here."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+                 processes: int = 1) -> None:
         import xgrammar
 
         self.xgr = xgrammar
@@ -170,13 +179,15 @@ class _Compiler:
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._info_line = json.dumps({"tokenizer_info": self.info.serialize_json()}) + "\n"
         self._local = threading.local()  # each pool thread's child
-        self.children: list[subprocess.Popen] = []
+        self._spares = [self._spawn() for _ in range(processes)]  # started at once, together
+        self._spares = [self._ready(child) for child in self._spares]
+        self.children: list[subprocess.Popen] = list(self._spares)
+        self._lock = threading.Lock()
         self.killed = 0
 
-    def compile(self, kind: str, spec: str, entry: _Entry, timeout_s: float) -> Any:
-        """``kind``/``spec`` compiled by this thread's child within ``timeout_s`` of the
-        entry's submission (a process start not counted); CompileTimeout (the child killed)
-        past it."""
+    def compile(self, kind: str, spec: str, entry: _Entry, deadline: float) -> Any:
+        """``kind``/``spec`` compiled by this thread's child before ``deadline`` (monotonic;
+        a process start meanwhile does not count); CompileTimeout (the child killed) past it."""
         if kind == "json":
             check_schema(json.loads(spec))
             job = {"op": "json", "spec": spec, "strict": True}
@@ -186,17 +197,18 @@ class _Compiler:
             job = {"op": "grammar", "spec": choice_grammar(json.loads(spec))}
         else:
             job = {"op": "regex" if kind == "regex" else "grammar", "spec": spec}
-        if time.monotonic() >= entry.submitted + timeout_s:  # its time ran out in the pool
+        if time.monotonic() >= deadline:  # its time ran out in the pool
             raise CompileTimeout()
-        reply = self._ask(job, entry, timeout_s)
+        reply = self._ask(job, entry, deadline)
         if "error" in reply:
             raise InvalidParamsError(f"structured_outputs.{kind}: {_reason(reply['error'])}")
         return self.xgr.CompiledGrammar.deserialize_json(reply["ok"], self.info)
 
-    def _ask(self, job: dict[str, Any], entry: _Entry, timeout_s: float) -> dict[str, Any]:
+    def _ask(self, job: dict[str, Any], entry: _Entry, deadline: float) -> dict[str, Any]:
+        before = entry.paused
         with paused(entry):  # starting a process is ours, not the compile's
             child = self._child()
-        deadline = entry.submitted + entry.paused + timeout_s
+        deadline += entry.paused - before
         try:
             child.stdin.write(json.dumps(job) + "\n")
             child.stdin.flush()
@@ -214,21 +226,34 @@ class _Compiler:
                           "constrained request starts a new one")
 
     def _child(self) -> subprocess.Popen:
+        """This pool thread's process: its own, a spare started with the compiler, or new."""
         child = getattr(self._local, "child", None)
         if child is None or child.poll() is not None:
-            child = subprocess.Popen(
-                [sys.executable, grammar_child.__file__], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1 << 16)
-            self.children.append(child)
-            child.stdin.write(self._info_line)
-            child.stdin.flush()
-            ready, _, _ = select.select([child.stdout], [], [], CHILD_START_S)
-            if not ready or not child.stdout.readline():
-                child.kill()
-                child.wait()
-                raise EngineError("the grammar compiler process did not start; structured "
-                                  "outputs are unavailable on this worker")
+            with self._lock:
+                child = self._spares.pop() if self._spares else None
+            if child is None or child.poll() is not None:
+                child = self._ready(self._spawn())
+                with self._lock:
+                    self.children.append(child)
             self._local.child = child
+        return child
+
+    def _spawn(self) -> subprocess.Popen:
+        child = subprocess.Popen(
+            [sys.executable, grammar_child.__file__], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1 << 16)
+        child.stdin.write(self._info_line)
+        child.stdin.flush()
+        return child
+
+    def _ready(self, child: subprocess.Popen) -> subprocess.Popen:
+        """Wait for a new process's "ready" line (it has imported xgrammar, read the table)."""
+        ready, _, _ = select.select([child.stdout], [], [], CHILD_START_S)
+        if not ready or not child.stdout.readline():
+            child.kill()
+            child.wait()
+            raise EngineError("the grammar compiler process did not start; structured "
+                              "outputs are unavailable on this worker")
         return child
 
     def _kill(self, child: subprocess.Popen) -> None:
