@@ -3,7 +3,7 @@ against a real `pagedq serve` process (and a worker on the bundled model), each 
 the gateway's peak RSS while 12 clients download a 63 MB file at once; and a `choice` request's
 latency beside two schema bombs.
 
-    python scripts/gateway_figures.py            # prints a markdown table
+    python scripts/gateway_figures.py [MODEL_DIR]     # prints a markdown table
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ import tempfile
 import threading
 import time
 
-import httpx
+try:  # the HTTP library the installed openai package is built on
+    import httpx2 as httpx
+except ImportError:
+    import httpx
 
 from pagedq.worker.models.loader import resolve_model
 from pagedq.worker.service.embedded_redis import EmbeddedRedis, free_port
@@ -46,8 +49,7 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def start(redis_url: str, env: dict) -> tuple[subprocess.Popen, subprocess.Popen, str]:
-    model = str(resolve_model(None))
+def start(redis_url: str, env: dict, model: str) -> tuple[subprocess.Popen, subprocess.Popen, str]:
     worker = subprocess.Popen(
         [sys.executable, "-m", "pagedq.worker", "--redis-url", redis_url, "--queue", QUEUE,
          "--model", model, "--quantization", "none", "--log-level", "WARNING"], env=env)
@@ -98,9 +100,12 @@ def repros(http: httpx.Client, model: str) -> list[tuple[str, str]]:
     resp = http.post("/v1/completions", json={"model": model, "prompt": [[1]] * 2049,
                                               "max_tokens": 1})
     rows.append(("2049 prompts", answer(resp)))
+    with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as resp:
+        rid = next(json.loads(ln[6:])["id"] for ln in resp.iter_lines()
+                   if ln.startswith("data: {"))
     for header in (b"\xb2", b"9" * 5000):
-        resp = http.get("/v1/requests/chatcmpl-x/stream", headers={"Last-Event-ID": header})
-        rows.append((f"`Last-Event-ID: {header[:6]!r}...` (no such stream)", answer(resp)))
+        resp = http.get(f"/v1/requests/{rid}/stream", headers={"Last-Event-ID": header})
+        rows.append((f"`Last-Event-ID: {header[:6]!r}...`", answer(resp)))
     for fid in ("file-%00", "file-" + "a" * 5000):
         resp = http.get(f"/v1/files/{fid}/content")
         rows.append((f"file id `{fid[:12]}...`", f"{answer(resp)}, {len(resp.content)} B"))
@@ -151,6 +156,9 @@ def downloads(base: str, pid: int) -> tuple[float, float, list[int]]:
 def choice_beside_bombs(base: str, model: str) -> tuple[list[str], float]:
     async def run() -> tuple[list[str], float]:
         async with httpx.AsyncClient(base_url=base, timeout=600) as http:
+            await http.post("/v1/chat/completions", json={  # the grammar compiler's cold start
+                "model": model, "messages": [{"role": "user", "content": "Hi"}],
+                "guided_choice": ["warm"], "max_tokens": 2})
             bombs = [http.post("/v1/chat/completions", json={
                 "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
                 "response_format": {"type": "json_schema",
@@ -167,8 +175,9 @@ def choice_beside_bombs(base: str, model: str) -> tuple[list[str], float]:
 
 def main() -> None:
     env = dict(os.environ, PAGEDQ_CACHE=tempfile.mkdtemp())  # never join another's Redis
+    model = sys.argv[1] if len(sys.argv) > 1 else str(resolve_model(None))
     with EmbeddedRedis.start() as redis:
-        worker, gateway, base = start(redis.url, env)
+        worker, gateway, base = start(redis.url, env, model)
         try:
             with httpx.Client(base_url=base, timeout=600) as http:
                 model = http.get("/v1/models").json()["data"][0]["id"]
