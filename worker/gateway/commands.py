@@ -91,7 +91,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
         print(f"error: {args.input} is not a file", file=sys.stderr)
         return 2
     config = gateway_config(args)
-    with queue_stack(config.redis_url, config.queue, config.prefix, args.model) as url:
+    with queue_stack(config.redis_url, config.queue, config.prefix, args.model,
+                     until_loaded="the lines start once it has", worker_log_level="ERROR") as url:
         ok, failed = asyncio.run(run_batch(args.input, args.output, url, config.queue,
                                            config.prefix, config.batch_window,
                                            args.ready_timeout, progress=not args.no_progress))
