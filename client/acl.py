@@ -8,7 +8,10 @@ own (``Client(prefix=...)``, ``pagedq worker --prefix ...``) and a Redis user co
 
 ``COMMANDS`` is every command a worker or client sends, including those its Lua scripts call
 (Redis checks those against the user too). Every one of them exists in Redis 6.2 through 8 and
-in Valkey; the chaos suite checks that nothing else is sent.
+in Valkey; the chaos suite checks that nothing else is sent. ``GATEWAY_COMMANDS`` adds what
+``pagedq serve`` sends for its files, batches and streams (tests/gateway/test_hostile.py runs
+a gateway and a worker under that rule on a real Redis). Neither list holds an admin or
+dangerous command (``CONFIG``, ``ACL``, ``KEYS``, ``FLUSHALL``, ...).
 """
 
 from __future__ import annotations
@@ -29,7 +32,15 @@ COMMANDS: tuple[str, ...] = (
 )
 
 
-def acl_rule(user: str, password: str, prefix: str = "pagedq") -> str:
-    """The ``ACL SETUSER`` arguments confining ``user`` to the queues under ``prefix``."""
-    allowed = " ".join(f"+{c}" for c in COMMANDS)
+GATEWAY_COMMANDS: tuple[str, ...] = (
+    "hsetnx", "hdel", "hlen",  # batch lines in flight, their outputs exactly once
+    "sadd", "srem", "smembers", "zrevrange",  # the batches to drive, listings
+    "getrange",  # a file's bytes, streamed out in chunks
+)
+
+
+def acl_rule(user: str, password: str, prefix: str = "pagedq", gateway: bool = False) -> str:
+    """The ``ACL SETUSER`` arguments confining ``user`` to the queues under ``prefix``;
+    ``gateway``: also what ``pagedq serve`` needs."""
+    allowed = " ".join(f"+{c}" for c in COMMANDS + (GATEWAY_COMMANDS if gateway else ()))
     return f"{user} on >{password} resetkeys ~{prefix}:* resetchannels -@all {allowed}"

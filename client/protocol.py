@@ -268,7 +268,16 @@ def build_request(
     _validate_request(req)
     limits = limits or DEFAULT_LIMITS
     limits.check_params(req.params)
-    size = len(encode_request(req))
+    try:
+        size = len(encode_request(req))
+    except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") has no UTF-8 form
+        raise ProtocolError(
+            f"the request's text holds {exc.object[exc.start:exc.end]!a}, which is not valid "
+            "Unicode (a lone UTF-16 surrogate): send UTF-8 text", E_INVALID_REQUEST,
+            req.id) from None
+    except (ValueError, RecursionError) as exc:  # msgpack refuses what nests too deeply
+        raise ProtocolError(f"the request cannot be encoded ({type(exc).__name__}): it nests "
+                            "too deeply", E_INVALID_REQUEST, req.id) from None
     if size > limits.max_request_bytes:
         raise ProtocolError(f"the request is {size} bytes, over the queue's limit of "
                             f"{limits.max_request_bytes}: shorten the prompt", E_INVALID_REQUEST,

@@ -61,21 +61,32 @@ def advertised_path() -> Path:
 
 def find_advertised(path: Path | None = None, timeout: float = 0.5) -> str | None:
     """The URL of the embedded redis-server a worker on this machine advertises, if it still
-    answers PING; None otherwise (a stale advertisement is ignored)."""
+    answers PING (with the password the URL carries); None otherwise (a stale advertisement is
+    ignored)."""
     path = path or advertised_path()
     try:
         url = json.loads(path.read_text())["url"]
-        port = int(url.rsplit(":", 1)[1].split("/")[0])
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        address = url.split("://", 1)[1].split("/", 1)[0]
+        password = address.rsplit("@", 1)[0].lstrip(":") if "@" in address else ""
+        port = int(address.rsplit(":", 1)[1])
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
         return None
-    return url if answers_ping(port, timeout) else None
+    return url if answers_ping(port, timeout, password) else None
 
 
-def answers_ping(port: int, timeout: float) -> bool:
+def answers_ping(port: int, timeout: float, password: str = "") -> bool:
+    """Whether a Redis on 127.0.0.1:``port`` answers PING (after AUTH when ``password``)."""
+    auth = f"AUTH {password}\r\n".encode() if password else b""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
             s.settimeout(timeout)
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
+            s.sendall(auth + b"PING\r\n")
+            reply = b""
+            while reply.count(b"\r\n") < (2 if auth else 1):
+                chunk = s.recv(64)
+                if not chunk:
+                    break
+                reply += chunk
+            return reply.endswith(b"+PONG\r\n")
     except OSError:
         return False

@@ -20,6 +20,10 @@ MAX_N = 1024
 MAX_STOP = 1024
 MAX_STOP_CHARS = 4096
 MAX_LOGPROBS = 20
+MAX_CONSTRAINT_CHARS = 64 << 10  # a schema's canonical JSON, a regex, a grammar, the choices
+MAX_SCHEMA_PATTERNS = 64  # "pattern" strings in one schema: each is a regex to compile
+MAX_SCHEMA_DEPTH = 128  # nested objects/arrays of a JSON Schema: far past real ones, far below
+# the interpreter's recursion limit (copying, encoding and compiling a schema all recurse)
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -68,6 +72,16 @@ class StructuredOutputsParams:
                       f"{set_kinds or 'none'}")
         if self.json is not None:
             self._schema()  # parses a string schema, checks it is an object
+        size = sum(len(c) for c in self.choice if isinstance(c, str)) \
+            if isinstance(self.choice, list) else 0
+        for value in (self.json, self.regex, self.grammar):
+            if isinstance(value, str):
+                size += len(value)
+        if self.json is not None and not isinstance(self.json, str):
+            size += len(jsonlib.dumps(self.json, separators=(",", ":")))
+        if size > MAX_CONSTRAINT_CHARS:
+            raise bad(f"the constraint is {size} characters; at most {MAX_CONSTRAINT_CHARS} "
+                      "(compiling it could take minutes): simplify it")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -83,12 +97,21 @@ class StructuredOutputsParams:
         if isinstance(schema, str):
             try:
                 schema = jsonlib.loads(schema)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise InvalidParamsError(
                     f"SamplingParams.structured_outputs.json is not valid JSON: {exc}") from exc
         if not isinstance(schema, dict):
             raise InvalidParamsError("SamplingParams.structured_outputs.json must be a JSON Schema "
                                      f"object (a dict or its JSON text), got {type(schema).__name__}")
+        if json_depth(schema) > MAX_SCHEMA_DEPTH:
+            raise InvalidParamsError(
+                "SamplingParams.structured_outputs.json nests objects and arrays more than "
+                f"{MAX_SCHEMA_DEPTH} levels deep: flatten the schema (use $defs and $ref)")
+        patterns = count_patterns(schema)
+        if patterns > MAX_SCHEMA_PATTERNS:
+            raise InvalidParamsError(
+                f"SamplingParams.structured_outputs.json has {patterns} \"pattern\" regexes; at "
+                f"most {MAX_SCHEMA_PATTERNS} (each compiles into the grammar): merge or drop some")
         return schema
 
     @property
@@ -124,6 +147,35 @@ class StructuredOutputsParams:
             raise InvalidParamsError(
                 f"unknown structured_outputs keys {unknown}; use exactly one of {list(STRUCTURED_KINDS)}")
         return cls(**value)
+
+
+def json_depth(value: Any, stop: int = MAX_SCHEMA_DEPTH + 1) -> int:
+    """How deeply dicts and lists nest in ``value`` (0 for a scalar), counted without recursion
+    and up to ``stop`` only, so a hostile 10,000-level document costs nothing."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if not isinstance(item, (dict, list, tuple)):
+            continue
+        deepest = max(deepest, depth)
+        if depth >= stop:
+            return deepest
+        children = item.values() if isinstance(item, dict) else item
+        todo.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def count_patterns(schema: Any) -> int:
+    """How many ``pattern`` regexes a JSON Schema holds, anywhere in it (iteratively)."""
+    count, todo = 0, [schema]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            count += isinstance(item.get("pattern"), str)
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+    return count
 
 
 @dataclass

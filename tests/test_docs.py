@@ -158,7 +158,7 @@ def test_readme_acl_advice_is_enough_for_a_worker_and_a_client(tiny_text_model_d
     from tests.service.harness import running_worker
 
     assert "`~pagedq:*`" in (ROOT / "README.md").read_text()
-    with EmbeddedRedis.start() as server:
+    with EmbeddedRedis.start(password="") as server:
         admin = redis.Redis.from_url(server.url)
         admin.execute_command("ACL", "SETUSER", "pagedq", "on", ">pw", "~pagedq:*", "+@all")
         admin.execute_command("ACL", "SETUSER", "default", "off")

@@ -66,6 +66,7 @@ class Settings:
     default_gguf: Path | None  # $PAGEDQ_DEFAULT_GGUF: the default model's GGUF, pre-fetched
     llama_cpp_dir: Path | None  # $PAGEDQ_LLAMA_CPP: llama.cpp binaries for the bench
     api_keys: tuple[str, ...] = ()  # $PAGEDQ_API_KEY: the gateway's Bearer keys (comma-separated)
+    admin_keys: tuple[str, ...] = ()  # $PAGEDQ_ADMIN_KEY: keys that see every tenant's objects
 
     @classmethod
     def from_environ(cls, env: dict[str, str] | os._Environ = os.environ) -> Settings:
@@ -80,8 +81,12 @@ class Settings:
                    consumer_name=env.get("PAGEDQ_CONSUMER_NAME") or None,
                    model=env.get("PAGEDQ_MODEL") or None,
                    default_gguf=path("PAGEDQ_DEFAULT_GGUF"), llama_cpp_dir=path("PAGEDQ_LLAMA_CPP"),
-                   api_keys=tuple(k.strip() for k in env.get("PAGEDQ_API_KEY", "").split(",")
-                                  if k.strip()))
+                   api_keys=_keys(env.get("PAGEDQ_API_KEY", "")),
+                   admin_keys=_keys(env.get("PAGEDQ_ADMIN_KEY", "")))
+
+
+def _keys(text: str) -> tuple[str, ...]:
+    return tuple(k.strip() for k in text.split(",") if k.strip())
 
 
 @functools.cache
@@ -341,12 +346,28 @@ class GatewayConfig:
     port: int = 8000
     """Port to listen on."""
     api_keys: tuple[str, ...] = field(default_factory=lambda: settings().api_keys)
-    """Accepted Bearer keys (default: $PAGEDQ_API_KEY, comma-separated); none: open."""
+    """Accepted Bearer keys (default: $PAGEDQ_API_KEY, comma-separated); none: open. Each key
+    is a tenant: the files, batches and streams it makes are invisible to the others."""
+    admin_keys: tuple[str, ...] = field(default_factory=lambda: settings().admin_keys)
+    """Bearer keys that see and manage every tenant's files, batches and streams (default:
+    $PAGEDQ_ADMIN_KEY, comma-separated)."""
+    allowed_hosts: list[str] = field(default_factory=list)
+    """Host names (Host header, and Origin when sent) accepted besides the bound address and
+    loopback names; "*" accepts any. Refuses DNS-rebinding and cross-site requests."""
     max_body_bytes: int = 4 << 20
     """Largest JSON request body (413 above); uploads have max_file_bytes."""
     max_queue_depth: int | None = None
-    """Answer 429 while more interactive (high and normal priority) jobs wait (default: no
-    limit)."""
+    """Answer 429 when a request's interactive (high and normal priority) jobs would take the
+    jobs waiting past this, each prompt counted (default: no limit)."""
+    max_prompts: int = 2048
+    """Most prompts in one /v1/completions request or batch line (OpenAI's limit); each is a
+    job (400 above)."""
+    min_priority: int = 0
+    """Most urgent priority a client may ask for, in vLLM's sense (lower runs earlier); a
+    request asking for more is clamped to it. 0: no client reaches pagedq's high stream; -1
+    lets them."""
+    max_priority: int = 1_000_000
+    """Least urgent priority a client may ask for (vLLM's sense); clamped likewise."""
     disconnect_grace: float = 10.0
     """Seconds a dropped stream may take to resume before its job is cancelled."""
     ttl: int = DEFAULT_TTL_S
@@ -355,6 +376,10 @@ class GatewayConfig:
     """Keep files in this directory (shared by every gateway) instead of Redis."""
     max_file_bytes: int = 64 << 20
     """Largest uploaded file (413 above)."""
+    max_files: int = 100
+    """Most files one API key (tenant) keeps at once, batch outputs included (403 above)."""
+    max_files_bytes: int = 1 << 30
+    """Most bytes of files one API key (tenant) keeps at once (403 above)."""
     files_ttl: int = 7 * 24 * 3600
     """Seconds files and finished batches are kept."""
     max_batch_lines: int = 50_000
@@ -366,4 +391,11 @@ class GatewayConfig:
     fleet_cache: float = 0.25
     """Seconds a reading of the live workers and the queue depth is reused."""
     redis_max_connections: int = 4096
-    """Redis connections of one gateway; each open stream holds one (a blocking read)."""
+    """Redis connections of one gateway (streams share them: one blocking read serves many);
+    a request finding none free waits up to redis_pool_timeout."""
+    redis_pool_timeout: float = 5.0
+    """Seconds a request waits for a free Redis connection before its 503."""
+    limit_concurrency: int | None = None
+    """Most open HTTP connections and tasks (uvicorn's; 503 above); default: no limit."""
+    timeout_keep_alive: int = 5
+    """Seconds an idle keep-alive connection stays open."""

@@ -104,7 +104,7 @@ def test_a_password_protected_redis_says_so(capsys):
 
     from pagedq.worker.service.embedded_redis import EmbeddedRedis
 
-    with EmbeddedRedis.start() as server:
+    with EmbeddedRedis.start(password="") as server:
         redis.Redis.from_url(server.url).config_set("requirepass", "s3cret")
         assert main(["stats", "--redis-url", server.url]) == 1
         err = capsys.readouterr().err

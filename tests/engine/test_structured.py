@@ -243,6 +243,26 @@ def test_compile_past_the_time_limit_fails_and_stays_failed(tokenizer, eos):
         cache.close()
 
 
+def test_a_compile_past_its_time_is_killed_and_the_next_one_does_not_wait_for_it(tokenizer,
+                                                                                 eos):
+    """Two slow compiles on the one compile slot: the first is killed at its deadline (not
+    left running, as a thread would be), the second, whose time ran out while it waited,
+    never starts; a choice after them compiles on a fresh process."""
+    cache = GrammarCache(tokenizer, len(tokenizer), eos, num_threads=1, timeout_s=0.3)
+    try:
+        bombs = [cache.submit(StructuredOutputsParams(regex=f"[a-z ]{{1,{n}}}"))
+                 for n in (6000, 6001)]
+        for ticket in bombs:
+            with pytest.raises(InvalidParamsError, match="longer than 0.3 s"):
+                cache.wait(ticket)
+        assert cache.wait(cache.submit(StructuredOutputsParams(choice=["yes", "no"])))
+        assert cache.children == (2, 1)
+        first, second = cache._compiler.result().children
+        assert first.poll() is not None and second.poll() is None
+    finally:
+        cache.close()
+
+
 def test_lru_evicts_the_oldest(tokenizer, eos):
     cache = GrammarCache(tokenizer, len(tokenizer), eos, max_entries=2)
     try:

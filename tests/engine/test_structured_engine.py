@@ -191,9 +191,9 @@ def test_a_compiling_request_never_stalls_the_others(engine, monkeypatch):
     gate = threading.Event()
     compile_one = grammar_cache._Compiler.compile
 
-    def gated(self, kind, spec):
+    def gated(self, kind, spec, *rest):
         gate.wait(30)
-        return compile_one(self, kind, spec)
+        return compile_one(self, kind, spec, *rest)
 
     monkeypatch.setattr(grammar_cache._Compiler, "compile", gated)
     waiting = engine.add_request("held", "Answer:",

@@ -48,3 +48,21 @@ def test_serve_and_batch_hand_every_engine_flag_to_their_worker(tmp_path, monkey
         assert all(f in line for f in ("--num-threads 1", "--cpu-isa avx2", "--quantization none",
                                        "--no-adaptive-threads", f"--model {model}"))
     settings.cache_clear()
+
+
+def test_the_embedded_redis_wants_its_password_and_only_its_user_reads_the_file(tmp_path):
+    import os
+
+    import pytest
+    import redis
+
+    from pagedq.worker.service.embedded_redis import find_advertised
+
+    with EmbeddedRedis.start() as server:
+        assert server.password and f":{server.password}@127.0.0.1:" in server.url
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=server.port).ping()
+        assert redis.Redis.from_url(server.url).config_get("bind")["bind"] == "127.0.0.1"
+        path = advertise(server, tmp_path / "embedded-redis.json")
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        assert find_advertised(path) == server.url

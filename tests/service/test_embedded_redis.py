@@ -41,7 +41,7 @@ def test_a_worker_link_advertises_its_server_and_a_second_one_joins(tmp_path):
     async def scenario():
         first = await RedisLink.open(None, discovery=path)
         try:
-            assert first.embedded is not None and find_advertised(path) == first.url
+            assert first.embedded is not None and find_advertised(path) == first.embedded.url
             second = await RedisLink.open(None, discovery=path)
             try:
                 assert second.embedded is None and second.url == first.url
@@ -49,7 +49,7 @@ def test_a_worker_link_advertises_its_server_and_a_second_one_joins(tmp_path):
                 assert await first.redis.get("k") == b"from the second"
             finally:
                 await second.close()
-            assert find_advertised(path) == first.url  # a joiner withdraws nothing
+            assert find_advertised(path) == first.embedded.url  # a joiner withdraws nothing
         finally:
             await first.close()
         return first.embedded

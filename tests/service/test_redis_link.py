@@ -10,6 +10,7 @@ import time
 import pytest
 from structlog.testing import capture_logs
 
+from pagedq.client.connection import redact_url
 from pagedq.worker.config import WorkerConfig
 from pagedq.worker.service import redis_link
 from pagedq.worker.service.embedded_redis import EmbeddedRedis, free_port
@@ -31,7 +32,8 @@ def test_an_outage_is_waited_out_and_logged_once(tmp_path):
         calls = [asyncio.create_task(link.redis.get("k")) for _ in range(3)]  # 3 connections
         await asyncio.sleep(1.0)
         down_while_waiting = link.outage.down and not any(c.done() for c in calls)
-        restarted = EmbeddedRedis.start(port=port, workdir=str(tmp_path), appendonly=True)
+        restarted = EmbeddedRedis.start(port=port, workdir=str(tmp_path), appendonly=True,
+                                        password=server.password)
         try:
             values = await asyncio.wait_for(asyncio.gather(*calls), 30)
             return down_while_waiting, values, link.outage.down
@@ -60,7 +62,7 @@ def test_no_url_starts_an_embedded_server():
     async def scenario():
         link = await RedisLink.open(None)
         try:
-            assert link.embedded is not None and link.url == link.embedded.url
+            assert link.embedded is not None and link.url == redact_url(link.embedded.url)
             assert await link.redis.ping()
             return link.embedded
         finally:

@@ -2,42 +2,55 @@
 
 A constraint (a JSON Schema, any JSON object, a regex, a choice or an EBNF grammar) becomes an
 xgrammar ``CompiledGrammar``: the grammar plus a per-state cache of allowed tokens, so that a
-mask during decoding costs microseconds. Compiling costs tens to hundreds of milliseconds, so
-it runs in a small thread pool (xgrammar releases the GIL) and its result is kept in an LRU
-keyed by (kind, canonical text): 64 requests with one schema compile it once. The engine polls
-a ``GrammarTicket`` each step and never blocks on it.
+mask during decoding costs microseconds. Compiling costs tens of milliseconds to, for a hostile
+schema, minutes, so it runs in child processes (grammar_child.py, one per pool thread) and its
+result, sent back serialized, is kept in an LRU keyed by (kind, canonical text): 64 requests
+with one schema compile it once. The engine polls a ``GrammarTicket`` each step and never
+blocks on it.
 
-A compile can not be interrupted; one that runs past ``timeout_s`` fails every request waiting
-on it, and that verdict is cached like any other error so the same constraint fails fast next
-time. xgrammar itself is imported and its tokenizer table built on the first constrained
-request, in the pool, so an engine that never sees one never pays for either.
+A compile has ``timeout_s`` from its submission, waiting in the pool included: past it, every
+request waiting on it fails, its child is killed (so the next compile does not queue behind
+it), and the verdict is cached like any other error so the same constraint fails fast next
+time. xgrammar itself is imported, its tokenizer table built and the children started on the
+first constrained request, in the pool, so an engine that never sees one never pays for them.
 """
 
 from __future__ import annotations
 
+import json
+import select
+import subprocess
+import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedq.errors import EngineError, InvalidParamsError
 from pagedq.params import StructuredOutputsParams
+from pagedq.worker.engine import grammar_child
 from pagedq.worker.engine.schema_check import check_schema
+from pagedq.worker.logging import get_logger
 
-# xgrammar's character class for a JSON string with minLength/maxLength admits raw control
-# characters (invalid JSON) where the JSON grammar's own class excludes them; the generated
-# grammar is corrected before it compiles. Escapes stay out of length-bounded strings: an
-# escape would count as several characters of the bound.
-_LAX_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+log = get_logger("pagedq.engine.grammar")
+
+
+CHILD_START_S = 60.0  # a compile process's start: import xgrammar, read the tokenizer table
+
+
+class CompileTimeout(Exception):
+    """A compile ran past its deadline (its child was killed)."""
 
 
 @dataclass(eq=False)
 class _Entry:
     future: Future
-    started: float | None = None  # when a pool thread began compiling
+    submitted: float = field(default_factory=time.monotonic)  # the time limit runs from here
+    paused: float = 0.0  # seconds not counted: a compile process starting (inf while it does)
     error: InvalidParamsError | None = None  # a verdict reached without the future (timeout)
 
 
@@ -58,7 +71,10 @@ class GrammarCache:
         self.max_entries = max_entries
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="pagedq-grammar")
-        self._compiler = self._pool.submit(_Compiler, tokenizer, vocab_size, sorted(stop_token_ids))
+        self._compiler = self._pool.submit(_Compiler, tokenizer, vocab_size, sorted(stop_token_ids),
+                                           num_threads)
+        self._ready_at: float | None = None  # when the compiler and its processes were ready
+        self._compiler.add_done_callback(lambda _: setattr(self, "_ready_at", time.monotonic()))
         self._entries: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -85,12 +101,22 @@ class GrammarCache:
             raise entry.error
         if entry.future.done():
             return entry.future.result()  # raises the compile's InvalidParamsError
-        if entry.started is not None and time.monotonic() - entry.started > self.timeout_s:
-            entry.error = InvalidParamsError(
-                f"structured_outputs.{ticket.kind}: compiling took longer than {self.timeout_s:g} s; "
-                "simplify it (fewer alternatives, smaller repetition counts)")
+        if self._ready_at is None:  # the compiler is being built: no compile has begun
+            return None
+        if time.monotonic() - self._start(entry) - entry.paused > self.timeout_s:
+            entry.error = self._too_slow(ticket.kind)
             raise entry.error
         return None
+
+    def _start(self, entry: _Entry) -> float:
+        """When the entry's time limit began: its submission, or once the compiler was ready."""
+        return max(entry.submitted, self._ready_at or time.monotonic())
+
+    def _too_slow(self, kind: str) -> InvalidParamsError:
+        return InvalidParamsError(
+            f"structured_outputs.{kind}: compiling took longer than {self.timeout_s:g} s; "
+            "simplify it (fewer alternatives, patterns and properties, smaller repetition "
+            "counts)")
 
     def wait(self, ticket: GrammarTicket) -> Any:
         """Block until the ticket resolves (tests and offline tools; never the engine step)."""
@@ -107,56 +133,141 @@ class GrammarCache:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._compiler.done() and self._compiler.exception() is None:
+            self._compiler.result().close()
 
     def _compile(self, entry: _Entry, kind: str, spec: str) -> Any:
         try:
             compiler = self._compiler.result()
         except Exception as exc:  # xgrammar missing, or a tokenizer it can not read
             raise EngineError(f"structured outputs are unavailable on this worker: {exc!r}") from exc
-        entry.started = time.monotonic()
-        return compiler.compile(kind, spec)
+        try:
+            return compiler.compile(kind, spec, entry, self._start(entry) + self.timeout_s)
+        except CompileTimeout:
+            raise self._too_slow(kind) from None
+
+    @property
+    def children(self) -> tuple[int, int]:
+        """(compile processes started, killed at a deadline): stats and tests."""
+        if not self._compiler.done() or self._compiler.exception() is not None:
+            return 0, 0
+        compiler = self._compiler.result()
+        return len(compiler.children), compiler.killed
+
+
+@contextmanager
+def paused(entry: _Entry) -> Iterator[None]:
+    """The time spent inside does not count against the entry's limit (poll sees inf)."""
+    began, before = time.monotonic(), entry.paused
+    entry.paused = float("inf")
+    try:
+        yield
+    finally:
+        entry.paused = before + time.monotonic() - began
 
 
 class _Compiler:
-    """xgrammar's compiler for one tokenizer; each method turns one constraint kind into a grammar."""
+    """One tokenizer's compiles: each pool thread sends its constraints to a child process of
+    its own and deserializes what comes back against the tokenizer table built here."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+                 processes: int = 1) -> None:
         import xgrammar
 
         self.xgr = xgrammar
-        info = xgrammar.TokenizerInfo.from_huggingface(
+        self.info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        # The LRU above is the cache; xgrammar's own would hold every grammar twice.
-        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._info_line = json.dumps({"tokenizer_info": self.info.serialize_json()}) + "\n"
+        self._local = threading.local()  # each pool thread's child
+        self._spares = [self._spawn() for _ in range(processes)]  # started at once, together
+        self._spares = [self._ready(child) for child in self._spares]
+        self.children: list[subprocess.Popen] = list(self._spares)
+        self._lock = threading.Lock()
+        self.killed = 0
 
-    def compile(self, kind: str, spec: str) -> Any:
-        import json
+    def compile(self, kind: str, spec: str, entry: _Entry, deadline: float) -> Any:
+        """``kind``/``spec`` compiled by this thread's child before ``deadline`` (monotonic;
+        a process start meanwhile does not count); CompileTimeout (the child killed) past it."""
+        if kind == "json":
+            check_schema(json.loads(spec))
+            job = {"op": "json", "spec": spec, "strict": True}
+        elif kind == "json_object":
+            job = {"op": "json", "spec": '{"type": "object"}', "strict": False}
+        elif kind == "choice":
+            job = {"op": "grammar", "spec": choice_grammar(json.loads(spec))}
+        else:
+            job = {"op": "regex" if kind == "regex" else "grammar", "spec": spec}
+        if time.monotonic() >= deadline:  # its time ran out in the pool
+            raise CompileTimeout()
+        reply = self._ask(job, entry, deadline)
+        if "error" in reply:
+            raise InvalidParamsError(f"structured_outputs.{kind}: {_reason(reply['error'])}")
+        return self.xgr.CompiledGrammar.deserialize_json(reply["ok"], self.info)
 
+    def _ask(self, job: dict[str, Any], entry: _Entry, deadline: float) -> dict[str, Any]:
+        before = entry.paused
+        with paused(entry):  # starting a process is ours, not the compile's
+            child = self._child()
+        deadline += entry.paused - before
         try:
-            if kind == "json":
-                check_schema(json.loads(spec))
-                return self._json(spec, strict=True)
-            if kind == "json_object":
-                return self._json('{"type": "object"}', strict=False)
-            if kind == "regex":
-                return self.compiler.compile_regex(spec)
-            if kind == "choice":
-                return self.compiler.compile_grammar(choice_grammar(json.loads(spec)))
-            return self.compiler.compile_grammar(spec)
-        except InvalidParamsError:
-            raise
-        except Exception as exc:  # xgrammar reports every bad input as RuntimeError/ValueError
-            raise InvalidParamsError(f"structured_outputs.{kind}: {_reason(exc)}") from exc
+            child.stdin.write(json.dumps(job) + "\n")
+            child.stdin.flush()
+            ready, _, _ = select.select([child.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            line = child.stdout.readline() if ready else ""
+        except OSError:
+            line = ""
+        if line:
+            return json.loads(line)
+        timed_out = child.poll() is None
+        self._kill(child)
+        if timed_out:
+            raise CompileTimeout()
+        raise EngineError("the grammar compiler process died (out of memory?); the next "
+                          "constrained request starts a new one")
 
-    def _json(self, schema: str, strict: bool) -> Any:
-        """JSON as ``json.dumps`` writes it: ", " and ": ", no other whitespace (a model free
-        to add whitespace can spend its whole budget on it). ``strict`` closes objects that
-        do not say ``additionalProperties``, as OpenAI's strict mode does."""
-        grammar = self.xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
-        text = str(grammar)
-        if _LAX_STRING_CHAR in text:
-            return self.compiler.compile_grammar(text.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR))
-        return self.compiler.compile_grammar(grammar)
+    def _child(self) -> subprocess.Popen:
+        """This pool thread's process: its own, a spare started with the compiler, or new."""
+        child = getattr(self._local, "child", None)
+        if child is None or child.poll() is not None:
+            with self._lock:
+                child = self._spares.pop() if self._spares else None
+            if child is None or child.poll() is not None:
+                child = self._ready(self._spawn())
+                with self._lock:
+                    self.children.append(child)
+            self._local.child = child
+        return child
+
+    def _spawn(self) -> subprocess.Popen:
+        child = subprocess.Popen(
+            [sys.executable, grammar_child.__file__], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1 << 16)
+        child.stdin.write(self._info_line)
+        child.stdin.flush()
+        return child
+
+    def _ready(self, child: subprocess.Popen) -> subprocess.Popen:
+        """Wait for a new process's "ready" line (it has imported xgrammar, read the table)."""
+        ready, _, _ = select.select([child.stdout], [], [], CHILD_START_S)
+        if not ready or not child.stdout.readline():
+            child.kill()
+            child.wait()
+            raise EngineError("the grammar compiler process did not start; structured "
+                              "outputs are unavailable on this worker")
+        return child
+
+    def _kill(self, child: subprocess.Popen) -> None:
+        child.kill()
+        child.wait()
+        self._local.child = None
+        self.killed += 1
+        log.warning("grammar compile stopped: its process was killed", pid=child.pid)
+
+    def close(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -178,9 +289,9 @@ def _ebnf_literal(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-def _reason(exc: Exception) -> str:
+def _reason(message: str) -> str:
     """xgrammar's message without its C++ source location prefix ("[time] file.cc:123: ")."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = message.strip().splitlines()[0] if message.strip() else "invalid"
     if text.startswith("[") and ": " in text:
         head, _, rest = text.partition(": ")
         if ".cc:" in head or ".h:" in head:

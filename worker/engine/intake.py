@@ -6,6 +6,7 @@ at ``add_request`` (and a worker fails only that job) instead of inside a step.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -52,7 +53,40 @@ def chat_prompt(tokenizer, model_path: Path, messages: list[dict]) -> list[int]:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(f"model {model_path} has no chat template")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False).input_ids
+    controls = control_texts(tokenizer)
+    if not any(c in str(m.get("content", "")) for m in messages for c in controls):
+        return tokenizer(text, add_special_tokens=False).input_ids
+    return _contents_as_text(tokenizer, messages, controls)
+
+
+def control_texts(tokenizer) -> list[str]:
+    """The texts a tokenizer turns into one added token wherever they appear (``<|im_start|>``,
+    ``<|eot_id|>``, ...): what the chat template uses to mark turns."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return [t.content for t in added.values() if getattr(t, "content", "")]
+
+
+def _contents_as_text(tokenizer, messages: list[dict], controls: list[str]) -> list[int]:
+    """The template rendered around placeholders, its own text tokenized as usual and each
+    message's content as plain text (control-token text in it splits into ordinary tokens), so
+    text pasted into a message can never open a turn of its own."""
+    marks = [f"\ue000pagedq{i}\ue001" for i in range(len(messages))]
+    stand_ins = [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
+    text = tokenizer.apply_chat_template(stand_ins, add_generation_prompt=True, tokenize=False)
+    pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", text)
+    if sorted(p for p in pieces if p in marks) != sorted(marks):
+        found = next(c for c in controls for m in messages if c in str(m.get("content", "")))
+        raise InvalidRequestError(
+            f"a message holds {found!r}, this model's control text, and its chat template "
+            "does not show each message once as given: remove it from the message")
+    ids: list[int] = []
+    for piece in pieces:
+        if piece in marks:
+            content = str(messages[marks.index(piece)].get("content", ""))
+            ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True).input_ids
+        elif piece:
+            ids += tokenizer(piece, add_special_tokens=False).input_ids
+    return ids
 
 
 def fit_lengths(ids: list[int], params: SamplingParams, max_model_len: int) -> SamplingParams:

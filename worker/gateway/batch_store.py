@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ from pagedq.worker.gateway.openai import BatchCreateRequest
 
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 _WINDOW_RE = re.compile(r"^(\d+)h$")
+BATCH_ID_RE = re.compile(r"^batch_[A-Za-z0-9_-]{1,128}$")
 # KEYS: lease. ARGV: owner, ms. Take the lease if free, renew it if ours. -> 1 / 0.
 LEASE = """
 local cur = redis.call('GET', KEYS[1])
@@ -63,6 +65,7 @@ class BatchState:
     next: int = 0
     cancel: bool = False
     inflight: dict[int, dict[str, Any]] = field(default_factory=dict)
+    owner: str = ""  # the tenant that made it (its output files are theirs too)
 
 
 class BatchStore:
@@ -74,15 +77,18 @@ class BatchStore:
         self.ttl = files_ttl
         self.lease_script = r.register_script(LEASE)
 
-    async def create(self, obj: dict[str, Any]) -> None:
+    async def create(self, obj: dict[str, Any], owner: str = "") -> None:
         order = await self.r.incr(self.keys.order)  # lists newest first, even within a second
         pipe = self.r.pipeline(transaction=False)
-        pipe.hset(self.keys.batch(obj["id"]), mapping={"obj": json.dumps(obj), "next": 0})
+        pipe.hset(self.keys.batch(obj["id"]),
+                  mapping={"obj": json.dumps(obj), "next": 0, "owner": owner})
         pipe.zadd(self.keys.index, {obj["id"]: order})
         pipe.sadd(self.keys.active, obj["id"])
         await pipe.execute()
 
     async def load(self, bid: str, with_inflight: bool = False) -> BatchState | None:
+        if BATCH_ID_RE.match(bid) is None:  # no id of ours: no key is built from it
+            return None
         pipe = self.r.pipeline(transaction=False)
         pipe.hgetall(self.keys.batch(bid))
         pipe.hlen(self.keys.part(bid, "out"))
@@ -93,7 +99,8 @@ class BatchStore:
         if not raw or b"obj" not in raw:
             return None
         state = BatchState(json.loads(raw[b"obj"]), int(raw.get(b"total", 0)),
-                           int(raw.get(b"next", 0)), raw.get(b"cancel") == b"1")
+                           int(raw.get(b"next", 0)), raw.get(b"cancel") == b"1",
+                           owner=raw.get(b"owner", b"").decode())
         if state.obj["status"] not in TERMINAL:
             state.obj["request_counts"] = {"total": state.total, "completed": done,
                                            "failed": failed}
@@ -110,7 +117,10 @@ class BatchStore:
     async def request_cancel(self, bid: str) -> None:
         await self.r.hset(self.keys.batch(bid), mapping={"cancel": 1, "cancel_at": time.time()})
 
-    async def list(self, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
+    async def list(self, after: str | None, limit: int,
+                   sees: Callable[[str], bool] = lambda owner: True
+                   ) -> tuple[list[dict[str, Any]], bool]:
+        """A page of the batches ``sees`` (a tenant's test of an owner), newest first."""
         ids = [i.decode() for i in await self.r.zrevrange(self.keys.index, 0, -1)]
         if after is not None:
             ids = ids[ids.index(after) + 1:] if after in ids else []
@@ -122,7 +132,7 @@ class BatchStore:
             state = await self.load(bid)
             if state is None:
                 stale.append(bid)
-            else:
+            elif sees(state.owner):
                 out.append(state.obj)
         if stale:
             await self.r.zrem(self.keys.index, *stale)

@@ -16,6 +16,10 @@ bookkeeping can be one MULTI):
 The driver keeps at most ``window`` lines of a batch in the queue, each a low-priority job;
 a line's in-flight record is written before its job is submitted, so a crash in between
 resubmits it (the same id and payload: the worker treats it as the same job).
+
+Failures stay where they happen: a line that cannot be sent, whatever it raises, gets its own
+error line; a batch whose driving raises is skipped for the pass (the batches beside it move
+on) and, after ``MAX_DRIVE_FAILURES`` passes in a row, is failed with code ``internal``.
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from pagedq.client import AsyncClient
 from pagedq.worker.config import GatewayConfig
 from pagedq.worker.gateway.batch_store import TERMINAL, BatchState, BatchStore
-from pagedq.worker.gateway.errors import APIError
+from pagedq.worker.gateway.errors import APIError, too_many_prompts, unexpected
 from pagedq.worker.gateway.files import FileStore
 from pagedq.worker.gateway.fleet import Fleet
 from pagedq.worker.gateway.lines import Line, dumps, error_line, parse_line, result_line
@@ -42,6 +47,8 @@ from pagedq.worker.gateway.translate import submit
 from pagedq.worker.logging import get_logger
 
 log = get_logger("pagedq.gateway.batches")
+
+MAX_DRIVE_FAILURES = 5  # passes in a row a batch's driving may raise before the batch fails
 
 
 class BatchDriver:
@@ -61,6 +68,7 @@ class BatchDriver:
         self.store = BatchStore(r, config.prefix, config.queue, config.files_ttl)
         self.name = f"gateway-{uuid.uuid4().hex[:12]}"
         self._inputs: dict[str, list[bytes]] = {}
+        self._failures: dict[str, int] = {}  # batch -> passes in a row whose driving raised
 
     async def run(self) -> None:
         while True:
@@ -79,9 +87,55 @@ class BatchDriver:
         lease_ms = int(self.config.batch_lease * 1000)
         for bid in await self.store.active():
             if await self.store.lease(bid, self.name, lease_ms):
-                await self.drive(bid)
+                await self._drive_alone(bid)
             else:
                 self._inputs.pop(bid, None)  # another gateway drives it now
+
+    async def _drive_alone(self, bid: str) -> None:
+        """Drive one batch; what it raises (Redis being down aside) stays with it."""
+        try:
+            await self.drive(bid)
+        except (asyncio.CancelledError, RedisConnectionError):
+            raise
+        except RedisError as exc:  # OOM, a timeout: Redis's state, not the batch's; next pass
+            log.warning("driving a batch: Redis refused; retrying", batch=bid, error=str(exc))
+            return
+        except Exception:
+            failures = self._failures[bid] = self._failures.get(bid, 0) + 1
+            log.exception("driving a batch failed", batch=bid, failures=failures)
+            if failures >= MAX_DRIVE_FAILURES:
+                await self._give_up(bid)
+            return
+        self._failures.pop(bid, None)
+
+    async def _give_up(self, bid: str) -> None:
+        """Fail a batch that cannot be driven: cancel its jobs, keep what its record holds."""
+        self._failures.pop(bid, None)
+        self._inputs.pop(bid, None)
+        keys = self.store.keys
+        raw = await self.r.hget(keys.batch(bid), "obj")
+        try:
+            obj = json.loads(raw) if raw else {}
+            assert isinstance(obj, dict)
+        except (ValueError, AssertionError):
+            obj = {}
+        for rec in (await self.r.hgetall(keys.part(bid, "inflight"))).values():
+            try:
+                for jid in json.loads(rec)["jobs"]:
+                    await self.client.handle(jid).cancel()
+            except (ValueError, KeyError, TypeError):
+                continue
+        obj.update(id=bid, object="batch", status="failed", failed_at=int(time.time()),
+                   errors={"object": "list", "data": [{
+                       "code": "internal", "line": None, "param": None,
+                       "message": f"the gateway could not drive this batch {MAX_DRIVE_FAILURES} "
+                                  "times in a row; its log says why"}]})
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(keys.batch(bid), "obj", json.dumps(obj))
+        pipe.expire(keys.batch(bid), self.config.files_ttl)
+        pipe.srem(keys.active, bid)
+        await pipe.execute()
+        log.error("batch failed: it could not be driven", batch=bid)
 
     async def drive(self, bid: str) -> None:
         state = await self.store.load(bid, with_inflight=True)
@@ -121,6 +175,10 @@ class BatchDriver:
                                  f"the input has {len(lines)} lines; a batch takes 1 to "
                                  f"{self.config.max_batch_lines}")
                 return None
+            twice = duplicate_custom_id(lines)
+            if twice is not None:
+                await self._fail(state, "duplicate_custom_id", twice)
+                return None
             state.total = len(lines)
             state.obj.update(status="in_progress", in_progress_at=int(time.time()))
             await self.store.save_obj(state.obj, total=state.total)
@@ -146,7 +204,10 @@ class BatchDriver:
         keys = self.store.keys
         pipe = self.r.pipeline(transaction=True)
         for line in parsed:
-            if line.spec is not None and fleet.alive and fleet.path_of(line.spec.view.model) is None:
+            if line.spec is not None and len(line.spec.prompts) > self.config.max_prompts:
+                line.error = too_many_prompts(len(line.spec.prompts), self.config.max_prompts)
+            if line.error is None and line.spec is not None and fleet.alive \
+                    and fleet.path_of(line.spec.view.model) is None:
                 line.error = model_not_found(line.spec.view.model)
             if line.error is not None:
                 pipe.hsetnx(keys.part(bid, "err"), line.number,
@@ -158,7 +219,7 @@ class BatchDriver:
         pipe.hset(keys.batch(bid), "next", last)
         await pipe.execute()
         state.next = last
-        await self._send(bid, state, [ln for ln in parsed if ln.spec is not None])
+        await self._send(bid, state, [ln for ln in parsed if ln.error is None])
 
     async def _send(self, bid: str, state: BatchState, lines: list[Line]) -> None:
         keys = self.store.keys
@@ -167,9 +228,14 @@ class BatchDriver:
             assert line.spec is not None
             try:
                 await submit(self.client, line.spec)
-            except APIError as exc:  # the line fails alone
+            except (asyncio.CancelledError, RedisError):
+                raise  # not the line's fault: it stays unconfirmed and is sent again
+            except Exception as exc:  # the line fails alone, whatever it raised
+                err = exc if isinstance(exc, APIError) else unexpected(exc)
+                if err.status >= 500:
+                    log.exception("a batch line could not be sent", batch=bid, line=line.number)
                 pipe.hsetnx(keys.part(bid, "err"), line.number,
-                            dumps(error_line(line, line_rid(bid, line), exc, False)))
+                            dumps(error_line(line, line_rid(bid, line), err, False)))
                 pipe.hdel(keys.part(bid, "inflight"), line.number)
                 state.inflight.pop(line.number, None)
                 self.metrics.batch_lines.labels("failed").inc()
@@ -182,7 +248,7 @@ class BatchDriver:
     async def _collect(self, bid: str, state: BatchState, lines: list[bytes]) -> None:
         """Lines whose jobs all ended -> their output or error line, exactly once."""
         unconfirmed = [n for n, rec in state.inflight.items() if not rec["ok"]]
-        if unconfirmed:  # a driver died between recording and submitting: submit again
+        if unconfirmed and not state.cancel:  # a driver died between recording and submitting
             await self._send(bid, state, [self._line(state, lines, n) for n in unconfirmed])
         jobs = [(n, jid) for n, rec in state.inflight.items() for jid in rec["jobs"]]
         if not jobs:
@@ -200,7 +266,11 @@ class BatchDriver:
             rid = line_rid(bid, line)
             outcome = await outcome_of(self.client, line.spec.job_ids)
             text = self.tokens.lookup(fleet.path_of(line.spec.view.model))
-            ok, record = result_line(line, rid, outcome, text)
+            try:
+                ok, record = result_line(line, rid, outcome, text)
+            except Exception as exc:  # rendering this answer failed: the line fails alone
+                log.exception("a batch line's answer could not be rendered", batch=bid, line=n)
+                ok, record = False, error_line(line, rid, unexpected(exc), True)
             if record is None and expiring:
                 record = error_line(line, rid, batch_expired(), False)
             pipe = self.r.pipeline(transaction=True)
@@ -237,7 +307,7 @@ class BatchDriver:
             if records:
                 data = b"".join(records[k] + b"\n" for k in sorted(records, key=int))
                 f = await self.files.put(data, f"{bid}_{name}.jsonl", purpose,
-                                         file_id=f"file-{bid}-{name}")
+                                         file_id=f"file-{bid}-{name}", owner=state.owner)
                 obj[f"{name}_file_id"] = f.id
         obj["request_counts"] = {"total": state.total, "completed": len(out), "failed": len(err)}
         obj.update(status=status, finalizing_at=obj.get("finalizing_at") or now,
@@ -251,6 +321,23 @@ class BatchDriver:
         await self.r.srem(keys.active, bid)
         self._inputs.pop(bid, None)
         log.info("batch ended", batch=bid, status=status, **obj["request_counts"])
+
+
+def duplicate_custom_id(lines: list[bytes]) -> str | None:
+    """The first custom_id two lines share, as a message (OpenAI refuses such a batch)."""
+    seen: dict[str, int] = {}
+    for n, raw in enumerate(lines):
+        try:
+            custom_id = json.loads(raw).get("custom_id")
+        except (ValueError, AttributeError, RecursionError):
+            continue  # a malformed line fails alone later
+        if not isinstance(custom_id, str):
+            continue
+        if custom_id in seen:
+            return (f"custom_id {custom_id[:64]!r} is on lines {seen[custom_id] + 1} and {n + 1}: "
+                    "give each line its own")
+        seen[custom_id] = n
+    return None
 
 
 def line_rid(bid: str, line: Line) -> str:

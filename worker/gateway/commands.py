@@ -15,7 +15,7 @@ from pagedq.worker.cli.console import add_log_level_flag
 from pagedq.worker.cli.flags import add_config_flags, add_engine_flags, engine_knobs, given
 from pagedq.worker.config import EngineConfig, GatewayConfig
 
-NOT_FLAGS = ("api_keys",)  # --api-key, repeatable, below
+NOT_FLAGS = ("api_keys", "admin_keys")  # --api-key, --admin-key, repeatable, below
 QUEUE_FIELDS = ("redis_url", "queue", "prefix")
 MODEL_HELP = ("the embedded worker's model, when no Redis URL is given (default: the bundled "
               "SmolLM2-135M); the other engine flags also go to that worker")
@@ -28,7 +28,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_flags(p, GatewayConfig, skip=NOT_FLAGS)
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accepted Bearer key (repeatable; default: $PAGEDQ_API_KEY, "
-                        "comma-separated); with none the gateway is open")
+                        "comma-separated); with none the gateway is open. Each key is a "
+                        "tenant: another key cannot see its files, batches or streams")
+    p.add_argument("--admin-key", action="append", default=[], metavar="KEY",
+                   help="a Bearer key that sees every tenant's files, batches and streams "
+                        "(repeatable; default: $PAGEDQ_ADMIN_KEY)")
     add_log_level_flag(p)
     add_engine_flags(p, helps={"model": MODEL_HELP})
     p.set_defaults(func=cmd_serve)
@@ -46,7 +50,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
-    keys = {"api_keys": tuple(args.api_key)} if getattr(args, "api_key", None) else {}
+    keys: dict[str, Any] = {}
+    if getattr(args, "api_key", None):
+        keys["api_keys"] = tuple(args.api_key)
+    if getattr(args, "admin_key", None):
+        keys["admin_keys"] = tuple(args.admin_key)
     return GatewayConfig(**given(args, GatewayConfig, skip=NOT_FLAGS), **keys)
 
 
@@ -66,7 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(json=False, level=args.log_level)
     log = get_logger("pagedq.gateway")
     config = gateway_config(args)
-    if not config.api_keys:
+    if not config.api_keys and not config.admin_keys:
         log.warning("no API key configured: anyone who can reach the gateway may use it; set "
                     "--api-key or $PAGEDQ_API_KEY")
     with queue_stack(config.redis_url, config.queue, config.prefix, engine_config(args)) as url:
@@ -74,7 +82,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  queue=config.queue)
         uvicorn.run(create_app(config, url), host=config.host, port=config.port,
                     loop=_loop(), http="httptools", log_level=args.log_level.lower(),
-                    access_log=False, timeout_graceful_shutdown=5)
+                    access_log=False, timeout_graceful_shutdown=5,
+                    limit_concurrency=config.limit_concurrency,
+                    timeout_keep_alive=config.timeout_keep_alive)
     return 0
 
 
@@ -88,7 +98,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
         print(f"error: {args.input} is not a file", file=sys.stderr)
         return 2
     config = gateway_config(args)
-    with queue_stack(config.redis_url, config.queue, config.prefix, engine_config(args)) as url:
+    with queue_stack(config.redis_url, config.queue, config.prefix, engine_config(args),
+                     until_loaded="the lines start once it has", worker_log_level="ERROR") as url:
         ok, failed = asyncio.run(run_batch(args.input, args.output, url, config.queue,
                                            config.prefix, config.batch_window,
                                            args.ready_timeout, progress=not args.no_progress))

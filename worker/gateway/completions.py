@@ -10,6 +10,7 @@ for the model) still gets a plain 400 rather than a stream that fails.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
@@ -19,8 +20,14 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedq.client import AsyncRequestHandle, Event, RequestCancelledError, RequestFailedError
 from pagedq.client.protocol import ERROR, ProtocolError, check_request_id
-from pagedq.worker.gateway.app import Gateway, gateway
-from pagedq.worker.gateway.errors import APIError, bad_request, from_job_error, not_found
+from pagedq.worker.gateway.app import Gateway, gateway, tenant
+from pagedq.worker.gateway.errors import (
+    APIError,
+    bad_request,
+    from_job_error,
+    not_found,
+    too_many_prompts,
+)
 from pagedq.worker.gateway.openai import ChatCompletionRequest, CompletionRequest
 from pagedq.worker.gateway.render import ChunkRenderer, response
 from pagedq.worker.gateway.sse import SSEResponse, StreamSession
@@ -29,6 +36,7 @@ from pagedq.worker.gateway.translate import JobSpec, chat_spec, completion_spec,
 router = APIRouter()
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's status for a client that went away (nobody receives it)
+EVENT_ID_RE = re.compile(r"^[0-9]{1,18}$")  # ASCII digits only ("²".isdigit() is True)
 
 
 class ClientGone(Exception):
@@ -37,12 +45,21 @@ class ClientGone(Exception):
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-    return await answer(gateway(request), request, chat_spec(req))
+    gw = gateway(request)
+    req.priority = clamp_priority(gw, req.priority)
+    return await answer(gw, request, chat_spec(req))
 
 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request) -> Response:
-    return await answer(gateway(request), request, completion_spec(req))
+    gw = gateway(request)
+    req.priority = clamp_priority(gw, req.priority)
+    return await answer(gw, request, completion_spec(req))
+
+
+def clamp_priority(gw: Gateway, priority: int) -> int:
+    """The client's (vLLM-sense) priority within the operator's --min/--max-priority."""
+    return max(gw.config.min_priority, min(gw.config.max_priority, priority))
 
 
 @router.get("/v1/requests/{request_id}/stream")
@@ -54,16 +71,17 @@ async def resume_stream(request_id: str, request: Request,
         check_request_id(request_id)
     except ProtocolError as exc:
         raise not_found(str(exc)) from exc
-    view = await gw.readers.view(request_id)
-    if view is None:
+    found = await gw.readers.view(request_id)
+    if found is None or not tenant(request).sees(found[1]):  # another tenant's: no such stream
         raise not_found(f"no stream {request_id}: it never existed, was not streamed, or "
                         "expired", "stream_not_found")
+    view = found[0]
     after = None
     if last_event_id is not None and last_event_id.strip():
-        if not last_event_id.strip().isdigit():
+        if EVENT_ID_RE.match(last_event_id.strip()) is None:
             raise bad_request("Last-Event-ID must be an event id this stream sent (an integer)",
                               "Last-Event-ID")
-        after = int(last_event_id)
+        after = int(last_event_id.strip())
     fleet = await gw.fleet.view()
     renderer = ChunkRenderer(view, request_id, gw.tokens.lookup(fleet.path_of(view.model)))
     await gw.readers.attach(request_id)
@@ -73,7 +91,7 @@ async def resume_stream(request_id: str, request: Request,
 
 async def answer(gw: Gateway, request: Request, spec: JobSpec) -> Response:
     began = time.perf_counter()
-    model_path = await admit(gw, spec.view.model)
+    model_path = await admit(gw, spec)
     text = gw.tokens.lookup(model_path)
     handles = await submit(gw.client, spec)
     if not spec.stream:
@@ -89,7 +107,7 @@ async def answer(gw: Gateway, request: Request, spec: JobSpec) -> Response:
             raise APIError(500, str(exc), "server_error", "cancelled") from exc
         return JSONResponse(response(spec.view, spec.id, results, text))
     handle = handles[0]
-    await gw.readers.save(spec.id, spec.view)
+    await gw.readers.save(spec.id, spec.view, tenant(request).owner)
     try:
         first = await until_disconnect(request, _first_event(handle))
     except ClientGone:
@@ -116,12 +134,19 @@ def _sse(gw: Gateway, session: StreamSession) -> Response:
     return SSEResponse(session, spawn)
 
 
-async def admit(gw: Gateway, model: str) -> str:
-    """The served model's path; 503 with no live worker, 404 for a model nobody serves, 429
-    while more interactive jobs wait than ``max_queue_depth``."""
+async def admit(gw: Gateway, spec: JobSpec) -> str:
+    """The served model's path; 400 for more prompts than ``max_prompts``, 503 with no live
+    worker, 404 for a model nobody serves, 429 when the request's interactive jobs would take
+    the waiting ones past ``max_queue_depth`` (each prompt is a job, and the jobs admitted
+    since the last reading of the queue count too)."""
+    jobs = len(spec.prompts)
+    if jobs > gw.config.max_prompts:
+        raise too_many_prompts(jobs, gw.config.max_prompts)
+    model = spec.view.model
     view = await gw.fleet.view()
     if not view.alive:
-        raise APIError(503, f"no worker is serving queue {gw.config.queue!r}: start one "
+        raise APIError(503, f"no worker is serving queue {gw.config.queue!r} yet: one starting "
+                       "is still loading its model (retry shortly); if none is, start one "
                        "(pagedq worker)", "server_error", "no_worker", headers={"Retry-After": "5"})
     path = view.path_of(model)
     if path is None:
@@ -129,10 +154,16 @@ async def admit(gw: Gateway, model: str) -> str:
         raise not_found(f"The model `{model}` does not exist: live workers serve {served}",
                         "model_not_found", "model")
     limit = gw.config.max_queue_depth
-    if limit is not None and view.interactive_depth > limit:
-        raise APIError(429, f"the queue holds {view.interactive_depth} waiting requests (limit "
-                       f"{limit}); retry later", "rate_limit_exceeded", "queue_full",
-                       headers={"Retry-After": "1"})
+    if limit is not None and spec.priority >= 0:  # low-priority jobs wait behind the rest
+        if jobs > limit:
+            raise bad_request(f"the request's {jobs} prompts are more jobs than the queue "
+                              f"admits at once (--max-queue-depth {limit}): split it", "prompt",
+                              "too_many_prompts")
+        if view.interactive_depth + jobs > limit:
+            raise APIError(429, f"the queue holds {view.interactive_depth} waiting requests "
+                           f"(limit {limit}); retry later", "rate_limit_exceeded", "queue_full",
+                           headers={"Retry-After": "1"})
+        view.interactive_depth += jobs  # a burst sharing one reading counts itself
     return path
 
 

@@ -9,18 +9,23 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from redis.exceptions import RedisError, ResponseError
+
 from pagedq.client.protocol import (
     E_BAD_PAYLOAD,
     E_INVALID_PARAMS,
     E_INVALID_REQUEST,
     E_TOO_LONG,
     E_UNSUPPORTED_VERSION,
+    ProtocolError,
 )
+from pagedq.errors import InvalidParamsError
 
 # Worker error codes that mean the request itself was bad (the client must change it).
 CLIENT_CODES = frozenset({E_BAD_PAYLOAD, E_INVALID_PARAMS, E_INVALID_REQUEST, E_TOO_LONG,
                           E_UNSUPPORTED_VERSION})
-_PARAM_RE = re.compile(r"SamplingParams\.(\w+)=")
+MAX_MESSAGE = 400  # characters of an error message (they may quote what a client sent)
+_PARAM_RE = re.compile(r"SamplingParams\.(\w+)\s*[=:]")
 # SamplingParams field -> the OpenAI request field a user set it through
 _OPENAI_NAMES = {"max_tokens": "max_tokens", "logprobs": "logprobs", "n": "n"}
 
@@ -31,6 +36,8 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  code: str | None = None, param: str | None = None,
                  headers: dict[str, str] | None = None):
+        if len(message) > MAX_MESSAGE:  # never echo a huge input back
+            message = message[:MAX_MESSAGE] + f"... ({len(message)} characters in all)"
         super().__init__(message)
         self.status = status
         self.message = message
@@ -46,6 +53,11 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", code, param)
+
+
+def too_many_prompts(count: int, limit: int) -> APIError:
+    return bad_request(f"the request has {count} prompts; at most {limit} (--max-prompts): "
+                       "split it", "prompt", "too_many_prompts")
 
 
 def not_found(message: str, code: str = "not_found", param: str | None = None) -> APIError:
@@ -64,3 +76,28 @@ def from_job_error(code: str, message: str) -> APIError:
     if code in CLIENT_CODES:
         return bad_request(message, code=code)
     return APIError(500, message, "server_error", code)
+
+
+def unexpected(exc: BaseException) -> APIError:
+    """An exception no check foresaw, as an answer. Bad input that slipped past the checks
+    (text that is not Unicode, nesting past the interpreter's limit) is still the client's 400;
+    anything else is a 500 that echoes nothing of the exception (the log has it)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ProtocolError):
+        return bad_request(str(exc), code=exc.code)
+    if isinstance(exc, InvalidParamsError):
+        return invalid_params(exc)
+    if isinstance(exc, UnicodeError):
+        return bad_request("the request holds text that is not valid Unicode (a lone UTF-16 "
+                           "surrogate such as \\ud800?): send UTF-8 text", code=E_INVALID_REQUEST)
+    if isinstance(exc, RecursionError):
+        return bad_request("the request nests objects or arrays too deeply", code=E_INVALID_REQUEST)
+    if isinstance(exc, ResponseError) and str(exc).startswith("OOM"):
+        return APIError(503, "the queue's Redis is full (maxmemory): retry later", "server_error",
+                        "storage_full", headers={"Retry-After": "10"})
+    if isinstance(exc, RedisError):
+        return APIError(503, "the queue's Redis did not answer: retry later", "server_error",
+                        "redis_unavailable", headers={"Retry-After": "1"})
+    return APIError(500, "internal error: the gateway's log has the details", "server_error",
+                    "internal")

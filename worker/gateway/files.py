@@ -2,9 +2,11 @@
 
 Files hold batch inputs and the batches' output and error files. They are kept ``ttl``
 seconds (``expires_at`` says when) and are at most ``max_bytes`` each, so a client cannot
-fill the queue's Redis. In Redis a file is one hash ``P:gw:file:ID`` (meta + data) and the
-zset ``P:gw:files`` lists them; in a directory it is ``ID.json`` + ``ID.data``, written
-atomically (rename) and treated as gone once expired.
+fill the queue's Redis. In Redis a file is a hash ``P:gw:file:ID`` (its meta) and a string
+``P:gw:file:ID:data`` (its bytes, read in ``CHUNK``-sized ranges), and the zset
+``P:gw:files`` lists them; in a directory it is ``ID.json`` + ``ID.data``, written atomically
+(rename) and treated as gone once expired. Downloads stream chunk by chunk from either, so a
+gateway holds a chunk per download, never a whole file.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -29,17 +33,38 @@ class FileObject:
     expires_at: int
     filename: str
     purpose: str
+    owner: str = ""  # the tenant (API key fingerprint) that made it; never shown
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "object": "file", "status": "processed", "status_details": None}
+        shown = {k: v for k, v in asdict(self).items() if k != "owner"}
+        return {**shown, "object": "file", "status": "processed", "status_details": None}
 
     @property
     def expired(self) -> bool:
         return self.expires_at <= time.time()
 
 
+CHUNK = 1 << 20  # bytes of a file read at once when it is streamed out
+FILE_ID_RE = re.compile(r"^file-[A-Za-z0-9_-]{1,128}$")  # ours: file-HEX, file-BATCH-output
+
+
 def new_file_id() -> str:
     return "file-" + uuid.uuid4().hex
+
+
+def valid_file_id(file_id: str) -> bool:
+    """Whether ``file_id`` could name a file this gateway made; anything else is no file (so
+    no id reaches a path or a key: no NUL, no 5,000-character names, no separators)."""
+    return FILE_ID_RE.match(file_id) is not None
+
+
+def file_object(raw: bytes | str) -> FileObject | None:
+    """A stored file's metadata; None for a record that is not one (a stray file)."""
+    try:
+        meta = json.loads(raw)
+        return FileObject(**meta) if isinstance(meta, dict) else None
+    except (ValueError, TypeError):
+        return None
 
 
 class FileStore:
@@ -48,19 +73,24 @@ class FileStore:
     def __init__(self, ttl: int):
         self.ttl = ttl
 
-    def _object(self, data: bytes, filename: str, purpose: str, file_id: str | None) -> FileObject:
+    def _object(self, data: bytes, filename: str, purpose: str, file_id: str | None,
+                owner: str) -> FileObject:
         now = int(time.time())
         return FileObject(file_id or new_file_id(), len(data), now, now + self.ttl, filename,
-                          purpose)
+                          purpose, owner)
 
     async def put(self, data: bytes, filename: str, purpose: str,
-                  file_id: str | None = None) -> FileObject:
+                  file_id: str | None = None, owner: str = "") -> FileObject:
         raise NotImplementedError
 
     async def meta(self, file_id: str) -> FileObject | None:
         raise NotImplementedError
 
     async def content(self, file_id: str) -> bytes | None:
+        raise NotImplementedError
+
+    async def stream(self, file_id: str) -> AsyncIterator[bytes] | None:
+        """The file's bytes in chunks of at most ``CHUNK``; None if there is no such file."""
         raise NotImplementedError
 
     async def delete(self, file_id: str) -> bool:
@@ -80,12 +110,16 @@ class RedisFileStore(FileStore):
     def key(self, file_id: str) -> str:
         return f"{self.prefix}:gw:file:{file_id}"
 
+    def data_key(self, file_id: str) -> str:
+        return f"{self.key(file_id)}:data"
+
     async def put(self, data: bytes, filename: str, purpose: str,
-                  file_id: str | None = None) -> FileObject:
-        obj = self._object(data, filename, purpose, file_id)
+                  file_id: str | None = None, owner: str = "") -> FileObject:
+        obj = self._object(data, filename, purpose, file_id, owner)
         pipe = self.r.pipeline(transaction=True)
-        pipe.delete(self.key(obj.id))
-        pipe.hset(self.key(obj.id), mapping={"meta": json.dumps(asdict(obj)), "data": data})
+        pipe.delete(self.key(obj.id), self.data_key(obj.id))
+        pipe.hset(self.key(obj.id), mapping={"meta": json.dumps(asdict(obj))})
+        pipe.set(self.data_key(obj.id), data, ex=self.ttl)
         pipe.expire(self.key(obj.id), self.ttl)
         pipe.zadd(self.index, {obj.id: obj.created_at})
         pipe.zremrangebyscore(self.index, "-inf", time.time() - self.ttl)
@@ -93,15 +127,38 @@ class RedisFileStore(FileStore):
         return obj
 
     async def meta(self, file_id: str) -> FileObject | None:
+        if not valid_file_id(file_id):
+            return None
         raw = await self.r.hget(self.key(file_id), "meta")
-        return FileObject(**json.loads(raw)) if raw else None
+        return file_object(raw) if raw else None
 
     async def content(self, file_id: str) -> bytes | None:
-        return await self.r.hget(self.key(file_id), "data")
+        if not valid_file_id(file_id):
+            return None
+        data = await self.r.get(self.data_key(file_id))
+        return data if data is not None else await self.r.hget(self.key(file_id), "data")
+
+    async def stream(self, file_id: str) -> AsyncIterator[bytes] | None:
+        obj = await self.meta(file_id)
+        if obj is None:
+            return None
+        if not await self.r.exists(self.data_key(file_id)):  # a record from before chunking
+            data = await self.r.hget(self.key(file_id), "data")
+            return None if data is None else _one(data)
+        return self._ranges(file_id, obj.bytes)
+
+    async def _ranges(self, file_id: str, size: int) -> AsyncIterator[bytes]:
+        for start in range(0, size, CHUNK):
+            chunk = await self.r.getrange(self.data_key(file_id), start, start + CHUNK - 1)
+            if not chunk:  # expired or deleted meanwhile
+                return
+            yield chunk
 
     async def delete(self, file_id: str) -> bool:
+        if not valid_file_id(file_id):
+            return False
         pipe = self.r.pipeline(transaction=True)
-        pipe.delete(self.key(file_id))
+        pipe.delete(self.key(file_id), self.data_key(file_id))
         pipe.zrem(self.index, file_id)
         deleted, _ = await pipe.execute()
         return bool(deleted)
@@ -111,7 +168,8 @@ class RedisFileStore(FileStore):
         pipe = self.r.pipeline(transaction=False)
         for file_id in ids:
             pipe.hget(self.key(file_id), "meta")
-        return [FileObject(**json.loads(raw)) for raw in await pipe.execute() if raw]
+        objs = [file_object(raw) for raw in await pipe.execute() if raw]
+        return [o for o in objs if o is not None]
 
 
 class DirFileStore(FileStore):
@@ -121,13 +179,13 @@ class DirFileStore(FileStore):
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def _paths(self, file_id: str) -> tuple[Path, Path]:
-        if "/" in file_id or file_id.startswith("."):
-            raise ValueError(f"bad file id {file_id!r}")
+        if not valid_file_id(file_id):
+            raise ValueError("not a file id")
         return self.dir / f"{file_id}.json", self.dir / f"{file_id}.data"
 
     async def put(self, data: bytes, filename: str, purpose: str,
-                  file_id: str | None = None) -> FileObject:
-        obj = self._object(data, filename, purpose, file_id)
+                  file_id: str | None = None, owner: str = "") -> FileObject:
+        obj = self._object(data, filename, purpose, file_id, owner)
         meta, body = self._paths(obj.id)
         await asyncio.to_thread(_write_atomic, body, data)
         await asyncio.to_thread(_write_atomic, meta, json.dumps(asdict(obj)).encode())
@@ -136,8 +194,10 @@ class DirFileStore(FileStore):
     async def meta(self, file_id: str) -> FileObject | None:
         try:
             meta, _ = self._paths(file_id)
-            obj = FileObject(**json.loads(await asyncio.to_thread(meta.read_bytes)))
+            obj = file_object(await asyncio.to_thread(meta.read_bytes))
         except (OSError, ValueError):
+            return None
+        if obj is None or obj.id != file_id:  # a stray *.json, not one of ours
             return None
         if obj.expired:
             await self.delete(file_id)
@@ -152,23 +212,44 @@ class DirFileStore(FileStore):
         except OSError:
             return None
 
-    async def delete(self, file_id: str) -> bool:
+    async def stream(self, file_id: str) -> AsyncIterator[bytes] | None:
+        if await self.meta(file_id) is None:
+            return None
         try:
-            paths = self._paths(file_id)
-        except ValueError:
+            f = await asyncio.to_thread(self._paths(file_id)[1].open, "rb")
+        except OSError:
+            return None
+        return _read_chunks(f)
+
+    async def delete(self, file_id: str) -> bool:
+        if await self.meta(file_id) is None:  # only our own records (meta drops expired ones)
             return False
+        paths = self._paths(file_id)
         found = False
         for path in paths:
             try:
                 path.unlink()
                 found = True
-            except FileNotFoundError:
+            except OSError:
                 pass
         return found
 
     async def list(self) -> list[FileObject]:
-        objs = [await self.meta(p.stem) for p in self.dir.glob("*.json")]
+        objs = [await self.meta(p.stem) for p in self.dir.glob("file-*.json")
+                if valid_file_id(p.stem)]
         return sorted((o for o in objs if o), key=lambda o: -o.created_at)
+
+
+async def _one(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def _read_chunks(f: Any) -> AsyncIterator[bytes]:
+    try:
+        while chunk := await asyncio.to_thread(f.read, CHUNK):
+            yield chunk
+    finally:
+        f.close()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

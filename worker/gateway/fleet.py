@@ -15,6 +15,9 @@ from pathlib import PurePath
 from typing import Any
 
 from pagedq.client import AsyncClient
+from pagedq.worker.logging import get_logger
+
+log = get_logger("pagedq.gateway.fleet")
 
 SERVING = "serving"
 
@@ -70,5 +73,10 @@ class Fleet:
         return await asyncio.shield(self._refresh)
 
     async def _read(self) -> FleetView:
-        self._view = fleet_view(await self.client.stats())
+        before, self._view = self._view, fleet_view(await self.client.stats())
+        if self._view.alive and not before.alive:  # the first reading, or workers came back
+            log.info("workers serving: the gateway is ready", workers=self._view.alive,
+                     models=sorted(self._view.models))
+        elif before.alive and not self._view.alive:
+            log.warning("no worker serves the queue: requests get 503 until one does")
         return self._view

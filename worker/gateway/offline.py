@@ -20,7 +20,7 @@ import redis.asyncio as aredis
 
 from pagedq.client import AsyncClient
 from pagedq.worker.gateway.batches import outcome_of
-from pagedq.worker.gateway.errors import APIError
+from pagedq.worker.gateway.errors import unexpected
 from pagedq.worker.gateway.fleet import Fleet
 from pagedq.worker.gateway.lines import Line, dumps, error_line, parse_line, result_line
 from pagedq.worker.gateway.tokens import TokenTexts
@@ -68,8 +68,8 @@ async def _run_line(line: Line, client: AsyncClient, fleet: Fleet, tokens: Token
     async with gate:
         try:
             await submit(client, line.spec)
-        except APIError as exc:
-            return False, error_line(line, rid, exc, False)
+        except Exception as exc:  # the line fails alone, whatever it raised
+            return False, error_line(line, rid, unexpected(exc), False)
         outcome = await outcome_of(client, line.spec.job_ids, timeout=None)
     path = (await fleet.view()).path_of(line.spec.view.model)
     ok, record = result_line(line, rid, outcome, tokens.lookup(path))

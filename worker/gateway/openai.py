@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Body(BaseModel):
@@ -96,7 +96,16 @@ class CompletionRequest(Sampling):
 
 
 class BatchCreateRequest(_Body):
-    input_file_id: str
-    endpoint: str
-    completion_window: str = "24h"
-    metadata: dict[str, str] | None = None
+    input_file_id: str = Field(max_length=256)
+    endpoint: str = Field(max_length=256)
+    completion_window: str = Field(default="24h", max_length=16)
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)  # OpenAI: 16 pairs
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_sizes(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for key, text in (value or {}).items():
+            if len(key) > 64 or len(text) > 512:
+                raise ValueError("metadata keys are at most 64 characters and values at most "
+                                 "512 (OpenAI's limits)")
+        return value

@@ -65,18 +65,23 @@ class Readers:
     def key(self, request_id: str) -> str:
         return f"{self.keys.base}:req:{request_id}:gw"
 
-    async def save(self, request_id: str, view: View) -> None:
+    async def save(self, request_id: str, view: View, owner: str = "") -> None:
         pipe = self.r.pipeline(transaction=False)
-        pipe.hset(self.key(request_id), mapping={"view": view.to_json(), "readers": 0})
+        pipe.hset(self.key(request_id),
+                  mapping={"view": view.to_json(), "readers": 0, "owner": owner})
         pipe.expire(self.key(request_id), self.ttl)
         await pipe.execute()
 
-    async def view(self, request_id: str) -> View | None:
-        raw = await self.r.hget(self.key(request_id), "view")
-        return View.from_json(raw) if raw else None
+    async def view(self, request_id: str) -> tuple[View, str] | None:
+        """The stream's View and the tenant that made it; None if there is no such stream."""
+        raw, owner = await self.r.hmget(self.key(request_id), ["view", "owner"])
+        return (View.from_json(raw), (owner or b"").decode()) if raw else None
 
     async def attach(self, request_id: str) -> None:
-        await self.r.hincrby(self.key(request_id), "readers", 1)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hincrby(self.key(request_id), "readers", 1)
+        pipe.expire(self.key(request_id), self.ttl)  # never a key without a TTL
+        await pipe.execute()
 
     async def detach(self, request_id: str, dropped: bool) -> str:
         token = uuid.uuid4().hex
@@ -84,6 +89,7 @@ class Readers:
         pipe.hincrby(self.key(request_id), "readers", -1)
         if dropped:
             pipe.hset(self.key(request_id), "dropped", token)
+        pipe.expire(self.key(request_id), self.ttl)  # the key may have expired meanwhile
         await pipe.execute()
         return token
 

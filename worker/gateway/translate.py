@@ -198,5 +198,7 @@ async def submit(client: AsyncClient, spec: JobSpec) -> list[AsyncRequestHandle]
         except ProtocolError as exc:
             raise bad_request(str(exc), "messages" if spec.view.kind == CHAT else "prompt",
                               exc.code) from exc
+        except InvalidParamsError as exc:  # over the queue's limits (n, stop, ...)
+            raise invalid_params(exc) from exc
     return [await client.submit(prompt, spec.params, priority=spec.priority, request_id=job_id)
             for job_id, prompt in zip(spec.job_ids, spec.prompts, strict=True)]

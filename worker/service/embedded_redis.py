@@ -3,12 +3,17 @@
 Used when no ``--redis-url`` / ``REDIS_URL`` names a Redis (``pagedq worker``, ``pagedq demo``)
 and by the test fixture: the worker then works out of the box on a laptop, against the same
 Redis the fleet uses, not a fake.
+
+It listens on 127.0.0.1 only and requires a random password (in its URL, and in the discovery
+file, which only this user can read): another local user cannot reach the queue around the
+gateway's API key.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -58,23 +63,30 @@ def free_port() -> int:
 
 @dataclass
 class EmbeddedRedis:
-    """A redis-server on 127.0.0.1; ``stop()`` (or the context manager) ends it."""
+    """A redis-server on 127.0.0.1 with a password; ``stop()`` (or the context manager) ends
+    it."""
 
     port: int
     process: subprocess.Popen
     workdir: Path
     _own_dir: bool = field(default=True, repr=False)
+    password: str = field(default="", repr=False)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @classmethod
     def start(cls, port: int = 0, workdir: str | None = None, appendonly: bool = False,
-              timeout: float = 10.0, binary: str | None = None) -> EmbeddedRedis:
+              timeout: float = 10.0, binary: str | None = None,
+              password: str | None = None) -> EmbeddedRedis:
         """Start one and wait until it answers PING (retries if a free port was raced).
-        ``binary``: another server that takes redis-server's flags (valkey-server does)."""
+        ``binary``: another server that takes redis-server's flags (valkey-server does).
+        ``password``: default a random one; "" for none."""
         binary = binary or redis_server_binary()
+        password = secrets.token_urlsafe(24) if password is None else password
+        auth = ["--requirepass", password] if password else []
         own = workdir is None
         wd = Path(workdir or tempfile.mkdtemp(prefix="pagedq-redis-"))
         last_err = ""
@@ -83,11 +95,12 @@ class EmbeddedRedis:
             proc = subprocess.Popen(
                 [binary, "--port", str(p), "--bind", "127.0.0.1", "--save", "",
                  "--appendonly", "yes" if appendonly else "no", "--dir", str(wd),
-                 "--daemonize", "no", "--loglevel", "warning", "--maxmemory-policy", "noeviction"],
+                 "--daemonize", "no", "--loglevel", "warning", "--maxmemory-policy", "noeviction",
+                 *auth],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_detach,
             )
-            if _wait_ping(p, proc, timeout):
-                return cls(p, proc, wd, own)
+            if _wait_ping(p, proc, timeout, password):
+                return cls(p, proc, wd, own, password)
             proc.kill()
             _, err = proc.communicate()
             last_err = err.decode(errors="replace")[-500:]
@@ -120,8 +133,11 @@ def advertise(server: EmbeddedRedis, path: Path | None = None) -> Path:
     path = path or advertised_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps({"url": server.url, "redis_pid": server.process.pid,
-                               "owner_pid": os.getpid()}))
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it holds the password
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"url": server.url, "redis_pid": server.process.pid,
+                            "owner_pid": os.getpid()}))
     tmp.replace(path)  # readers never see half a file
     return path
 
@@ -150,12 +166,12 @@ def _detach() -> None:
             pass
 
 
-def _wait_ping(port: int, proc: subprocess.Popen, timeout: float) -> bool:
+def _wait_ping(port: int, proc: subprocess.Popen, timeout: float, password: str = "") -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
             return False
-        if answers_ping(port, 0.5):
+        if answers_ping(port, 0.5, password):
             return True
         time.sleep(0.05)
     return False
