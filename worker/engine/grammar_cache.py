@@ -24,6 +24,7 @@ from typing import Any
 
 from pagedq.errors import EngineError, InvalidParamsError
 from pagedq.params import StructuredOutputsParams
+from pagedq.worker.engine.number_bounds import bound_numbers
 from pagedq.worker.engine.schema_check import check_schema
 
 # xgrammar's character class for a JSON string with minLength/maxLength admits raw control
@@ -153,10 +154,13 @@ class _Compiler:
         to add whitespace can spend its whole budget on it). ``strict`` closes objects that
         do not say ``additionalProperties``, as OpenAI's strict mode does."""
         grammar = self.xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
-        text = str(grammar)
-        if _LAX_STRING_CHAR in text:
-            return self.compiler.compile_grammar(text.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR))
-        return self.compiler.compile_grammar(grammar)
+        return self.compiler.compile_grammar(json_ebnf(grammar))
+
+
+def json_ebnf(grammar: Any) -> str:
+    """The text of an xgrammar JSON grammar, made strict: control characters out of strings,
+    every free number's digits bounded (number_bounds: a ``number`` always ends)."""
+    return bound_numbers(str(grammar).replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 def choice_grammar(choices: list[str]) -> str:
