@@ -21,7 +21,7 @@ MAX_STOP = 1024
 MAX_STOP_CHARS = 4096
 MAX_LOGPROBS = 20
 
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "tools")
 
 
 @dataclass
@@ -30,9 +30,11 @@ class StructuredOutputsParams:
 
     Exactly one field is set (vLLM's names). ``json`` is a JSON Schema as a dict or a JSON
     string; ``grammar`` is an EBNF grammar in the GBNF dialect (``root ::= ...``, llama.cpp's
-    and xgrammar's). Only the syntax is checked here; whether a schema, regex or grammar
-    compiles is the engine's to say (the SDK has no grammar library), and it answers with
-    ``InvalidParamsError`` naming the problem.
+    and xgrammar's). ``tools`` is a ``pagedq.tools.ToolSpec`` or its dict (tools, tool_choice,
+    parallel_tool_calls, format): the output is text and/or calls in the model family's
+    format, every call valid against its function's schema. Only the syntax is checked here;
+    whether a schema, regex or grammar compiles is the engine's to say (the SDK has no grammar
+    library), and it answers with ``InvalidParamsError`` naming the problem.
     """
 
     json: dict[str, Any] | str | None = None
@@ -40,10 +42,16 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    tools: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, tuple):
             self.choice = list(self.choice)
+        if self.tools is not None and not isinstance(self.tools, dict):
+            from pagedq.tools import ToolSpec
+
+            if isinstance(self.tools, ToolSpec):
+                self.tools = self.tools.to_dict()
         self.validate()
 
     @property
@@ -77,6 +85,15 @@ class StructuredOutputsParams:
                 raise bad(f"choice must be a non-empty list of strings, got {self.choice!r}")
             if not all(isinstance(c, str) and c for c in self.choice):
                 raise bad(f"choice must hold non-empty strings, got {self.choice!r}")
+        if self.tools is not None:
+            self.tool_spec  # noqa: B018 (validates)
+
+    @property
+    def tool_spec(self):
+        """The ``tools`` constraint as a validated ``pagedq.tools.ToolSpec``."""
+        from pagedq.tools import ToolSpec
+
+        return ToolSpec.coerce(self.tools)
 
     def _schema(self) -> dict[str, Any]:
         schema = self.json
@@ -104,6 +121,8 @@ class StructuredOutputsParams:
             return ""
         if kind == "choice":
             return jsonlib.dumps(self.choice)
+        if kind == "tools":
+            return jsonlib.dumps(self.tool_spec.to_dict(), separators=(",", ":"))
         return getattr(self, kind)
 
     def to_dict(self) -> dict[str, Any]:

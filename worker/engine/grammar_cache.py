@@ -15,6 +15,7 @@ request, in the pool, so an engine that never sees one never pays for either.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
@@ -131,8 +132,6 @@ class _Compiler:
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def compile(self, kind: str, spec: str) -> Any:
-        import json
-
         try:
             if kind == "json":
                 check_schema(json.loads(spec))
@@ -143,6 +142,8 @@ class _Compiler:
                 return self.compiler.compile_regex(spec)
             if kind == "choice":
                 return self.compiler.compile_grammar(choice_grammar(json.loads(spec)))
+            if kind == "tools":
+                return self._tools(json.loads(spec))
             return self.compiler.compile_grammar(spec)
         except InvalidParamsError:
             raise
@@ -155,6 +156,22 @@ class _Compiler:
         do not say ``additionalProperties``, as OpenAI's strict mode does."""
         grammar = self.xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
         return self.compiler.compile_grammar(json_ebnf(grammar))
+
+
+    def _tools(self, spec: dict[str, Any]) -> Any:
+        """Text and/or calls in the family's format (pagedq.tools), each call's arguments held
+        to its function's schema by the same strict, number-bounded JSON grammar as ``json``."""
+        from pagedq.tools import ToolSpec, get_format
+
+        tools = ToolSpec.coerce(spec)
+        contents = {}
+        for name, schema in tools.functions:
+            check_schema(schema)
+            grammar = self.xgr.Grammar.from_json_schema(
+                json.dumps(schema), any_whitespace=False, strict_mode=True)
+            contents[name] = {"type": "grammar", "grammar": json_ebnf(grammar)}
+        tag = get_format(tools.format).structural_tag(tools, contents)
+        return self.compiler.compile_grammar(self.xgr.Grammar.from_structural_tag(json.dumps(tag)))
 
 
 def json_ebnf(grammar: Any) -> str:

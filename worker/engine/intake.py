@@ -46,12 +46,21 @@ def tokenize(tokenizer, vocab_size: int, model_path: Path, prompt: str | list[in
     return (prompt if isinstance(prompt, str) else None), ids
 
 
-def chat_prompt(tokenizer, model_path: Path, messages: list[dict]) -> list[int]:
+def chat_prompt(tokenizer, model_path: Path, messages: list[dict],
+                params: SamplingParams | None = None) -> list[int]:
     """Token ids of ``messages`` rendered by the model's chat template, ending where the
-    assistant's reply begins."""
+    assistant's reply begins; with the tools of ``params`` (a ``tools`` constraint), if any."""
+    from pagedq.worker.engine.tool_prompt import render_chat
+
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(f"model {model_path} has no chat template")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    so = params.structured_outputs if params is not None else None
+    tools = so.tool_spec if so is not None and so.kind == "tools" else None
+    try:
+        text = render_chat(tokenizer, messages, tools)
+    except Exception as exc:  # jinja: a role or message shape this template refuses
+        raise InvalidRequestError(f"the chat template of {model_path} refused these messages: "
+                                  f"{exc}") from exc
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
