@@ -5,8 +5,9 @@ Field names and defaults follow OpenAI's API reference; vLLM's extra body fields
 ``structured_outputs`` and the older ``guided_*`` names) are accepted as vLLM accepts them.
 Unknown fields are ignored, as vLLM does, so clients that send newer OpenAI fields keep
 working; fields whose meaning pagedq cannot honour (the deprecated ``functions``, best_of > n)
-are refused in translate.py with a 400 that says so. ``tools`` are translated in tools.py. Ranges are checked by ``SamplingParams``
-itself, so the gateway and the engine can never disagree about what is valid.
+are refused in translate.py with a 400 that says so; ``tools`` are translated in tools.py.
+Ranges are checked by ``SamplingParams`` itself, so the gateway and the engine can never
+disagree about what is valid.
 """
 
 from __future__ import annotations
