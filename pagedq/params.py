@@ -20,6 +20,8 @@ MAX_N = 1024
 MAX_STOP = 1024
 MAX_STOP_CHARS = 4096
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, 100 all but forces it
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "tools")
 
@@ -175,8 +177,12 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before sampling
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
+        if self.logit_bias is not None:
+            self.logit_bias = _token_keys(self.logit_bias)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -245,6 +251,16 @@ class SamplingParams:
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
+            for token, value in bias.items():
+                if not is_int(token) or not 0 <= token < INT_BOUND:
+                    raise bad("logit_bias", f"key {token!r} must be a token id (an integer >= 0)")
+                if not is_num(value) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+                    raise bad("logit_bias", f"bias {value!r} of token {token} must be a number "
+                              f"in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
 
     @property
     def greedy(self) -> bool:
@@ -255,6 +271,8 @@ class SamplingParams:
         out = asdict(self)
         if self.structured_outputs is not None:
             out["structured_outputs"] = self.structured_outputs.to_dict()
+        if self.logit_bias is not None:  # msgpack maps take string keys
+            out["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
         return out
 
     @classmethod
@@ -272,3 +290,16 @@ class SamplingParams:
             return cls(**data)
         except TypeError as exc:  # wrong types that __post_init__ could not coerce
             raise InvalidParamsError(str(exc)) from exc
+
+
+def _token_keys(bias: Any) -> Any:
+    """logit_bias with its keys as ints (JSON and the wire send them as strings); anything
+    else is left for ``validate`` to name."""
+    if not isinstance(bias, dict):
+        return bias
+    out: dict[Any, Any] = {}
+    for k, v in bias.items():
+        if isinstance(k, str) and k.strip().isdigit():
+            k = int(k)
+        out[k] = v
+    return out

@@ -64,6 +64,14 @@ def chat_prompt(tokenizer, model_path: Path, messages: list[dict],
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """logit_bias may name only tokens of this model's vocabulary."""
+    bad = sorted(t for t in params.logit_bias or {} if t >= vocab_size)
+    if bad:
+        raise InvalidRequestError(f"logit_bias names token ids {bad[:5]} outside this model's "
+                                  f"vocabulary [0, {vocab_size})")
+
+
 def fit_lengths(ids: list[int], params: SamplingParams, max_model_len: int) -> SamplingParams:
     """``params`` with max_tokens filled in (None: up to the limit); a request that cannot fit
     in ``max_model_len`` tokens raises RequestTooLongError."""

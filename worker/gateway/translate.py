@@ -113,8 +113,6 @@ def sampling_params(req: Sampling, max_tokens: int | None, logprobs: int | None,
                     tools: dict[str, Any] | None = None) -> SamplingParams:
     """The engine's SamplingParams; its own validation message becomes the 400. ``tools``: the
     request's tool constraint (tools.py), which excludes any other."""
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by this server", "logit_bias")
     given: dict[str, Any] = {
         "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
@@ -122,7 +120,7 @@ def sampling_params(req: Sampling, max_tokens: int | None, logprobs: int | None,
         "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens,
         "stop_token_ids": req.stop_token_ids, "skip_special_tokens": req.skip_special_tokens,
         "stop": [req.stop] if isinstance(req.stop, str) else req.stop,
-        "logprobs": logprobs,
+        "logprobs": logprobs, "logit_bias": req.logit_bias or None,
     }
     data = {k: v for k, v in given.items() if v is not None}
     data["max_tokens"] = max_tokens  # None: up to the model's length
