@@ -255,3 +255,27 @@ def test_a_batch_line_with_tools(client, model):
             for call in choice["message"]["tool_calls"]:
                 jsonschema.validate(json.loads(call["function"]["arguments"]),
                                     SCHEMAS[call["function"]["name"]])
+
+
+# -- LangChain (langchain-openai, when installed) ----------------------------------------------
+def test_langchain_bind_tools_and_structured_output(gw, model):
+    lc = pytest.importorskip("langchain_openai")
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        """The weather in a city."""
+
+        city: str = Field(max_length=12)
+        unit: Literal["celsius", "fahrenheit"]
+
+    llm = lc.ChatOpenAI(model=model, base_url=gw.base + "/v1", api_key="none", temperature=1.0,
+                        max_tokens=160, max_retries=0, seed=4)
+    msg = llm.bind_tools(TOOLS, tool_choice="required").invoke("Weather in Paris?")
+    assert msg.tool_calls
+    for call in msg.tool_calls:
+        jsonschema.validate(call["args"], SCHEMAS[call["name"]])
+        assert call["id"].startswith("call_")
+    out = llm.with_structured_output(Weather, method="function_calling").invoke("Paris?")
+    assert isinstance(out, Weather) and out.unit in ("celsius", "fahrenheit")
