@@ -24,8 +24,10 @@ MAX_CONSTRAINT_CHARS = 64 << 10  # a schema's canonical JSON, a regex, a grammar
 MAX_SCHEMA_PATTERNS = 64  # "pattern" strings in one schema: each is a regex to compile
 MAX_SCHEMA_DEPTH = 128  # nested objects/arrays of a JSON Schema: far past real ones, far below
 # the interpreter's recursion limit (copying, encoding and compiling a schema all recurse)
+MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, 100 all but forces it
 
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "tools")
 
 
 @dataclass
@@ -34,9 +36,11 @@ class StructuredOutputsParams:
 
     Exactly one field is set (vLLM's names). ``json`` is a JSON Schema as a dict or a JSON
     string; ``grammar`` is an EBNF grammar in the GBNF dialect (``root ::= ...``, llama.cpp's
-    and xgrammar's). Only the syntax is checked here; whether a schema, regex or grammar
-    compiles is the engine's to say (the SDK has no grammar library), and it answers with
-    ``InvalidParamsError`` naming the problem.
+    and xgrammar's). ``tools`` is a ``pagedq.tools.ToolSpec`` or its dict (tools, tool_choice,
+    parallel_tool_calls, format): the output is text and/or calls in the model family's
+    format, every call valid against its function's schema. Only the syntax is checked here;
+    whether a schema, regex or grammar compiles is the engine's to say (the SDK has no grammar
+    library), and it answers with ``InvalidParamsError`` naming the problem.
     """
 
     json: dict[str, Any] | str | None = None
@@ -44,10 +48,16 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    tools: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, tuple):
             self.choice = list(self.choice)
+        if self.tools is not None and not isinstance(self.tools, dict):
+            from pagedq.tools import ToolSpec
+
+            if isinstance(self.tools, ToolSpec):
+                self.tools = self.tools.to_dict()
         self.validate()
 
     @property
@@ -91,6 +101,15 @@ class StructuredOutputsParams:
                 raise bad(f"choice must be a non-empty list of strings, got {self.choice!r}")
             if not all(isinstance(c, str) and c for c in self.choice):
                 raise bad(f"choice must hold non-empty strings, got {self.choice!r}")
+        if self.tools is not None:
+            self.tool_spec  # noqa: B018 (validates)
+
+    @property
+    def tool_spec(self):
+        """The ``tools`` constraint as a validated ``pagedq.tools.ToolSpec``."""
+        from pagedq.tools import ToolSpec
+
+        return ToolSpec.coerce(self.tools)
 
     def _schema(self) -> dict[str, Any]:
         schema = self.json
@@ -127,6 +146,8 @@ class StructuredOutputsParams:
             return ""
         if kind == "choice":
             return jsonlib.dumps(self.choice)
+        if kind == "tools":
+            return jsonlib.dumps(self.tool_spec.to_dict(), separators=(",", ":"))
         return getattr(self, kind)
 
     def to_dict(self) -> dict[str, Any]:
@@ -208,8 +229,12 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before sampling
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
+        if self.logit_bias is not None:
+            self.logit_bias = _token_keys(self.logit_bias)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -278,6 +303,16 @@ class SamplingParams:
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
+            for token, value in bias.items():
+                if not is_int(token) or not 0 <= token < INT_BOUND:
+                    raise bad("logit_bias", f"key {token!r} must be a token id (an integer >= 0)")
+                if not is_num(value) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+                    raise bad("logit_bias", f"bias {value!r} of token {token} must be a number "
+                              f"in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
 
     @property
     def greedy(self) -> bool:
@@ -288,6 +323,8 @@ class SamplingParams:
         out = asdict(self)
         if self.structured_outputs is not None:
             out["structured_outputs"] = self.structured_outputs.to_dict()
+        if self.logit_bias is not None:  # msgpack maps take string keys
+            out["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
         return out
 
     @classmethod
@@ -305,3 +342,16 @@ class SamplingParams:
             return cls(**data)
         except TypeError as exc:  # wrong types that __post_init__ could not coerce
             raise InvalidParamsError(str(exc)) from exc
+
+
+def _token_keys(bias: Any) -> Any:
+    """logit_bias with its keys as ints (JSON and the wire send them as strings); anything
+    else is left for ``validate`` to name."""
+    if not isinstance(bias, dict):
+        return bias
+    out: dict[Any, Any] = {}
+    for k, v in bias.items():
+        if isinstance(k, str) and k.strip().isdigit():
+            k = int(k)
+        out[k] = v
+    return out

@@ -13,7 +13,8 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from pagedq.errors import PagedQError
+from pagedq.errors import InvalidParamsError, PagedQError
+from pagedq.params import StructuredOutputsParams
 from pagedq.worker.cli.console import PROMPT_HELP, add_log_level_flag, read_prompts
 from pagedq.worker.cli.flags import (
     COMMAND_SAMPLING,
@@ -43,6 +44,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     chat.add_argument("prompts", nargs="+", metavar="MESSAGE",
                       help=PROMPT_HELP + " (several: one conversation each)")
     chat.add_argument("--system", default=None, help="a system message for every conversation")
+    chat.add_argument("--tools", default=None, metavar="FILE",
+                      help="a JSON file of OpenAI function tools (a list, or {\"tools\": [...]}): "
+                      "the reply may call them, every call valid against its schema")
+    chat.add_argument("--tool-choice", default="auto", metavar="CHOICE",
+                      help="with --tools: auto (text or calls), required, or a function's name")
     chat.set_defaults(func=run, chat=True)
     for command, p in (("generate", gen), ("chat", chat)):
         p.add_argument("--json", action="store_true", help="print results as JSON lines")
@@ -58,7 +64,22 @@ def sampling_from_args(args: argparse.Namespace) -> Any:
     if getattr(args, "seed", None) is not None:
         params.seed = args.seed
         params.validate()
+    if getattr(args, "tools", None):
+        if params.structured_outputs is not None:
+            raise InvalidParamsError("--tools takes no other constraint flag")
+        params.structured_outputs = StructuredOutputsParams(tools=read_tools(args))
     return params
+
+
+def read_tools(args: argparse.Namespace) -> dict[str, Any]:
+    """``--tools FILE`` and ``--tool-choice`` as the ``tools`` constraint (pagedq.tools)."""
+    try:
+        with open(args.tools, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise InvalidParamsError(f"--tools {args.tools}: {exc}") from exc
+    tools = data.get("tools") if isinstance(data, dict) else data
+    return {"tools": tools, "tool_choice": args.tool_choice}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
                 if args.json:
                     print(json.dumps({"prompt": text, "index": c.index, "text": c.text,
                                       "token_ids": c.token_ids,
-                                      "finish_reason": c.finish_reason}))
+                                      "finish_reason": c.finish_reason, **calls(params, c.text)}))
                 else:
                     print(f"--- {text[:60]!r}, sample {c.index + 1}: {c.finish_reason}\n{c.text}")
     except PagedQError as exc:
@@ -109,7 +130,7 @@ def prepare(config: Any, texts: list[str], params: Any, args: argparse.Namespace
     path = resolve_model(config.model, packed=config.quantization == "auto")
     hf_config, tokenizer = load_config(path), load_tokenizer(path)
     if args.chat:
-        prompts = [chat_prompt(tokenizer, path, conversation(args, t)) for t in texts]
+        prompts = [chat_prompt(tokenizer, path, conversation(args, t), params) for t in texts]
     else:
         prompts = [tokenize(tokenizer, hf_config.vocab_size, path, t, None)[1] for t in texts]
     limit = config.max_model_len or hf_config.max_position_embeddings
@@ -119,6 +140,17 @@ def prepare(config: Any, texts: list[str], params: Any, args: argparse.Namespace
         config = replace(config, num_kv_blocks=blocks_for(lengths * params.n,
                                                           config.resolved_block_size()))
     return prompts, config
+
+
+def calls(params: Any, text: str) -> dict[str, Any]:
+    """``{"tool_calls": [...]}`` parsed from ``text`` when ``params`` declare tools."""
+    so = params.structured_outputs
+    if so is None or so.kind != "tools":
+        return {}
+    from pagedq.tools import get_format, parse_tool_calls
+
+    _, found = parse_tool_calls(text, get_format(so.tool_spec.format))
+    return {"tool_calls": [c.to_openai() for c in found]}
 
 
 def conversation(args: argparse.Namespace, message: str) -> list[dict]:

@@ -21,7 +21,13 @@ from pagedq.params import SamplingParams
 from pagedq.progress import waiting
 from pagedq.worker.config import EngineConfig, default_block_size, default_device
 from pagedq.worker.engine import sizing
-from pagedq.worker.engine.intake import coerce_params, eos_token_ids, fit_lengths, tokenize
+from pagedq.worker.engine.intake import (
+    check_logit_bias,
+    coerce_params,
+    eos_token_ids,
+    fit_lengths,
+    tokenize,
+)
 from pagedq.worker.engine.kv_cache_manager import KVCacheManager
 from pagedq.worker.engine.live_requests import LiveRequests
 from pagedq.worker.engine.model_runner import ModelRunner
@@ -125,6 +131,7 @@ class Engine(OfflineAPI):
         text, ids = tokenize(self.tokenizer, self.hf_config.vocab_size, self.model_path, prompt,
                              prompt_token_ids)
         params = fit_lengths(ids, params, self.max_model_len)
+        check_logit_bias(params, self.hf_config.vocab_size)
         req = Request(request_id, text, ids, params, priority=priority,
                       arrival=next(self._arrivals), deadline=deadline,
                       eos_token_ids=self.eos_token_ids, hook=hook)

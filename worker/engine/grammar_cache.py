@@ -195,6 +195,8 @@ class _Compiler:
             job = {"op": "json", "spec": '{"type": "object"}', "strict": False}
         elif kind == "choice":
             job = {"op": "grammar", "spec": choice_grammar(json.loads(spec))}
+        elif kind == "tools":
+            job = {"op": "structural_tag", "spec": self._tools_tag(json.loads(spec))}
         else:
             job = {"op": "regex" if kind == "regex" else "grammar", "spec": spec}
         if time.monotonic() >= deadline:  # its time ran out in the pool
@@ -203,6 +205,21 @@ class _Compiler:
         if "error" in reply:
             raise InvalidParamsError(f"structured_outputs.{kind}: {_reason(reply['error'])}")
         return self.xgr.CompiledGrammar.deserialize_json(reply["ok"], self.info)
+
+    def _tools_tag(self, spec: dict[str, Any]) -> str:
+        """The structural tag of a tool set (pagedq.tools): text and/or calls in the family's
+        format, each call's arguments held to its function's schema by the same strict,
+        number-bounded JSON grammar as ``json`` (the child compiles it)."""
+        from pagedq.tools import ToolSpec, get_format
+
+        tools = ToolSpec.coerce(spec)
+        contents = {}
+        for name, schema in tools.functions:
+            check_schema(schema)
+            grammar = self.xgr.Grammar.from_json_schema(
+                json.dumps(schema), any_whitespace=False, strict_mode=True)
+            contents[name] = {"type": "grammar", "grammar": json_ebnf(grammar)}
+        return json.dumps(get_format(tools.format).structural_tag(tools, contents))
 
     def _ask(self, job: dict[str, Any], entry: _Entry, deadline: float) -> dict[str, Any]:
         before = entry.paused
@@ -268,6 +285,12 @@ class _Compiler:
             if child.poll() is None:
                 child.kill()
                 child.wait()
+
+
+def json_ebnf(grammar: Any) -> str:
+    """The text of an xgrammar JSON grammar, made strict (grammar_child.json_ebnf: no control
+    characters in strings, every free number's digits bounded)."""
+    return grammar_child.json_ebnf(str(grammar))
 
 
 def choice_grammar(choices: list[str]) -> str:

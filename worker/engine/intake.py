@@ -7,6 +7,7 @@ at ``add_request`` (and a worker fails only that job) instead of inside a step.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,16 +48,29 @@ def tokenize(tokenizer, vocab_size: int, model_path: Path, prompt: str | list[in
     return (prompt if isinstance(prompt, str) else None), ids
 
 
-def chat_prompt(tokenizer, model_path: Path, messages: list[dict]) -> list[int]:
+def chat_prompt(tokenizer, model_path: Path, messages: list[dict],
+                params: SamplingParams | None = None) -> list[int]:
     """Token ids of ``messages`` rendered by the model's chat template, ending where the
-    assistant's reply begins."""
+    assistant's reply begins; with the tools of ``params`` (a ``tools`` constraint), if any."""
+    from pagedq.worker.engine.tool_prompt import render_chat
+
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(f"model {model_path} has no chat template")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    so = params.structured_outputs if params is not None else None
+    tools = so.tool_spec if so is not None and so.kind == "tools" else None
+
+    def render(msgs: list[dict]) -> str:
+        try:
+            return render_chat(tokenizer, msgs, tools)
+        except Exception as exc:  # jinja: a role or message shape this template refuses
+            raise InvalidRequestError(f"the chat template of {model_path} refused these "
+                                      f"messages: {exc}") from exc
+
+    text = render(messages)
     controls = control_texts(tokenizer)
-    if not any(c in str(m.get("content", "")) for m in messages for c in controls):
+    if not any(c in str(m.get("content") or "") for m in messages for c in controls):
         return tokenizer(text, add_special_tokens=False).input_ids
-    return _contents_as_text(tokenizer, messages, controls)
+    return _contents_as_text(tokenizer, messages, controls, render)
 
 
 def control_texts(tokenizer) -> list[str]:
@@ -66,27 +80,36 @@ def control_texts(tokenizer) -> list[str]:
     return [t.content for t in added.values() if getattr(t, "content", "")]
 
 
-def _contents_as_text(tokenizer, messages: list[dict], controls: list[str]) -> list[int]:
+def _contents_as_text(tokenizer, messages: list[dict], controls: list[str],
+                      render: Callable[[list[dict]], str]) -> list[int]:
     """The template rendered around placeholders, its own text tokenized as usual and each
     message's content as plain text (control-token text in it splits into ordinary tokens), so
     text pasted into a message can never open a turn of its own."""
     marks = [f"\ue000pagedq{i}\ue001" for i in range(len(messages))]
     stand_ins = [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
-    text = tokenizer.apply_chat_template(stand_ins, add_generation_prompt=True, tokenize=False)
+    text = render(stand_ins)
     pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", text)
     if sorted(p for p in pieces if p in marks) != sorted(marks):
-        found = next(c for c in controls for m in messages if c in str(m.get("content", "")))
+        found = next(c for c in controls for m in messages if c in str(m.get("content") or ""))
         raise InvalidRequestError(
             f"a message holds {found!r}, this model's control text, and its chat template "
             "does not show each message once as given: remove it from the message")
     ids: list[int] = []
     for piece in pieces:
         if piece in marks:
-            content = str(messages[marks.index(piece)].get("content", ""))
+            content = str(messages[marks.index(piece)].get("content") or "")
             ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True).input_ids
         elif piece:
             ids += tokenizer(piece, add_special_tokens=False).input_ids
     return ids
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """logit_bias may name only tokens of this model's vocabulary."""
+    bad = sorted(t for t in params.logit_bias or {} if t >= vocab_size)
+    if bad:
+        raise InvalidRequestError(f"logit_bias names token ids {bad[:5]} outside this model's "
+                                  f"vocabulary [0, {vocab_size})")
 
 
 def fit_lengths(ids: list[int], params: SamplingParams, max_model_len: int) -> SamplingParams:

@@ -45,7 +45,9 @@ class OfflineAPI:
         """Apply the model's chat template to each conversation, then ``generate``."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        return self.generate([self.apply_chat_template(c) for c in conversations], params)
+        plist = (list(params) if isinstance(params, Seq) else [params] * len(conversations))
+        return self.generate([self.apply_chat_template(c, p)
+                              for c, p in zip(conversations, plist, strict=True)], params)
 
     def beam_search(self: Engine, prompts: Seq[str] | Seq[list[int]], beam_width: int = 4,
                     max_tokens: int = 16, length_penalty: float = 1.0,
@@ -54,9 +56,11 @@ class OfflineAPI:
         return beam_search(self, prompts,
                            BeamParams(beam_width, max_tokens, length_penalty, ignore_eos))
 
-    def apply_chat_template(self: Engine, messages: list[dict]) -> list[int]:
-        """The prompt token ids of a conversation, ready for the assistant's turn."""
-        return chat_prompt(self.tokenizer, self.model_path, messages)
+    def apply_chat_template(self: Engine, messages: list[dict],
+                            params: SamplingParams | None = None) -> list[int]:
+        """The prompt token ids of a conversation, ready for the assistant's turn (with the
+        tools of ``params``' ``tools`` constraint listed, if it has one)."""
+        return chat_prompt(self.tokenizer, self.model_path, messages, params)
 
     def run_to_completion(self: Engine, kind: str, adders: list[Callable[[str], Request]]
                           ) -> list[Request]:

@@ -75,6 +75,22 @@ def _counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
     return counts[:, :vocab]
 
 
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """OpenAI's logit_bias: each row's biases added to its logits in one scatter, in place."""
+    rows, cols, vals = [], [], []
+    for i, s in enumerate(seqs):
+        for token, bias in (s.params.logit_bias or {}).items():
+            if token < logits.shape[1]:
+                rows.append(i)
+                cols.append(token)
+                vals.append(bias)
+    if rows:
+        logits.index_put_((torch.tensor(rows, device=logits.device),
+                           torch.tensor(cols, device=logits.device)),
+                          torch.tensor(vals, dtype=logits.dtype, device=logits.device),
+                          accumulate=True)
+
+
 def mask_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """Forbid EOS and stop tokens until a sequence has its ``min_tokens``, unless they are all
     that is left (a complete structured output may only end): the row keeps them then."""
@@ -138,6 +154,7 @@ class Sampler:
         want_lp = any(s.params.logprobs is not None for s in seqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
         apply_penalties(logits, seqs)
+        apply_logit_bias(logits, seqs)
         if self.constrain is not None:
             self.constrain(logits, seqs)
         mask_min_tokens(logits, seqs)

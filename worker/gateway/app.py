@@ -119,7 +119,7 @@ def tenant(request: Request) -> Tenant:
 
 def create_app(config: GatewayConfig, redis_url: str) -> FastAPI:
     """The ASGI app for ``config`` against the Redis at ``redis_url``."""
-    from pagedq.worker.gateway import batch_api, completions
+    from pagedq.worker.gateway import batch_api, completions, tokenize
 
     metrics = GatewayMetrics()
 
@@ -139,6 +139,7 @@ def create_app(config: GatewayConfig, redis_url: str) -> FastAPI:
     app.add_exception_handler(HTTPException, _http_error)
     app.include_router(completions.router)
     app.include_router(batch_api.router)
+    app.include_router(tokenize.router)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics_route, methods=["GET"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])

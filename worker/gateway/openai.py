@@ -4,9 +4,10 @@ Field names and defaults follow OpenAI's API reference; vLLM's extra body fields
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``priority``,
 ``structured_outputs`` and the older ``guided_*`` names) are accepted as vLLM accepts them.
 Unknown fields are ignored, as vLLM does, so clients that send newer OpenAI fields keep
-working; fields whose meaning pagedq cannot honour (tools, logit_bias, best_of > n) are
-refused in translate.py with a 400 that says so. Ranges are checked by ``SamplingParams``
-itself, so the gateway and the engine can never disagree about what is valid.
+working; fields whose meaning pagedq cannot honour (the deprecated ``functions``, best_of > n)
+are refused in translate.py with a 400 that says so; ``tools`` are translated in tools.py.
+Ranges are checked by ``SamplingParams`` itself, so the gateway and the engine can never
+disagree about what is valid.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class ChatCompletionRequest(Sampling):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from pagedq.client import CompletionResult, Event, Result
 from pagedq.client.protocol import FINISHED, TOKENS
+from pagedq.worker.gateway import tools
 from pagedq.worker.gateway.tokens import TokenText
 from pagedq.worker.gateway.translate import CHAT, View
 
@@ -92,14 +93,18 @@ def response(view: View, request_id: str, results: list[Result],
     choices = []
     for p, res in enumerate(results):
         for out in res.outputs:
-            choices.append(_choice(view, lp, p * view.n + out.index, out))
+            choices.append(_choice(view, lp, p * view.n + out.index, out, request_id))
     obj = "chat.completion" if view.kind == CHAT else "text_completion"
     return {"id": request_id, "object": obj, "created": view.created, "model": view.model,
             "choices": choices, "usage": sum_usage(results)}
 
 
-def _choice(view: View, lp: Logprobs | None, index: int, out: CompletionResult) -> dict[str, Any]:
+def _choice(view: View, lp: Logprobs | None, index: int, out: CompletionResult,
+            request_id: str = "") -> dict[str, Any]:
     reason = finish_reason(out.finish_reason)
+    if view.kind == CHAT and view.tools:
+        return tools.chat_choice(view.tools, request_id, index, out, reason,
+                                 lp.chat(out.token_ids, out.logprobs) if lp else None)
     if view.kind == CHAT:
         return {"index": index, "message": {"role": "assistant", "content": out.text},
                 "logprobs": lp.chat(out.token_ids, out.logprobs) if lp else None,
@@ -120,6 +125,8 @@ class ChunkRenderer:
         self.finished = [False] * view.n
         self.offsets = [len(view.echo or "")] * view.n
         self.object = "chat.completion.chunk" if view.kind == CHAT else "text_completion"
+        self.tool_deltas = ([tools.ToolDeltas(view.tools, request_id, i) for i in range(view.n)]
+                            if view.tools else None)
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None
               ) -> dict[str, Any]:
@@ -156,7 +163,14 @@ class ChunkRenderer:
             self.finished[i] = True
         if not ev.text and reason is None and (self.lp is None or not ev.token_ids):
             return []  # tokens held back (a partial character or stop string): nothing to show
-        if self.view.kind == CHAT:
+        if self.tool_deltas is not None:
+            delta = self.tool_deltas[i].delta(ev.text, reason is not None)
+            if not delta and reason is None and self.lp is None:
+                return []  # the start of a call marker, held back
+            choice = {"index": i, "delta": delta,
+                      "logprobs": self.lp.chat(ev.token_ids, ev.logprobs) if self.lp else None,
+                      "finish_reason": self.tool_deltas[i].finish_reason(reason)}
+        elif self.view.kind == CHAT:
             choice = {"index": i, "delta": {"content": ev.text},
                       "logprobs": self.lp.chat(ev.token_ids, ev.logprobs) if self.lp else None,
                       "finish_reason": reason}
@@ -176,6 +190,8 @@ class ChunkRenderer:
             if self.finished[i]:
                 continue
             reason = finish_reason(reasons[i] if i < len(reasons) else None) or "stop"
+            if self.tool_deltas is not None:
+                reason = self.tool_deltas[i].finish_reason(reason)
             self.finished[i] = True
             empty = {"delta": {}} if self.view.kind == CHAT else {"text": ""}
             chunks.append(self.chunk([{"index": i, **empty, "logprobs": None,

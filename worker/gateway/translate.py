@@ -19,6 +19,7 @@ from pagedq.errors import InvalidParamsError
 from pagedq.params import SamplingParams
 from pagedq.worker.gateway.errors import bad_request, invalid_params
 from pagedq.worker.gateway.openai import ChatCompletionRequest, CompletionRequest, Sampling
+from pagedq.worker.gateway.tools import tool_constraint, wire_message
 
 CHAT = "chat"
 COMPLETION = "completion"
@@ -37,6 +38,7 @@ class View:
     include_usage: bool = False
     logprobs: int | None = None
     echo: str | None = None
+    tools: str | None = None  # the tool-call format the output is constrained to (tools.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -70,17 +72,16 @@ def new_id(kind: str) -> str:
 
 def chat_spec(req: ChatCompletionRequest, request_id: str | None = None,
               priority_floor: int | None = None) -> JobSpec:
-    if req.tools or req.functions:
-        raise bad_request("tool and function calling are not supported by this server",
-                          "tools")
+    constraint = tool_constraint(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
-    params = sampling_params(req, max_tokens, logprobs)
-    messages = [_message(m.role, m.content) for m in req.messages]
-    view = View(CHAT, req.model, int(time.time()), req.n, _include_usage(req), logprobs)
+    params = sampling_params(req, max_tokens, logprobs, constraint)
+    messages = [wire_message(m, _message(m.role, m.content)) for m in req.messages]
+    view = View(CHAT, req.model, int(time.time()), req.n, _include_usage(req), logprobs,
+                tools=constraint["tools"]["format"] if constraint else None)
     return JobSpec(request_id or new_id(CHAT), view, [messages], params,
                    _priority(req.priority, priority_floor), req.stream)
 
@@ -108,10 +109,10 @@ def completion_spec(req: CompletionRequest, request_id: str | None = None,
                    _priority(req.priority, priority_floor), req.stream)
 
 
-def sampling_params(req: Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """The engine's SamplingParams; its own validation message becomes the 400."""
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by this server", "logit_bias")
+def sampling_params(req: Sampling, max_tokens: int | None, logprobs: int | None,
+                    tools: dict[str, Any] | None = None) -> SamplingParams:
+    """The engine's SamplingParams; its own validation message becomes the 400. ``tools``: the
+    request's tool constraint (tools.py), which excludes any other."""
     given: dict[str, Any] = {
         "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
@@ -119,11 +120,15 @@ def sampling_params(req: Sampling, max_tokens: int | None, logprobs: int | None)
         "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens,
         "stop_token_ids": req.stop_token_ids, "skip_special_tokens": req.skip_special_tokens,
         "stop": [req.stop] if isinstance(req.stop, str) else req.stop,
-        "logprobs": logprobs,
+        "logprobs": logprobs, "logit_bias": req.logit_bias or None,
     }
     data = {k: v for k, v in given.items() if v is not None}
     data["max_tokens"] = max_tokens  # None: up to the model's length
     constraint = structured_outputs(req)
+    if tools is not None and constraint is not None:
+        raise bad_request("tools with tool_choice other than 'none' take no other constraint "
+                          "(response_format, structured_outputs, guided_*)", "tools")
+    constraint = tools or constraint
     if constraint is not None:
         data["structured_outputs"] = constraint
     try:

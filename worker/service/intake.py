@@ -51,7 +51,7 @@ class Intake:
             raise InvalidRequestError(
                 f"model {self.model_path} has no tokenizer: send token ids instead of text")
         if req.messages is not None:
-            return chat_prompt(self.tokenizer, self.model_path, req.messages)
+            return chat_prompt(self.tokenizer, self.model_path, req.messages, req.params)
         return self.tokenizer(req.prompt).input_ids
 
     def close(self) -> None:

@@ -1,0 +1,55 @@
+"""Tool-call formats: how a model family writes a call, as the grammar and as text.
+
+Every supported family writes a call as ``BEGIN name MIDDLE {arguments} END``, so one
+``ToolFormat`` holds the four strings and builds the three things the rest needs from them:
+xgrammar's structural tag (the constraint), the call's text (a past call in a conversation),
+and the system prompt that lists the tools for a chat template that can not (SmolLM2's). The
+families are one module each (hermes.py, llama.py); ``detect`` names the family a chat
+template speaks, so a template that renders tools itself is used as it is.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pagedq.tools.spec import ToolSpec
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    trigger: str  # the text that opens a call: free text ends here under tool_choice "auto"
+    begin: str  # before the function's name
+    middle: str  # between the name and the arguments object
+    end: str  # after the arguments object
+    separator: str  # between two calls
+    markers: tuple[str, ...]  # text in a chat template that says it speaks this format
+    preamble: str  # the system prompt's text before the tools, "{tools}" where they go
+
+    def call_text(self, name: str, arguments: dict[str, Any] | str) -> str:
+        args = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        return f"{self.begin}{name}{self.middle}{args}{self.end}"
+
+    def structural_tag(self, spec: ToolSpec, contents: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """xgrammar's structural tag for ``spec``; ``contents[name]`` constrains that
+        function's arguments object (an xgrammar format, e.g. ``{"type": "grammar", ...}``)."""
+        tags = [{"type": "tag", "begin": f"{self.begin}{name}{self.middle}",
+                 "content": contents[name], "end": self.end} for name, _ in spec.functions]
+        if spec.forced is not None:
+            fmt: dict[str, Any] = tags[0]
+        elif spec.tool_choice == "required":
+            fmt = {"type": "tags_with_separator", "tags": tags, "separator": self.separator,
+                   "at_least_one": True, "stop_after_first": not spec.parallel_tool_calls}
+        else:
+            fmt = {"type": "triggered_tags", "triggers": [self.trigger], "tags": tags,
+                   "at_least_one": False, "stop_after_first": not spec.parallel_tool_calls}
+        return {"type": "structural_tag", "format": fmt}
+
+    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        listed = "\n".join(json.dumps(t["function"] if "function" in t else t) for t in tools)
+        return self.preamble.replace("{tools}", listed)
+
+    def speaks(self, template: str) -> bool:
+        return any(m in template for m in self.markers)

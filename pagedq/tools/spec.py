@@ -1,0 +1,125 @@
+"""``ToolSpec``: a request's tools, its tool choice and the call format, validated.
+
+It travels as the ``tools`` kind of ``structured_outputs`` (the wire form is ``to_dict``), so
+the SDK, the gateway and the engine share one vocabulary and one set of checks. The engine
+compiles it into a grammar (``pagedq.worker.engine.grammar_cache``); nothing here imports a
+grammar library.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedq.errors import InvalidParamsError
+
+NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's function names (plus dots)
+CHOICES = ("auto", "required")
+MAX_TOOLS = 128
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+def _bad(why: str) -> InvalidParamsError:
+    return InvalidParamsError(f"SamplingParams.structured_outputs.tools: {why}")
+
+
+@dataclass
+class ToolSpec:
+    """Tools the model may call, OpenAI's shape: ``{"type": "function", "function": {"name",
+    "description", "parameters"}}``. ``tool_choice``: "auto" (text or calls), "required" (one
+    call or more) or a function's name (exactly one call of it; OpenAI's
+    ``{"type": "function", "function": {"name": ...}}`` is accepted too). ``format``: the
+    model family's call syntax ("hermes" or "llama", see ``pagedq.tools.formats``)."""
+
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    format: str = "hermes"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tool_choice, dict):
+            self.tool_choice = named_choice(self.tool_choice)
+        self.validate()
+
+    def validate(self) -> None:
+        from pagedq.tools import FORMATS
+
+        if not isinstance(self.tools, list) or not 1 <= len(self.tools) <= MAX_TOOLS:
+            raise _bad(f"tools must be a list of 1 to {MAX_TOOLS} function tools")
+        names = [function_name(t, i) for i, t in enumerate(self.tools)]
+        for i, t in enumerate(self.tools):
+            parameters(t, i)
+        if len(set(names)) != len(names):
+            raise _bad(f"function names must be unique, got {names}")
+        if not isinstance(self.tool_choice, str) or not (
+                self.tool_choice in CHOICES or self.tool_choice in names):
+            raise _bad(f"tool_choice={self.tool_choice!r} must be 'auto', 'required' or the name "
+                       f"of a declared function ({names})")
+        if not isinstance(self.parallel_tool_calls, bool):
+            raise _bad("parallel_tool_calls must be a bool")
+        if self.format not in FORMATS:
+            raise _bad(f"format={self.format!r} must be one of {sorted(FORMATS)}")
+
+    @property
+    def functions(self) -> list[tuple[str, dict[str, Any]]]:
+        """(name, parameters schema) of each tool the choice allows, in order."""
+        pairs = [(function_name(t, i), parameters(t, i)) for i, t in enumerate(self.tools)]
+        if self.forced is not None:
+            return [p for p in pairs if p[0] == self.forced]
+        return pairs
+
+    @property
+    def forced(self) -> str | None:
+        """The named function when tool_choice names one."""
+        return None if self.tool_choice in CHOICES else str(self.tool_choice)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tools": self.tools, "tool_choice": self.tool_choice,
+                "parallel_tool_calls": self.parallel_tool_calls, "format": self.format}
+
+    @classmethod
+    def coerce(cls, value: Any) -> ToolSpec:
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise _bad(f"must be a map with tools, tool_choice, parallel_tool_calls, format; got "
+                       f"{type(value).__name__}")
+        known = {"tools", "tool_choice", "parallel_tool_calls", "format"}
+        unknown = sorted(str(k) for k in value if k not in known)
+        if unknown:
+            raise _bad(f"unknown keys {unknown}; valid keys are {sorted(known)}")
+        return cls(**value)
+
+
+def named_choice(choice: dict[str, Any]) -> str:
+    """OpenAI's ``{"type": "function", "function": {"name": NAME}}`` -> NAME."""
+    fn = choice.get("function")
+    if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(
+            fn.get("name"), str):
+        raise _bad(f"tool_choice {choice!r} must be {{'type': 'function', 'function': "
+                   "{'name': NAME}}")
+    return fn["name"]
+
+
+def function_name(tool: Any, i: int) -> str:
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(
+            fn, dict):
+        raise _bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                   "'parameters': {...}}}")
+    name = fn.get("name")
+    if not isinstance(name, str) or not NAME.match(name):
+        raise _bad(f"tools[{i}].function.name={name!r} must be 1-64 letters, digits, '_', '-' "
+                   "or '.'")
+    return name
+
+
+def parameters(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    """The function's parameters schema (an object; none given: no arguments)."""
+    params = tool["function"].get("parameters")
+    if params is None:
+        return EMPTY_PARAMETERS
+    if not isinstance(params, dict) or params.get("type", "object") != "object":
+        raise _bad(f"tools[{i}].function.parameters must be a JSON Schema of type object")
+    return params

@@ -1,0 +1,66 @@
+"""A conversation with tools -> the prompt text, through the model's own chat template.
+
+A template that renders tools itself, in the format the request's calls are constrained to
+(Qwen2.5/Qwen3 for "hermes", Llama 3.1+ for "llama"), gets the tools and the past calls as
+``apply_chat_template(..., tools=...)`` expects them (arguments as objects). Any other
+template (SmolLM2's ChatML has no tools) gets them folded into plain messages: the format's
+system prompt listing the tools, each past call as its text, each tool result wrapped the way
+the format shows results. Either way the model is told exactly the syntax the grammar allows.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pagedq.tools import HERMES, ToolFormat, ToolSpec, detect_format, get_format
+from pagedq.tools.hermes import tool_result
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolSpec | None) -> str:
+    """The prompt text of ``messages`` (with ``tools``, if any), ready for the reply."""
+    template = tokenizer.chat_template
+    native = detect_format(template if isinstance(template, str) else json.dumps(template))
+    fmt = get_format(tools.format) if tools is not None else (native or HERMES)
+    if native is not None and native.name == fmt.name:
+        return tokenizer.apply_chat_template(
+            [_native(m) for m in messages], tools=tools.tools if tools is not None else None,
+            add_generation_prompt=True, tokenize=False)
+    folded = [_folded(m, fmt) for m in messages]
+    if tools is not None:
+        prompt = fmt.system_prompt(tools.tools)
+        if folded and folded[0]["role"] == "system":
+            folded[0] = {"role": "system", "content": f"{folded[0]['content']}\n\n{prompt}"}
+        else:
+            folded.insert(0, {"role": "system", "content": prompt})
+    return tokenizer.apply_chat_template(folded, add_generation_prompt=True, tokenize=False)
+
+
+def _native(message: dict[str, Any]) -> dict[str, Any]:
+    """Past calls' arguments as objects, which tool-aware templates serialize themselves."""
+    if not message.get("tool_calls"):
+        return message
+    calls = [{**c, "function": {**c["function"], "arguments": _arguments(c["function"])}}
+             for c in message["tool_calls"]]
+    return {**message, "tool_calls": calls}
+
+
+def _folded(message: dict[str, Any], fmt: ToolFormat) -> dict[str, str]:
+    role, content = message["role"], message.get("content") or ""
+    if message.get("tool_calls"):
+        calls = fmt.separator.join(fmt.call_text(c["function"]["name"], _arguments(c["function"]))
+                                   for c in message["tool_calls"])
+        content = f"{content}\n{calls}" if content else calls
+    elif role == "tool" and fmt is HERMES:
+        content = tool_result(content)
+    return {"role": role, "content": content}
+
+
+def _arguments(function: dict[str, Any]) -> Any:
+    args = function.get("arguments")
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    return args if args is not None else {}
