@@ -134,15 +134,9 @@ def _sse(gw: Gateway, session: StreamSession) -> Response:
     return SSEResponse(session, spawn)
 
 
-async def admit(gw: Gateway, spec: JobSpec) -> str:
-    """The served model's path; 400 for more prompts than ``max_prompts``, 503 with no live
-    worker, 404 for a model nobody serves, 429 when the request's interactive jobs would take
-    the waiting ones past ``max_queue_depth`` (each prompt is a job, and the jobs admitted
-    since the last reading of the queue count too)."""
-    jobs = len(spec.prompts)
-    if jobs > gw.config.max_prompts:
-        raise too_many_prompts(jobs, gw.config.max_prompts)
-    model = spec.view.model
+async def served_path(gw: Gateway, model: str) -> tuple[Any, str]:
+    """(the fleet's view, the path of ``model`` as its workers serve it); 503 with no live
+    worker, 404 for a model nobody serves (admit, and /tokenize, which needs only the model)."""
     view = await gw.fleet.view()
     if not view.alive:
         raise APIError(503, f"no worker is serving queue {gw.config.queue!r} yet: one starting "
@@ -153,6 +147,18 @@ async def admit(gw: Gateway, spec: JobSpec) -> str:
         served = ", ".join(sorted(view.models)) or "none"
         raise not_found(f"The model `{model}` does not exist: live workers serve {served}",
                         "model_not_found", "model")
+    return view, path
+
+
+async def admit(gw: Gateway, spec: JobSpec) -> str:
+    """The served model's path; 400 for more prompts than ``max_prompts``, 503 with no live
+    worker, 404 for a model nobody serves, 429 when the request's interactive jobs would take
+    the waiting ones past ``max_queue_depth`` (each prompt is a job, and the jobs admitted
+    since the last reading of the queue count too)."""
+    jobs = len(spec.prompts)
+    if jobs > gw.config.max_prompts:
+        raise too_many_prompts(jobs, gw.config.max_prompts)
+    view, path = await served_path(gw, spec.view.model)
     limit = gw.config.max_queue_depth
     if limit is not None and spec.priority >= 0:  # low-priority jobs wait behind the rest
         if jobs > limit:

@@ -93,10 +93,10 @@ _TOKENIZERS: dict[str, tuple[Any, int | None]] = {}
 
 async def _tokenizer(request: Request, model: str) -> tuple[Any, int | None]:
     """(the served model's tokenizer, its max_model_len), loaded once per model directory."""
-    from pagedq.worker.gateway.completions import admit
+    from pagedq.worker.gateway.completions import served_path
 
     gw = request.app.state.gateway
-    path = await admit(gw, model)
+    _, path = await served_path(gw, model)
     if path not in _TOKENIZERS:
         _TOKENIZERS[path] = await asyncio.get_running_loop().run_in_executor(None, _load, path)
     return _TOKENIZERS[path]
