@@ -162,6 +162,8 @@ def to_flags(config: Any) -> list[str]:
             out.append(flag_name(f.name) if value else "--no-" + flag_name(f.name)[2:])
         elif isinstance(value, (int, float, str, Path)):
             out += [flag_name(f.name), str(value)]
+        elif hasattr(value, "to_json"):  # a nested config given as JSON (speculative_config)
+            out += [flag_name(f.name), value.to_json()]
     return out
 
 
