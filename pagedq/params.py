@@ -156,6 +156,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # False: never speculate for this request (the engine's speculative_config decides
+    # otherwise); the output is the same either way, only its speed differs
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -215,6 +218,8 @@ class SamplingParams:
             raise bad("ignore_eos", "must be a bool")
         if not isinstance(self.skip_special_tokens, bool):
             raise bad("skip_special_tokens", "must be a bool")
+        if not isinstance(self.speculative, bool):
+            raise bad("speculative", "must be a bool")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -236,6 +241,8 @@ class SamplingParams:
         out = asdict(self)
         if self.structured_outputs is not None:
             out["structured_outputs"] = self.structured_outputs.to_dict()
+        if self.speculative:  # the default stays off the wire: older workers know no such key
+            del out["speculative"]
         return out
 
     @classmethod
