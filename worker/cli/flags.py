@@ -201,6 +201,8 @@ SAMPLING_HELP = {
     "repetition_penalty": "Divides the logits of tokens seen in the prompt or output (1: off).",
     "logprobs": "Return the log-probabilities of this many top tokens per position.",
     "skip_special_tokens": "Leave special tokens out of the output text.",
+    "speculative": "Let the engine's speculative decoding (--speculative-config) draft tokens "
+                   "for this request; the output is the same either way.",
 }
 
 

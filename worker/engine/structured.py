@@ -145,7 +145,10 @@ class StructuredOutputs:
         current output (a forbidden token ends the draft); the matcher is left where it was."""
         if seq.request not in self._compiled:
             return draft
-        matcher = self._sync(seq).matcher
+        try:
+            matcher = self._sync(seq).matcher
+        except InvalidRequestError:  # tokens its grammar refuses: sampling rejects the request
+            return []
         n = 0
         for token in draft:
             if matcher.is_terminated() or not matcher.accept_token(token):
