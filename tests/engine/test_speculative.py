@@ -377,3 +377,18 @@ def test_config_rejects_bad_values():
     with pytest.raises(Exception, match="unknown keys"):
         EngineConfig(speculative_config='{"method": "ngram", "draft_model": "x"}')
     assert EngineConfig(speculative_config='{"method": "suffix"}').speculative_config.method == "suffix"
+
+
+def test_per_request_switch_crosses_the_wire_and_the_gateway():
+    """SamplingParams(speculative=False) survives the wire format (the default stays off it,
+    so older workers keep reading new clients' jobs) and the gateway's extra body."""
+    from pagedq.worker.gateway.openai import ChatCompletionRequest
+    from pagedq.worker.gateway.translate import chat_spec
+
+    off = SamplingParams(speculative=False)
+    assert SamplingParams.from_dict(off.to_dict()) == off
+    assert "speculative" not in SamplingParams().to_dict()
+    with pytest.raises(Exception, match="speculative"):
+        SamplingParams(speculative="no")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "speculative": False}
+    assert chat_spec(ChatCompletionRequest.model_validate(body)).params.speculative is False
