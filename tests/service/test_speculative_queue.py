@@ -20,7 +20,6 @@ from tests.service.test_worker_procs import (
     mid_job,
     spawn,
     stop,
-    wait_serving,
     wait_until,
 )
 
@@ -41,20 +40,20 @@ def test_sigkill_while_speculating_loses_and_repeats_nothing(redis_url, model, t
     keys = Keys(QUEUE)
     a = spawn(redis_url, model, "A", QUEUE, tmp_path, "--speculative-config", json.dumps(SPEC))
     try:
-        wait_serving(r, keys, "A", a)
-        # greedy and seeded jobs that soon repeat themselves, so drafts are accepted
+        # a first start on a machine may compile the C++ kernels: give it time
+        wait_until(lambda: r.exists(keys.worker("A")), timeout=600, proc=a)
+        # greedy and seeded jobs that repeat themselves now and then, so some drafts are
+        # accepted (not all: a job must still be running when A is killed)
         jobs = [([3 + i, 9, 4, 3 + i, 9], SamplingParams(
                     temperature=0 if i % 2 == 0 else 0.9, seed=1000 + i, max_tokens=400,
-                    ignore_eos=True, frequency_penalty=-2.0))
-                for i in range(4)]
+                    ignore_eos=True, repetition_penalty=0.6))
+                for i in range(6)]
         with Client(redis_url, QUEUE) as client:
             handles = [client.submit(p, sp) for p, sp in jobs]
-            accepted = lambda: int(r.hget(keys.worker("A"), "spec_decode_num_accepted_tokens")  # noqa: E731
-                                   or 0)
-            wait_until(lambda: accepted() > 0 and mid_job(r, handles, "A", position=20)(), proc=a)
+            wait_until(mid_job(r, handles, "A", position=20, queue=QUEUE), proc=a)
             with running_worker(redis_url, model, "B", queue=QUEUE,
                                 engine=dict(num_kv_blocks=160, max_num_seqs=2, max_model_len=512,
-                                            speculative_config=SPEC)):
+                                            speculative_config=SPEC)) as b:
                 a.send_signal(signal.SIGKILL)
                 a.wait(30)
                 results = [h.result(timeout=120) for h in handles]
@@ -65,6 +64,7 @@ def test_sigkill_while_speculating_loses_and_repeats_nothing(redis_url, model, t
                 writers = [{e.worker for e in events(r, h.id, QUEUE)} for h in handles]
                 assert {"A", "B"} in writers  # a job A was generating was finished by B
                 assert r.xpending(keys.jobs("normal"), GROUP)["pending"] == 0
+                assert b.engine.stats()["spec_decode_num_accepted_tokens"] > 0
     finally:
         stop(a)
         r.close()
