@@ -231,6 +231,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before sampling
     logit_bias: dict[int, float] | None = None
+    # False: never speculate for this request (the engine's speculative_config decides
+    # otherwise); the output is the same either way, only its speed differs
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if self.logit_bias is not None:
@@ -292,6 +295,8 @@ class SamplingParams:
             raise bad("ignore_eos", "must be a bool")
         if not isinstance(self.skip_special_tokens, bool):
             raise bad("skip_special_tokens", "must be a bool")
+        if not isinstance(self.speculative, bool):
+            raise bad("speculative", "must be a bool")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -325,6 +330,8 @@ class SamplingParams:
             out["structured_outputs"] = self.structured_outputs.to_dict()
         if self.logit_bias is not None:  # msgpack maps take string keys
             out["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        if self.speculative:  # the default stays off the wire: older workers know no such key
+            del out["speculative"]
         return out
 
     @classmethod

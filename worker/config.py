@@ -12,9 +12,10 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -115,6 +116,89 @@ def default_block_size(device_type: str) -> int:
     return DEFAULT_BLOCK_SIZE.get(device_type, 16)
 
 
+SpeculativeMethod = Literal["ngram", "suffix"]
+SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding with no draft model (vLLM's ``speculative_config`` keys).
+
+    Each decoding sequence proposes up to ``num_speculative_tokens`` tokens that continue an
+    earlier occurrence of its last tokens, and the step verifies them as extra query rows. The
+    output is the output without speculation (see docs/engine.md, "Speculative decoding").
+    """
+
+    method: SpeculativeMethod = "ngram"
+    """ngram: drafts from the sequence's own prompt and output (prompt lookup); suffix: also
+    from this engine's recent prompts and outputs (a bounded LRU corpus)."""
+    num_speculative_tokens: int = 4
+    """Most draft tokens per sequence and step (each sequence adapts below it to its recent
+    acceptance)."""
+    prompt_lookup_min: int = 2
+    """Shortest suffix of the sequence that must match earlier tokens to propose a draft."""
+    prompt_lookup_max: int = 5
+    """Longest suffix tried (longer matches are tried first)."""
+    suffix_decoding_max_tree_depth: int = 24
+    """suffix: the longest match looked for in the corpus of earlier requests, in tokens."""
+    suffix_decoding_max_cached_requests: int = 1000
+    """suffix: earlier requests' prompts and outputs kept (least recently used leave first)."""
+    disable_by_batch_size: int = 16
+    """No drafts in a step that already runs this many sequences: a large batch is compute
+    bound and verification rows would cost more than they save. Measure it per machine (see
+    docs/engine.md)."""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise InvalidRequestError(f"speculative_config: {what}")
+
+        need(self.method in SPECULATIVE_METHODS,
+             f"method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        need(isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 1,
+             f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens!r}")
+        need(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+             "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
+             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        need(self.suffix_decoding_max_tree_depth >= self.prompt_lookup_min,
+             "suffix_decoding_max_tree_depth must be >= prompt_lookup_min")
+        need(self.suffix_decoding_max_cached_requests >= 1,
+             "suffix_decoding_max_cached_requests must be >= 1")
+        need(self.disable_by_batch_size >= 1, "disable_by_batch_size must be >= 1")
+
+    @classmethod
+    def coerce(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """A config from a dict or its JSON text (``--speculative-config '{"method": ...}'``);
+        unknown keys are an error that names them."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise InvalidRequestError(f"speculative_config is not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise InvalidRequestError("speculative_config must be a JSON object, e.g. "
+                                      '{"method": "ngram", "num_speculative_tokens": 4}')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise InvalidRequestError(f"speculative_config: unknown keys {unknown}; "
+                                      f"known: {sorted(known)}")
+        return cls(**value)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig | None:
+    """The ``--speculative-config`` flag's parser: a JSON object (``null``: off)."""
+    try:
+        return SpeculativeConfig.coerce(text)
+    except InvalidRequestError as exc:
+        raise ValueError(str(exc)) from None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every knob of the engine, defined once.
@@ -195,12 +279,18 @@ class EngineConfig:
     grammar_compile_timeout: float = 10.0
     """Seconds a structured-output constraint may take to compile; the requests waiting on one
     that takes longer fail with invalid_params."""
+    speculative_config: Annotated[SpeculativeConfig | None, parse_speculative_config] = None
+    """Speculative decoding with no draft model, as JSON: {"method": "ngram" or "suffix",
+    "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5, ...}
+    (default: off). Outputs are unchanged; see docs/engine.md."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
             if not ok:
                 raise InvalidRequestError(f"engine config: {what}")
 
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.coerce(self.speculative_config))
         if isinstance(self.kv_cache_memory, str):
             try:
                 object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import pytest
 
@@ -29,6 +30,11 @@ ENGINE_SAMPLE = {
     "enable_prefix_caching": False, "num_threads": 3, "seed": 11, "grammar_cache_size": 5,
     "grammar_compile_threads": 3, "grammar_compile_timeout": 2.5, "quantization": "int4",
     "packed_gemm_precision": "bf16", "cpu_isa": "avx2", "adaptive_threads": False,
+    "speculative_config": {"method": "suffix", "num_speculative_tokens": 3,
+                           "prompt_lookup_min": 1, "prompt_lookup_max": 4,
+                           "suffix_decoding_max_tree_depth": 8,
+                           "suffix_decoding_max_cached_requests": 50,
+                           "disable_by_batch_size": 4},
 }
 WORKER_SAMPLE = {
     "redis_url": "redis://h:1/2", "queue": "q2", "prefix": "px", "consumer_name": "c1",
@@ -53,6 +59,8 @@ def argv(sample: dict) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, dict):  # a nested config: JSON
+            out += [flag, json.dumps(value)]
         else:
             out += [flag, str(value)]
     return out

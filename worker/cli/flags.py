@@ -162,6 +162,8 @@ def to_flags(config: Any) -> list[str]:
             out.append(flag_name(f.name) if value else "--no-" + flag_name(f.name)[2:])
         elif isinstance(value, (int, float, str, Path)):
             out += [flag_name(f.name), str(value)]
+        elif hasattr(value, "to_json"):  # a nested config given as JSON (speculative_config)
+            out += [flag_name(f.name), value.to_json()]
     return out
 
 
@@ -199,6 +201,8 @@ SAMPLING_HELP = {
     "repetition_penalty": "Divides the logits of tokens seen in the prompt or output (1: off).",
     "logprobs": "Return the log-probabilities of this many top tokens per position.",
     "skip_special_tokens": "Leave special tokens out of the output text.",
+    "speculative": "Let the engine's speculative decoding (--speculative-config) draft tokens "
+                   "for this request; the output is the same either way.",
 }
 
 

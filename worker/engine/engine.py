@@ -21,6 +21,7 @@ from pagedq.params import SamplingParams
 from pagedq.progress import waiting
 from pagedq.worker.config import EngineConfig, default_block_size, default_device
 from pagedq.worker.engine import sizing
+from pagedq.worker.engine.drafts import Drafter
 from pagedq.worker.engine.intake import (
     check_logit_bias,
     coerce_params,
@@ -90,12 +91,15 @@ class Engine(OfflineAPI):
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, plan.num_blocks, plan.block_size, self.kv_dtype,
                                   self.device)
-        self.scheduler = Scheduler(config, self.kv)
         self.eos_token_ids = eos_token_ids(self.model_path, self.hf_config, self.tokenizer)
         self.structured = StructuredOutputs(
             self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids,
             cache_size=config.grammar_cache_size, compile_threads=config.grammar_compile_threads,
             compile_timeout_s=config.grammar_compile_timeout)
+        self.drafter = (Drafter(config.speculative_config, self.max_model_len,
+                                self.structured.allowed_draft)
+                        if config.speculative_config else None)
+        self.scheduler = Scheduler(config, self.kv, self.drafter)
         self.sampler = Sampler(config.seed, constrain=self.structured.apply)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.live = LiveRequests(self.scheduler, self.outputs)
@@ -201,7 +205,7 @@ class Engine(OfflineAPI):
         logits, sample_seqs = self.governor.run(sched.num_batched_tokens,
                                                 lambda: self.runner.execute(sched))
         for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)  # drafts: once verified
             self.kv.commit(seq)
         self.num_computed_tokens += sched.num_batched_tokens
         self.num_steps += 1
@@ -210,7 +214,9 @@ class Engine(OfflineAPI):
         return outputs
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[StepOutput]:
-        """One token per sequence (hooked requests pick their own); returns the deltas."""
+        """One token per sequence (hooked requests pick their own), then more for sequences
+        whose draft matches what they sample; returns the deltas, one per sequence."""
+        logits, drafted = split_draft_rows(logits, seqs)
         outputs: list[StepOutput] = []
         hooked: dict[int, list[int]] = {}  # id(request) -> its rows, in row order
         plain: list[int] = []
@@ -225,8 +231,26 @@ class Engine(OfflineAPI):
         if len(plain) != len(seqs):
             logits, seqs = logits[plain], [seqs[r] for r in plain]
         rows, seqs = self._fork_samples(seqs)
-        result = self.sampler(logits[rows] if len(rows) != len(logits) else logits, seqs)
+        rejected: set[int] = set()  # id() of requests a constraint ended in this step
+        sampled = self._draw(logits[rows] if len(rows) != len(logits) else logits, seqs,
+                             rejected)
+        if drafted:
+            self._verify(drafted, rejected)
+        for seq in sampled:
+            if id(seq.request) in rejected:
+                continue
+            outputs.append(self.outputs.delta(seq))
+            if seq.is_finished:
+                self.finish(seq)
+        return outputs
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], rejected: set[int]
+              ) -> list[Sequence]:
+        """Sample one token for each of ``seqs`` (row i of ``logits`` is seqs[i]) and add it;
+        returns the sequences that took one (a constraint refusing a token ends its request)."""
+        result = self.sampler(logits, seqs)
         self.num_generated_tokens += len(seqs)
+        took: list[Sequence] = []
         for k, seq in enumerate(seqs):
             if seq.is_finished:  # a sibling's rejection ended it in this loop
                 continue
@@ -235,12 +259,43 @@ class Engine(OfflineAPI):
             try:
                 complete = self.structured.advance(seq, result.token_ids[k])
             except InvalidRequestError as exc:
+                rejected.add(id(seq.request))
                 self.live.reject(seq.request, exc)
                 continue
-            outputs.append(self.outputs.append(seq, result.token_ids[k], lp, top, complete))
+            self.outputs.add(seq, result.token_ids[k], lp, top, complete)
+            took.append(seq)
+        return took
+
+    def _verify(self, drafted: list[tuple[Sequence, list[int], torch.Tensor]],
+                rejected: set[int]) -> None:
+        """Accept draft tokens while each equals the token sampled at its position.
+
+        Depth j samples, for every sequence whose draft matched so far, from the logits row
+        computed after its j-th draft token: the same sampler call, penalties, grammar mask
+        and seeded draw (by position) that plain decoding would make there, since the tokens
+        before it are the same. The first mismatch is itself the sampled token and ends the
+        run; so does a stop. Then the rejected drafts' KV is rolled back: computed tokens
+        cover the accepted ones only, tail blocks return to the pool, and only verified
+        tokens reach the prefix cache."""
+        accepted = [0] * len(drafted)
+        for depth in range(max(len(d) for _, d, _ in drafted)):
+            live = [i for i, (seq, draft, _) in enumerate(drafted)
+                    if accepted[i] == depth < len(draft) and not seq.is_finished
+                    and seq.token_ids[-1] == draft[depth]]
+            if not live:
+                break
+            for i in live:
+                accepted[i] += 1
+            self._draw(torch.stack([drafted[i][2][depth] for i in live]),
+                       [drafted[i][0] for i in live], rejected)
+        for (seq, draft, _), num in zip(drafted, accepted, strict=True):
+            seq.draft_token_ids = []
+            self.drafter.verified(seq, len(draft), num)
             if seq.is_finished:
-                self.finish(seq)
-        return outputs
+                continue
+            seq.num_computed_tokens += num
+            self.kv.commit(seq)
+            self.kv.trim(seq)
 
     def _admit_compiled(self) -> None:
         """Schedule the requests whose grammar has compiled; reject those that failed."""
@@ -285,6 +340,8 @@ class Engine(OfflineAPI):
 
     def finish(self, seq: Sequence, reason: str | None = None) -> None:
         """Free a sequence's blocks (ending it with ``reason`` if given); see LiveRequests."""
+        if self.drafter is not None and reason is None:
+            self.drafter.finished(seq)
         self.live.finish(seq, reason)
 
     # -- introspection --------------------------------------------------------------------
@@ -300,7 +357,8 @@ class Engine(OfflineAPI):
                 "num_steps": self.num_steps, "num_generated_tokens": self.num_generated_tokens,
                 "num_computed_tokens": self.num_computed_tokens,
                 "max_model_len": self.max_model_len, "max_num_seqs": self.config.max_num_seqs,
-                "threads": self.governor.chosen, **self.structured.stats()}
+                "threads": self.governor.chosen, **self.structured.stats(),
+                **(self.drafter.stats() if self.drafter is not None else {})}
 
 
 def thread_governor(config: EngineConfig, device: torch.device) -> ThreadGovernor:
@@ -310,6 +368,21 @@ def thread_governor(config: EngineConfig, device: torch.device) -> ThreadGoverno
     torch.set_num_threads(threads)
     adaptive = config.adaptive_threads and device.type == "cpu" and threads > 1
     return ThreadGovernor((threads, 1) if adaptive else (threads,))
+
+
+def split_draft_rows(logits: torch.Tensor, seqs: list[Sequence]
+                     ) -> tuple[torch.Tensor, list[tuple[Sequence, list[int], torch.Tensor]]]:
+    """(each sequence's first logits row, (sequence, its draft, its draft rows) for those with
+    a draft): the runner returns 1 + len(draft) rows per sampling sequence."""
+    counts = [1 + len(s.draft_token_ids) for s in seqs]
+    if len(counts) == len(logits):
+        return logits, []
+    starts = [0]
+    for c in counts[:-1]:
+        starts.append(starts[-1] + c)
+    drafted = [(s, s.draft_token_ids, logits[st + 1:st + c])
+               for s, st, c in zip(seqs, starts, counts, strict=True) if c > 1]
+    return logits[starts], drafted
 
 
 def load_model(path, hf_config, config: EngineConfig, device: torch.device) -> CausalLM:

@@ -118,6 +118,18 @@ class KVCacheManager:
             self.pool.register(seq.block_table[i], h, tokens)
             seq.block_hashes.append(h)
 
+    def trim(self, seq: Sequence) -> int:
+        """Speculative rollback: release the tail blocks past the sequence's computed tokens
+        (they held rejected draft tokens' KV); returns how many were released. Rejected slots
+        inside the kept last block are overwritten by the next tokens, and no block holding
+        them was registered in the prefix cache (``commit`` registers computed tokens only)."""
+        keep = cdiv(seq.num_computed_tokens, self.block_size)
+        tail = seq.block_table[keep:]
+        for block_id in reversed(tail):
+            self.pool.release(block_id)
+        del seq.block_table[keep:]
+        return len(tail)
+
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks, tail first so the tail is evicted before the prefix."""
         for block_id in reversed(seq.block_table):

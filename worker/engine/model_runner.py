@@ -3,7 +3,9 @@
 It owns the KV tensors (one [2, num_blocks, block_size, kv_heads, head_dim] slab per layer),
 packs every scheduled sequence's new tokens into one flat batch, derives positions and cache
 slots from the block tables on tensors, and returns the logits of the sequences whose last
-known token was just computed (the ones that sample this step).
+known token was just computed (the ones that sample this step). A sequence with a draft
+(speculative decoding) computes its draft tokens after its last known token and returns
+1 + len(draft) logits rows: one per position the verification may sample.
 """
 
 from __future__ import annotations
@@ -58,7 +60,10 @@ class ModelRunner:
         starts_list = [s.num_computed_tokens for s in seqs]
         tokens: list[int] = []
         for seq, start, n in zip(seqs, starts_list, q_lens_list, strict=True):
-            tokens.extend(seq.token_ids[start:start + n])
+            chunk = seq.token_ids[start:start + n]
+            if len(chunk) < n:  # the draft follows the last known token
+                chunk += seq.draft_token_ids[:n - len(chunk)]
+            tokens.extend(chunk)
         width = max(len(s.block_table) for s in seqs)
         table = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
 
@@ -72,6 +77,9 @@ class ModelRunner:
         slots = block_table[seq_idx, positions // bs].long() * bs + positions % bs
         seq_lens = starts + q_lens
         samples = [i for i, s in enumerate(seqs) if reaches_end(s, starts_list[i], q_lens_list[i])]
+        ends = cu[1:].tolist()
+        rows = [r for i in samples
+                for r in range(ends[i] - 1 - len(seqs[i].draft_token_ids), ends[i])]
         dev = self.device
         return StepBatch(
             input_ids=torch.tensor(tokens, device=dev),
@@ -80,7 +88,7 @@ class ModelRunner:
             block_table=block_table.to(dev),
             seq_lens=seq_lens.to(dtype=torch.int32, device=dev),
             cu_seqlens_q=cu.to(dtype=torch.int32, device=dev),
-            logits_indices=(cu[1:][samples] - 1).to(dev),
+            logits_indices=torch.tensor(rows, dtype=torch.long, device=dev),
             sample_seqs=[seqs[i] for i in samples],
         )
 
@@ -95,7 +103,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run the step; returns (logits [num_sampling, vocab] fp32, the sampling sequences)."""
+        """Run the step; returns (logits [rows, vocab] fp32, the sampling sequences): one row
+        per sampling sequence, 1 + len(draft) for one with a draft, in sequence order."""
         self.copy_blocks(sched.copies)
         batch = self.prepare(sched)
         hidden = self.forward(batch)
@@ -106,5 +115,6 @@ class ModelRunner:
 
 
 def reaches_end(seq: Sequence, start: int, n: int) -> bool:
-    """Does this chunk reach the sequence's last known token (so its logits are needed)?"""
-    return start + n == seq.num_tokens
+    """Does this chunk reach the sequence's last known token and its draft, if any (so its
+    logits are needed)?"""
+    return start + n == seq.num_tokens + len(seq.draft_token_ids)

@@ -41,12 +41,18 @@ class OutputProcessor:
         """Add one sampled token; returns the sequence's stream delta for this step.
         ``complete``: the token ends the sequence's structured output (its stop token), which
         stops it even under ignore_eos or min_tokens."""
+        self.add(seq, token, logprob, top, complete)
+        return self.delta(seq)
+
+    def add(self, seq: Sequence, token: int, logprob: float | None,
+            top: dict[int, float] | None, complete: bool = False) -> None:
+        """``append`` without cutting the delta: a step that yields several tokens for one
+        sequence (verified drafts) adds them one by one and cuts one delta after the last."""
         if logprob is not None:
             seq.cum_logprob += logprob
         if top is not None and seq.logprobs is not None:
             seq.logprobs.append(top)
         self._accept(seq, token, complete)
-        return self.delta(seq)
 
     def delta(self, seq: Sequence) -> StepOutput:
         """What the sequence produced since its last delta (also its last one, once finished)."""

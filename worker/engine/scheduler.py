@@ -7,16 +7,24 @@ arriving never stalls the decodes; waiting ones are admitted in priority then FC
 budget, sequence slots and KV blocks last. When blocks run out the lowest-priority, most
 recently admitted running sequence is preempted: its blocks are freed and it is recomputed later
 (it keeps its generated tokens, so its output does not change).
+
+With speculative decoding a decoding sequence may get a draft (drafts.py): 1 + k tokens of the
+budget instead of 1. A draft never preempts anyone: when its slots do not fit, the sequence
+decodes plainly this step.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedq.worker.config import EngineConfig
 from pagedq.worker.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedq.worker.engine.sequence import SeqStatus, Sequence
+
+if TYPE_CHECKING:
+    from pagedq.worker.engine.drafts import Drafter
 
 
 @dataclass
@@ -40,9 +48,11 @@ def _wait_key(seq: Sequence) -> tuple[int, int, int]:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager,
+                 drafter: Drafter | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.drafter = drafter
         self.waiting: list[Sequence] = []  # sorted by _wait_key
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
@@ -100,6 +110,7 @@ class Scheduler:
         return min(remaining, budget, limit) if limit else min(remaining, budget)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        speculate = self.drafter is not None and self.drafter.enabled_for(len(self.running))
         for seq in list(self.running):
             if budget <= 0:
                 break
@@ -108,6 +119,11 @@ class Scheduler:
             num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new <= 0:  # a beam waiting for its siblings' logits
                 continue
+            if speculate and num_new == seq.num_tokens - seq.num_computed_tokens == 1:
+                if self._draft(seq, budget):
+                    out.scheduled.append((seq, 1 + len(seq.draft_token_ids)))
+                    budget -= 1 + len(seq.draft_token_ids)
+                    continue
             while not self.kv.allocate(seq, num_new):
                 victim = self._pick_victim()
                 budget += self._preempt(victim, out)
@@ -117,6 +133,18 @@ class Scheduler:
                 out.scheduled.append((seq, num_new))
                 budget -= num_new
         return budget
+
+    def _draft(self, seq: Sequence, budget: int) -> bool:
+        """Give a decoding sequence its draft and the slots for it, if both are to be had."""
+        draft = self.drafter.propose(seq, budget - 1)
+        if not draft:
+            return False
+        # keep a block per running sequence free: the draft must not make anyone preempt
+        spare = self.kv.pool.num_free - self.kv.blocks_needed(seq, 1 + len(draft))
+        if spare < len(self.running) or not self.kv.allocate(seq, 1 + len(draft)):
+            return False
+        seq.draft_token_ids = draft
+        return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bs = self.kv.block_size
@@ -156,6 +184,7 @@ class Scheduler:
                 break
         self.running.remove(seq)
         self.kv.free(seq)
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)

@@ -7,6 +7,9 @@ that prefills the prompt once and then forks into n sequences sharing the prompt
 The scheduling rule (vLLM V1) needs only two counters per sequence: ``num_tokens`` (tokens
 known: prompt + generated) and ``num_computed_tokens`` (tokens whose KV is in the cache). Each
 step moves the second towards the first; when they meet, the model's last logits yield a token.
+A decoding sequence may also carry draft tokens for one step (speculative decoding): they are
+computed as extra rows after its last known token and are never counted in either counter
+until verification has turned them into tokens.
 """
 
 from __future__ import annotations
@@ -105,6 +108,10 @@ class Sequence:
     num_emitted_chars: int = 0  # characters of ``text`` already handed out
     num_resumed_tokens: int = 0  # generated tokens inherited from a previous owner of the job
     num_preemptions: int = 0
+    # speculative decoding: this step's draft (verified as extra query rows, never part of
+    # token_ids) and the draft length this sequence's recent acceptance earned (0: the config's)
+    draft_token_ids: list[int] = field(default_factory=list)
+    spec_len: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -140,6 +140,24 @@ class StructuredOutputs:
         self._accept(seq, state, token)
         return bool(state.matcher.is_terminated())
 
+    def allowed_draft(self, seq: Sequence, draft: list[int]) -> list[int]:
+        """The longest prefix of a speculative draft that ``seq``'s grammar accepts after its
+        current output (a forbidden token ends the draft); the matcher is left where it was."""
+        if seq.request not in self._compiled:
+            return draft
+        try:
+            matcher = self._sync(seq).matcher
+        except InvalidRequestError:  # tokens its grammar refuses: sampling rejects the request
+            return []
+        n = 0
+        for token in draft:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return draft[:n]
+
     def _sync(self, seq: Sequence) -> SequenceGrammar:
         """Bring ``seq``'s matcher to its current output: create it, roll back tokens taken
         back, replay tokens it has not seen (resumed from another worker, or forked)."""

@@ -2,7 +2,8 @@
 
 Field names and defaults follow OpenAI's API reference; vLLM's extra body fields (``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``priority``,
-``structured_outputs`` and the older ``guided_*`` names) are accepted as vLLM accepts them.
+``structured_outputs`` and the older ``guided_*`` names) are accepted as vLLM accepts them,
+and pagedq's own ``speculative`` (false: no speculative decoding for this request).
 Unknown fields are ignored, as vLLM does, so clients that send newer OpenAI fields keep
 working; fields whose meaning pagedq cannot honour (the deprecated ``functions``, best_of > n)
 are refused in translate.py with a 400 that says so; ``tools`` are translated in tools.py.
@@ -62,6 +63,7 @@ class Sampling(_Body):
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    speculative: bool | None = None  # pagedq's: false turns speculative decoding off for it
     priority: int = 0  # vLLM's sense: lower runs earlier
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None

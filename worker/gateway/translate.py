@@ -119,6 +119,7 @@ def sampling_params(req: Sampling, max_tokens: int | None, logprobs: int | None,
         "top_k": req.top_k, "min_p": req.min_p, "repetition_penalty": req.repetition_penalty,
         "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens,
         "stop_token_ids": req.stop_token_ids, "skip_special_tokens": req.skip_special_tokens,
+        "speculative": req.speculative,
         "stop": [req.stop] if isinstance(req.stop, str) else req.stop,
         "logprobs": logprobs, "logit_bias": req.logit_bias or None,
     }

@@ -38,7 +38,12 @@ from pagedq.worker.service.shared import Part, Shared
 log = get_logger(__name__)
 
 ENGINE_FIELDS = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage",
-                 "kv_tokens_live", "preemptions", "prefix_cache_queries", "prefix_cache_hits")
+                 "kv_tokens_live", "preemptions", "prefix_cache_queries", "prefix_cache_hits",
+                 # speculative decoding, when the engine speculates (engine.md)
+                 "spec_method", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                 "spec_decode_num_accepted_tokens", "spec_decode_acceptance_rate",
+                 "spec_decode_mean_acceptance_length", "spec_suffix_requests",
+                 "spec_suffix_tokens")
 MAX_NAME_SUFFIX = 1000
 STOP_TIMEOUT_S = 1.0  # the most a stopping worker waits to withdraw its start announcement
 RATE_WINDOW_S = 10.0  # tokens_per_s averages over this long: tokens are published in bursts

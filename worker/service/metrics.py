@@ -42,6 +42,12 @@ ENGINE_METRICS = (
      "Prefix cache queries, in prompt tokens looked up."),
     ("vllm:prefix_cache_hits_total", "counter", "prefix_cache_hits",
      "Prefix cache hits, in prompt tokens found cached."),
+    ("vllm:spec_decode_num_drafts_total", "counter", "spec_decode_num_drafts",
+     "Number of spec decoding drafts (one per sequence and step that verified a draft)."),
+    ("vllm:spec_decode_num_draft_tokens_total", "counter", "spec_decode_num_draft_tokens",
+     "Number of draft tokens."),
+    ("vllm:spec_decode_num_accepted_tokens_total", "counter", "spec_decode_num_accepted_tokens",
+     "Number of accepted tokens."),
 )
 
 

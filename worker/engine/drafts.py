@@ -1,0 +1,234 @@
+"""Draft tokens with no draft model: n-gram (prompt lookup) and a corpus of earlier requests.
+
+A decoding sequence whose last few tokens occurred before proposes the tokens that followed
+them then. The step verifies the draft as extra query rows (engine.py): a draft token is kept
+exactly when it equals the token the sampler draws at its position, so speculation changes how
+many tokens a step yields, never which tokens.
+
+- ``ngram_draft``: the most recent earlier occurrence of the sequence's longest suffix of
+  ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens, in its own prompt and output. The
+  search runs over the token ids packed as bytes (``bytes.rfind``, C speed).
+- ``SuffixCorpus`` (method "suffix"): the prompts and outputs of this engine's recent requests
+  (one engine serves one model and its worker one queue), bounded and least recently used
+  first out, indexed by every n-gram of ``prompt_lookup_min..prompt_lookup_max`` tokens. A
+  sequence drafts from whichever of its own tokens and the corpus matches its suffix longer
+  (matches are measured up to ``suffix_decoding_max_tree_depth``). It is an n-gram index, not
+  SuffixDecoding's suffix tree: it keeps one (the latest) continuation per n-gram, no counts.
+- ``Drafter``: decides each sequence's draft (its adaptive length, the step's size, the
+  request's switch, its grammar) and keeps the acceptance counters.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable
+from collections.abc import Sequence as Tokens
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedq.worker.config import SpeculativeConfig
+from pagedq.worker.engine.sequence import Sequence
+
+_WIDTH = 4  # bytes per token id in the packed search buffer
+
+
+def _packed(tokens: Tokens[int]) -> bytes:
+    return array("I", tokens).tobytes()
+
+
+def _find_aligned(buf: bytes, pattern: bytes, end: int) -> int:
+    """Byte offset of the last token-aligned occurrence of ``pattern`` ending by ``end``."""
+    while True:
+        i = buf.rfind(pattern, 0, end)
+        if i < 0 or i % _WIDTH == 0:
+            return i
+        end = i + len(pattern) - 1
+
+
+def extend(source: Tokens[int], start: int, k: int) -> list[int]:
+    """``k`` tokens of ``source`` from ``start``; past its end the draft repeats itself (a
+    sequence stuck in a loop drafts the loop's next turn)."""
+    out: list[int] = []
+    for j in range(k):
+        idx = start + j
+        out.append(source[idx] if idx < len(source) else out[idx - len(source)])
+    return out
+
+
+def ngram_match(tokens: Tokens[int], min_n: int, max_n: int) -> tuple[int, int]:
+    """(length of the longest suffix of ``tokens`` of min_n..max_n tokens that occurred earlier,
+    index of the token that followed its latest earlier occurrence); (0, -1) when none did."""
+    length = len(tokens)
+    if length <= min_n:
+        return 0, -1
+    buf = _packed(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        i = _find_aligned(buf, buf[-n * _WIDTH:], len(buf) - _WIDTH)
+        if i >= 0:
+            return n, i // _WIDTH + n
+    return 0, -1
+
+
+def ngram_draft(tokens: Tokens[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Prompt lookup: up to ``k`` tokens that followed the latest earlier occurrence of the
+    longest matching suffix of ``tokens`` (an empty list when none matches)."""
+    n, start = ngram_match(tokens, min_n, max_n)
+    return extend(tokens, start, k) if n else []
+
+
+class SuffixCorpus:
+    """Recent requests' tokens, LRU-bounded, with an n-gram -> latest continuation index."""
+
+    def __init__(self, max_requests: int, min_n: int, max_n: int, max_depth: int) -> None:
+        self.max_requests = max_requests
+        self.min_n, self.max_n, self.max_depth = min_n, max_n, max_depth
+        self._sources: OrderedDict[int, list[int]] = OrderedDict()
+        self._index: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (source, next)
+        self._next_id = 0
+        self.num_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def add(self, tokens: list[int]) -> None:
+        """Index one finished request's prompt and output (evicting the oldest if full)."""
+        if len(tokens) <= self.min_n:
+            return
+        while len(self._sources) >= self.max_requests:
+            self._evict()
+        sid, self._next_id = self._next_id, self._next_id + 1
+        self._sources[sid] = tokens
+        self.num_tokens += len(tokens)
+        index = self._index
+        for n in range(self.min_n, self.max_n + 1):
+            for end in range(n, len(tokens)):
+                index[tuple(tokens[end - n:end])] = (sid, end)
+
+    def _evict(self) -> None:
+        sid, tokens = self._sources.popitem(last=False)
+        self.num_tokens -= len(tokens)
+        for n in range(self.min_n, self.max_n + 1):
+            for end in range(n, len(tokens)):
+                key = tuple(tokens[end - n:end])
+                if self._index.get(key, (None,))[0] == sid:
+                    del self._index[key]
+
+    def match(self, tokens: Tokens[int]) -> tuple[int, list[int], int]:
+        """(match length up to max_depth, source tokens, index of the continuation) for the
+        longest indexed suffix of ``tokens``; (0, [], -1) when none is indexed."""
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            hit = self._index.get(tuple(tokens[-n:]))
+            if hit is None:
+                continue
+            sid, start = hit
+            source = self._sources[sid]
+            self._sources.move_to_end(sid)  # used: keep it longest
+            depth = n
+            while (depth < self.max_depth and depth < start and depth < len(tokens)
+                   and source[start - depth - 1] == tokens[-depth - 1]):
+                depth += 1
+            return depth, source, start
+        return 0, [], -1
+
+    def stats(self) -> dict[str, int]:
+        return {"spec_suffix_requests": len(self._sources),
+                "spec_suffix_tokens": self.num_tokens,
+                "spec_suffix_ngrams": len(self._index)}
+
+
+@dataclass
+class SpecCounters:
+    """vLLM's spec_decode_* counters: proposals, their tokens, the tokens accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        while len(self.accepted_per_pos) < drafted:
+            self.accepted_per_pos.append(0)
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
+
+    def stats(self) -> dict[str, Any]:
+        rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        # mean tokens a verified sequence gained per step: the accepted ones plus the one the
+        # step samples anyway (vLLM's "mean acceptance length")
+        mean = 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+        return {"spec_decode_num_drafts": self.num_drafts,
+                "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_acceptance_rate": round(rate, 4),
+                "spec_decode_mean_acceptance_length": round(mean, 4),
+                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos)}
+
+
+class Drafter:
+    """Each decoding sequence's draft for this step, and what verification made of it.
+
+    ``allowed(seq, draft)`` trims a draft to the prefix its grammar accepts (structured
+    outputs); ``max_model_len`` bounds a draft so its rows stay inside the context.
+    """
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 allowed: Callable[[Sequence, list[int]], list[int]] | None = None) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.allowed = allowed
+        self.corpus = (SuffixCorpus(config.suffix_decoding_max_cached_requests,
+                                    config.prompt_lookup_min, config.prompt_lookup_max,
+                                    config.suffix_decoding_max_tree_depth)
+                       if config.method == "suffix" else None)
+        self.counters = SpecCounters()
+
+    def enabled_for(self, num_running: int) -> bool:
+        """Whether this step may speculate at all (the batch is not already large)."""
+        return num_running < self.config.disable_by_batch_size
+
+    def propose(self, seq: Sequence, budget: int) -> list[int]:
+        """The draft of a sequence about to decode (at most ``budget`` tokens); [] for none."""
+        req = seq.request
+        if req.hook is not None or not getattr(req.params, "speculative", True):
+            return []
+        k = min(seq.spec_len or self.config.num_speculative_tokens, budget,
+                self.max_model_len - seq.num_tokens - 1)
+        if req.params.max_tokens is not None:  # the last sampled token needs no draft behind it
+            k = min(k, req.params.max_tokens - seq.num_generated - 1)
+        if k <= 0:
+            return []
+        draft = self._lookup(seq.token_ids, k)
+        if draft and self.allowed is not None:
+            draft = self.allowed(seq, draft)
+        return draft
+
+    def _lookup(self, tokens: list[int], k: int) -> list[int]:
+        c = self.config
+        n, start = ngram_match(tokens, c.prompt_lookup_min, c.prompt_lookup_max)
+        if self.corpus is not None:
+            depth, source, at = self.corpus.match(tokens)
+            if depth > n:
+                return source[at:at + k]
+        return extend(tokens, start, k) if n else []
+
+    def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """Count a verified draft; the sequence's next draft grows after a full acceptance and
+        shrinks to one past what was accepted otherwise."""
+        self.counters.add(drafted, accepted)
+        top = self.config.num_speculative_tokens
+        seq.spec_len = min(top, drafted + 1) if accepted == drafted else max(1, accepted + 1)
+
+    def finished(self, seq: Sequence) -> None:
+        """A sequence ended: its prompt and output join the suffix corpus."""
+        if self.corpus is not None and seq.finish_reason in ("stop", "length"):
+            self.corpus.add(list(seq.token_ids))
+
+    def stats(self) -> dict[str, Any]:
+        out = {"spec_method": self.config.method, **self.counters.stats()}
+        if self.corpus is not None:
+            out.update(self.corpus.stats())
+        return out
