@@ -30,3 +30,16 @@ def test_figures_judge_both_targets():
     text = shared_cpu.markdown(figs)
     assert "| loaded | 40.0 | 50.0 | 5.0 |" in text and "0.80x one thread" in text
     assert shared_cpu.figures(None) is None and shared_cpu.markdown(None) == ""
+
+
+def test_the_scenario_runs_when_named(tiny_model_dir, tmp_path):
+    """`--scenarios shared` on the tiny model: three engines, quiet and loaded, figures in the
+    JSON (their values are timings, not checked)."""
+    from pagedq.worker.bench.config import quick
+    from pagedq.worker.bench.run import run_bench
+
+    config = quick(model=str(tiny_model_dir("llama")), num_threads=2, scenarios=("shared",),
+                   shared_new_tokens=4, shared_repeats=1, shared_load_seconds=60.0)
+    doc, _ = run_bench(config, str(tmp_path / "bench.json"))
+    assert doc["errors"] == {} and set(doc["shared"]["quiet"]) == set(shared_cpu.VARIANTS)
+    assert set(doc["shared"]["ratios"]) == set(shared_cpu.TARGETS)

@@ -107,16 +107,18 @@ def test_a_stream_resumed_within_the_grace_is_not_cancelled(redis_url, queue, wo
     out, so only the resume can have kept it alive."""
     r = redis.Redis.from_url(redis_url)
     keys = Keys(queue)
-    with serve(redis_url, queue=queue, disconnect_grace=1.0) as gw:
+    # a short grace, so the job (900 tokens: about a second on a quiet machine) still runs
+    # when it has passed
+    with serve(redis_url, queue=queue, disconnect_grace=0.5) as gw:
         with gw.http() as http:
             with http.stream("POST", "/v1/chat/completions", json=body(tiny_id, 900)) as resp:
                 events = read_events(resp.iter_lines(), stop_after_id=2)
             dropped = time.monotonic()
             rid = json.loads(events[-1][1])["id"]
-            time.sleep(0.3)
+            time.sleep(0.1)
             with http.stream("GET", f"/v1/requests/{rid}/stream",
                              headers={"Last-Event-ID": "2"}) as resp:
-                time.sleep(max(0.0, dropped + 1.5 - time.monotonic()))  # past the grace
+                time.sleep(max(0.0, dropped + 0.65 - time.monotonic()))  # past the grace
                 running = r.hget(keys.state(rid), "done") != b"1"
                 rest = read_events(resp.iter_lines())
     r.close()

@@ -149,7 +149,8 @@ def test_a_redis_restart_mid_job_loses_no_event(tmp_path, model, reference):
             r.close()
             server.stop()
             time.sleep(1.0)
-            restarted = EmbeddedRedis.start(port=port, workdir=str(tmp_path), appendonly=True)
+            restarted = EmbeddedRedis.start(port=port, workdir=str(tmp_path), appendonly=True,
+                                            password=server.password)  # the same server again
             res = h.result(timeout=120)
             r = redis.Redis.from_url(server.url)
             events = raw_events(r, h.id)

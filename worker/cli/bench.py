@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pagedq.worker.bench.config import SCENARIOS, BenchConfig, full, quick
+from pagedq.worker.bench.config import ALL_SCENARIOS, SCENARIOS, BenchConfig, full, quick
 from pagedq.worker.cli.flags import add_engine_flags, given
 from pagedq.worker.config import EngineConfig
 
@@ -28,7 +28,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--from-json", metavar="PATH",
                    help="measure nothing: re-print the table (and --markdown) from a saved JSON")
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
-                   help=f"comma-separated subset of: {', '.join(SCENARIOS)} (default: all)")
+                   help=f"comma-separated subset of: {', '.join(ALL_SCENARIOS)} (default: all "
+                        "but shared and memory, which run when named)")
     p.add_argument("--requests", type=int, default=None,
                    help="requests in the throughput trace (default: 16 quick, 64 full)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -47,9 +48,9 @@ def register(subparsers: Any) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
-    unknown = sorted(set(scenarios) - set(SCENARIOS))
+    unknown = sorted(set(scenarios) - set(ALL_SCENARIOS))
     if unknown:
-        raise SystemExit(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
+        raise SystemExit(f"unknown scenarios {unknown}; choose from {', '.join(ALL_SCENARIOS)}")
     overrides: dict[str, Any] = {**given(args, EngineConfig), "scenarios": scenarios,
                                  "redis_url": args.redis_url}
     optional = {"throughput_requests": args.requests, "llama_cpp": args.llama_cpp}
