@@ -52,7 +52,12 @@ def test_killing_workers_in_a_loop_loses_nothing(tmp_path, tiny_model_dir, profi
                 time.sleep(rng.uniform(*gap))
                 victim = rng.choice(NAMES)
                 fleet.kill(victim)
-                fleet.spawn(victim)  # restarted under its name: it takes its jobs back
+                # restarted under its name, it takes its jobs back: once the dead one's claim on
+                # the name has expired (before that a new worker takes "NAME-2", by design)
+                lock_free = time.monotonic() + 30
+                while r.exists(keys.lock(victim)) and time.monotonic() < lock_free:
+                    time.sleep(0.1)
+                fleet.spawn(victim)
             assert sub.join(1200), "results still outstanding"
             result = audit(r, keys, jobs, expected, model=model)
             dead = r.xlen(keys.dead)
