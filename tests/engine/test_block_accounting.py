@@ -48,6 +48,30 @@ request_st = st.tuples(
 )
 
 
+def run_arrivals(engine: Engine, requests: list, vocab: int, **params) -> None:
+    """Drive ``engine`` through ``requests`` (request_st tuples) arriving at their steps, each
+    aborted after 2 tokens where asked, checking the block invariants after every step;
+    ``vocab``: prompt ids range over it (small: repetitive prompts), ``params``: more
+    SamplingParams fields."""
+    pending = sorted(enumerate(requests), key=lambda r: r[1][2])
+    step = 0
+    aborted = set()
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][1][2] <= step:
+            i, (plen, max_tokens, _, n, abort, family) = pending.pop(0)
+            prompt = [(family * 31 + k) % vocab + 3 for k in range(plen)]
+            engine.add_request(f"r{i}", prompt, SamplingParams(
+                n=n, temperature=0.8, seed=i, max_tokens=max_tokens, ignore_eos=True, **params))
+            if abort:
+                aborted.add(f"r{i}")
+        for out in engine.step():
+            if out.request_id in aborted and out.num_generated >= 2:
+                engine.abort_request(out.request_id)
+        check_invariants(engine)
+        step += 1
+        assert step < 2000, "engine made no progress"
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     requests=st.lists(request_st, min_size=1, max_size=8),
@@ -61,23 +85,7 @@ def test_block_accounting(model_path, requests, block_size, budget, spare_blocks
     num_blocks = -(-need // block_size) + 3 + spare_blocks
     engine = Engine(model_path, block_size=block_size, num_kv_blocks=num_blocks,
                     max_num_batched_tokens=budget, max_num_seqs=4, enable_prefix_caching=prefix)
-    pending = sorted(enumerate(requests), key=lambda r: r[1][2])
-    step = 0
-    aborted = set()
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][1][2] <= step:
-            i, (plen, max_tokens, _, n, abort, family) = pending.pop(0)
-            prompt = [(family * 31 + k) % 380 + 3 for k in range(plen)]
-            engine.add_request(f"r{i}", prompt, SamplingParams(
-                n=n, temperature=0.8, seed=i, max_tokens=max_tokens, ignore_eos=True))
-            if abort:
-                aborted.add(f"r{i}")
-        for out in engine.step():
-            if out.request_id in aborted and out.num_generated >= 2:
-                engine.abort_request(out.request_id)
-        check_invariants(engine)
-        step += 1
-        assert step < 2000, "engine made no progress"
+    run_arrivals(engine, requests, vocab=380)
     pool = engine.kv.pool
     assert pool.num_free == pool.num_blocks
     assert all(b.ref_count == 0 for b in pool.blocks)

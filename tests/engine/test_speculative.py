@@ -22,7 +22,7 @@ from pagedq.params import StructuredOutputsParams
 from pagedq.worker import Engine
 from pagedq.worker.config import EngineConfig, SpeculativeConfig
 from pagedq.worker.engine.drafts import Drafter, SuffixCorpus, ngram_draft
-from tests.engine.test_block_accounting import check_invariants, request_st
+from tests.engine.test_block_accounting import check_invariants, request_st, run_arrivals
 from tests.oracle import assert_greedy
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
@@ -209,23 +209,7 @@ def test_block_accounting_while_speculating(llama, requests, block_size, budget,
                     num_kv_blocks=-(-need // block_size) + 3 + spare_blocks,
                     max_num_batched_tokens=budget, max_num_seqs=4,
                     speculative_config={"num_speculative_tokens": k, "prompt_lookup_min": 1})
-    pending = sorted(enumerate(requests), key=lambda r: r[1][2])
-    aborted, step = set(), 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][1][2] <= step:
-            i, (plen, max_tokens, _, n, abort, family) = pending.pop(0)
-            prompt = [(family * 31 + k) % 7 + 3 for k in range(plen)]
-            engine.add_request(f"r{i}", prompt, SamplingParams(
-                n=n, temperature=0.8, seed=i, max_tokens=max_tokens, ignore_eos=True,
-                frequency_penalty=-1.5))
-            if abort:
-                aborted.add(f"r{i}")
-        for out in engine.step():
-            if out.request_id in aborted and out.num_generated >= 2:
-                engine.abort_request(out.request_id)
-        check_invariants(engine)
-        step += 1
-        assert step < 2000, "engine made no progress"
+    run_arrivals(engine, requests, vocab=7, frequency_penalty=-1.5)
     assert_all_free(engine)
 
 
