@@ -217,15 +217,20 @@ bool native_bf16() {
   return yes;
 }
 
+// Where each of K activations goes in the nibble formats' chunk order (an index for index_copy_).
+at::Tensor nibble_index(int64_t K) {
+  at::Tensor index = at::empty({K}, at::TensorOptions().dtype(at::kLong));
+  int64_t* pos = index.data_ptr<int64_t>();
+  for (int64_t k = 0; k < K; ++k) pos[k] = chunk_position(k, true);
+  return index;
+}
+
 // x [M, K] fp32 -> bf16 [padded / 2, M, 2] (brgemm's VNNI layout for B = x^T), K in chunk order.
 at::Tensor pack_activations(const at::Tensor& x, int64_t padded, bool nibbles) {
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor xb = at::zeros({M, padded}, x.options().dtype(at::kBFloat16));
   if (nibbles) {
-    std::vector<int64_t> pos(K);
-    for (int64_t k = 0; k < K; ++k) pos[k] = chunk_position(k, true);
-    at::Tensor index = at::from_blob(pos.data(), {K}, at::TensorOptions().dtype(at::kLong));
-    xb.index_copy_(1, index, x.to(at::kBFloat16));
+    xb.index_copy_(1, nibble_index(K), x.to(at::kBFloat16));
   } else {
     xb.narrow(1, 0, K).copy_(x);
   }
@@ -269,10 +274,7 @@ at::Tensor order_x(const at::Tensor& x, int64_t padded, bool nibbles) {
     xo.narrow(1, 0, K).copy_(x);
     return xo;
   }
-  std::vector<int64_t> pos(K);
-  for (int64_t k = 0; k < K; ++k) pos[k] = chunk_position(k, true);
-  at::Tensor index = at::from_blob(pos.data(), {K}, at::TensorOptions().dtype(at::kLong));
-  xo.index_copy_(1, index, x);
+  xo.index_copy_(1, nibble_index(K), x);
   return xo;
 }
 
