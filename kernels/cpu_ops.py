@@ -24,6 +24,8 @@ This module builds, loads and names the ops. Which of them run is the backend se
 
 from __future__ import annotations
 
+import hashlib
+import os
 import platform
 import threading
 import time
@@ -85,12 +87,22 @@ class CpuOps:
     bf16_tiles: bool = False  # torch's bf16 brgemm runs here (AMX): the bf16 GEMM precisions
 
 
-def build_directory(name: str, root: Path | None) -> Path:
-    """Per torch and Python version, under ``root`` (TORCH_EXTENSIONS_DIR) or torch's default."""
+def build_directory(name: str, root: Path | None, sources: tuple[Path, ...] = ()) -> Path:
+    """Per torch and Python version and per checkout, under ``root``, $TORCH_EXTENSIONS_DIR or
+    torch's default.
+
+    Keyed by the sources' folder too: two checkouts (a worktree beside the main one, an
+    installed copy beside a source tree) would otherwise share one build directory and each
+    load would recompile the other's sources.
+    """
     from torch.utils.cpp_extension import get_default_build_root
 
     tag = f"torch{torch.__version__.split('+')[0]}_py{platform.python_version()}"
-    return Path(root or get_default_build_root()) / f"{name}_{tag}"
+    if sources:
+        where = str(Path(sources[0]).resolve().parent).encode()
+        tag += "_" + hashlib.sha1(where).hexdigest()[:8]
+    base = root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(base) / f"{name}_{tag}"
 
 
 def clear_stale_lock(build_dir: Path) -> None:
@@ -112,7 +124,7 @@ def build(sources: tuple[Path, ...], name: str, root: Path | None) -> CpuOps:
     missing = [s for s in sources if not s.is_file()]
     if missing:
         raise FileNotFoundError(f"{missing[0]} is not installed")
-    build_dir = build_directory(name, root)
+    build_dir = build_directory(name, root, sources)
     build_dir.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(build_dir)
     start = time.perf_counter()

@@ -20,6 +20,11 @@ from pagedq.client.protocol import GROUP, Keys, decode_event
 from tests.service.harness import running_worker
 
 ENGINE_ARGS = ["--num-kv-blocks", "160", "--max-num-seqs", "2", "--max-model-len", "512"]
+# The SIGTERM test's jobs must outlast the drain (the readers' wait plus --drain-timeout) on a
+# loaded machine too: a job that finished before the hand-back left one entry fewer.
+TERM_ARGS = ["--drain-timeout", "0.1", "--read-block-ms", "100", "--num-kv-blocks", "400",
+             "--max-model-len", "2048"]
+TERM_TOKENS = 2000
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +36,7 @@ def model(tiny_model_dir):
 def reference(model):
     from pagedq.worker import Engine
 
-    engine = Engine(model, num_kv_blocks=160, max_num_seqs=2, max_model_len=512)
+    engine = Engine(model, num_kv_blocks=400, max_num_seqs=2, max_model_len=2048)
     return lambda prompt, params: [o.token_ids for o in engine.generate([prompt], params)[0].outputs]
 
 
@@ -52,7 +57,7 @@ def procs(redis_url, model, tmp_path_factory):
     for key in r.scan_iter("pagedq:*"):
         r.delete(key)
     started = {"kill": spawn(redis_url, model, "A", "kill", log_dir),
-               "term": spawn(redis_url, model, "A", "term", log_dir, "--drain-timeout", "0.1")}
+               "term": spawn(redis_url, model, "A", "term", log_dir, *TERM_ARGS)}
     yield started
     for proc in started.values():
         stop(proc)
@@ -149,12 +154,12 @@ def test_sigterm_drains_hands_back_and_exits_zero(redis_url, procs, model, refer
     r = redis.Redis.from_url(redis_url)
     keys, a = Keys("term"), procs["term"]
     # far longer than the 0.1 s drain timeout even for a fast tiny model: they get handed back
-    long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=TERM_TOKENS, ignore_eos=True)
     try:
         wait_serving(r, keys, "A", a)
         with Client(redis_url, "term") as client:
             prompts = [[2, 4 + i, 6] for i in range(4)]
-            params = [long, SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=480,
+            params = [long, SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=TERM_TOKENS,
                                            ignore_eos=True), long, long]
             handles = [client.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
 
@@ -171,8 +176,8 @@ def test_sigterm_drains_hands_back_and_exits_zero(redis_url, procs, model, refer
             assert len(started) == 2
             assert all(not events(r, h.id, "term")[-1].terminal for h in started)
             with running_worker(redis_url, model, "B", queue="term",
-                                engine=dict(num_kv_blocks=160, max_num_seqs=2,
-                                            max_model_len=512)):
+                                engine=dict(num_kv_blocks=400, max_num_seqs=2,
+                                            max_model_len=2048)):
                 results = [h.result(timeout=120) for h in handles]
         for prompt, sp, h, res in zip(prompts, params, handles, results, strict=True):
             expected = reference(prompt, sp)

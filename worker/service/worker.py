@@ -332,6 +332,8 @@ class Worker:
         the last events share EXIT_GRACE_S after the drain, so SIGTERM always exits in time.
         """
         self._serving = False
+        # --drain-timeout counts from the signal: the wait for the readers below is part of it.
+        drained = time.monotonic() + self.config.drain_timeout
         log.info("draining: no new jobs", worker=self.name, jobs=len(self.jobs))
         parts.admission.capacity_changed.set()  # a reader waiting for room sees the stop
         await asyncio.wait(pullers, timeout=min(self.config.read_block_ms / 1000, 1.0) + 0.5)
@@ -339,7 +341,6 @@ class Worker:
             task.cancel()
         await self._hand_back(parts, [j for j in self.jobs.values()
                                       if j.first_token is None and not j.closing])
-        drained = time.monotonic() + self.config.drain_timeout
         while any(not j.closing for j in self.jobs.values()) and time.monotonic() < drained:
             await asyncio.sleep(0.05)
         end = time.monotonic() + EXIT_GRACE_S
