@@ -38,9 +38,9 @@ from pagedq.client.protocol import (
 )
 from pagedq.client.queue import queue_stats, stats_query, workers_query
 from pagedq.client.reader import StreamReader
-from pagedq.client.redis_url import client_redis_url
 from pagedq.client.scripts import CANCEL_ENDED, CANCEL_FLAGGED, cancel_call, run_calls
 from pagedq.params import SamplingParams
+from pagedq.redis_url import client_redis_url
 
 
 class AsyncRequestHandle(HandleBase):

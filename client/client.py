@@ -38,7 +38,6 @@ from pagedq.client.protocol import (
     request_digest,
 )
 from pagedq.client.queue import parse_entries, queue_stats, stats_query, workers_query
-from pagedq.client.redis_url import client_redis_url
 from pagedq.client.result import Result, ResultBuilder
 from pagedq.client.scripts import (
     CANCEL,
@@ -51,6 +50,7 @@ from pagedq.client.scripts import (
     run_calls_blocking,
 )
 from pagedq.params import SamplingParams
+from pagedq.redis_url import client_redis_url
 
 SUBMIT_SCRIPT = LuaScript(SUBMIT)
 CANCEL_SCRIPT = LuaScript(CANCEL)

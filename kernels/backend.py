@@ -177,7 +177,7 @@ def padded_rows(rows: int) -> int:
 
 # Rows up to which each packed format's GEMV beats its bf16-tile GEMM in the default precision
 # (bf16x2) on CPUs with AMX (the only ones where torch runs bf16 tiles); measured with ``python -m
-# pagedq.kernels.quant_bench`` over SmolLM2-135M's matrices (docs/quantization.md has the
+# pagedq.bench.quant_kernels`` over SmolLM2-135M's matrices (docs/quantization.md has the
 # table): the GEMM costs about the same from 1 to 16 rows (dequantizing dominates), the GEMV
 # grows with every row. bf16x3's third product and weight tails keep the GEMV to
 # BF16X3_GEMV_ROWS.

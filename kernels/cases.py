@@ -1,6 +1,6 @@
 """Random paged-attention batches for tests, ``check.py`` and benchmarks.
 
-Why here and not in tests/: ``python -m pagedq.kernels.check`` builds the same batches on a GPU.
+Why here and not in tests/: ``python -m pagedq.bench.kernel_check`` builds the same batches on a GPU.
 A case scatters every sequence's K/V over randomly permuted physical blocks of a cache whose
 unused slots hold NaN (so a kernel that reads them fails loudly), exactly like the engine's
 cache after other requests come and go.

@@ -5,7 +5,7 @@ Library code only calls ``get_logger``; the entry point (``pagedq worker``, the 
 default, so importing pagedq never needs a set-up step.
 
 Ground floor: it imports nothing of pagedq but ``pagedq.redact`` (no redis, no client), so the
-kernels log through it too; ``pagedq.worker.logging`` is the same module under its old name.
+kernels log through it too; ``pagedq.logging`` is the same module under its old name.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ try:  # the HTTP library the installed openai package is built on
 except ImportError:
     import httpx
 
+from pagedq.embedded_redis import EmbeddedRedis, free_port
 from pagedq.worker.models.loader import resolve_model
-from pagedq.worker.service.embedded_redis import EmbeddedRedis, free_port
 
 QUEUE = "figures"
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from pagedq.client.redis_url import pagedq_cache_dir
 from pagedq.kernels.backend import process_selector
 from pagedq.kernels.cpu_ops import CpuOps, unavailable_reason
+from pagedq.redis_url import pagedq_cache_dir
 from pagedq.worker.config import settings
 
 ROOT = str(Path(__file__).resolve().parents[1])

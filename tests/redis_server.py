@@ -19,7 +19,7 @@ def redis_url():
     if url:
         yield url
         return
-    from pagedq.worker.service.embedded_redis import EmbeddedRedis
+    from pagedq.embedded_redis import EmbeddedRedis
 
     server = EmbeddedRedis.start()
     try:

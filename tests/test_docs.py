@@ -131,7 +131,7 @@ def test_readme_sdk_snippet_runs(redis_db, tiny_text_model_dir, capsys, monkeypa
     submit` does (or $REDIS_URL when the suite runs against an external one)."""
     import json
 
-    from pagedq.client.redis_url import ADVERTISED_FILE
+    from pagedq.redis_url import ADVERTISED_FILE
     from tests.service.harness import running_worker
 
     (snippet,) = [b for b in readme_blocks("python") if "Client(" in b]
@@ -154,7 +154,7 @@ def test_readme_acl_advice_is_enough_for_a_worker_and_a_client(tiny_text_model_d
     import redis
 
     from pagedq.client import Client, SamplingParams
-    from pagedq.worker.service.embedded_redis import EmbeddedRedis
+    from pagedq.embedded_redis import EmbeddedRedis
     from tests.service.harness import running_worker
 
     assert "`~pagedq:*`" in (ROOT / "README.md").read_text()

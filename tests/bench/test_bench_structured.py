@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedq.worker.bench.config import quick
-from pagedq.worker.bench.report import table
-from pagedq.worker.bench.run import run_bench
+from pagedq.bench.options import quick
+from pagedq.bench.report import table
+from pagedq.bench.run import run_bench
 from tests.engine.structured_cases import build_random_model
 
 

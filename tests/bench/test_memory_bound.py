@@ -1,12 +1,12 @@
-"""The ``memory`` bench scenario's model file and figures (worker/bench/memory_bound.py). The
+"""The ``memory`` bench scenario's model file and figures (bench/memory_bound.py). The
 scenario's timings need llama.cpp and minutes; here its synthetic GGUF is checked to be a model
 the engine serves, at a tiny shape, and its figures against hand-made rows."""
 
 from __future__ import annotations
 
+from pagedq.bench import memory_bound
 from pagedq.params import SamplingParams
 from pagedq.worker import Engine
-from pagedq.worker.bench import memory_bound
 
 TINY = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 4, "intermediate": 128}
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from pagedq.worker.bench.config import quick
-from pagedq.worker.bench.quant import TARGETS, best_rows, figures, markdown, table
-from pagedq.worker.bench.report import markdown as report_markdown
-from pagedq.worker.bench.run import run_bench
-from pagedq.worker.bench.workload import LengthDist
+from pagedq.bench.options import quick
+from pagedq.bench.quant_scenario import TARGETS, best_rows, figures, markdown, table
+from pagedq.bench.report import markdown as report_markdown
+from pagedq.bench.run import run_bench
+from pagedq.bench.workload import LengthDist
 from tests.gguf_files import write_gguf
 from tests.tiny_models import build_tiny_model
 

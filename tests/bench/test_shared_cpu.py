@@ -1,11 +1,11 @@
-"""The ``shared`` bench scenario's load and figures (worker/bench/shared_cpu.py); the scenario's
+"""The ``shared`` bench scenario's load and figures (bench/shared_cpu.py); the scenario's
 run itself is a benchmark (timings), so the tests check its plumbing, not its speed."""
 
 from __future__ import annotations
 
 import time
 
-from pagedq.worker.bench import shared_cpu
+from pagedq.bench import shared_cpu
 
 
 def test_the_load_stops_by_itself():
@@ -35,8 +35,8 @@ def test_figures_judge_both_targets():
 def test_the_scenario_runs_when_named(tiny_model_dir, tmp_path):
     """`--scenarios shared` on the tiny model: three engines, quiet and loaded, figures in the
     JSON (their values are timings, not checked)."""
-    from pagedq.worker.bench.config import quick
-    from pagedq.worker.bench.run import run_bench
+    from pagedq.bench.options import quick
+    from pagedq.bench.run import run_bench
 
     config = quick(model=str(tiny_model_dir("llama")), num_threads=2, scenarios=("shared",),
                    shared_new_tokens=4, shared_repeats=1, shared_load_seconds=60.0)

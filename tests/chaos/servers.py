@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from pagedq.worker.service.embedded_redis import free_port, redis_server_binary
+from pagedq.embedded_redis import free_port, redis_server_binary
 
 SYSTEM_BINARY = "/usr/bin/redis-server"
 SYSTEM_CLI = "/usr/bin/redis-cli"

@@ -13,13 +13,13 @@ import json
 
 import pytest
 
+from pagedq.bench.command import config_from_args
+from pagedq.bench.options import BenchConfig
 from pagedq.params import SamplingParams
-from pagedq.worker.bench.config import BenchConfig
 from pagedq.worker.cli import COMMANDS, build_parser
-from pagedq.worker.cli.bench import config_from_args
 from pagedq.worker.cli.flags import engine_knobs, field_docs, to_flags
 from pagedq.worker.cli.generate import sampling_from_args
-from pagedq.worker.cli.worker import standalone_parser, worker_config
+from pagedq.worker.cli.worker_command import standalone_parser, worker_config
 from pagedq.worker.config import EngineConfig, WorkerConfig
 
 ENGINE_SAMPLE = {

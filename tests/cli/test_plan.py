@@ -7,7 +7,7 @@ import json
 
 import pagedq.worker
 from pagedq.worker.cli import main
-from pagedq.worker.cli.plan import gib
+from pagedq.worker.cli.kv_plan import gib
 
 
 def test_plan_prints_the_formula_and_the_need(tiny_text_model_dir, monkeypatch, capsys):
@@ -42,7 +42,7 @@ def test_suggested_size_holds_the_need():
 
 def test_plan_counts_the_weights_as_the_engine_keeps_them(tiny_text_model_dir, tmp_path, capsys):
     """A GGUF stays packed (its size, never an fp32 conversion); int8/int4 take ~1 / 0.625 B."""
-    from pagedq.worker.cli.plan import parameter_count
+    from pagedq.worker.cli.kv_plan import parameter_count
     from tests.gguf_files import write_gguf
 
     params = parameter_count(tiny_text_model_dir)

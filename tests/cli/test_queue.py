@@ -89,7 +89,7 @@ def test_submit_without_a_worker_warns_at_once_and_waits_only_if_asked(redis_db,
 
 @pytest.mark.parametrize("command", [["submit", "hi"], ["stats"]])
 def test_unreachable_redis_is_one_line(command, capsys):
-    from pagedq.worker.service.embedded_redis import free_port
+    from pagedq.embedded_redis import free_port
 
     url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
     assert main([*command, "--redis-url", url]) == 1
@@ -102,7 +102,7 @@ def test_unreachable_redis_is_one_line(command, capsys):
 def test_a_password_protected_redis_says_so(capsys):
     import redis
 
-    from pagedq.worker.service.embedded_redis import EmbeddedRedis
+    from pagedq.embedded_redis import EmbeddedRedis
 
     with EmbeddedRedis.start(password="") as server:
         redis.Redis.from_url(server.url).config_set("requirepass", "s3cret")

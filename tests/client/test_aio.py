@@ -9,7 +9,7 @@ import pytest
 from pagedq.client import AsyncClient, RequestCancelledError, SamplingParams
 from pagedq.client.protocol import F_EVENT, F_SEQ, FINISHED, TOKENS, Event, Keys, encode_event
 from pagedq.client.reader import STREAMS_PER_READ
-from pagedq.worker.cli.queue import render_stats
+from pagedq.worker.cli.queue_commands import render_stats
 from tests.service.harness import running_worker
 
 

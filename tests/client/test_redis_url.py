@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedq.client.redis_url import (
+from pagedq.redis_url import (
     ADVERTISED_FILE,
     DEFAULT_REDIS_URL,
     client_redis_url,
@@ -34,7 +34,7 @@ def test_a_client_finds_the_embedded_redis_a_local_worker_advertises(monkeypatch
     """`pagedq worker` (no URL) in one terminal, ``Client()`` in another: the SDK reads the same
     advertisement `pagedq submit` and `stats` read, and ignores a stale one."""
     from pagedq.client import AsyncClient, Client
-    from pagedq.worker.service.embedded_redis import EmbeddedRedis, advertise
+    from pagedq.embedded_redis import EmbeddedRedis, advertise
 
     monkeypatch.delenv("REDIS_URL", raising=False)
     monkeypatch.setenv("PAGEDQ_CACHE", str(tmp_path))

@@ -366,8 +366,8 @@ def test_config_rejects_bad_values():
 def test_per_request_switch_crosses_the_wire_and_the_gateway():
     """SamplingParams(speculative=False) survives the wire format (the default stays off it,
     so older workers keep reading new clients' jobs) and the gateway's extra body."""
-    from pagedq.worker.gateway.openai import ChatCompletionRequest
-    from pagedq.worker.gateway.translate import chat_spec
+    from pagedq.gateway.openai import ChatCompletionRequest
+    from pagedq.gateway.translate import chat_spec
 
     off = SamplingParams(speculative=False)
     assert SamplingParams.from_dict(off.to_dict()) == off

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedq.worker.gateway.fleet import model_id
+from pagedq.gateway.fleet import model_id
 from tests.service.harness import running_worker
 
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import openai
 import uvicorn
 
+from pagedq.embedded_redis import free_port
+from pagedq.gateway.app import create_app
 from pagedq.worker.config import GatewayConfig
-from pagedq.worker.gateway.app import create_app
-from pagedq.worker.service.embedded_redis import free_port
 
 try:  # the HTTP library the installed openai package is built on
     import httpx2 as httpx

@@ -9,8 +9,8 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+from pagedq.gateway.app import create_app  # noqa: E402
 from pagedq.worker.config import GatewayConfig  # noqa: E402
-from pagedq.worker.gateway.app import create_app  # noqa: E402
 from tests.gateway.harness import serve  # noqa: E402
 
 SCHEMA = schemathesis.openapi.from_dict(create_app(GatewayConfig(api_keys=()), "redis://-")

@@ -9,7 +9,7 @@ import json
 import pytest
 import redis
 
-from pagedq.worker.gateway.batch_store import BatchKeys
+from pagedq.gateway.batch_store import BatchKeys
 from tests.gateway.harness import serve, wait_until
 from tests.gateway.test_batches import MODEL, chat_line, jsonl, read_lines, wait_batch
 
@@ -299,7 +299,7 @@ def test_file_quotas_per_key_and_chunked_downloads(redis_url, queue, tiny_worker
                                                   files_dir):
     import openai
 
-    from pagedq.worker.gateway.files import CHUNK
+    from pagedq.gateway.files import CHUNK
 
     overrides = {"files_dir": str(tmp_path / "files")} if files_dir else {}
     big = b"".join(b'{"n": %d}\n' % i for i in range(300_000))  # past two chunks
@@ -398,8 +398,8 @@ def test_duplicate_custom_ids_fail_the_batch_and_models_show_no_path(redis_url, 
 def test_offline_batch_fails_a_bad_line_alone(redis_url, queue, tiny_worker, tiny_id, tmp_path):
     import asyncio
 
+    from pagedq.gateway.batch_file import run_batch
     from pagedq.worker.config import DEFAULT_PREFIX
-    from pagedq.worker.gateway.offline import run_batch
 
     rows = [chat_line("ok", "Hi", 2)]
     rows += [{"custom_id": name, "method": "POST", "url": "/v1/chat/completions", "body": body}

@@ -3,9 +3,9 @@ advertises instead of starting a second, idle stack."""
 
 from __future__ import annotations
 
+from pagedq.embedded_redis import EmbeddedRedis, advertise, withdraw
+from pagedq.gateway.local import queue_stack
 from pagedq.worker.config import settings
-from pagedq.worker.gateway.local import queue_stack
-from pagedq.worker.service.embedded_redis import EmbeddedRedis, advertise, withdraw
 
 
 def test_serve_joins_an_advertised_embedded_redis(tmp_path, monkeypatch):
@@ -29,8 +29,8 @@ def test_serve_and_batch_hand_every_engine_flag_to_their_worker(tmp_path, monkey
     --cpu-isa, ...) and start their embedded worker with them."""
     import psutil
 
+    from pagedq.gateway.commands import engine_config
     from pagedq.worker.cli import build_parser
-    from pagedq.worker.gateway.commands import engine_config
 
     monkeypatch.setenv("PAGEDQ_CACHE", str(tmp_path))
     monkeypatch.delenv("REDIS_URL", raising=False)
@@ -56,7 +56,7 @@ def test_the_embedded_redis_wants_its_password_and_only_its_user_reads_the_file(
     import pytest
     import redis
 
-    from pagedq.worker.service.embedded_redis import find_advertised
+    from pagedq.embedded_redis import find_advertised
 
     with EmbeddedRedis.start() as server:
         assert server.password and f":{server.password}@127.0.0.1:" in server.url

@@ -11,12 +11,12 @@ import dataclasses
 import pytest
 
 from pagedq.client import Event
+from pagedq.gateway.api_errors import APIError
+from pagedq.gateway.lines import parse_line
+from pagedq.gateway.openai import ChatCompletionRequest, CompletionRequest
+from pagedq.gateway.render import ChunkRenderer, Logprobs
+from pagedq.gateway.translate import CHAT, View, chat_spec, completion_spec
 from pagedq.params import SamplingParams
-from pagedq.worker.gateway.errors import APIError
-from pagedq.worker.gateway.lines import parse_line
-from pagedq.worker.gateway.openai import ChatCompletionRequest, CompletionRequest
-from pagedq.worker.gateway.render import ChunkRenderer, Logprobs
-from pagedq.worker.gateway.translate import CHAT, View, chat_spec, completion_spec
 
 HAS_STRUCTURED = "structured_outputs" in {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -86,7 +86,7 @@ def test_response_format_maps_onto_structured_outputs():
               {"json": schema}),
              ({"guided_regex": "a+"}, {"regex": "a+"}),
              ({"structured_outputs": {"choice": ["a", "b"]}}, {"choice": ["a", "b"]})]
-    from pagedq.worker.gateway.translate import structured_outputs
+    from pagedq.gateway.translate import structured_outputs
 
     for body, want in cases:
         assert structured_outputs(chat(**body)) == want

@@ -1,4 +1,4 @@
-"""The CPU-safe parts of ``python -m pagedq.kernels.check``: arguments, the no-CUDA exit and
+"""The CPU-safe parts of ``python -m pagedq.bench.kernel_check``: arguments, the no-CUDA exit and
 compiling the Triton kernels for a GPU without one (``--compile-only``).
 
 Its correctness checks run in tests/kernels/test_triton_cases.py on tiny shapes.
@@ -19,7 +19,7 @@ from pagedq.kernels import check
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_without_cuda_it_says_so_and_exits_2():
     result = subprocess.run(
-        [sys.executable, "-m", "pagedq.kernels.check", "--quick"],
+        [sys.executable, "-m", "pagedq.bench.kernel_check", "--quick"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == check.NO_CUDA_EXIT
@@ -46,7 +46,7 @@ def test_triton_kernels_compile_for_hopper_without_a_gpu():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, "-m", "pagedq.kernels.check", "--compile-only", "90", "--dtypes", "bf16"],
+        [sys.executable, "-m", "pagedq.bench.kernel_check", "--compile-only", "90", "--dtypes", "bf16"],
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]

@@ -179,8 +179,8 @@ def test_permuting_physical_blocks_changes_nothing():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_check_script_correctness_part(dtype, capsys):
-    """kernels/check.py's correctness checks, on tiny shapes (on CPU: in the interpreter)."""
-    from pagedq.kernels.check import Shape, check_attention, check_write
+    """bench/kernel_check.py's correctness checks, on tiny shapes (on CPU: in the interpreter)."""
+    from pagedq.bench.kernel_check import Shape, check_attention, check_write
 
     shape = Shape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
     cases = [("decode split", [1, 1], [40, 3], 3), ("mixed", [6, 1], [10, 20], None)]

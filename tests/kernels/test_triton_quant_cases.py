@@ -61,9 +61,9 @@ def test_layouts_pack_4_and_8_bit_codes():
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "q8_0", "q4_0"])
 def test_the_gpu_checks_cases_on_tiny_shapes(mode):
-    """kernels/check_quant.py's correctness case (what `python -m pagedq.kernels.check` runs on
+    """bench/quant_kernel_check.py's correctness case (what `python -m pagedq.bench.kernel_check` runs on
     8B-sized projections) passes its own tolerance on shapes the interpreter can afford."""
-    from pagedq.kernels.check_quant import TOLERANCE, check_case, make_weight
+    from pagedq.bench.quant_kernel_check import TOLERANCE, check_case, make_weight
 
     gen = torch.Generator().manual_seed(3)
     w = make_weight(mode, 48, 128, gen)

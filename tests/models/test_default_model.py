@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
+from pagedq.bench.fidelity import mean_matching_prefix
 from pagedq.client import SamplingParams
 from pagedq.worker import Engine
-from pagedq.worker.bench.fidelity import mean_matching_prefix
 from tests.oracle import assert_greedy
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]

@@ -16,9 +16,9 @@ import shutil
 
 import pytest
 
+from pagedq.bench import fidelity
+from pagedq.bench.fidelity import PROMPTS, greedy, mean_matching_prefix, perplexity
 from pagedq.worker import Engine
-from pagedq.worker.bench import fidelity
-from pagedq.worker.bench.fidelity import PROMPTS, greedy, mean_matching_prefix, perplexity
 from pagedq.worker.models.loader import iter_weights
 from pagedq.worker.models.quant import QuantWeight, dequantize, pack_weights
 from tests.gguf_files import ALL_TYPES, write_gguf

@@ -32,7 +32,7 @@ from pagedq.worker.service.admission import Admission, Capacity
 from pagedq.worker.service.consumer import Consumer
 from pagedq.worker.service.engine_loop import Report
 from pagedq.worker.service.leases import Leases
-from pagedq.worker.service.metrics import Metrics
+from pagedq.worker.service.metrics_server import Metrics
 from pagedq.worker.service.publisher import Publisher
 from pagedq.worker.service.shared import Shared
 from tests.service.harness import RecordingEngineLoop, raw_events, running_worker, wait_until

@@ -14,7 +14,7 @@ from pagedq.client import Client, SamplingParams
 from pagedq.client.protocol import GROUP, Keys
 from pagedq.worker.config import WorkerConfig
 from pagedq.worker.service.checkpoints import Checkpoints, Rate, claim_name
-from pagedq.worker.service.metrics import Metrics
+from pagedq.worker.service.metrics_server import Metrics
 from pagedq.worker.service.shared import Shared
 from tests.service.harness import ENGINE, running_worker, wait_until
 

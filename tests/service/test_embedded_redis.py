@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from pagedq.worker.service.embedded_redis import (
+from pagedq.embedded_redis import (
     EmbeddedRedis,
     advertise,
     find_advertised,

@@ -30,7 +30,7 @@ from pagedq.worker.service.consumer import Consumer
 from pagedq.worker.service.engine_loop import Report
 from pagedq.worker.service.job import LiveJob
 from pagedq.worker.service.leases import Leases
-from pagedq.worker.service.metrics import Metrics
+from pagedq.worker.service.metrics_server import Metrics
 from pagedq.worker.service.outbox import Outbox, error_code
 from pagedq.worker.service.publisher import Publisher
 from pagedq.worker.service.shared import Shared

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from pagedq.worker.service.embedded_redis import EmbeddedRedis
+from pagedq.embedded_redis import EmbeddedRedis
 from tests.queue_suite import *  # noqa: F403 - the queue's promises, on Redis 7
 from tests.queue_suite import server_or_skip
 

@@ -11,9 +11,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from pagedq.client.connection import redact_url
+from pagedq.embedded_redis import EmbeddedRedis, free_port
 from pagedq.worker.config import WorkerConfig
 from pagedq.worker.service import redis_link
-from pagedq.worker.service.embedded_redis import EmbeddedRedis, free_port
 from pagedq.worker.service.redis_link import RedisLink
 from pagedq.worker.service.worker import Worker
 

@@ -33,7 +33,7 @@ class Logs:
 
     def read(self) -> str:
         text, self.buffer = self.buffer.getvalue(), io.StringIO()
-        from pagedq.worker.logging import configure_logging
+        from pagedq.logging import configure_logging
 
         configure_logging(file=self.buffer)
         return text
@@ -41,7 +41,7 @@ class Logs:
 
 @pytest.fixture
 def logs():
-    from pagedq.worker.logging import configure_logging
+    from pagedq.logging import configure_logging
 
     captured = Logs()
     configure_logging(file=captured.buffer)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from pagedq.worker.service.embedded_redis import EmbeddedRedis
+from pagedq.embedded_redis import EmbeddedRedis
 from tests.queue_suite import *  # noqa: F403 - the queue's promises, on Valkey
 
 

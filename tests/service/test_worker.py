@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 
 from pagedq.client import Client, RequestCancelledError, SamplingParams
 from pagedq.client.protocol import Keys
-from pagedq.worker.service.embedded_redis import EmbeddedRedis, free_port
+from pagedq.embedded_redis import EmbeddedRedis, free_port
 from pagedq.worker.service.worker import in_own_thread
 from tests.service.harness import raw_events, running_worker, wait_until
 

@@ -16,12 +16,12 @@ import sys
 # line here; a module that is not installed is skipped.
 COMMANDS: dict[str, tuple[str, ...]] = {
     "pagedq.worker.cli.generate": ("generate", "chat"),
-    "pagedq.worker.cli.worker": ("worker",),
-    "pagedq.worker.cli.queue": ("submit", "stats"),
+    "pagedq.worker.cli.worker_command": ("worker",),
+    "pagedq.worker.cli.queue_commands": ("submit", "stats"),
     "pagedq.worker.cli.demo": ("demo",),
-    "pagedq.worker.cli.plan": ("plan",),
-    "pagedq.worker.cli.bench": ("bench",),
-    "pagedq.worker.gateway.commands": ("serve", "batch"),
+    "pagedq.worker.cli.kv_plan": ("plan",),
+    "pagedq.bench.command": ("bench",),
+    "pagedq.gateway.commands": ("serve", "batch"),
 }
 
 

@@ -24,8 +24,8 @@ def add_log_level_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup
 
 def setup_console_logging(level: str = "INFO") -> None:
     """Readable log lines on stderr, and a live timer under each long wait on a terminal."""
+    from pagedq.logging import configure_logging
     from pagedq.progress import enable_live
-    from pagedq.worker.logging import configure_logging
 
     configure_logging(json=False, level=level)
     enable_live()

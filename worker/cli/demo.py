@@ -26,7 +26,7 @@ from pagedq.worker.cli.flags import (
     engine_knobs,
     sampling_params,
 )
-from pagedq.worker.cli.queue import redis_error_line, render_stats
+from pagedq.worker.cli.queue_commands import redis_error_line, render_stats
 
 DEMO_PROMPTS = [
     "Write one sentence about the sea.",
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from redis.exceptions import RedisError
 
-    from pagedq.worker.service.embedded_redis import EmbeddedRedis
+    from pagedq.embedded_redis import EmbeddedRedis
 
     with EmbeddedRedis.start() as server:
         print(f"embedded redis-server listening on {server.url}", flush=True)

@@ -211,7 +211,7 @@ SAMPLING_HELP = {
 # the wire mean when a caller says nothing, so code ported from vLLM behaves the same. A person
 # at a terminal wants a greedy, readable answer instead, so each command has its own row here
 # (and only here); every command is greedy, and the lengths differ for the reason given.
-# `pagedq serve` answers OpenAI's API with OpenAI's defaults (worker/gateway/openai.py): chat
+# `pagedq serve` answers OpenAI's API with OpenAI's defaults (gateway/openai.py): chat
 # max_tokens None (up to the model's length), completions 16, temperature 1.0.
 COMMAND_SAMPLING: dict[str, dict[str, Any]] = {
     # the answer is the command's whole output, read once: room for a paragraph

@@ -83,10 +83,10 @@ def read_tools(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pagedq.logging import get_logger
     from pagedq.progress import waiting
     from pagedq.worker.cli.console import setup_console_logging
     from pagedq.worker.config import EngineConfig
-    from pagedq.worker.logging import get_logger
 
     setup_console_logging(args.log_level)
     log = get_logger("pagedq.cli")

@@ -17,6 +17,7 @@ import torch
 
 from pagedq.errors import InvalidParamsError, InvalidRequestError
 from pagedq.kernels.backend import process_selector, select_backend
+from pagedq.logging import get_logger
 from pagedq.params import SamplingParams
 from pagedq.progress import waiting
 from pagedq.worker.config import EngineConfig, default_block_size, default_device
@@ -40,7 +41,6 @@ from pagedq.worker.engine.scheduler import Scheduler
 from pagedq.worker.engine.sequence import Request, SamplingHook, Sequence
 from pagedq.worker.engine.structured import StructuredOutputs
 from pagedq.worker.engine.threads import ThreadGovernor, usable_cpus
-from pagedq.worker.logging import get_logger
 from pagedq.worker.models.llama import CausalLM
 from pagedq.worker.models.loader import (
     iter_weights,

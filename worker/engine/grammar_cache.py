@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedq.errors import EngineError, InvalidParamsError
+from pagedq.logging import get_logger
 from pagedq.params import StructuredOutputsParams
 from pagedq.worker.engine import grammar_child
 from pagedq.worker.engine.schema_check import check_schema
-from pagedq.worker.logging import get_logger
 
 log = get_logger("pagedq.engine.grammar")
 

@@ -23,9 +23,9 @@ import zipfile
 from pathlib import Path
 
 from pagedq.errors import ModelNotFoundError
+from pagedq.logging import get_logger
 from pagedq.progress import waiting
 from pagedq.worker.config import settings
-from pagedq.worker.logging import get_logger
 from pagedq.worker.models.loader import cache_dir, convert_gguf, file_lock, is_converted
 
 __all__ = [

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagedq.worker.logging import get_logger
+from pagedq.logging import get_logger
 from pagedq.worker.models.quant import BY_CODE, QuantWeight
 
 log = get_logger(__name__)

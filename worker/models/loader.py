@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedq.errors import ModelNotFoundError
+from pagedq.logging import get_logger
 from pagedq.progress import waiting
 from pagedq.worker.config import settings
-from pagedq.worker.logging import get_logger
 from pagedq.worker.models.gguf_weights import Weight, gguf_head_dim, iter_gguf_weights
 
 if TYPE_CHECKING:

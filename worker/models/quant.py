@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedq.worker.logging import get_logger
+from pagedq.logging import get_logger
 
 log = get_logger(__name__)
 

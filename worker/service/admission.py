@@ -39,10 +39,9 @@ from pagedq.client.protocol import (
     request_digest,
 )
 from pagedq.client.scripts import CLAIM_DUPLICATE, CLAIM_ENDED
-from pagedq.worker.logging import get_logger
+from pagedq.logging import get_logger
 from pagedq.worker.service.consumer import Consumer, Entry
 from pagedq.worker.service.engine_loop import AddCmd, Report
-from pagedq.worker.service.intake import Intake
 from pagedq.worker.service.job import LiveJob
 from pagedq.worker.service.leases import Claim, Leases
 from pagedq.worker.service.outbox import error_code
@@ -54,6 +53,7 @@ from pagedq.worker.service.publisher import (
     publication,
 )
 from pagedq.worker.service.shared import Part, Shared
+from pagedq.worker.service.tokenizer_thread import Intake
 
 log = get_logger("pagedq.worker.admission")
 

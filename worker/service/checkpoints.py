@@ -32,7 +32,7 @@ from redis.exceptions import RedisError
 
 from pagedq.client.protocol import Keys
 from pagedq.client.queue import depth_query, queue_depth
-from pagedq.worker.logging import get_logger
+from pagedq.logging import get_logger
 from pagedq.worker.service.shared import Part, Shared
 
 log = get_logger(__name__)

@@ -19,7 +19,7 @@ from redis.exceptions import ResponseError
 from pagedq.client.protocol import GROUP, LEVELS, Keys
 from pagedq.client.queue import check_groups, create_groups, stream_replies
 from pagedq.client.scripts import REAP, LuaScript
-from pagedq.worker.logging import get_logger
+from pagedq.logging import get_logger
 
 log = get_logger("pagedq.worker.consumer")
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedq.errors import EngineError
+from pagedq.logging import get_logger
 from pagedq.params import SamplingParams
-from pagedq.worker.logging import get_logger
 
 log = get_logger("pagedq.worker.engine_loop")
 

@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 
 from pagedq.client.protocol import GROUP, Keys
 from pagedq.client.scripts import CLAIM, CLAIMED, HANDBACK, RENEW, LuaScript
-from pagedq.worker.logging import get_logger
+from pagedq.logging import get_logger
 from pagedq.worker.service.consumer import Consumer
 from pagedq.worker.service.job import LiveJob, owned
 from pagedq.worker.service.shared import Part, Shared

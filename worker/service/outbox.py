@@ -23,7 +23,7 @@ from pagedq.client.protocol import (
     engine_id,
 )
 from pagedq.errors import InvalidParamsError, InvalidRequestError, RequestTooLongError
-from pagedq.worker.logging import get_logger
+from pagedq.logging import get_logger
 from pagedq.worker.service.engine_loop import Report
 from pagedq.worker.service.job import LiveJob
 from pagedq.worker.service.publisher import (

@@ -24,7 +24,7 @@ from pagedq.client.protocol import (
     encode_event,
 )
 from pagedq.client.scripts import PUBLISH, LuaScript, run_calls
-from pagedq.worker.logging import get_logger
+from pagedq.logging import get_logger
 from pagedq.worker.service.job import LiveJob
 
 log = get_logger("pagedq.worker.publisher")

@@ -38,13 +38,13 @@ from pagedq.client.connection import (
     is_cluster,
     redact_url,
 )
-from pagedq.worker.logging import get_logger
-from pagedq.worker.service.embedded_redis import (
+from pagedq.embedded_redis import (
     EmbeddedRedis,
     advertise,
     find_advertised,
     withdraw,
 )
+from pagedq.logging import get_logger
 
 log = get_logger("pagedq.worker.redis")
 

@@ -12,11 +12,11 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from pagedq.logging import get_logger
 from pagedq.worker.config import WorkerConfig
-from pagedq.worker.logging import get_logger
 from pagedq.worker.service.engine_loop import EngineLoop
 from pagedq.worker.service.job import Jobs
-from pagedq.worker.service.metrics import Metrics
+from pagedq.worker.service.metrics_server import Metrics
 
 log = get_logger("pagedq.worker")
 

@@ -35,23 +35,23 @@ from redis.exceptions import NoPermissionError, OutOfMemoryError, RedisError
 
 from pagedq.client.connection import redact_url
 from pagedq.client.protocol import Keys, Request
-from pagedq.client.redis_url import resolve_redis_url
+from pagedq.embedded_redis import advertised_path
+from pagedq.logging import get_logger
 from pagedq.progress import waiting
+from pagedq.redis_url import resolve_redis_url
 from pagedq.worker.config import WorkerConfig, settings
-from pagedq.worker.logging import get_logger
 from pagedq.worker.service.admission import Admission
 from pagedq.worker.service.checkpoints import Checkpoints, Starting, claim_name
 from pagedq.worker.service.consumer import Consumer
-from pagedq.worker.service.embedded_redis import advertised_path
 from pagedq.worker.service.engine_loop import EngineLoop, Report
-from pagedq.worker.service.intake import Intake
 from pagedq.worker.service.job import Jobs
 from pagedq.worker.service.leases import LeaseKeeper, Leases
-from pagedq.worker.service.metrics import Metrics, MetricsServer
+from pagedq.worker.service.metrics_server import Metrics, MetricsServer
 from pagedq.worker.service.outbox import Outbox
 from pagedq.worker.service.publisher import Publisher
 from pagedq.worker.service.redis_link import RedisLink
 from pagedq.worker.service.shared import RedisFull, Shared
+from pagedq.worker.service.tokenizer_thread import Intake
 
 log = get_logger("pagedq.worker")
 

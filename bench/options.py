@@ -1,0 +1,191 @@
+"""What a benchmark run does: model, engine knobs and the size of every scenario.
+
+``quick()`` is sized to finish in under 3 minutes on 2 CPU cores with the default model;
+``full()`` runs the target shapes (the 64-request mixed trace, 128-token decode sweeps). Tests
+build a config by hand with tiny sizes. Every number here ends up in the report's ``config``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from pagedq.worker.config import EngineConfig
+
+from .workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT, LengthDist
+
+SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue", "gateway",
+             "structured", "llama_cpp", "quant")
+# Asked for by name only (--scenarios shared,memory): "shared" loads the machine on purpose and
+# "memory" writes a 3.4 GB model and needs llama.cpp's llama-quantize.
+OPT_IN_SCENARIOS = ("shared", "memory")
+ALL_SCENARIOS = SCENARIOS + OPT_IN_SCENARIOS
+
+
+@dataclass(frozen=True)
+class BenchConfig(EngineConfig):
+    """Every knob of a run: the engine's knobs (EngineConfig's fields, with its defaults) plus
+    the size of every scenario. The engine knobs apply to every engine the run builds unless a
+    scenario needs a different value to mean anything (capacity sizes its own KV cache, ITL
+    switches chunking); ``seed`` also seeds the synthetic traces, and ``num_threads`` applies to
+    the Hugging Face baseline and llama.cpp alike."""
+
+    max_model_len: int | None = 2048
+    """Most tokens per sequence in the serving engine (default: 2048, a fixed length so figures
+    do not depend on the model's context length; llama-server gets the same context)."""
+    scenarios: tuple[str, ...] = SCENARIOS
+    profile: str = "full"
+
+    # shared: one stream on a CPU other processes keep busy (bench/shared_cpu.py)
+    shared_new_tokens: int = 64
+    shared_repeats: int = 3
+    shared_load_seconds: float = 600.0  # a bound: the load is stopped when the rounds end
+
+    # throughput: a ShareGPT-like mixed trace, pagedq vs HF generate in static batches
+    throughput_requests: int = 64
+    prompt_dist: LengthDist = SHAREGPT_PROMPT
+    output_dist: LengthDist = SHAREGPT_OUTPUT
+    hf_batch_size: int = 16
+
+    # decode sweep (llama-batched-bench shape)
+    decode_batches: tuple[int, ...] = (1, 8, 32, 64)
+    decode_prompt_tokens: int = 128
+    decode_new_tokens: int = 128
+    # a second pagedq sweep with this KV cache dtype (None: skip). float16 is llama.cpp's
+    # default cache type for f32 weights, so that row is the like-for-like comparison with
+    # its figures; a float32 model on the CPU only
+    decode_kv_cache_dtype: str | None = "float16"
+
+    # capacity: KV budget = reserved_slots * capacity_max_model_len tokens, for both layouts
+    capacity_requests: int = 128
+    capacity_reserved_slots: int = 8
+    capacity_max_model_len: int = 2048
+    capacity_max_num_seqs: int = 256  # high, so KV memory (not a sequence cap) is the limit
+
+    # ITL: decodes running while one long prompt arrives
+    itl_decodes: int = 8
+    itl_decode_prompt_tokens: int = 64
+    # 63 gaps per stream: one stall per stream is 1.6% of the gaps, so p99 can see it
+    itl_decode_new_tokens: int = 64
+    itl_long_prompt_tokens: int = 2048
+    itl_inject_after_tokens: int = 16
+    # chunked run: cap on the long prompt's chunk per step (long_prefill_token_threshold), so a
+    # step stays within ~2 decode steps on a CPU where one prompt token costs ~1 ms of compute
+    itl_prefill_chunk: int = 32
+
+    # prefix: TTFT with a cached prefix vs cold
+    prefix_tokens: int = 1024
+    prefix_suffix_tokens: int = 32
+    prefix_repeats: int = 3
+
+    # sharing: KV blocks of n=4 sampling and beam width 4 vs four unshared copies
+    sharing_prompt_tokens: int = 512
+    sharing_new_tokens: int = 64
+
+    # structured: extraction requests with a JSON schema vs the same requests unconstrained
+    # with the same output lengths (greedy: the least other sampling work beside the mask)
+    structured_requests: int = 64
+    structured_max_tokens: int = 160
+    structured_temperature: float = 0.0
+
+    # queue: the throughput trace through Redis (worker subprocess + client)
+    redis_url: str | None = None  # None: start a private redis-server for the run
+    queue_timeout_s: float = 600.0
+
+    # llama_cpp: llama.cpp measured in the same run (llama-batched-bench on the decode shape,
+    # llama-server on the throughput trace); unavailable without its binaries
+    llama_cpp: str | None = None  # directory of the binaries (None: $PAGEDQ_LLAMA_CPP)
+    llama_cpp_model: str | None = None  # a GGUF of the same weights (None: the default model's)
+    llama_cpp_server_slots: int = 16  # llama-server's parallel sequences (-np)
+
+    # quant: GGUF files served packed, against llama.cpp on the same files (see quant.py);
+    # beyond the bundled Q4_1 they are made by llama-quantize from its F32 dequantization
+    quant_types: tuple[str, ...] = ("Q4_1", "Q8_0", "Q4_K_M")
+    quant_fidelity_tokens: int = 32  # greedy tokens per fidelity prompt
+    # decode sweeps per engine and file, alternated (pagedq, llama.cpp, pagedq, ...): each side's
+    # best per stream count is reported, as a shared machine only ever slows a run down
+    quant_repeats: int = 2
+
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def engine_config(self, **overrides: Any) -> EngineConfig:
+        """The run's engine knobs as an EngineConfig, with a scenario's ``overrides``."""
+        knobs = {f.name: getattr(self, f.name) for f in fields(EngineConfig)}
+        return EngineConfig(**{**knobs, **overrides})
+
+    def with_(self, **changes: Any) -> BenchConfig:
+        return replace(self, **changes)
+
+    def with_settings(self, settings: list[str]) -> BenchConfig:
+        """Apply ``FIELD=VALUE`` strings (the CLI's ``--set``), typed like the field's default:
+        ints, floats, bools, comma-separated int tuples, or ``none``."""
+        changes: dict[str, Any] = {}
+        for item in settings:
+            name, sep, raw = item.partition("=")
+            name = name.strip().replace("-", "_")
+            if not sep or name not in self.__dataclass_fields__ or name == "extra":
+                raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of "
+                                 f"{sorted(k for k in self.__dataclass_fields__ if k != 'extra')}")
+            changes[name] = _parse_like(getattr(self, name), raw.strip(), name)
+        return replace(self, **changes)
+
+
+def _parse_like(current: Any, raw: str, name: str) -> Any:
+    if raw.lower() == "none":
+        return None
+    try:
+        if isinstance(current, bool):
+            return raw.lower() in ("1", "true", "yes", "on")
+        if isinstance(current, tuple):
+            return tuple(int(v) if v.strip().lstrip("-").isdigit() else v.strip()
+                         for v in raw.split(",") if v.strip())
+        if isinstance(current, LengthDist):
+            median, sigma, low, high = (float(v) for v in raw.split(","))
+            return LengthDist(median, sigma, int(low), int(high))
+        if isinstance(current, int):
+            return int(raw)
+        if isinstance(current, float):
+            return float(raw)
+        if current is None and raw.lstrip("-").isdigit():  # an optional int such as block_size
+            return int(raw)
+    except ValueError as exc:
+        raise ValueError(f"--set {name}={raw!r}: {exc}") from exc
+    return raw
+
+
+def full(**overrides: Any) -> BenchConfig:
+    """The target shapes: expect 10-20 minutes on 2 CPU cores."""
+    return BenchConfig(profile="full", **overrides)
+
+
+def quick(**overrides: Any) -> BenchConfig:
+    """Smaller traces and shorter decodes with the same structure (target: < 3 min, 2 cores)."""
+    base = dict(
+        profile="quick",
+        throughput_requests=16,
+        prompt_dist=LengthDist(median=96.0, sigma=0.8, low=32, high=256),
+        output_dist=LengthDist(median=40.0, sigma=0.6, low=16, high=64),
+        hf_batch_size=16,
+        decode_prompt_tokens=32,  # the full profile keeps llama-batched-bench's 128/128 shape
+        decode_new_tokens=24,  # 24 decode steps per batch size keep the run under 3 minutes
+        decode_kv_cache_dtype=None,  # the fp16-cache sweep is the full run's (time)
+        capacity_requests=24,
+        capacity_reserved_slots=2,
+        capacity_max_model_len=1024,
+        itl_decodes=8,
+        itl_decode_new_tokens=48,
+        itl_inject_after_tokens=8,
+        itl_long_prompt_tokens=1024,
+        prefix_repeats=2,
+        sharing_new_tokens=32,
+        quant_types=("Q4_1",),  # the full run adds Q8_0 and Q4_K_M
+        shared_new_tokens=32,
+        shared_repeats=2,
+        quant_fidelity_tokens=16,
+        structured_requests=16,
+    )
+    base.update(overrides)
+    return BenchConfig(**base)

@@ -1,0 +1,116 @@
+"""CLI: ``pagedq serve`` (the OpenAI HTTP gateway) and ``pagedq batch`` (a batch file offline).
+
+Flags come from ``GatewayConfig`` through cli/flags.py; FastAPI and uvicorn are imported only
+when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from pagedq.worker.cli.console import add_log_level_flag
+from pagedq.worker.cli.flags import add_config_flags, add_engine_flags, engine_knobs, given
+from pagedq.worker.config import EngineConfig, GatewayConfig
+
+NOT_FLAGS = ("api_keys", "admin_keys")  # --api-key, --admin-key, repeatable, below
+QUEUE_FIELDS = ("redis_url", "queue", "prefix")
+MODEL_HELP = ("the embedded worker's model, when no Redis URL is given (default: the bundled "
+              "SmolLM2-135M); the other engine flags also go to that worker")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="the OpenAI API over the queue (chat, completions, batches)",
+                       description="Serve OpenAI's HTTP API over a pagedq queue. See "
+                                   "docs/gateway.md.")
+    add_config_flags(p, GatewayConfig, skip=NOT_FLAGS)
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="accepted Bearer key (repeatable; default: $PAGEDQ_API_KEY, "
+                        "comma-separated); with none the gateway is open. Each key is a "
+                        "tenant: another key cannot see its files, batches or streams")
+    p.add_argument("--admin-key", action="append", default=[], metavar="KEY",
+                   help="a Bearer key that sees every tenant's files, batches and streams "
+                        "(repeatable; default: $PAGEDQ_ADMIN_KEY)")
+    add_log_level_flag(p)
+    add_engine_flags(p, helps={"model": MODEL_HELP})
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("batch", help="run an OpenAI batch file (JSONL) through the queue",
+                       description="Run an OpenAI batch file through the queue, offline.")
+    p.add_argument("input", type=Path, help="JSONL lines {custom_id, method, url, body}")
+    p.add_argument("-o", "--output", type=Path, required=True, help="results, one line each")
+    add_config_flags(p, GatewayConfig, only=QUEUE_FIELDS + ("batch_window",))
+    add_engine_flags(p, helps={"model": MODEL_HELP})
+    p.add_argument("--ready-timeout", type=float, default=600.0,
+                   help="seconds to wait for a live worker (the embedded one loads its model)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_batch)
+
+
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    keys: dict[str, Any] = {}
+    if getattr(args, "api_key", None):
+        keys["api_keys"] = tuple(args.api_key)
+    if getattr(args, "admin_key", None):
+        keys["admin_keys"] = tuple(args.admin_key)
+    return GatewayConfig(**given(args, GatewayConfig, skip=NOT_FLAGS), **keys)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The embedded worker's engine, from the engine flags given (checked here, before any
+    process starts: a bad value is a usage error, not a worker that dies loading)."""
+    return EngineConfig(**engine_knobs(args))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedq.gateway.app import create_app
+    from pagedq.gateway.local import queue_stack
+    from pagedq.logging import configure_logging, get_logger
+
+    configure_logging(json=False, level=args.log_level)
+    log = get_logger("pagedq.gateway")
+    config = gateway_config(args)
+    if not config.api_keys and not config.admin_keys:
+        log.warning("no API key configured: anyone who can reach the gateway may use it; set "
+                    "--api-key or $PAGEDQ_API_KEY")
+    with queue_stack(config.redis_url, config.queue, config.prefix, engine_config(args)) as url:
+        log.info("gateway listening", url=f"http://{config.host}:{config.port}/v1",
+                 queue=config.queue)
+        uvicorn.run(create_app(config, url), host=config.host, port=config.port,
+                    loop=_loop(), http="httptools", log_level=args.log_level.lower(),
+                    access_log=False, timeout_graceful_shutdown=5,
+                    limit_concurrency=config.limit_concurrency,
+                    timeout_keep_alive=config.timeout_keep_alive)
+    return 0
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pagedq.gateway.batch_file import run_batch, summary
+    from pagedq.gateway.local import queue_stack
+
+    if not args.input.is_file():
+        print(f"error: {args.input} is not a file", file=sys.stderr)
+        return 2
+    config = gateway_config(args)
+    with queue_stack(config.redis_url, config.queue, config.prefix, engine_config(args),
+                     until_loaded="the lines start once it has", worker_log_level="ERROR") as url:
+        ok, failed = asyncio.run(run_batch(args.input, args.output, url, config.queue,
+                                           config.prefix, config.batch_window,
+                                           args.ready_timeout, progress=not args.no_progress))
+    print(summary(ok, failed, args.output))
+    return 0 if failed == 0 else 1
+
+
+def _loop() -> Any:
+    try:
+        import uvloop  # noqa: F401
+
+        return "uvloop"
+    except ImportError:
+        return "asyncio"
