@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
+    # imported when the command runs: the bench's modules load torch, transformers and the
+    # engine, which `pagedq --help` and every other command's start-up need not pay for
     from pagedq.bench import report
     from pagedq.bench.run import run_bench
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .workload import BenchRequest
+from pagedq.bench.workload import BenchRequest
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from .timeline import Timeline
-from .workload import BenchRequest
+from pagedq.bench.timeline import Timeline
+from pagedq.bench.workload import BenchRequest
 
 
 @dataclass(frozen=True)

@@ -27,25 +27,20 @@ import tempfile
 import time
 from pathlib import Path
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from pagedq.bench.context import BenchContext, Unavailable
+from pagedq.bench.queue_path import _wait_ready, check_dependencies, redis_url, worker_process
+from pagedq.bench.workload import BenchRequest
 from pagedq.processes import stop_process
-
-from .queue_path import _wait_ready, check_dependencies, redis_url, worker_process
-from .workload import BenchRequest
-
-if TYPE_CHECKING:
-    from .run import BenchRun
 
 GATEWAY_READY_S = 120.0
 TTFT_PROBES = 12  # single requests per path for the added-TTFT figure
 
 
 def _unavailable(why: str) -> Exception:
-    from .scenarios import Unavailable
-
     return Unavailable(why)
 
 
@@ -180,7 +175,7 @@ def _summary(rows: list[tuple[float, int, str]], elapsed: float) -> dict[str, An
             "texts": [r[2] for r in rows]}
 
 
-def serve_through_gateway(bench: BenchRun, trace: list[BenchRequest]) -> dict[str, Any]:
+def serve_through_gateway(bench: BenchContext, trace: list[BenchRequest]) -> dict[str, Any]:
     """SDK, HTTP, SDK on one worker; the figures and their provenance."""
     check_dependencies()
     _http_module()

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .timeline import Timeline
-from .workload import BenchRequest
+from pagedq.bench.timeline import Timeline
+from pagedq.bench.workload import BenchRequest
 
 
 class StepClock:

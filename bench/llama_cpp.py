@@ -36,11 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedq.bench.workload import BenchRequest
 from pagedq.logging import get_logger
 from pagedq.processes import stop_process
 from pagedq.worker.config import settings
-
-from .workload import BenchRequest
 
 log = get_logger("pagedq.bench.llama_cpp")
 

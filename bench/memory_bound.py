@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedq.bench import llama_cpp, quant_scenario, scenarios
+from pagedq.bench.bandwidth import stream_read_gbps
+from pagedq.bench.context import Unavailable
 from pagedq.logging import get_logger
-
-from . import llama_cpp, quant_scenario, scenarios
-from .bandwidth import stream_read_gbps
 
 log = get_logger("pagedq.bench.memory")
 
@@ -131,7 +131,7 @@ def measure(run: Any) -> None:
     try:
         cpp = llama_cpp.LlamaCpp.locate(c.llama_cpp)
     except llama_cpp.LlamaCppUnavailable as exc:
-        raise scenarios.Unavailable(f"the memory scenario needs llama-quantize: {exc}") from exc
+        raise Unavailable(f"the memory scenario needs llama-quantize: {exc}") from exc
     threads = c.num_threads or torch.get_num_threads()
     results: dict[str, Any] = {"shape": SHAPE, "streams": list(STREAMS),
                                "stream_read_gbps": stream_read_gbps(threads), "files": {}}

@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from pagedq.bench.workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT, LengthDist
 from pagedq.worker.config import EngineConfig
-
-from .workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT, LengthDist
 
 SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue", "gateway",
              "structured", "llama_cpp", "quant")

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
+from pagedq.bench import driver, fidelity, llama_cpp, scenarios
+from pagedq.bench.context import Unavailable
 from pagedq.logging import get_logger
-
-from . import driver, fidelity, llama_cpp, scenarios
 
 log = get_logger("pagedq.bench.quant")
 
@@ -68,7 +68,7 @@ def files(run: Any, cpp: llama_cpp.LlamaCpp | None) -> dict[str, Path]:
     if c.model is not None:
         path = Path(c.model).expanduser()
         if path.suffix.lower() != ".gguf":
-            raise scenarios.Unavailable("the quant scenario serves GGUF files: run it with the default "
+            raise Unavailable("the quant scenario serves GGUF files: run it with the default "
                                   "model or --model FILE.gguf")
         return {path.stem: path}
     bundled = default_gguf()

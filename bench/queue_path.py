@@ -19,22 +19,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pagedq.bench.context import BenchContext, Unavailable
+from pagedq.bench.workload import BenchRequest
 from pagedq.processes import stop_process
-
-from .workload import BenchRequest
-
-if TYPE_CHECKING:
-    from .run import BenchRun
 
 READY_TIMEOUT_S = 600.0
 POLL_S = 1.0
 
 
 def _unavailable(why: str) -> Exception:
-    from .scenarios import Unavailable
-
     return Unavailable(why)
 
 
@@ -62,7 +57,7 @@ def redis_url(configured: str | None) -> Iterator[str]:
         yield server.url
 
 
-def worker_flags(bench: BenchRun, url: str, queue: str) -> list[str]:
+def worker_flags(bench: BenchContext, url: str, queue: str) -> list[str]:
     """Flags for the worker subprocess: exactly the serving engine's knobs."""
     from pagedq.worker.cli.flags import to_flags
 
@@ -72,7 +67,7 @@ def worker_flags(bench: BenchRun, url: str, queue: str) -> list[str]:
 
 
 @contextmanager
-def worker_process(bench: BenchRun, url: str, queue: str, log_path: Path) -> Iterator[Any]:
+def worker_process(bench: BenchContext, url: str, queue: str, log_path: Path) -> Iterator[Any]:
     """A worker subprocess on the run's model; SIGTERM (then SIGKILL) on the way out."""
     cmd = [sys.executable, "-m", "pagedq.worker"]
     flags = worker_flags(bench, url, queue)
@@ -114,7 +109,7 @@ def _wait_ready(client: Any, proc: Any, warmup: BenchRequest, log_path: Path) ->
     return time.monotonic() - began
 
 
-def serve_through_redis(bench: BenchRun, trace: list[BenchRequest]) -> dict[str, Any]:
+def serve_through_redis(bench: BenchContext, trace: list[BenchRequest]) -> dict[str, Any]:
     """Run ``trace`` through Redis; tokens/s from first submit to last result."""
     check_dependencies()
     from pagedq.client import Client

@@ -1,4 +1,4 @@
-"""Turn a BenchRun's raw measurements into the report's figures: JSON, a terminal table, PNGs.
+"""Turn a BenchContext's raw measurements into the report's figures: JSON, a terminal table, PNGs.
 
 Every figure key is always present in the JSON. A figure that could not be
 measured is ``null`` and ``unavailable[key]`` says why (a missing dependency, a failed
@@ -17,9 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import memory_bound, quant_scenario, shared_cpu
-from .run import BenchRun
-from .timeline import p99_over_p50, summarize
+from pagedq.bench import memory_bound, quant_scenario, shared_cpu, spec_scenario
+from pagedq.bench.bandwidth import stream_read_gbps
+from pagedq.bench.contiguous import same_running_set_utilization
+from pagedq.bench.structured_scenario import figures as _structured
+from pagedq.bench.context import BenchContext
+from pagedq.bench.timeline import p99_over_p50, summarize
 
 FIGURE_KEYS = (
     "kv_utilization",
@@ -77,7 +80,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def machine_info(run: BenchRun) -> dict[str, Any]:
+def machine_info(run: BenchContext) -> dict[str, Any]:
     import psutil
     import transformers
 
@@ -103,10 +106,9 @@ def machine_info(run: BenchRun) -> dict[str, Any]:
     return info
 
 
-def _cpu_level(run: BenchRun) -> dict[str, Any]:
+def _cpu_level(run: BenchContext) -> dict[str, Any]:
     """The CPU's vector extensions, the ISA level the engines ran at (``--cpu-isa``) and the
     streaming read bandwidth measured now: a figure without its CPU is not a figure."""
-    from pagedq.bench.bandwidth import stream_read_gbps
     from pagedq.kernels.backend import process_selector
     from pagedq.kernels.cpu_features import detect_cpu_features
 
@@ -141,8 +143,6 @@ def _agreement(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict[str, fl
 
 
 def _capacity(res: dict[str, Any], out: dict[str, Any]) -> None:
-    from .contiguous import same_running_set_utilization
-
     run, sim = res["capacity"]["run"], res["capacity"]["sim"]
     cap = res["capacity"]
     mean_seq = cap["trace"]["sequence_tokens_mean"]
@@ -368,13 +368,11 @@ def _vs_llama_cpp(value: float | None, factor: float, ref: tuple[float | None, s
             "met": None if value is None else bool(value >= bar)}
 
 
-def assemble(run: BenchRun) -> dict[str, Any]:
+def assemble(run: BenchContext) -> dict[str, Any]:
     """The JSON document: figures under their keys, absolutes, machine and provenance."""
     res = run.results
     out: dict[str, Any] = {key: None for key in FIGURE_KEYS}
     out.update(tokens_per_s={}, ttft_s={}, itl_s={}, details={}, unavailable={})
-    from .structured_scenario import figures as _structured
-
     builders = [("capacity", _capacity), ("itl", _itl), ("prefix", _prefix),
                 ("sharing", _sharing), ("queue", _queue), ("gateway", _gateway),
                 ("structured", _structured)]
@@ -428,7 +426,7 @@ def assemble(run: BenchRun) -> dict[str, Any]:
     return _jsonable(out)
 
 
-def _why_missing(run: BenchRun, key: str) -> str:
+def _why_missing(run: BenchContext, key: str) -> str:
     if SCENARIO_OF[key] not in run.config.scenarios:
         return f"unavailable: scenario {SCENARIO_OF[key]!r} was not selected (--scenarios)"
     for name in ("setup", *NEEDS[key]):
@@ -630,7 +628,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 # -- plots --------------------------------------------------------------------------------------
-def plot(run: BenchRun, doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
+def plot(run: BenchContext, doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """PNG charts for the README; each is skipped when its scenario did not run."""
     import matplotlib
 
@@ -652,7 +650,7 @@ def plot(run: BenchRun, doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
     return written
 
 
-def _plot_kv(plt: Any, run: BenchRun, doc: dict[str, Any]) -> Any:
+def _plot_kv(plt: Any, run: BenchContext, doc: dict[str, Any]) -> Any:
     cap = run.results.get("capacity")
     if cap is None:
         return None
@@ -684,7 +682,7 @@ def _plot_kv(plt: Any, run: BenchRun, doc: dict[str, Any]) -> Any:
     return fig
 
 
-def _plot_itl(plt: Any, run: BenchRun, doc: dict[str, Any]) -> Any:
+def _plot_itl(plt: Any, run: BenchContext, doc: dict[str, Any]) -> Any:
     itl = run.results.get("itl")
     if itl is None:
         return None
@@ -706,7 +704,7 @@ def _plot_itl(plt: Any, run: BenchRun, doc: dict[str, Any]) -> Any:
     return fig
 
 
-def _plot_decode(plt: Any, run: BenchRun, doc: dict[str, Any]) -> Any:
+def _plot_decode(plt: Any, run: BenchContext, doc: dict[str, Any]) -> Any:
     dec = doc.get("decode_tok_s_by_batch")
     if not dec:
         return None

@@ -1,6 +1,6 @@
 """The benchmark scenarios: each measures pagedq and its baseline in the same run.
 
-Every scenario is a function of the ``BenchRun`` (pagedq.bench.run), named ``bench``,
+Every scenario is a function of the ``BenchContext`` (pagedq.bench.context), named ``bench``,
 that writes its raw measurements into ``bench.results``; the run decides their order and catches
 their failures.
 """
@@ -10,26 +10,22 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from pagedq.bench import contiguous, driver, gateway_path, hf_baseline, queue_path
+from pagedq.bench import llama_cpp as cpp_peer  # the module; llama_cpp() below is the scenario
+from pagedq.bench.context import BenchContext, Unavailable
+from pagedq.bench.options import BenchConfig
+from pagedq.bench.timeline import Timeline
+from pagedq.bench.workload import BenchRequest, fixed_shape, sharegpt_like, trace_summary
 from pagedq.logging import get_logger
 
-from . import contiguous, driver, hf_baseline
-from .options import BenchConfig
-from .timeline import Timeline
-from .workload import BenchRequest, fixed_shape, sharegpt_like, trace_summary
-
-if TYPE_CHECKING:
-    from .run import BenchRun
+__all__ = ["Unavailable"]  # re-exported: scenarios raise it, the run catches it
 
 log = get_logger("pagedq.bench")
-
-
-class Unavailable(Exception):
-    """A figure cannot be measured here; the message says why and what would enable it."""
 
 
 @dataclass
@@ -57,7 +53,7 @@ class BatchedBenchRow:
 
 
 # -- pagedq on the serving engine ----------------------------------------------------------
-def serving_scenarios(bench: BenchRun, wanted: set[str]) -> None:
+def serving_scenarios(bench: BenchContext, wanted: set[str]) -> None:
     """Throughput, decode sweep and prefix share one engine (built once)."""
     engine = bench.engine(**bench.serving_engine_kwargs())
     bench.results["serving_engine"] = {
@@ -79,7 +75,7 @@ def serving_scenarios(bench: BenchRun, wanted: set[str]) -> None:
         bench._timed("sharing", lambda: sharing(bench, engine))
 
 
-def sharing(bench: BenchRun, engine: Any) -> None:
+def sharing(bench: BenchContext, engine: Any) -> None:
     """Peak KV blocks of one n=4 request and one beam-width-4 search on a long prompt, next
     to what four unshared copies of the same sequences would hold."""
     from pagedq.client import SamplingParams
@@ -108,18 +104,18 @@ def sharing(bench: BenchRun, engine: Any) -> None:
     bench.results["sharing"] = out
 
 
-def throughput_pagedq(bench: BenchRun, engine: Any) -> None:
+def throughput_pagedq(bench: BenchContext, engine: Any) -> None:
     trace = bench.throughput_trace()
     run = driver.serve(engine, trace, keep_outputs=True)
     bench.results["throughput_trace"] = trace_summary(trace)
     bench.results["throughput_pagedq"] = run
 
 
-def decode_pagedq(bench: BenchRun, engine: Any) -> None:
+def decode_pagedq(bench: BenchContext, engine: Any) -> None:
     bench.results["decode_pagedq"] = decode_rows(bench, engine)
 
 
-def decode_pagedq_kv(bench: BenchRun, kv_cache_dtype: str) -> None:
+def decode_pagedq_kv(bench: BenchContext, kv_cache_dtype: str) -> None:
     """The same sweep on an engine whose KV cache is ``kv_cache_dtype``; unavailable (not an
     error) where the engine refuses that cache, e.g. a bfloat16 model or CUDA."""
     from pagedq.errors import InvalidRequestError
@@ -132,7 +128,7 @@ def decode_pagedq_kv(bench: BenchRun, kv_cache_dtype: str) -> None:
                                         "rows": decode_rows(bench, engine)}
 
 
-def decode_rows(bench: BenchRun, engine: Any,
+def decode_rows(bench: BenchContext, engine: Any,
                 batches: tuple[int, ...] | None = None) -> list[dict[str, float]]:
     """The decode sweep over ``batches`` streams (default: the run's decode_batches)."""
     rows = []
@@ -142,7 +138,7 @@ def decode_rows(bench: BenchRun, engine: Any,
     return rows
 
 
-def prefix(bench: BenchRun, engine: Any) -> None:
+def prefix(bench: BenchContext, engine: Any) -> None:
     """TTFT of prefix+suffix with the prefix cached (primed by another request sharing it)
     over the TTFT of an equally long request whose prefix was never seen."""
     c = bench.config
@@ -170,7 +166,7 @@ def prefix(bench: BenchRun, engine: Any) -> None:
 
 
 # -- capacity: KV utilization and concurrency at equal memory ----------------------------
-def capacity(bench: BenchRun) -> None:
+def capacity(bench: BenchContext) -> None:
     c = bench.config
     budget = c.capacity_reserved_slots * c.capacity_max_model_len
     trace = sharegpt_like(c.capacity_requests, bench.space, seed=c.seed + 1,
@@ -186,14 +182,14 @@ def capacity(bench: BenchRun) -> None:
 
 
 # -- ITL: decodes while a long prompt arrives --------------------------------------------
-def itl(bench: BenchRun) -> None:
+def itl(bench: BenchContext) -> None:
     out = {}
     for chunked in (True, False):
         out["chunked" if chunked else "unchunked"] = _itl_run(bench, chunked)
     bench.results["itl"] = out
 
 
-def _itl_run(bench: BenchRun, chunked: bool) -> dict[str, Any]:
+def _itl_run(bench: BenchContext, chunked: bool) -> dict[str, Any]:
     c = bench.config
     if not 0 < c.itl_inject_after_tokens < c.itl_decode_new_tokens:
         raise ValueError("itl_inject_after_tokens must be in (0, itl_decode_new_tokens): the "
@@ -232,13 +228,11 @@ def _itl_run(bench: BenchRun, chunked: bool) -> dict[str, Any]:
 
 
 # -- the Redis path -----------------------------------------------------------------------
-def queue(bench: BenchRun, engine: Any) -> None:
-    from .queue_path import serve_through_redis
-
+def queue(bench: BenchContext, engine: Any) -> None:
     inproc = bench.results.get("throughput_pagedq")
     if inproc is None:
         raise Unavailable("the in-process throughput run failed, so there is no baseline")
-    bench.results["queue"] = serve_through_redis(bench, bench.throughput_trace())
+    bench.results["queue"] = queue_path.serve_through_redis(bench, bench.throughput_trace())
     # the in-process run again, right after the Redis run (its prefix cache reset, or the
     # repeated prompts would hit it): the baseline is the mean of the two in-process runs
     # that bracket the Redis run, so a drift of the machine's speed cancels to first order
@@ -249,27 +243,23 @@ def queue(bench: BenchRun, engine: Any) -> None:
 
 
 # -- the Hugging Face baseline --------------------------------------------------------------
-def gateway(bench: BenchRun) -> None:
-    from .gateway_path import serve_through_gateway
-
-    bench.results["gateway"] = serve_through_gateway(bench, bench.throughput_trace())
+def gateway(bench: BenchContext) -> None:
+    bench.results["gateway"] = gateway_path.serve_through_gateway(bench, bench.throughput_trace())
 
 
-def throughput_hf(bench: BenchRun) -> None:
+def throughput_hf(bench: BenchContext) -> None:
     timeline, outputs = hf_baseline.serve_static(bench.hf(), bench.throughput_trace(),
                                                  bench.config.hf_batch_size)
     bench.results["throughput_hf"] = {"timeline": timeline, "outputs": outputs}
 
 
 # -- llama.cpp, the CPU peer ---------------------------------------------------------------
-def llama_cpp(bench: BenchRun, wanted: set[str]) -> None:
+def llama_cpp(bench: BenchContext, wanted: set[str]) -> None:
     """The decode sweep through llama-batched-bench and the throughput trace through
     llama-server, on the GGUF pagedq serves packed (auto quantization), else an F32 GGUF of the
     same weights (see llama_cpp.py)."""
     from pagedq.worker.models.default_model import default_gguf
     from pagedq.worker.models.loader import cache_dir, packed_source
-
-    from . import llama_cpp
 
     c = bench.config
     if torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu")).type != "cpu":
@@ -277,8 +267,8 @@ def llama_cpp(bench: BenchRun, wanted: set[str]) -> None:
     if c.dtype != "float32":
         raise Unavailable(f"llama.cpp runs the GGUF in float32; this run's dtype is {c.dtype}")
     try:
-        cpp = llama_cpp.LlamaCpp.locate(c.llama_cpp)
-    except llama_cpp.LlamaCppUnavailable as exc:
+        cpp = cpp_peer.LlamaCpp.locate(c.llama_cpp)
+    except cpp_peer.LlamaCppUnavailable as exc:
         raise Unavailable(str(exc)) from exc
     packed = packed_source(bench.model_dir)  # the GGUF pagedq serves as shipped, if any
     if c.llama_cpp_model:
@@ -286,7 +276,7 @@ def llama_cpp(bench: BenchRun, wanted: set[str]) -> None:
     elif packed is not None:
         gguf = packed
     elif c.model is None:
-        gguf = llama_cpp.f32_gguf(cpp, default_gguf(), cache_dir() / "llama_cpp")
+        gguf = cpp_peer.f32_gguf(cpp, default_gguf(), cache_dir() / "llama_cpp")
     else:
         raise Unavailable("llama.cpp needs a GGUF of this run's model: --set "
                           "llama_cpp_model=PATH.gguf (f32, the same weights)")
@@ -294,17 +284,17 @@ def llama_cpp(bench: BenchRun, wanted: set[str]) -> None:
     threads = c.num_threads or torch.get_num_threads()
     out: dict[str, Any] = {"version": cpp.version(), "gguf": str(gguf), "threads": threads}
     if "decode" in wanted:
-        out["decode_rows"] = llama_cpp.batched_bench(
+        out["decode_rows"] = cpp_peer.batched_bench(
             cpp, gguf, c.decode_prompt_tokens, c.decode_new_tokens, c.decode_batches, threads,
             no_repack=no_repack)
     if "throughput" in wanted:
-        out["throughput"] = llama_cpp.serve_trace(
+        out["throughput"] = cpp_peer.serve_trace(
             cpp, gguf, bench.throughput_trace(), c.llama_cpp_server_slots, c.max_model_len,
             threads, c.queue_timeout_s, no_repack=no_repack)
     bench.results["llama_cpp"] = out
 
 
-def decode_hf(bench: BenchRun) -> None:
+def decode_hf(bench: BenchContext) -> None:
     rows = []
     for batch in bench.config.decode_batches:
         timing, _ = hf_baseline.generate_batch(bench.hf(), bench.decode_trace(batch))

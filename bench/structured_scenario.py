@@ -15,15 +15,13 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pagedq.bench import driver
+from pagedq.bench.context import BenchContext, Unavailable
+from pagedq.bench.timeline import summarize
+from pagedq.bench.workload import BenchRequest
 from pagedq.params import SamplingParams
-
-from . import driver
-from .workload import BenchRequest
-
-if TYPE_CHECKING:
-    from .run import BenchRun
 
 SCHEMA = {
     "type": "object",
@@ -72,19 +70,17 @@ def prompts(engine: Any, n: int, seed: int) -> list[list[int]]:
         + record(rng))}]) for _ in range(n)]
 
 
-def structured(bench: BenchRun) -> None:
+def structured(bench: BenchContext) -> None:
     """The scenario (``bench.results["structured"]``); unavailable for a model without a
     tokenizer, which no grammar can be built on."""
     from pagedq.worker.models.loader import load_tokenizer
-
-    from .scenarios import Unavailable
 
     if load_tokenizer(bench.model_dir) is None:
         raise Unavailable("structured outputs need the model's tokenizer; this model has none")
     bench.results["structured"] = run_structured(bench)
 
 
-def run_structured(run: BenchRun) -> dict[str, Any]:
+def run_structured(run: BenchContext) -> dict[str, Any]:
     c = run.config
     ttft = cold_and_cached_ttft(run)
     engine = run.engine(max_num_seqs=max(c.max_num_seqs, c.structured_requests),
@@ -115,7 +111,7 @@ def run_structured(run: BenchRun) -> dict[str, Any]:
     return {"runs": runs, "ttft": ttft, "texts": texts, "requests": c.structured_requests}
 
 
-def cold_and_cached_ttft(run: BenchRun) -> dict[str, float]:
+def cold_and_cached_ttft(run: BenchContext) -> dict[str, float]:
     """TTFT of one constrained request (one output token): on a fresh engine, with a schema the
     warm engine has not seen (compile only), and with that schema again (cached)."""
     engine = run.engine(max_num_seqs=4, num_kv_blocks=run.blocks_for(2048) + 8)
@@ -135,8 +131,6 @@ def cold_and_cached_ttft(run: BenchRun) -> dict[str, float]:
 def figures(res: dict[str, Any], out: dict[str, Any]) -> None:
     """The report's ``structured_throughput_ratio`` and its details."""
     import jsonschema
-
-    from .timeline import summarize
 
     s = res["structured"]
     rate = {k: [r.timeline.tokens_per_s for r in v] for k, v in s["runs"].items()}

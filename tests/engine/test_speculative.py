@@ -21,7 +21,8 @@ from pagedq.client import SamplingParams
 from pagedq.params import StructuredOutputsParams
 from pagedq.worker import Engine
 from pagedq.worker.config import EngineConfig, SpeculativeConfig
-from pagedq.worker.engine.drafts import Drafter, SuffixCorpus, ngram_draft
+from pagedq.worker.engine.drafts import Drafter, ngram_draft
+from pagedq.worker.engine.suffix_tree import SuffixCorpus
 from tests.engine.test_block_accounting import check_invariants, request_st, run_arrivals
 from tests.oracle import assert_greedy
 
@@ -82,16 +83,15 @@ def test_ngram_draft_takes_the_latest_longest_match():
 
 
 def test_suffix_corpus_is_lru_bounded():
-    corpus = SuffixCorpus(max_requests=2, min_n=2, max_n=3, max_depth=8)
+    """(The tree itself is checked against a brute-force scan in test_suffix_tree.py.)"""
+    corpus = SuffixCorpus(max_requests=2, min_n=2, max_depth=8)
     corpus.add([1, 2, 3, 4, 5])
     corpus.add([7, 8, 9, 10])
-    assert corpus.match([0, 2, 3])[0] == 2
-    corpus.match([0, 2, 3])  # a use makes [1..5] the most recent
-    corpus.add([20, 21, 22])  # evicts [7..10]
+    assert corpus.propose([0, 2, 3], 2) == (2, [4, 5])  # a draft from [1..5] uses it
+    corpus.add([20, 21, 22])  # evicts [7..10], the least recently used
     assert len(corpus) == 2 and corpus.stats()["spec_suffix_tokens"] == 8
-    assert corpus.match([7, 8, 9]) == (0, [], -1)
-    depth, source, at = corpus.match([9, 1, 2, 3])
-    assert (depth, source[at:]) == (3, [4, 5])
+    assert corpus.propose([7, 8, 9], 2) == (0, [])
+    assert corpus.propose([9, 1, 2, 3], 4) == (3, [4, 5])
 
 
 def test_draft_length_adapts_to_acceptance(llama):

@@ -8,12 +8,11 @@ many tokens a step yields, never which tokens.
 - ``ngram_draft``: the most recent earlier occurrence of the sequence's longest suffix of
   ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens, in its own prompt and output. The
   search runs over the token ids packed as bytes (``bytes.rfind``, C speed).
-- ``SuffixCorpus`` (method "suffix"): the prompts and outputs of this engine's recent requests
-  (one engine serves one model and its worker one queue), bounded and least recently used
-  first out, indexed by every n-gram of ``prompt_lookup_min..prompt_lookup_max`` tokens. A
-  sequence drafts from whichever of its own tokens and the corpus matches its suffix longer
-  (matches are measured up to ``suffix_decoding_max_tree_depth``). It is an n-gram index, not
-  SuffixDecoding's suffix tree: it keeps one (the latest) continuation per n-gram, no counts.
+- ``SuffixCorpus`` (method "suffix", pagedq.worker.engine.suffix_tree): the prompts and
+  outputs of this engine's recent requests (one engine serves one model and its worker one
+  queue) in a depth-bounded suffix tree with occurrence counts, least recently used request
+  out first. A sequence drafts from whichever of its own tokens (n-gram) and the tree matches
+  its suffix longer; the tree's draft follows the most frequent continuation of the match.
 - ``Drafter``: decides each sequence's draft (its adaptive length, the step's size, the
   request's switch, its grammar) and keeps the acceptance counters.
 """
@@ -21,7 +20,6 @@ many tokens a step yields, never which tokens.
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
@@ -29,6 +27,7 @@ from typing import Any
 
 from pagedq.worker.config import SpeculativeConfig
 from pagedq.worker.engine.sequence import Sequence
+from pagedq.worker.engine.suffix_tree import SuffixCorpus
 
 _WIDTH = 4  # bytes per token id in the packed search buffer
 
@@ -77,66 +76,6 @@ def ngram_draft(tokens: Tokens[int], min_n: int, max_n: int, k: int) -> list[int
     return extend(tokens, start, k) if n else []
 
 
-class SuffixCorpus:
-    """Recent requests' tokens, LRU-bounded, with an n-gram -> latest continuation index."""
-
-    def __init__(self, max_requests: int, min_n: int, max_n: int, max_depth: int) -> None:
-        self.max_requests = max_requests
-        self.min_n, self.max_n, self.max_depth = min_n, max_n, max_depth
-        self._sources: OrderedDict[int, list[int]] = OrderedDict()
-        self._index: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (source, next)
-        self._next_id = 0
-        self.num_tokens = 0
-
-    def __len__(self) -> int:
-        return len(self._sources)
-
-    def add(self, tokens: list[int]) -> None:
-        """Index one finished request's prompt and output (evicting the oldest if full)."""
-        if len(tokens) <= self.min_n:
-            return
-        while len(self._sources) >= self.max_requests:
-            self._evict()
-        sid, self._next_id = self._next_id, self._next_id + 1
-        self._sources[sid] = tokens
-        self.num_tokens += len(tokens)
-        index = self._index
-        for n in range(self.min_n, self.max_n + 1):
-            for end in range(n, len(tokens)):
-                index[tuple(tokens[end - n:end])] = (sid, end)
-
-    def _evict(self) -> None:
-        sid, tokens = self._sources.popitem(last=False)
-        self.num_tokens -= len(tokens)
-        for n in range(self.min_n, self.max_n + 1):
-            for end in range(n, len(tokens)):
-                key = tuple(tokens[end - n:end])
-                if self._index.get(key, (None,))[0] == sid:
-                    del self._index[key]
-
-    def match(self, tokens: Tokens[int]) -> tuple[int, list[int], int]:
-        """(match length up to max_depth, source tokens, index of the continuation) for the
-        longest indexed suffix of ``tokens``; (0, [], -1) when none is indexed."""
-        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            hit = self._index.get(tuple(tokens[-n:]))
-            if hit is None:
-                continue
-            sid, start = hit
-            source = self._sources[sid]
-            self._sources.move_to_end(sid)  # used: keep it longest
-            depth = n
-            while (depth < self.max_depth and depth < start and depth < len(tokens)
-                   and source[start - depth - 1] == tokens[-depth - 1]):
-                depth += 1
-            return depth, source, start
-        return 0, [], -1
-
-    def stats(self) -> dict[str, int]:
-        return {"spec_suffix_requests": len(self._sources),
-                "spec_suffix_tokens": self.num_tokens,
-                "spec_suffix_ngrams": len(self._index)}
-
-
 @dataclass
 class SpecCounters:
     """vLLM's spec_decode_* counters: proposals, their tokens, the tokens accepted."""
@@ -181,7 +120,7 @@ class Drafter:
         self.max_model_len = max_model_len
         self.allowed = allowed
         self.corpus = (SuffixCorpus(config.suffix_decoding_max_cached_requests,
-                                    config.prompt_lookup_min, config.prompt_lookup_max,
+                                    config.prompt_lookup_min,
                                     config.suffix_decoding_max_tree_depth)
                        if config.method == "suffix" else None)
         self.counters = SpecCounters()
@@ -210,9 +149,9 @@ class Drafter:
         c = self.config
         n, start = ngram_match(tokens, c.prompt_lookup_min, c.prompt_lookup_max)
         if self.corpus is not None:
-            depth, source, at = self.corpus.match(tokens)
+            depth, draft = self.corpus.propose(tokens, k)
             if depth > n:
-                return source[at:at + k]
+                return draft
         return extend(tokens, start, k) if n else []
 
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
