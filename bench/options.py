@@ -15,9 +15,10 @@ from pagedq.worker.config import EngineConfig
 
 SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue", "gateway",
              "structured", "llama_cpp", "quant")
-# Asked for by name only (--scenarios shared,memory): "shared" loads the machine on purpose and
-# "memory" writes a 3.4 GB model and needs llama.cpp's llama-quantize.
-OPT_IN_SCENARIOS = ("shared", "memory")
+# Asked for by name only (--scenarios shared,memory): "shared" loads the machine on purpose,
+# "memory" writes a 3.4 GB model and needs llama.cpp's llama-quantize, "spec" runs three
+# engines side by side for tens of minutes (bench/spec_scenario.py).
+OPT_IN_SCENARIOS = ("shared", "memory", "spec")
 ALL_SCENARIOS = SCENARIOS + OPT_IN_SCENARIOS
 
 
@@ -86,6 +87,20 @@ class BenchConfig(EngineConfig):
     structured_requests: int = 64
     structured_max_tokens: int = 160
     structured_temperature: float = 0.0
+
+    # spec: speculation off / ngram / suffix on extraction, edit and chat jobs, alternated
+    # (bench/spec_scenario.py); rounds (batches per engine) per stream count, and more
+    # extraction rounds at spec_learning_streams so the suffix engine sees 50 jobs first
+    spec_streams: tuple[int, ...] = (1, 8, 64)
+    spec_rounds: tuple[int, ...] = (2, 2, 1)
+    spec_learning_streams: int = 8
+    spec_learning_rounds: int = 8
+    spec_max_tokens: int = 96
+    spec_prompt_tokens_max: int = 256  # KV sizing per stream (the chat prompts are shorter)
+    spec_num_speculative_tokens: int = 4
+    spec_disable_by_batch_size: int | None = None  # None: SpeculativeConfig's default
+    # ngram forced on at every batch size vs off (where verification stops paying)
+    spec_threshold_streams: tuple[int, ...] = (4, 16, 32)
 
     # queue: the throughput trace through Redis (worker subprocess + client)
     redis_url: str | None = None  # None: start a private redis-server for the run
@@ -185,6 +200,10 @@ def quick(**overrides: Any) -> BenchConfig:
         shared_repeats=2,
         quant_fidelity_tokens=16,
         structured_requests=16,
+        spec_rounds=(1, 1, 1),
+        spec_learning_rounds=1,
+        spec_max_tokens=48,
+        spec_threshold_streams=(16,),
     )
     base.update(overrides)
     return BenchConfig(**base)

@@ -19,9 +19,9 @@ import torch
 
 from pagedq.bench import memory_bound, quant_scenario, shared_cpu, spec_scenario
 from pagedq.bench.bandwidth import stream_read_gbps
+from pagedq.bench.context import BenchContext
 from pagedq.bench.contiguous import same_running_set_utilization
 from pagedq.bench.structured_scenario import figures as _structured
-from pagedq.bench.context import BenchContext
 from pagedq.bench.timeline import p99_over_p50, summarize
 
 FIGURE_KEYS = (
@@ -418,6 +418,10 @@ def assemble(run: BenchContext) -> dict[str, Any]:
     if "quant" in run.config.scenarios and out["quant"] is None:
         why = run.unavailable.get("quant") or run.errors.get("quant")
         out["unavailable"]["quant"] = f"unavailable: {why or 'no measurement was produced'}"
+    out["spec"] = spec_scenario.figures(res.get("spec"))
+    if "spec" in run.config.scenarios and out["spec"] is None:
+        why = run.unavailable.get("spec") or run.errors.get("spec")
+        out["unavailable"]["spec"] = f"unavailable: {why or 'no measurement was produced'}"
     out["shared"] = shared_cpu.figures(res.get("shared"))
     out["memory"] = memory_bound.figures(res.get("memory"))
     out["config"] = _jsonable(run.config.to_dict())
@@ -524,6 +528,8 @@ def table(doc: dict[str, Any]) -> str:
         lines.append("(ITL: decodes running while a long prompt arrives; details in the JSON)")
     if doc.get("quant"):
         lines.append(quant_scenario.table(doc["quant"]))
+    if doc.get("spec"):
+        lines.append(spec_scenario.markdown(doc["spec"]))
     if doc.get("shared"):
         lines.append(shared_cpu.markdown(doc["shared"]))
     if doc.get("memory"):
@@ -620,6 +626,8 @@ def markdown(doc: dict[str, Any]) -> str:
         lines.append(f"- `{key}`: {why}")
     if doc.get("quant"):
         lines += ["", quant_scenario.markdown(doc["quant"])]
+    if doc.get("spec"):
+        lines += ["", spec_scenario.markdown(doc["spec"])]
     if doc.get("shared"):
         lines += ["", shared_cpu.markdown(doc["shared"])]
     if doc.get("memory"):

@@ -60,6 +60,8 @@ class BenchRun(BenchContext):
             engine_parts.append(("structured", functools.partial(structured_scenario.structured, self)))
         if "shared" in wanted:
             engine_parts.append(("shared", functools.partial(shared_cpu.measure, self)))
+        if "spec" in wanted:
+            engine_parts.append(("spec", functools.partial(spec_scenario.measure, self)))
         for name, part in engine_parts:
             self._timed(name, part)
             gc.collect()  # the part's engine (and its KV cache) is gone before the next one

@@ -1,0 +1,346 @@
+"""The ``spec`` scenario: speculative decoding (n-gram and suffix drafts) against none.
+
+Three workloads of chat prompts on the run's model, each at ``spec_streams`` concurrent
+streams, each batch served by three engines built side by side (speculation off, ``ngram``,
+``suffix``) in turn, round after round, so a drift of the shared machine's speed lands on all
+three alike:
+
+- **extraction**: a short record made from the seed, "return these fields as JSON", with a
+  json_schema (the structured scenario's schema);
+- **edit**: "repeat this paragraph with every date in ISO format";
+- **chat**: open questions.
+
+All requests are greedy, so every engine must produce the same tokens (a difference is
+counted: a near-tie flip, see docs/engine.md). Per workload and stream count: decode tok/s
+(tokens after the last first token, over the time after it, like the decode sweep), the
+acceptance rate, and tokens per decode step per job (distinct step timestamps of its tokens: a
+machine-independent figure, the ceiling of the speed-up).
+
+The extraction workload at ``spec_learning_streams`` runs ``spec_learning_rounds`` rounds, so
+the suffix engine, which drafts from earlier requests' outputs too, has seen 50 extraction jobs
+before the last rounds: its tokens per step on jobs 50 and later are compared with ngram's.
+
+``spec_threshold_streams``: ngram with speculation forced on at every batch size against off,
+on the extraction workload, to find where verification rows stop paying (the measured
+``disable_by_batch_size``).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedq.bench import driver
+from pagedq.bench.context import BenchContext, Unavailable
+from pagedq.bench.structured_scenario import SCHEMA, SampledRequest, record
+from pagedq.params import SamplingParams
+
+METHODS = ("off", "ngram", "suffix")
+WORKLOADS = ("extraction", "edit", "chat")
+NEVER_OFF = 1 << 30  # disable_by_batch_size for the threshold sweep: speculation at any batch
+TARGETS = {"1": 2.0, "8": 1.5, "64": 0.97, "chat": 0.97}
+LEARNED_AFTER = 50  # suffix >= ngram on extraction from this job on
+
+MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August",
+          "September", "October", "November", "December"]
+SUBJECTS = ["The lease", "The audit", "The shipment", "Her contract", "The survey", "The trial",
+            "The merger", "The renovation", "His visa", "The warranty"]
+VERBS = ["started on", "was signed on", "ended on", "was delayed until", "was reviewed on",
+         "was renewed on", "was filed on", "closed on"]
+TOPICS = ["a lighthouse keeper", "learning to cook", "the history of bicycles", "a rainy city",
+          "how volcanoes form", "a friendly robot", "saving money", "the night sky",
+          "training for a marathon", "an old library", "growing tomatoes", "a trip to the sea"]
+ASKS = ["Write a short story about {}.", "What should a beginner know about {}?",
+        "Tell me something surprising about {}.", "Write a poem about {}.",
+        "Explain {} to a child."]
+
+
+def _date(rng: random.Random) -> str:
+    month, day, year = rng.choice(MONTHS), rng.randint(1, 28), rng.randint(1995, 2030)
+    return rng.choice([f"{month} {day}, {year}", f"{day} {month} {year}"])
+
+
+def extraction_text(rng: random.Random) -> str:
+    return ("Return these fields of the record as JSON: name, age, email (null if none), role, "
+            "city, skills.\n" + record(rng))
+
+
+def edit_text(rng: random.Random) -> str:
+    sentences = [f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {_date(rng)}."
+                 for _ in range(rng.randint(3, 4))]
+    return ("Repeat this paragraph with every date in ISO format (YYYY-MM-DD), changing "
+            "nothing else:\n\n" + " ".join(sentences))
+
+
+def chat_text(rng: random.Random) -> str:
+    return rng.choice(ASKS).format(rng.choice(TOPICS))
+
+
+TEXTS = {"extraction": extraction_text, "edit": edit_text, "chat": chat_text}
+
+
+def jobs(engine: Any, workload: str, count: int, seed: int, max_tokens: int,
+         tag: str) -> list[SampledRequest]:
+    """``count`` greedy chat requests of ``workload`` (the extraction ones with the schema)."""
+    rng = random.Random(f"{workload}-{seed}")
+    out = []
+    for i in range(count):
+        prompt = engine.apply_chat_template([{"role": "user", "content": TEXTS[workload](rng)}])
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=(
+            {"json": SCHEMA} if workload == "extraction" else None))
+        out.append(SampledRequest(f"{tag}-{i}", prompt, max_tokens, params))
+    return out
+
+
+@dataclass
+class Batch:
+    """One batch served by one engine: its decode rate and what its drafts did."""
+
+    method: str
+    tokens: int
+    decode_tokens: int
+    decode_s: float
+    drafted: int
+    accepted: int
+    steps_per_job: dict[str, int]
+    tokens_per_job: dict[str, int]
+    outputs: dict[str, list[int]] = field(repr=False)
+
+
+def serve_batch(engine: Any, method: str, requests: list[SampledRequest]) -> Batch:
+    before = engine.stats()
+    run = driver.serve(engine, requests, record_kv=False, keep_outputs=True)
+    after = run.stats_after
+    times = run.timeline.requests
+    prompt_done = max(r.token_times[0] for r in times.values())
+    last = max(r.token_times[-1] for r in times.values())
+    decode_tokens = sum(sum(1 for t in r.token_times if t > prompt_done) for r in times.values())
+
+    def delta(key: str) -> int:
+        return int(after.get(key, 0) or 0) - int(before.get(key, 0) or 0)
+
+    return Batch(method=method, tokens=run.timeline.output_tokens, decode_tokens=decode_tokens,
+                 decode_s=last - prompt_done, drafted=delta("spec_decode_num_draft_tokens"),
+                 accepted=delta("spec_decode_num_accepted_tokens"),
+                 steps_per_job={k: len(set(r.token_times)) for k, r in times.items()},
+                 tokens_per_job={k: len(r.token_times) for k, r in times.items()},
+                 outputs=run.outputs)
+
+
+def measure(bench: BenchContext) -> None:
+    """The scenario (``bench.results["spec"]``)."""
+    from pagedq.worker.models.loader import load_tokenizer
+
+    if load_tokenizer(bench.model_dir) is None:
+        raise Unavailable("the spec workloads are chat prompts: this model has no tokenizer")
+    c = bench.config
+    engines = build_engines(bench)
+    grid: dict[str, dict[str, list[list[Batch]]]] = {}
+    for workload in WORKLOADS:
+        grid[workload] = {}
+        for streams, rounds in zip(c.spec_streams, c.spec_rounds, strict=True):
+            if workload == "extraction" and streams == c.spec_learning_streams:
+                rounds = max(rounds, c.spec_learning_rounds)
+            grid[workload][str(streams)] = run_rounds(bench, engines, workload, streams, rounds)
+    threshold = sweep_threshold(bench, engines["off"])
+    bench.results["spec"] = {"grid": grid, "threshold": threshold,
+                             "suffix_stats": engines["suffix"].stats(),
+                             "disable_by_batch_size": engines["ngram"].drafter.config
+                             .disable_by_batch_size}
+
+
+def build_engines(bench: BenchContext) -> dict[str, Any]:
+    """Off, ngram and suffix engines on the same knobs (speculation's defaults but for
+    ``num_speculative_tokens`` and, when set, ``disable_by_batch_size``)."""
+    extra = ({"disable_by_batch_size": bench.config.spec_disable_by_batch_size}
+             if bench.config.spec_disable_by_batch_size else {})
+    return {"off": spec_engine(bench, None), **{m: spec_engine(bench, m, **extra)
+                                                for m in ("ngram", "suffix")}}
+
+
+def spec_engine(bench: BenchContext, method: str | None, **spec: Any) -> Any:
+    """An engine holding the largest batch the scenario runs, speculating with ``method``."""
+    c = bench.config
+    top = max((*c.spec_streams, *c.spec_threshold_streams))
+    k = c.spec_num_speculative_tokens
+    per_seq = bench.blocks_for(c.spec_prompt_tokens_max + c.spec_max_tokens + k + 1) + 1
+    config = None if method is None else {"method": method, "num_speculative_tokens": k, **spec}
+    return bench.engine(speculative_config=config, max_num_seqs=top,
+                        num_kv_blocks=top * per_seq + 16,
+                        max_num_batched_tokens=max(c.max_num_batched_tokens, top * (k + 1)))
+
+
+def run_rounds(bench: BenchContext, engines: dict[str, Any], workload: str, streams: int,
+               rounds: int) -> list[list[Batch]]:
+    """``rounds`` batches of ``streams`` new jobs, each served by off, ngram, suffix in turn."""
+    c = bench.config
+    out = []
+    for r in range(rounds):
+        reqs = jobs(engines["off"], workload, streams, c.seed + 1000 * streams + r,
+                    c.spec_max_tokens, f"spec-{workload}-{streams}-{r}")
+        out.append([serve_batch(engines[m], m, reqs) for m in engines])
+    return out
+
+
+def sweep_threshold(bench: BenchContext, off: Any) -> list[dict[str, Any]]:
+    """Off against ngram with speculation at every batch size, one extraction batch each."""
+    c = bench.config
+    if not c.spec_threshold_streams:
+        return []
+    forced = spec_engine(bench, "ngram", disable_by_batch_size=NEVER_OFF)
+    rows = []
+    for streams in c.spec_threshold_streams:
+        reqs = jobs(off, "extraction", streams, c.seed + 7 + streams, c.spec_max_tokens,
+                    f"spec-threshold-{streams}")
+        a, b = serve_batch(off, "off", reqs), serve_batch(forced, "ngram", reqs)
+        rows.append({"streams": streams, "off_tok_s": rate([a]), "ngram_tok_s": rate([b]),
+                     "ratio": rate([b]) / rate([a]), "acceptance_rate": acceptance([b]),
+                     "identical": a.outputs == b.outputs})
+    return rows
+
+
+# -- figures ------------------------------------------------------------------------------------
+def rate(batches: list[Batch]) -> float:
+    """Decode tok/s over batches: their decode tokens over their decode seconds."""
+    return sum(b.decode_tokens for b in batches) / max(sum(b.decode_s for b in batches), 1e-9)
+
+
+def acceptance(batches: list[Batch]) -> float | None:
+    drafted = sum(b.drafted for b in batches)
+    return sum(b.accepted for b in batches) / drafted if drafted else None
+
+
+def tokens_per_step(batches: list[Batch], jobs_from: int = 0,
+                    order: list[str] | None = None) -> float | None:
+    """Decode tokens per decode step, over the jobs from the ``jobs_from``-th on (in ``order``)."""
+    chosen = set((order or [])[jobs_from:]) if order is not None else None
+    tok = steps = 0
+    for b in batches:
+        for job, n in b.tokens_per_job.items():
+            if chosen is None or job in chosen:
+                tok += n - 1
+                steps += b.steps_per_job[job] - 1
+    return tok / steps if steps else None
+
+
+def by_method(rounds: list[list[Batch]]) -> dict[str, list[Batch]]:
+    out: dict[str, list[Batch]] = {}
+    for batches in rounds:
+        for b in batches:
+            out.setdefault(b.method, []).append(b)
+    return out
+
+
+def flips(rounds: list[list[Batch]]) -> dict[str, int]:
+    """Per method, the jobs whose tokens differ from off's."""
+    out = {}
+    for batches in rounds:
+        ref = next(b for b in batches if b.method == "off").outputs
+        for b in batches:
+            if b.method != "off":
+                out[b.method] = out.get(b.method, 0) + sum(b.outputs[k] != ref[k] for k in ref)
+    return out
+
+
+def figures(results: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Per workload and stream count: tok/s, ratio to off, acceptance, tokens per step, flips;
+    the learning comparison; the threshold sweep; each target's verdict."""
+    if not results:
+        return None
+    cells: dict[str, dict[str, Any]] = {}
+    for workload, per_streams in results["grid"].items():
+        cells[workload] = {}
+        for streams, rounds in per_streams.items():
+            m = by_method(rounds)
+            off = rate(m["off"])
+            cells[workload][streams] = {
+                "rounds": len(rounds), "jobs": sum(len(b.tokens_per_job) for b in m["off"]),
+                "tok_s": {k: rate(v) for k, v in m.items()},
+                "ratio": {k: rate(v) / off for k, v in m.items() if k != "off"},
+                "acceptance_rate": {k: acceptance(v) for k, v in m.items() if k != "off"},
+                "tokens_per_step": {k: tokens_per_step(v) for k, v in m.items()},
+                "outputs_differ": flips(rounds)}
+    return {"cells": cells, "learning": learning(results), "threshold": results["threshold"],
+            "disable_by_batch_size": results.get("disable_by_batch_size"),
+            "suffix_stats": {k: v for k, v in (results.get("suffix_stats") or {}).items()
+                             if k.startswith("spec_")},
+            "targets": TARGETS, "met": verdicts(cells, learning(results))}
+
+
+def learning(results: dict[str, Any]) -> dict[str, Any] | None:
+    """Tokens per step of ngram and suffix on the extraction jobs from the 50th on, counting
+    every extraction job the engines served, in order."""
+    per_streams = results["grid"].get("extraction") or {}
+    order: list[str] = []
+    batches: dict[str, list[Batch]] = {}
+    for rounds in per_streams.values():
+        for round_ in rounds:
+            for b in round_:
+                batches.setdefault(b.method, []).append(b)
+            order += list(round_[0].tokens_per_job)
+    if len(order) <= LEARNED_AFTER:
+        return {"jobs": len(order), "note": f"fewer than {LEARNED_AFTER + 1} extraction jobs"}
+    return {"jobs": len(order), "from_job": LEARNED_AFTER,
+            **{f"{m}_tokens_per_step": tokens_per_step(batches[m], LEARNED_AFTER, order)
+               for m in ("ngram", "suffix")}}
+
+
+def verdicts(cells: dict[str, Any], learned: dict[str, Any] | None) -> dict[str, bool | None]:
+    """Each target per method: 1 and 8 streams on extraction and edit, 64 streams everywhere,
+    chat at every stream count, suffix >= ngram on extraction from the 50th job."""
+    met: dict[str, bool | None] = {}
+    for workload, per_streams in cells.items():
+        for streams, cell in per_streams.items():
+            bar = TARGETS["chat"] if workload == "chat" else TARGETS.get(streams)
+            if bar is None:
+                continue
+            for method, ratio in cell["ratio"].items():
+                met[f"{workload}_{streams}_{method}"] = ratio >= bar
+    if learned and "suffix_tokens_per_step" in learned:
+        met["suffix_ge_ngram_from_job_50"] = (learned["suffix_tokens_per_step"] or 0) >= (
+            learned["ngram_tokens_per_step"] or 0)
+    return met
+
+
+def _f(v: Any, digits: int = 3) -> str:
+    return "-" if v is None else (f"{v:.{digits}g}" if isinstance(v, float) else str(v))
+
+
+def markdown(figs: dict[str, Any] | None) -> str:
+    """docs' table: per workload and streams, tok/s off / ngram / suffix, ratios, acceptance,
+    tokens per step, target and verdicts."""
+    if not figs:
+        return ""
+    lines = ["| workload | streams | tok/s off | ngram (x off) | suffix (x off) | acceptance "
+             "ngram / suffix | tokens/step off / ngram / suffix | target | outputs differ |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for workload, per_streams in figs["cells"].items():
+        for streams, cell in per_streams.items():
+            tok, ratio, acc, tps = (cell["tok_s"], cell["ratio"], cell["acceptance_rate"],
+                                    cell["tokens_per_step"])
+            bar = TARGETS["chat"] if workload == "chat" else TARGETS.get(streams)
+            lines.append(
+                f"| {workload} | {streams} | {_f(tok['off'])} | {_f(tok['ngram'])} "
+                f"({_f(ratio['ngram'])}x) | {_f(tok['suffix'])} ({_f(ratio['suffix'])}x) | "
+                f"{_f(acc['ngram'], 2)} / {_f(acc['suffix'], 2)} | "
+                + " / ".join(_f(tps[m], 3) for m in METHODS)
+                + f" | {'>= ' + str(bar) + 'x' if bar else '-'} | "
+                f"{cell['outputs_differ'].get('ngram', 0)} / "
+                f"{cell['outputs_differ'].get('suffix', 0)} of {cell['jobs']} |")
+    learned = figs.get("learning") or {}
+    if "suffix_tokens_per_step" in learned:
+        lines += ["", f"Extraction jobs {learned['from_job']}..{learned['jobs'] - 1} (after the "
+                  f"suffix engine saw {learned['from_job']}): tokens per decode step ngram "
+                  f"{_f(learned['ngram_tokens_per_step'])}, suffix "
+                  f"{_f(learned['suffix_tokens_per_step'])}."]
+    if figs.get("threshold"):
+        lines += ["", "| streams (ngram forced on) | tok/s off | tok/s ngram | ratio | "
+                  "acceptance | outputs identical |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['streams']} | {_f(r['off_tok_s'])} | {_f(r['ngram_tok_s'])} | "
+                  f"{_f(r['ratio'])} | {_f(r['acceptance_rate'], 2)} | {r['identical']} |"
+                  for r in figs["threshold"]]
+    met = figs.get("met") or {}
+    lines += ["", "Targets: " + "; ".join(
+        f"{k} {'met' if v else 'NOT met'}" for k, v in met.items() if v is not None) + "."]
+    return "\n".join(lines) + "\n"

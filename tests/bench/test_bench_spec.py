@@ -1,0 +1,75 @@
+"""The bench's ``spec`` scenario: end to end on a random-weight model with the bundled
+tokenizer (structure and exactness only, never timings), and its figures against hand-worked
+batches."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedq.bench.options import quick
+from pagedq.bench.report import markdown, table
+from pagedq.bench.run import run_bench
+from pagedq.bench.spec_scenario import Batch, figures, learning, tokens_per_step
+from tests.engine.structured_cases import build_random_model
+
+
+@pytest.fixture(scope="module")
+def doc(tmp_path_factory):
+    model = build_random_model(tmp_path_factory.mktemp("random-smol-vocab"))
+    config = quick(model=str(model), num_threads=1, max_model_len=1024, scenarios=("spec",),
+                   spec_streams=(1, 3), spec_rounds=(1, 1), spec_learning_streams=3,
+                   spec_learning_rounds=2, spec_max_tokens=12, spec_threshold_streams=(2,))
+    doc, _ = run_bench(config)
+    return doc
+
+
+def test_spec_figures(doc):
+    assert doc["errors"] == {}
+    spec = doc["spec"]
+    assert set(spec["cells"]) == {"extraction", "edit", "chat"}
+    for workload, cells in spec["cells"].items():
+        assert set(cells) == {"1", "3"}
+        for streams, cell in cells.items():
+            assert set(cell["tok_s"]) == {"off", "ngram", "suffix"}
+            assert all(v > 0 for v in cell["tok_s"].values())
+            # greedy on fp32 weights: speculation changes no token
+            assert cell["outputs_differ"] == {"ngram": 0, "suffix": 0}
+            assert cell["tokens_per_step"]["off"] == pytest.approx(1.0)
+            expected = 2 if (workload, streams) == ("extraction", "3") else 1
+            assert cell["rounds"] == expected and cell["jobs"] == expected * int(streams)
+    assert spec["learning"] == {"jobs": 7, "note": "fewer than 51 extraction jobs"}
+    (row,) = spec["threshold"]
+    assert row["streams"] == 2 and row["identical"] and row["ratio"] > 0
+    assert spec["disable_by_batch_size"] >= 1
+    assert spec["suffix_stats"]["spec_suffix_requests"] > 0
+    assert "tok/s off" in markdown(doc) and "tok/s off" in table(doc)
+
+
+def batch(method, tokens, steps, drafted=0, accepted=0):
+    return Batch(method=method, tokens=sum(tokens.values()), decode_tokens=10, decode_s=1.0,
+                 drafted=drafted, accepted=accepted, steps_per_job=steps, tokens_per_job=tokens,
+                 outputs={k: [1] * n for k, n in tokens.items()})
+
+
+def test_tokens_per_step_and_learning_by_hand():
+    # job a: 9 tokens in 4 steps (1 prefill + 3 decode steps: 8 decode tokens / 3)
+    b = batch("ngram", {"a": 9, "b": 5}, {"a": 4, "b": 5})
+    assert tokens_per_step([b]) == pytest.approx((8 + 4) / (3 + 4))
+    assert tokens_per_step([b], 1, ["a", "b"]) == pytest.approx(1.0)
+    rounds = []
+    for r in range(26):  # 52 jobs, two per round: jobs 50 and 51 are the last round's
+        ids = (f"j{2 * r}", f"j{2 * r + 1}")
+        fast = 3 if r == 25 else 1
+        rounds.append([batch("off", dict.fromkeys(ids, 7), dict.fromkeys(ids, 7)),
+                       batch("ngram", dict.fromkeys(ids, 7), dict.fromkeys(ids, 7)),
+                       batch("suffix", dict.fromkeys(ids, 7), dict.fromkeys(ids, 1 + 6 // fast),
+                             drafted=8, accepted=4)])
+    results = {"grid": {"extraction": {"8": rounds}}, "threshold": []}
+    learned = learning(results)
+    assert learned == {"jobs": 52, "from_job": 50, "ngram_tokens_per_step": 1.0,
+                       "suffix_tokens_per_step": 3.0}
+    figs = figures(results)
+    cell = figs["cells"]["extraction"]["8"]
+    assert cell["acceptance_rate"]["suffix"] == 0.5 and cell["acceptance_rate"]["ngram"] is None
+    assert figs["met"]["suffix_ge_ngram_from_job_50"] is True
+    assert figs["met"]["extraction_8_ngram"] is False  # 1.0x against 1.5x
