@@ -34,7 +34,10 @@ from typing import Any
 from pagedq.bench import driver
 from pagedq.bench.context import BenchContext, Unavailable
 from pagedq.bench.structured_scenario import SCHEMA, SampledRequest, record
+from pagedq.logging import get_logger
 from pagedq.params import SamplingParams
+
+log = get_logger("pagedq.bench.spec")
 
 METHODS = ("off", "ngram", "suffix")
 WORKLOADS = ("extraction", "edit", "chat")
@@ -180,6 +183,8 @@ def run_rounds(bench: BenchContext, engines: dict[str, Any], workload: str, stre
         reqs = jobs(engines["off"], workload, streams, c.seed + 1000 * streams + r,
                     c.spec_max_tokens, f"spec-{workload}-{streams}-{r}")
         out.append([serve_batch(engines[m], m, reqs) for m in engines])
+        log.info("spec batch", workload=workload, streams=streams, round=r,
+                 **{f"{b.method}_tok_s": round(rate([b]), 1) for b in out[-1]})
     return out
 
 
