@@ -143,10 +143,11 @@ class SpeculativeConfig:
     """suffix: the longest match looked for in the corpus of earlier requests, in tokens."""
     suffix_decoding_max_cached_requests: int = 1000
     """suffix: earlier requests' prompts and outputs kept (least recently used leave first)."""
-    disable_by_batch_size: int = 16
+    disable_by_batch_size: int = 48
     """No drafts in a step that already runs this many sequences: a large batch is compute
-    bound and verification rows would cost more than they save. Measure it per machine (see
-    docs/engine.md)."""
+    bound and verification rows would cost more than they save. 48: on this repository's
+    2-core Zen 4 CPU forced-on ngram still paid at 32 streams and lost at 64 (docs/engine.md);
+    measure it per machine with ``pagedq bench --scenarios spec``."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
