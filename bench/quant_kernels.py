@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedq.kernels.backend import process_selector
+from pagedq.kernels.block_formats import FORMATS, QuantWeight, as_bf16, quantize_int8
 from pagedq.kernels.cpu_ops import GemmPrecision, Isa
-from pagedq.worker.models.quant import FORMATS, QuantWeight, as_bf16, quantize_int8
 
 HIDDEN, INTERMEDIATE, VOCAB, LAYERS = 576, 1536, 49152, 30
 PACKED = ("q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k", "int8")

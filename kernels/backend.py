@@ -233,7 +233,7 @@ def _gemv_rows(fmt: str, rows: int, precision: str, grouped: bool) -> int:
 
 @dataclass(frozen=True)
 class PackedChoice:
-    """How ``x @ W.T`` runs for a weight kept in a packed format (pagedq.worker.models.quant).
+    """How ``x @ W.T`` runs for a weight kept in a packed format (pagedq.kernels.block_formats).
 
     ``kind`` "cpp": the packed GEMV (integer dot products, ``isa``) for steps of at most
     ``gemv_rows`` rows, the bf16-tile GEMM in ``precision`` (a PACKED_PRECISIONS name) for more;
@@ -339,7 +339,15 @@ class Selector:
                  has_triton: bool | None = None, cpu_isa: str = "auto") -> None:
         self.switches = switches or Switches()
         self.cpu = (cpu or process_cpu()).capped(cpu_isa)
-        self.has_triton = triton_available() if has_triton is None else has_triton
+        self._has_triton = has_triton
+
+    @property
+    def has_triton(self) -> bool:
+        """Whether triton imports, asked only for an accelerator: importing it costs ~65 MB
+        resident, which a CPU engine never uses."""
+        if self._has_triton is None:
+            self._has_triton = triton_available()
+        return self._has_triton
 
     def library(self) -> CpuOps | None:
         """The C++ ops when this CPU runs them and they build; None otherwise."""

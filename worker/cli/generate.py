@@ -95,11 +95,11 @@ def run(args: argparse.Namespace) -> int:
         params = sampling_from_args(args)
         config = EngineConfig(**engine_knobs(args))
         with waiting("reading the model's tokenizer and checking the prompts", log):
-            prompts, config = prepare(config, texts, params, args)
+            prompts, config, files = prepare(config, texts, params, args)
         from pagedq.worker import Engine
 
         with waiting("loading the model", log, delay=0, model=config.model):
-            engine = Engine(config=config)
+            engine = Engine(config=config, files=files)
         if len(prompts) == 1 and params.n == 1 and not args.json:
             return stream_one(engine, prompts[0], params)
         for text, out in zip(texts, engine.generate(prompts, params), strict=True):
@@ -117,29 +117,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def prepare(config: Any, texts: list[str], params: Any, args: argparse.Namespace
-            ) -> tuple[list[list[int]], Any]:
+            ) -> tuple[list[list[int]], Any, Any]:
     """Token ids of each prompt (chat template applied for ``chat``), checked against the
-    model's length, and ``config`` with a KV cache just large enough for them, unless one was
-    asked for. Reads the model's config and tokenizer only, never its weights."""
-    from pagedq.worker.engine.intake import chat_prompt, fit_lengths, tokenize
-    from pagedq.worker.engine.sizing import blocks_for
-    from pagedq.worker.models.loader import load_config, load_tokenizer, resolve_model
+    model's length, ``config`` with the KV cache the engine says they need (unless a size was
+    asked for), and the model's opened files, which the engine then loads without resolving or
+    reading the tokenizer again. Reads the model's config and tokenizer only, never its
+    weights."""
+    from pagedq.worker.engine.intake import chat_prompt, tokenize
+    from pagedq.worker.engine.sizing import fit_cache
+    from pagedq.worker.models.build import open_model
 
-    # The engine's rule (Engine.__init__): quantization "auto" keeps a GGUF packed, so the
-    # bundled model runs from its GGUF's blocks, with no fp32 conversion and no second fetch.
-    path = resolve_model(config.model, packed=config.quantization == "auto")
-    hf_config, tokenizer = load_config(path), load_tokenizer(path)
+    files = open_model(config)  # the engine's rule: the bundled GGUF stays packed
     if args.chat:
-        prompts = [chat_prompt(tokenizer, path, conversation(args, t), params) for t in texts]
+        prompts = [chat_prompt(files.tokenizer, files.path, conversation(args, t), params)
+                   for t in texts]
     else:
-        prompts = [tokenize(tokenizer, hf_config.vocab_size, path, t, None)[1] for t in texts]
-    limit = config.max_model_len or hf_config.max_position_embeddings
-    lengths = [len(ids) + fit_lengths(ids, params, limit).max_tokens for ids in prompts]
-    config = replace(config, model=str(path))
-    if config.num_kv_blocks is None and config.kv_cache_memory is None:
-        config = replace(config, num_kv_blocks=blocks_for(lengths * params.n,
-                                                          config.resolved_block_size()))
-    return prompts, config
+        prompts = [tokenize(files.tokenizer, files.hf_config.vocab_size, files.path, t, None)[1]
+                   for t in texts]
+    config = fit_cache(replace(config, model=str(files.path)), files.hf_config, prompts, params)
+    return prompts, config, files
 
 
 def calls(params: Any, text: str) -> dict[str, Any]:
