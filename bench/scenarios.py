@@ -267,7 +267,7 @@ def llama_cpp(bench: BenchRun, wanted: set[str]) -> None:
     llama-server, on the GGUF pagedq serves packed (auto quantization), else an F32 GGUF of the
     same weights (see llama_cpp.py)."""
     from pagedq.worker.models.default_model import default_gguf
-    from pagedq.worker.models.loader import cache_dir, packed_source
+    from pagedq.worker.models.model_cache import cache_dir, packed_source
 
     from . import llama_cpp
 

@@ -83,6 +83,8 @@ def read_tools(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported when the command runs, not when `pagedq` builds its parser: structlog costs
+    # ~0.6 s and the engine package (torch) ~5 s, which `pagedq --help` never needs.
     from pagedq.logging import get_logger
     from pagedq.progress import waiting
     from pagedq.worker.cli.console import setup_console_logging
@@ -123,6 +125,7 @@ def prepare(config: Any, texts: list[str], params: Any, args: argparse.Namespace
     asked for), and the model's opened files, which the engine then loads without resolving or
     reading the tokenizer again. Reads the model's config and tokenizer only, never its
     weights."""
+    # the engine package imports torch (~5 s): loaded when the command runs (see run)
     from pagedq.worker.engine.intake import chat_prompt, tokenize
     from pagedq.worker.engine.sizing import fit_cache
     from pagedq.worker.models.build import open_model
@@ -143,7 +146,7 @@ def calls(params: Any, text: str) -> dict[str, Any]:
     so = params.structured_outputs
     if so is None or so.kind != "tools":
         return {}
-    from pagedq.tools import get_format, parse_tool_calls
+    from pagedq.tools import get_format, parse_tool_calls  # only with --tools (see run)
 
     _, found = parse_tool_calls(text, get_format(so.tool_spec.format))
     return {"tool_calls": [c.to_openai() for c in found]}

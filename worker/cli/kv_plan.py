@@ -113,7 +113,7 @@ def weights_text(path: Path, config: Any) -> str:
     """The resident weights: a packed GGUF's file size, else parameters x bytes per weight."""
     import torch
 
-    from pagedq.worker.models.loader import packed_source
+    from pagedq.worker.models.model_cache import packed_source
 
     gguf = packed_source(path)
     if gguf is not None:

@@ -88,15 +88,11 @@ class BuiltModel:
     backend: Backend
 
 
-def keeps_gguf_blocks(config: EngineConfig) -> bool:
-    """Whether a GGUF's blocks are served as stored (quantization ``auto``), which decides how
-    a GGUF resolves: a directory of config and tokenizer reading the GGUF, not an fp32 copy."""
-    return config.quantization == "auto"
-
-
 def open_model(config: EngineConfig) -> ModelFiles:
-    """Resolve ``config.model`` for its weight form and read its config and tokenizer."""
-    path = resolve_model(config.model, packed=keeps_gguf_blocks(config))
+    """Resolve ``config.model`` for its weight form and read its config and tokenizer.
+    Quantization ``auto`` serves a GGUF's blocks as stored, so a GGUF resolves to a directory
+    of config and tokenizer reading the GGUF (the bundled model too), not to an fp32 copy."""
+    path = resolve_model(config.model, packed=config.quantization == "auto")
     return ModelFiles(path, load_config(path), load_tokenizer(path), packed_source(path))
 
 

@@ -95,6 +95,8 @@ def rope_frequencies(config, rope_type: str) -> tuple[torch.Tensor, float]:
     and Qwen3), transformers' ROPE_INIT_FUNCTIONS for the scaled types. Importing the modeling
     module for its rotary class would load the whole PyTorch model code (~60-200 MB resident)
     for these few lines."""
+    # transformers costs ~3 s to import: the engine package imports this module long before
+    # a model loads (the worker's service, the CLI's parser)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     init = ROPE_INIT_FUNCTIONS.get(rope_type)  # transformers 4.x also lists "default"

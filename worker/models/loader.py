@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
 
 from pagedq.errors import ModelNotFoundError
 from pagedq.logging import get_logger
@@ -116,7 +117,7 @@ def _split_revision(text: str) -> tuple[str, str | None]:
 
 
 def _looks_like_repo_id(text: str) -> bool:
-    from huggingface_hub.utils import validate_repo_id
+    from huggingface_hub.utils import validate_repo_id  # with transformers' cost (load_config)
 
     if text.count("/") > 1 or text.startswith((".", "/", "~")):
         return False
@@ -129,7 +130,7 @@ def _looks_like_repo_id(text: str) -> bool:
 
 def _hf_cache_snapshot(repo_id: str, revision: str | None) -> tuple[Path | None, str]:
     """The cached snapshot directory of ``repo_id``, offline only; (None, why) when absent."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # with transformers' cost (load_config)
 
     hub = hf_hub_cache_dir()
     where = f"Hugging Face cache {str(hub)!r} (offline) for {repo_id!r}"
@@ -164,6 +165,8 @@ def _not_found_message(model: str, tried: list[str]) -> str:
 
 def load_config(path: Path) -> PretrainedConfig:
     """The model's transformers config (architecture flags the forward pass reads)."""
+    # transformers costs ~2-3 s to import (and its config classes ~70 MB): the engine package
+    # and the worker's service import this module without needing it until a model loads.
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(Path(path))
@@ -198,8 +201,6 @@ def iter_weights(path: Path) -> Iterator[tuple[str, Weight]]:
     Names are exactly the checkpoint's (Hugging Face names); dtypes are the checkpoint's too. A
     packed GGUF conversion yields its GGUF's tensors, blocks kept (QuantWeight).
     """
-    from safetensors import safe_open
-
     source = packed_source(path)
     if source is not None:
         yield from iter_gguf_weights(source)
@@ -224,6 +225,6 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         log.info("no tokenizer files; token ids only", model=str(path))
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # start-up cost: see load_config
 
     return AutoTokenizer.from_pretrained(path)

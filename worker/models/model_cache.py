@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from pagedq.errors import ModelNotFoundError
 from pagedq.logging import get_logger
@@ -172,8 +174,7 @@ def _quiet_progress_bars() -> Iterator[None]:
     """transformers' GGUF loader draws tqdm bars; they would garble JSON logs, and its
     dequantizing bar sits at 100 % through the slow part that follows (our waits say what
     runs instead). Its GGUF module calls tqdm directly, so that name is swapped too."""
-    import functools
-
+    # transformers costs ~2-3 s to import: only a conversion (once per GGUF) needs it here
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
@@ -193,7 +194,7 @@ def _quiet_progress_bars() -> Iterator[None]:
 
 def _write_converted(gguf_file: Path, out: Path, weights: bool = True) -> None:
     """Save ``gguf_file``'s config, tokenizer and (``weights``) fp32 tensors in HF layout."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # start-up cost: see _quiet_progress_bars
 
     src, name = gguf_file.parent, gguf_file.name
     if weights:
@@ -214,8 +215,7 @@ def _write_converted(gguf_file: Path, out: Path, weights: bool = True) -> None:
 
 def _write_fp32(gguf_file: Path, out: Path) -> None:
     """The model dequantized by transformers, saved with its config and generation config."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # start-up cost: see _quiet_progress_bars
 
     with _quiet_progress_bars(), waiting("dequantizing the GGUF's weights", log):
         model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
@@ -242,7 +242,7 @@ def _write_fp32(gguf_file: Path, out: Path) -> None:
 
 def _write_config(gguf_file: Path, out: Path) -> None:
     """The model's config (and a generation config from it) read from the GGUF's metadata alone."""
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig  # see _quiet_progress_bars
 
     config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     if hasattr(config, "quantization_config"):

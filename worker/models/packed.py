@@ -59,7 +59,7 @@ class TritonProjection:
     bias: torch.Tensor | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from pagedq.kernels.triton_quant import triton_quant_linear
+        from pagedq.kernels.triton_quant import triton_quant_linear  # triton: optional, CUDA
 
         outs = [F.linear(x, p.to(x.dtype)) if isinstance(p, torch.Tensor) else triton_quant_linear(x, p)
                 for p in self.parts]
