@@ -48,7 +48,11 @@ class Engine(OfflineAPI):
     """A paged-KV, continuously batched LLM engine for one model on one device.
 
     ``Engine(model, **knobs)`` takes every field of EngineConfig as a keyword (or a whole
-    ``config=``); ``self.config`` is that config with the device's block size filled in.
+    ``config=``); ``self.config`` is that config with the device's block size filled in. The
+    model comes from the models layer's one room (pagedq.worker.models.build), which resolves
+    it, picks its weight form (``self.weight_form``), loads it and chooses its kernels
+    (``self.backend``); ``files=`` hands it a model already opened there (the CLI opens it to
+    size the cache for its prompts).
     """
 
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
