@@ -18,7 +18,6 @@ nowhere else. The steps, in order:
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,7 @@ from pagedq.progress import waiting
 from pagedq.worker.config import EngineConfig
 from pagedq.worker.models.llama import CausalLM
 from pagedq.worker.models.loader import iter_weights, load_config, load_tokenizer, resolve_model
-from pagedq.worker.models.model_cache import packed_source
+from pagedq.worker.models.model_cache import packed_source, release_freed_heap
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -134,19 +133,6 @@ def build_model(config: EngineConfig, device: torch.device, kv_dtype: torch.dtyp
         model.use_backend(backend)
     release_freed_heap()
     return BuiltModel(files, form, model, backend)
-
-
-def release_freed_heap() -> None:
-    """Hand the heap the load freed back to the OS. Packing the weights for the kernels frees
-    many small temporaries among long-lived objects, and glibc keeps such pages: ~37 MB
-    resident for the bundled model, a tenth of the process. No-op off glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    trim = getattr(libc, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
 
 
 # --------------------------------------------------------------------------- weight forms
