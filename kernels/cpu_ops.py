@@ -25,7 +25,6 @@ This module builds, loads and names the ops. Which of them run is the backend se
 from __future__ import annotations
 
 import hashlib
-import os
 import platform
 import threading
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from pagedq.kernel_switches import environment_switches
 from pagedq.logging import get_logger
 from pagedq.progress import waiting
 
@@ -101,7 +101,7 @@ def build_directory(name: str, root: Path | None, sources: tuple[Path, ...] = ()
     if sources:
         where = str(Path(sources[0]).resolve().parent).encode()
         tag += "_" + hashlib.sha1(where).hexdigest()[:8]
-    base = root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    base = root or environment_switches().extensions_dir or get_default_build_root()
     return Path(base) / f"{name}_{tag}"
 
 

@@ -1,8 +1,8 @@
 """The config: every knob and every environment switch pagedq reads, defined once.
 
 - ``Settings``: the environment, read once per process (``settings()``); no other module of the
-  worker reads ``os.environ`` (the client resolves its Redis URL, the backend selector in
-  pagedq.kernels reads the kernel switches).
+  worker reads ``os.environ`` (the client resolves its Redis URL; pagedq.kernel_switches reads
+  the kernel switches, which are EngineConfig fields' defaults).
 - ``EngineConfig``: what the engine was asked for; every command derives its engine flags from
   its fields (pagedq.worker.cli).
 - ``WorkerConfig``: the queue service's knobs, likewise.
@@ -15,19 +15,25 @@ import functools
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 from pagedq.client.connection import TLSFiles
 from pagedq.client.protocol import DEFAULT_LIMITS, DEFAULT_PREFIX, DEFAULT_QUEUE, DEFAULT_TTL_S, Limits
 from pagedq.errors import InvalidRequestError
+from pagedq.kernel_switches import (
+    DEFAULT_PACKED_PRECISION,
+    PACKED_GEMM_PRECISIONS,
+    PackedGemmPrecision,
+    Switches,
+    environment_switches,
+)
 from pagedq.redis_url import pagedq_cache_dir
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: the model's dtype
 Quantization = Literal["auto", "none", "int8", "int4"]
-PackedGemmPrecision = Literal["bf16", "bf16x2", "bf16x3", "fp32"]  # kernels.backend.PACKED_PRECISIONS
 CpuIsa = Literal["auto", "avx2", "avx512", "avx512_vnni", "amx"]  # pagedq.kernels.ISA_LEVELS
 DTYPES: tuple[str, ...] = get_args(Dtype)
 
@@ -51,7 +57,6 @@ def parse_bytes(text: str | int) -> int:
 ByteSize = Annotated[int, parse_bytes]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
-PACKED_GEMM_PRECISIONS: tuple[str, ...] = get_args(PackedGemmPrecision)
 CPU_ISAS: tuple[str, ...] = get_args(CpuIsa)
 
 
@@ -219,7 +224,7 @@ class EngineConfig:
     """Weight format: auto keeps a GGUF's own blocks packed (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
     Q5_K, Q6_K; other types widen) and a float checkpoint in dtype; none widens everything to
     dtype; int8 (per channel) and int4 (groups of 32) quantize the projections at load."""
-    packed_gemm_precision: PackedGemmPrecision = "bf16x2"
+    packed_gemm_precision: PackedGemmPrecision = DEFAULT_PACKED_PRECISION
     """Products of packed weights for prefill chunks and large batches on the CPU. bf16x2 rounds
     each dequantized weight once to bf16 and multiplies it by the activations' bf16 heads and
     tails (two AMX products: the activations keep fp32 accuracy); bf16x3 adds the weights'
@@ -228,11 +233,22 @@ class EngineConfig:
     the dequantized model sooner: it misses the fidelity bars on tiny test models); fp32
     dequantizes tiles to fp32 for ATen's GEMM. The bf16 ones need AMX: every other CPU runs fp32
     whatever is asked (the start-up log says so). Decode steps take the integer GEMV either way."""
-    cpu_isa: CpuIsa = "auto"
+    cpu_isa: CpuIsa = field(default_factory=lambda: environment_switches().cpu_isa)
     """The highest CPU instruction-set level the kernels may use: avx2, avx512 (AVX-512F/VL/DQ/BW),
-    avx512_vnni (+ VNNI: integer dot products), amx (+ AMX bf16 tiles); auto: all this CPU has.
-    A cap runs exactly what a CPU of that level runs (pagedq.kernels.cpu_isa_levels() lists the
-    levels this machine runs); a level above the CPU's is refused at start."""
+    avx512_vnni (+ VNNI: integer dot products), amx (+ AMX bf16 tiles); auto: all this CPU has
+    (default: $PAGEDQ_CPU_ISA, which also caps the whole process, else auto). A cap runs exactly
+    what a CPU of that level runs (pagedq.kernels.cpu_isa_levels() lists the levels this machine
+    runs); a level above the CPU's is refused at start."""
+    cpu_kernels: bool = field(default_factory=lambda: environment_switches().cpu_kernels)
+    """Run pagedq's C++ CPU kernels (attention, skinny GEMV, packed GEMV/GEMM, the fused layer)
+    where the CPU and the build allow; off: torch's SDPA, oneDNN and dequantize-per-call
+    (default: off when $PAGEDQ_CPU_KERNEL=0)."""
+    onednn: bool = field(default_factory=lambda: environment_switches().onednn)
+    """Prepack float32 weights for oneDNN for the CPU's batched linears; off: F.linear (default:
+    off when $PAGEDQ_ONEDNN=0)."""
+    fused_layer: bool = field(default_factory=lambda: environment_switches().fused_layer)
+    """Run every decoder layer of a step in one C++ call where the step's rows fit the
+    attention kernel; off: the per-op Python layer (default: off when $PAGEDQ_FUSED_LAYER=0)."""
     kv_cache_dtype: KVCacheDtype = "auto"
     """KV cache dtype (auto: the model's). float16 under a float32 model on the CPU halves the
     memory attention reads per token."""
@@ -323,6 +339,12 @@ class EngineConfig:
         need(self.cpu_isa in CPU_ISAS, f"cpu_isa must be one of {CPU_ISAS}, got {self.cpu_isa!r}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+
+    def kernel_switches(self) -> Switches:
+        """The switches the backend selector gets: this config's, on the environment's rest
+        (TRITON_INTERPRET, TORCH_EXTENSIONS_DIR and the process's PAGEDQ_CPU_ISA cap)."""
+        return replace(environment_switches(), cpu_kernels=self.cpu_kernels,
+                       onednn=self.onednn, fused_layer=self.fused_layer)
 
     def resolved_block_size(self) -> int:
         """``block_size``, or the default of the device the engine will run on."""
