@@ -5,8 +5,10 @@
   the kernel switches, which are EngineConfig fields' defaults).
 - ``EngineConfig``: what the engine was asked for; every command derives its engine flags from
   its fields (pagedq.worker.cli).
-- ``WorkerConfig``: the queue service's knobs, likewise.
-- ``GatewayConfig``: ``pagedq serve``'s knobs (the OpenAI-compatible HTTP gateway).
+- ``QueueConfig``: where the queue is (Redis URL, TLS files) and its names (queue, prefix, ttl),
+  shared by the worker, the gateway, ``pagedq submit``/``stats`` and the bench.
+- ``WorkerConfig``: the queue service's knobs (a QueueConfig), likewise flags.
+- ``GatewayConfig``: ``pagedq serve``'s knobs (a QueueConfig; the OpenAI-compatible gateway).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pagedq.client.connection import TLSFiles
 from pagedq.client.protocol import DEFAULT_LIMITS, DEFAULT_PREFIX, DEFAULT_QUEUE, DEFAULT_TTL_S, Limits
@@ -352,17 +354,21 @@ class EngineConfig:
         return self.block_size or default_block_size(device_type)
 
 
-@dataclass
-class WorkerConfig:
-    """Everything ``pagedq worker`` takes; engine fields go straight to ``Engine``."""
+@dataclass(frozen=True)
+class QueueConfig:
+    """Where the queue is and how its keys are named: the fields every queue user shares.
 
-    model: str | None = None
-    """The engine's model (the ``--model`` flag); None: EngineConfig's default."""
+    The worker, the gateway, ``pagedq submit``/``stats`` and the bench each take these (their
+    configs inherit them, so the flags ``--redis-url``, ``--redis-ca``, ``--redis-cert``,
+    ``--redis-key``, ``--queue``, ``--prefix`` and ``--ttl`` are derived from here, once). A
+    config's ``FLAG_HELP`` words a field's help for its command where the meaning differs (what
+    happens without a Redis URL).
+    """
+
     redis_url: str | None = None
     """Redis holding the queue: a standalone server or any node of a Redis Cluster; rediss://
-    for TLS; credentials as redis://user:password@host (default: $REDIS_URL; without either, the
-    embedded redis-server another worker on this machine started, else a new one, which pagedq
-    submit and stats on this machine then find)."""
+    for TLS; credentials as redis://user:password@host (default: $REDIS_URL, else the embedded
+    Redis a `pagedq worker` on this machine advertises, else redis://localhost:6379/0)."""
     redis_ca: str | None = None
     """CA certificate file a rediss:// server's certificate must chain to (default: the
     system's CAs)."""
@@ -371,9 +377,47 @@ class WorkerConfig:
     redis_key: str | None = None
     """Private key file of --redis-cert."""
     queue: str = field(default_factory=lambda: settings().queue)
-    """Queue to serve (default: $PAGEDQ_QUEUE, else "default")."""
+    """Queue the jobs go to (default: $PAGEDQ_QUEUE, else "default")."""
     prefix: str = DEFAULT_PREFIX
     """Prefix of every Redis key the queue uses."""
+    ttl: int = DEFAULT_TTL_S
+    """Seconds each request's output stream and state live after their last write (the workers
+    and gateways of one queue should agree: a gateway resumes streams for this long)."""
+
+    FLAG_HELP: ClassVar[dict[str, str]] = {}
+
+    @property
+    def tls(self) -> TLSFiles | None:
+        """The TLS files given (None: none, the system's CAs for rediss://)."""
+        if not (self.redis_ca or self.redis_cert or self.redis_key):
+            return None
+        return TLSFiles(self.redis_ca, self.redis_cert, self.redis_key)
+
+    @property
+    def queue_config(self) -> QueueConfig:
+        """Just the queue's fields (of a WorkerConfig, GatewayConfig or BenchConfig)."""
+        return QueueConfig(**{f.name: getattr(self, f.name) for f in fields(QueueConfig)})
+
+    def client_options(self) -> dict[str, Any]:
+        """Keywords for ``Client(url, **options)`` / ``AsyncClient``: queue, prefix, ttl, tls."""
+        return {"queue": self.queue, "prefix": self.prefix, "ttl": self.ttl, "tls": self.tls}
+
+
+@dataclass(frozen=True)
+class WorkerConfig(QueueConfig):
+    """Everything ``pagedq worker`` takes; engine fields go straight to ``Engine``."""
+
+    FLAG_HELP: ClassVar[dict[str, str]] = {
+        "redis_url": "Redis holding the queue: a standalone server or any node of a Redis "
+                     "Cluster; rediss:// for TLS; credentials as redis://user:password@host "
+                     "(default: $REDIS_URL; without either, the embedded redis-server another "
+                     "worker on this machine started, else a new one, which pagedq submit and "
+                     "stats on this machine then find).",
+        "queue": 'Queue to serve (default: $PAGEDQ_QUEUE, else "default").',
+    }
+
+    model: str | None = None
+    """The engine's model (the ``--model`` flag); None: EngineConfig's default."""
     consumer_name: str | None = None
     """Stable consumer name in the queue's group, so a restarted worker resumes its own pending
     jobs (default: $PAGEDQ_CONSUMER_NAME, else the host name)."""
@@ -400,8 +444,6 @@ class WorkerConfig:
     """Bytes of a job's payload kept in the dead-letter stream (the rest is cut off)."""
     dead_letter_max_bytes: int = 32 << 20
     """Bytes the dead-letter stream may hold in all (it keeps the newest entries)."""
-    ttl: int = DEFAULT_TTL_S
-    """Seconds each request's output stream and state live after their last write."""
     checkpoint_interval: float = 1.0
     """Seconds between the worker's heartbeat and load reports."""
     checkpoint_ttl: float | None = None
@@ -430,29 +472,23 @@ class WorkerConfig:
                       self.max_stop_chars)
 
     @property
-    def tls(self) -> TLSFiles | None:
-        if not (self.redis_ca or self.redis_cert or self.redis_key):
-            return None
-        return TLSFiles(self.redis_ca, self.redis_cert, self.redis_key)
-
-    @property
     def checkpoint_ttl_s(self) -> float:
         """How long a checkpoint (and the consumer-name lock) outlives its worker."""
         return self.checkpoint_ttl or max(5.0, 3 * self.checkpoint_interval)
 
 
-@dataclass
-class GatewayConfig:
+@dataclass(frozen=True)
+class GatewayConfig(QueueConfig):
     """Everything ``pagedq serve`` takes. The gateway runs no model: its limits bound what one
     HTTP client can ask of the queue and of Redis."""
 
-    redis_url: str | None = None
-    """Redis holding the queue (default: $REDIS_URL; without either, an embedded redis-server
-    and one worker on --model start)."""
-    queue: str = field(default_factory=lambda: settings().queue)
-    """Queue the jobs go to (default: $PAGEDQ_QUEUE, else "default")."""
-    prefix: str = DEFAULT_PREFIX
-    """Prefix of every Redis key the queue uses."""
+    FLAG_HELP: ClassVar[dict[str, str]] = {
+        "redis_url": "Redis holding the queue (default: $REDIS_URL, else the embedded Redis a "
+                     "`pagedq worker` on this machine advertises; without any, an embedded "
+                     "redis-server and one worker on --model start).",
+        "ttl": "Seconds a stream stays resumable (match the workers' --ttl).",
+    }
+
     host: str = "127.0.0.1"
     """Address to listen on."""
     port: int = 8000
@@ -482,8 +518,6 @@ class GatewayConfig:
     """Least urgent priority a client may ask for (vLLM's sense); clamped likewise."""
     disconnect_grace: float = 10.0
     """Seconds a dropped stream may take to resume before its job is cancelled."""
-    ttl: int = DEFAULT_TTL_S
-    """Seconds a stream stays resumable (match the workers' --ttl)."""
     files_dir: str | None = None
     """Keep files in this directory (shared by every gateway) instead of Redis."""
     max_file_bytes: int = 64 << 20

@@ -30,6 +30,7 @@ ENGINE_SAMPLE = {
     "enable_prefix_caching": False, "num_threads": 3, "seed": 11, "grammar_cache_size": 5,
     "grammar_compile_threads": 3, "grammar_compile_timeout": 2.5, "quantization": "int4",
     "packed_gemm_precision": "bf16", "cpu_isa": "avx2", "adaptive_threads": False,
+    "cpu_kernels": False, "onednn": False, "fused_layer": False,
     "speculative_config": {"method": "suffix", "num_speculative_tokens": 3,
                            "prompt_lookup_min": 1, "prompt_lookup_max": 4,
                            "suffix_decoding_max_tree_depth": 8,

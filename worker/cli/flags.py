@@ -35,8 +35,10 @@ def flag_name(name: str) -> str:
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """Each field's help: ``metadata["help"]``, else the string literal right below the field
-    (an attribute docstring), inherited from base dataclasses too; whitespace collapsed."""
+    """Each field's help: the class's ``FLAG_HELP[name]`` (a subclass rewording an inherited
+    field for its command, e.g. QueueConfig's redis_url), else ``metadata["help"]``, else the
+    string literal right below the field (an attribute docstring), inherited from base
+    dataclasses too; whitespace collapsed."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
@@ -54,6 +56,7 @@ def field_docs(cls: type) -> dict[str, str]:
     for f in dataclasses.fields(cls):
         if f.metadata.get("help"):
             docs[f.name] = f.metadata["help"]
+    docs.update(getattr(cls, "FLAG_HELP", {}))  # a config's wording for its command
     return docs
 
 
