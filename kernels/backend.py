@@ -76,7 +76,7 @@ class BackendUnavailableError(RuntimeError):
 def triton_available() -> bool:
     """True when triton imports (it is an optional, x86-64-only dependency)."""
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401 - optional dependency
     except ImportError:
         return False
     return True

@@ -24,7 +24,6 @@ KNOWN_CYCLES: list[tuple[str, ...]] = [
     ("bench.gateway_path", "bench.memory_bound", "bench.quant_scenario", "bench.queue_path",
      "bench.report", "bench.run", "bench.scenarios", "bench.structured_scenario"),
     ("gateway.app", "gateway.batch_api", "gateway.completions", "gateway.tokenize"),
-    ("tools", "tools.formats", "tools.hermes", "tools.llama_json", "tools.parse", "tools.spec"),
     ("worker.engine.beam_search", "worker.engine.engine", "worker.engine.offline"),
     ("worker.engine.outputs", "worker.engine.sequence"),
     ("worker.models.default_model", "worker.models.loader"),
@@ -101,3 +100,27 @@ def test_the_sdk_imports_only_the_ground_floor(graph):
 def test_no_cycles_but_the_known_ones(graph):
     found = [tuple(ig.short(m) for m in c) for c in ig.cycles(graph)]
     assert found == sorted(KNOWN_CYCLES), ig.report(graph)
+
+
+# Folders whose function-level imports have been gone through: each stays inside its function
+# only for an optional dependency or a measured start-up cost, which a comment on it (or on the
+# block of imports it belongs to) says.
+REASONED = ("client/", "kernels/", "pagedq/", "worker/cli/", "worker/service/")
+
+
+def test_each_lazy_import_says_why(graph):
+    silent = []
+    for where in graph.function_imports:
+        path, line = where.rsplit(":", 1)
+        if not path.startswith(REASONED):
+            continue
+        lines = (ROOT / path).read_text().splitlines()
+        at = int(line) - 1
+        above = at - 1  # the block of imports (and blank lines) this one belongs to, upwards
+        while above >= 0 and lines[above].strip().split(" ")[0] in ("from", "import", "") \
+                and "#" not in lines[above]:
+            above -= 1
+        if "#" not in lines[at] and (above < 0 or "#" not in lines[above]):
+            silent.append(f"{where}: {lines[at].strip()}")
+    assert silent == [], "say why each stays lazy (optional dependency, measured cost):\n" + \
+        "\n".join(silent)

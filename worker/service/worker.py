@@ -98,6 +98,7 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
 
 
 def build_engine(config: WorkerConfig) -> Any:
+    # torch (seconds), loaded in the loading thread while the worker already announces itself
     from pagedq.worker import Engine
 
     return Engine(config.model, **config.engine)
@@ -376,7 +377,7 @@ def run_worker(config: WorkerConfig, engine: Any = None) -> int:
     """Run a worker until SIGTERM/SIGINT (on uvloop where available); returns the exit code."""
     worker = Worker(config, engine)
     try:
-        import uvloop
+        import uvloop  # optional dependency: not on Windows
 
         return uvloop.run(worker.run())
     except ImportError:
