@@ -9,7 +9,6 @@ from the interpreter, not from a reader).
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -79,8 +78,8 @@ def test_importing_the_kernels_loads_neither_redis_nor_the_sdk():
     code = ("import sys, pagedq.kernels; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'redis' "
             "or m.startswith('pagedq.client') or m.startswith('pagedq.worker')))")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+    # tests/conftest.py's PYTHONPATH: this checkout's pagedq, and no top-level folder by name
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout.strip()
     assert out == "[]"
 
