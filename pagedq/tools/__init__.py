@@ -10,9 +10,12 @@ from pagedq.tools.formats import ToolFormat
 from pagedq.tools.hermes import HERMES
 from pagedq.tools.llama_json import LLAMA
 from pagedq.tools.parse import ToolCall, ToolCallParser, call_id, parse_tool_calls
-from pagedq.tools.spec import ToolSpec
+from pagedq.tools.spec import FORMAT_NAMES, ToolSpec
 
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA)}
+if tuple(FORMATS) != FORMAT_NAMES:
+    raise ImportError(f"pagedq.tools: spec.FORMAT_NAMES {FORMAT_NAMES} must name the formats "
+                      f"{tuple(FORMATS)}")
 
 
 def get_format(name: str) -> ToolFormat:

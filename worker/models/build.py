@@ -116,7 +116,8 @@ def build_model(config: EngineConfig, device: torch.device, kv_dtype: torch.dtyp
     """The model of ``config`` on ``device``, its weights in the chosen form and its kernels
     chosen (``files``: already opened by :func:`open_model`). RoPE tables are sized for
     ``max_model_len``; the C++ kernels build or load here, not on the first step."""
-    selector = process_selector(config.cpu_isa)  # a cap above this CPU is refused before loading
+    # a cap above this CPU is refused before loading; the switches are the config's fields
+    selector = process_selector(config.cpu_isa, config.kernel_switches())
     files = files or open_model(config)
     form = choose_form(config, files, device, selector)
     positions = config.max_model_len or files.hf_config.max_position_embeddings
