@@ -36,6 +36,7 @@ from pagedq.gateway.http_metrics import CONTENT_TYPE, GatewayMetrics
 from pagedq.gateway.sse import Readers
 from pagedq.gateway.tokens import TokenTexts
 from pagedq.logging import get_logger
+from pagedq.redis_url import redis_connection_options
 from pagedq.worker.config import GatewayConfig
 
 log = get_logger("pagedq.gateway")
@@ -69,7 +70,8 @@ class Gateway:
     def build(cls, config: GatewayConfig, redis_url: str, metrics: GatewayMetrics) -> Gateway:
         pool = aredis.BlockingConnectionPool.from_url(  # wait for a connection, don't fail
             redis_url, max_connections=config.redis_max_connections,
-            timeout=config.redis_pool_timeout, health_check_interval=30, socket_keepalive=True)
+            timeout=config.redis_pool_timeout, health_check_interval=30,
+            **redis_connection_options(redis_url))
         r = aredis.Redis.from_pool(pool)  # closes the pool with the client
         client = AsyncClient(queue=config.queue, prefix=config.prefix, ttl=config.ttl,
                              connection=r)
