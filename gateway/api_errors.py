@@ -102,3 +102,9 @@ def unexpected(exc: BaseException) -> APIError:
                         "redis_unavailable", headers={"Retry-After": "1"})
     return APIError(500, "internal error: the gateway's log has the details", "server_error",
                     "internal")
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is over the gateway's limit of {limit} bytes "
+                    "(--max-body-bytes / --max-file-bytes)", "invalid_request_error",
+                    "request_too_large")

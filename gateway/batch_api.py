@@ -16,11 +16,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import UploadFile
 
-from pagedq.gateway.api_errors import APIError, bad_request, not_found
-from pagedq.gateway.app import Tenant, gateway, tenant, too_large
+from pagedq.gateway.api_errors import APIError, bad_request, not_found, too_large
 from pagedq.gateway.batch_store import TERMINAL, BatchState, completion_hours, new_batch
 from pagedq.gateway.files import FileObject
 from pagedq.gateway.openai import BatchCreateRequest
+from pagedq.gateway.state import Tenant, gateway, tenant
 from pagedq.gateway.translate import ENDPOINTS
 
 router = APIRouter()
