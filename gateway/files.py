@@ -6,7 +6,9 @@ fill the queue's Redis. In Redis a file is a hash ``P:gw:file:ID`` (its meta) an
 ``P:gw:file:ID:data`` (its bytes, read in ``CHUNK``-sized ranges), and the zset
 ``P:gw:files`` lists them; in a directory it is ``ID.json`` + ``ID.data``, written atomically
 (rename) and treated as gone once expired. Downloads stream chunk by chunk from either, so a
-gateway holds a chunk per download, never a whole file.
+gateway holds a chunk per download, never a whole file. Uploads arrive the same way
+(``writer``): each piece is appended to a part (``P:gw:file:ID:part``, or ``.ID.part.*`` in the
+directory) that becomes the file only when the upload is whole and within its quotas.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class FileObject:
 
 
 CHUNK = 1 << 20  # bytes of a file read at once when it is streamed out
+PART_TTL = 3600  # seconds an unfinished upload's bytes outlive a gateway that died mid-upload
 FILE_ID_RE = re.compile(r"^file-[A-Za-z0-9_-]{1,128}$")  # ours: file-HEX, file-BATCH-output
 
 
@@ -81,6 +84,11 @@ class FileStore:
 
     async def put(self, data: bytes, filename: str, purpose: str,
                   file_id: str | None = None, owner: str = "") -> FileObject:
+        raise NotImplementedError
+
+    def writer(self) -> FileWriting:
+        """A new file written piece by piece (an upload as it arrives); ``commit`` makes it
+        visible, ``abort`` drops what was written."""
         raise NotImplementedError
 
     async def meta(self, file_id: str) -> FileObject | None:
@@ -125,6 +133,25 @@ class RedisFileStore(FileStore):
         pipe.zremrangebyscore(self.index, "-inf", time.time() - self.ttl)
         await pipe.execute()
         return obj
+
+    def writer(self) -> RedisFileWriting:
+        return RedisFileWriting(self, new_file_id())
+
+    async def _commit(self, obj: FileObject, part: str | None) -> None:
+        """``obj``'s meta, its bytes (renamed from ``part``, or empty) and its index entry, in
+        one transaction."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(self.key(obj.id), self.data_key(obj.id))
+        pipe.hset(self.key(obj.id), mapping={"meta": json.dumps(asdict(obj))})
+        if part is None:
+            pipe.set(self.data_key(obj.id), b"", ex=self.ttl)
+        else:
+            pipe.rename(part, self.data_key(obj.id))
+            pipe.expire(self.data_key(obj.id), self.ttl)
+        pipe.expire(self.key(obj.id), self.ttl)
+        pipe.zadd(self.index, {obj.id: obj.created_at})
+        pipe.zremrangebyscore(self.index, "-inf", time.time() - self.ttl)
+        await pipe.execute()
 
     async def meta(self, file_id: str) -> FileObject | None:
         if not valid_file_id(file_id):
@@ -191,6 +218,9 @@ class DirFileStore(FileStore):
         await asyncio.to_thread(_write_atomic, meta, json.dumps(asdict(obj)).encode())
         return obj
 
+    def writer(self) -> DirFileWriting:
+        return DirFileWriting(self, new_file_id())
+
     async def meta(self, file_id: str) -> FileObject | None:
         try:
             meta, _ = self._paths(file_id)
@@ -238,6 +268,90 @@ class DirFileStore(FileStore):
         objs = [await self.meta(p.stem) for p in self.dir.glob("file-*.json")
                 if valid_file_id(p.stem)]
         return sorted((o for o in objs if o), key=lambda o: -o.created_at)
+
+
+class FileWriting:
+    """One file being written: ``write`` pieces, then ``commit`` (the file appears) or
+    ``abort`` (its bytes are dropped)."""
+
+    def __init__(self, store: FileStore, file_id: str):
+        self.store, self.id, self.size = store, file_id, 0
+
+    async def write(self, chunk: bytes) -> None:
+        raise NotImplementedError
+
+    async def commit(self, filename: str, purpose: str, owner: str = "") -> FileObject:
+        raise NotImplementedError
+
+    async def abort(self) -> None:
+        raise NotImplementedError
+
+    def _object(self, filename: str, purpose: str, owner: str) -> FileObject:
+        now = int(time.time())
+        return FileObject(self.id, self.size, now, now + self.store.ttl, filename, purpose,
+                          owner)
+
+
+class RedisFileWriting(FileWriting):
+    """Pieces APPENDed to a part key that expires (PART_TTL) unless the upload commits, so a
+    gateway that dies mid-upload leaves nothing for good."""
+
+    store: RedisFileStore
+
+    @property
+    def part(self) -> str:
+        return f"{self.store.key(self.id)}:part"
+
+    async def write(self, chunk: bytes) -> None:
+        pipe = self.store.r.pipeline(transaction=False)
+        pipe.append(self.part, chunk)
+        pipe.expire(self.part, PART_TTL)
+        await pipe.execute()
+        self.size += len(chunk)
+
+    async def commit(self, filename: str, purpose: str, owner: str = "") -> FileObject:
+        obj = self._object(filename, purpose, owner)
+        await self.store._commit(obj, self.part if self.size else None)
+        return obj
+
+    async def abort(self) -> None:
+        await self.store.r.delete(self.part)
+
+
+class DirFileWriting(FileWriting):
+    """Pieces written to a hidden temporary file, renamed into place on commit."""
+
+    store: DirFileStore
+
+    def __init__(self, store: DirFileStore, file_id: str):
+        super().__init__(store, file_id)
+        self.tmp = store.dir / f".{file_id}.part.{os.getpid()}"
+        self.f: Any = None
+
+    async def write(self, chunk: bytes) -> None:
+        if self.f is None:
+            self.f = await asyncio.to_thread(self.tmp.open, "wb")
+        await asyncio.to_thread(self.f.write, chunk)
+        self.size += len(chunk)
+
+    async def commit(self, filename: str, purpose: str, owner: str = "") -> FileObject:
+        obj = self._object(filename, purpose, owner)
+        meta, body = self.store._paths(self.id)
+        await asyncio.to_thread(self._finish, body)
+        await asyncio.to_thread(_write_atomic, meta, json.dumps(asdict(obj)).encode())
+        return obj
+
+    def _finish(self, body: Path) -> None:
+        if self.f is None:
+            self.tmp.write_bytes(b"")
+        else:
+            self.f.close()
+        os.replace(self.tmp, body)
+
+    async def abort(self) -> None:
+        if self.f is not None:
+            await asyncio.to_thread(self.f.close)
+        self.tmp.unlink(missing_ok=True)
 
 
 async def _one(data: bytes) -> AsyncIterator[bytes]:

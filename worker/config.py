@@ -470,6 +470,12 @@ class GatewayConfig:
     """Most files one API key (tenant) keeps at once, batch outputs included (403 above)."""
     max_files_bytes: int = 1 << 30
     """Most bytes of files one API key (tenant) keeps at once (403 above)."""
+    max_total_files: int = 1000
+    """Most files the gateway keeps at once, all keys together, batch outputs included (403
+    above): per-key quotas alone let many keys fill Redis."""
+    max_total_files_bytes: int = 4 << 30
+    """Most bytes of files the gateway keeps at once, all keys together (403 above); keep it
+    under the Redis's maxmemory (the embedded one takes a quarter of the host's memory)."""
     files_ttl: int = 7 * 24 * 3600
     """Seconds files and finished batches are kept."""
     max_batch_lines: int = 50_000
