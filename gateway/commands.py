@@ -74,6 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedq.gateway.app import create_app
+    from pagedq.gateway.http_timeouts import timed_protocol
     from pagedq.gateway.local import queue_stack
     from pagedq.logging import configure_logging, get_logger
 
@@ -89,7 +90,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.info("gateway listening", url=f"http://{config.host}:{config.port}/v1",
                  queue=config.queue)
         uvicorn.run(create_app(config, url), host=config.host, port=config.port,
-                    loop=_loop(), http="httptools", log_level=args.log_level.lower(),
+                    loop=_loop(), log_level=args.log_level.lower(),
+                    http=timed_protocol(config.timeout_header, config.timeout_body),
                     access_log=False, timeout_graceful_shutdown=5,
                     limit_concurrency=config.limit_concurrency,
                     timeout_keep_alive=config.timeout_keep_alive)

@@ -495,3 +495,8 @@ class GatewayConfig:
     """Most open HTTP connections and tasks (uvicorn's; 503 above); default: no limit."""
     timeout_keep_alive: int = 5
     """Seconds an idle keep-alive connection stays open."""
+    timeout_header: float = 10.0
+    """Seconds a client has to send a request's headers before its connection is closed
+    (slowloris)."""
+    timeout_body: float = 30.0
+    """Seconds a request's body may pause before its connection is closed."""
