@@ -219,7 +219,18 @@ class DirFileStore(FileStore):
         return obj
 
     def writer(self) -> DirFileWriting:
+        self._prune_parts()
         return DirFileWriting(self, new_file_id())
+
+    def _prune_parts(self) -> None:
+        """Drop the part files of uploads a gateway died during (older than PART_TTL)."""
+        stale = time.time() - PART_TTL
+        for part in self.dir.glob(".file-*.part.*"):
+            try:
+                if part.stat().st_mtime < stale:
+                    part.unlink()
+            except OSError:
+                pass
 
     async def meta(self, file_id: str) -> FileObject | None:
         try:

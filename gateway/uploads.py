@@ -72,6 +72,7 @@ class _Events:
             "on_header_field": self._on_field,
             "on_header_value": self._on_value,
             "on_header_end": self._on_header_end,
+            "on_end": lambda: self.queue.append(("done", None)),
         }
 
     def _on_field(self, data: bytes, start: int, end: int) -> None:
@@ -105,6 +106,8 @@ async def read_upload(content_type: str, body: AsyncIterator[bytes], writer: Fil
     except MultipartParseError as exc:
         raise bad_request(f"the multipart form could not be parsed: {exc}", "file") from None
     await reader.take(events.queue)
+    if not reader.done:  # python-multipart finalizes a form cut short without complaint
+        raise bad_request("the multipart form ended before its closing boundary", "file")
     await reader.flush()
     return reader.upload
 
@@ -119,6 +122,7 @@ class _FormReader:
         self.part = _Part()
         self.parts = 0
         self.pending = bytearray()
+        self.done = False
 
     async def take(self, queue: list[tuple[str, Any]]) -> None:
         events = queue[:]
@@ -132,6 +136,8 @@ class _FormReader:
                 await self._data(value)
             elif kind == "end":
                 await self._end()
+            elif kind == "done":
+                self.done = True
 
     def _begin(self) -> None:
         self.parts += 1

@@ -157,9 +157,16 @@ def test_malformed_forms_are_400(redis_url):
                                data={"purpose": "b" * 5000}),
             "broken body": dict(content=b"--XX\r\nnonsense",
                                 headers={"Content-Type": "multipart/form-data; boundary=XX"}),
+            "cut short": dict(content=b'--XX\r\nContent-Disposition: form-data; name="purpose"'
+                                      b'\r\n\r\nbatch\r\n--XX\r\nContent-Disposition: '
+                                      b'form-data; name="file"; filename="cut.jsonl"\r\n\r\n'
+                                      b'{"a": 1}\n{"b"',
+                              headers={"Content-Type": "multipart/form-data; boundary=XX"}),
         }
         for name, kw in cases.items():
             resp = http.post("/v1/files", **kw)
             assert resp.status_code == 400, (name, resp.status_code, resp.text[:300])
         assert not part_keys(redis_url)
+        assert not [f for f in http.get("/v1/files").json()["data"]
+                    if f["filename"] == "cut.jsonl"]  # no truncated file kept
         assert 'status="500"' not in http.get("/metrics").text
