@@ -214,14 +214,20 @@ async def _repeat(stop: asyncio.Event, make: object) -> None:
             await asyncio.sleep(0.1)
 
 
-def honest_latency(base: str, model: str, rounds: int = 4) -> tuple[list[float], list[float]]:
-    """An honest chat request (16 tokens, greedy) timed alone and while hostile clients run
-    (100 slowloris sockets, two schema bombs, two 20 MB uploads, a 300-prompt request, each
-    sent again as soon as it is answered), alternated ``rounds`` times."""
+HOSTILE_KINDS = ("slowloris", "bombs", "uploads", "prompts", "all")
+
+
+def honest_latency(base: str, model: str, rounds: int = 3) -> dict[str, tuple[list, list]]:
+    """An honest chat request (16 tokens, greedy) timed alone and while one kind of hostile
+    client runs, alternated ``rounds`` times per kind: 100 slowloris sockets; two schema bombs;
+    two 20 MB uploads; a 300-prompt request; all of them at once. Each hostile request is sent
+    again as soon as it is answered."""
     port = int(base.rsplit(":", 1)[1])
     honest = {"model": model, "messages": [{"role": "user", "content": "Name three colors."}],
               "max_tokens": 16, "temperature": 0, "ignore_eos": True}
     upload = b'{"a": 1}\n' * ((20 << 20) // 9)
+    bomb_body = {**honest, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "b", "schema": bomb()}}}
 
     async def timed(http: httpx.AsyncClient) -> float:
         began = time.perf_counter()
@@ -229,19 +235,26 @@ def honest_latency(base: str, model: str, rounds: int = 4) -> tuple[list[float],
         assert resp.status_code == 200, resp.text
         return time.perf_counter() - began
 
-    async def loaded(http: httpx.AsyncClient) -> float:
+    def hostile(kind: str, http: httpx.AsyncClient, stop: asyncio.Event) -> list:
+        every = kind == "all"
+        made: list = []
+        if every or kind == "slowloris":
+            made += [_slowloris(port, stop) for _ in range(100)]
+        if every or kind == "bombs":
+            made += [_repeat(stop, lambda: http.post("/v1/chat/completions", json=bomb_body))
+                     for _ in range(2)]
+        if every or kind == "uploads":
+            made += [_repeat(stop, lambda: http.post(
+                "/v1/files", files={"file": ("u.jsonl", upload)}, data={"purpose": "batch"}))
+                for _ in range(2)]
+        if every or kind == "prompts":
+            made.append(_repeat(stop, lambda: http.post("/v1/completions", json={
+                "model": model, "prompt": [[1]] * 300, "max_tokens": 1})))
+        return made
+
+    async def loaded(kind: str, http: httpx.AsyncClient) -> float:
         stop = asyncio.Event()
-        bomb_body = {**honest, "response_format": {"type": "json_schema", "json_schema": {
-            "name": "b", "schema": bomb()}}}
-        hostile = [_slowloris(port, stop) for _ in range(100)]
-        hostile += [_repeat(stop, lambda: http.post("/v1/chat/completions", json=bomb_body))
-                    for _ in range(2)]
-        hostile += [_repeat(stop, lambda: http.post(
-            "/v1/files", files={"file": ("u.jsonl", upload)}, data={"purpose": "batch"}))
-            for _ in range(2)]
-        hostile.append(_repeat(stop, lambda: http.post("/v1/completions", json={
-            "model": model, "prompt": [[1]] * 300, "max_tokens": 1})))
-        tasks = [asyncio.create_task(h) for h in hostile]
+        tasks = [asyncio.create_task(h) for h in hostile(kind, http, stop)]
         await asyncio.sleep(2.0)  # the hostile clients are all under way
         try:
             return await timed(http)
@@ -251,38 +264,52 @@ def honest_latency(base: str, model: str, rounds: int = 4) -> tuple[list[float],
             for t in tasks:
                 t.cancel()
 
-    async def run() -> tuple[list[float], list[float]]:
-        alone, beside = [], []
+    async def run() -> dict[str, tuple[list, list]]:
+        out: dict[str, tuple[list, list]] = {}
         async with httpx.AsyncClient(base_url=base, timeout=600,
                                      limits=httpx.Limits(max_connections=64)) as http:
             await timed(http)  # warm-up
-            for _ in range(rounds):
-                alone.append(await timed(http))
-                beside.append(await loaded(http))
-            files = (await http.get("/v1/files")).json()["data"]
-            for f in files:
+            for kind in HOSTILE_KINDS:
+                alone, beside = [], []
+                for _ in range(rounds):
+                    alone.append(await timed(http))
+                    beside.append(await loaded(kind, http))
+                out[kind] = (alone, beside)
+            for f in (await http.get("/v1/files")).json()["data"]:
                 await http.delete(f"/v1/files/{f['id']}")
-        return alone, beside
+        return out
     return asyncio.run(run())
 
 
-def choice_beside_bombs(base: str, model: str) -> tuple[list[str], float]:
-    async def run() -> tuple[list[str], float]:
+def choice_beside_bombs(base: str, model: str, rounds: int = 3
+                        ) -> tuple[list[str], list[float], list[float]]:
+    """A `choice` request (a fresh choice set each time, so each compiles its grammar) timed
+    alone and with two schema bombs sent at the same moment, alternated ``rounds`` times: the
+    bombs' answers, the latencies alone and beside them."""
+    def choice(i: int) -> dict:
+        return {"model": model, "messages": [{"role": "user", "content": "Yes or no?"}],
+                "guided_choice": [f"yes {i}", f"no {i}"], "max_tokens": 4}
+
+    bomb_body = {"model": model, "messages": [{"role": "user", "content": "Hi"}],
+                 "max_tokens": 8, "response_format": {"type": "json_schema", "json_schema": {
+                     "name": "b", "schema": bomb()}}}
+
+    async def run() -> tuple[list[str], list[float], list[float]]:
+        alone, beside, answers = [], [], []
         async with httpx.AsyncClient(base_url=base, timeout=600) as http:
-            await http.post("/v1/chat/completions", json={  # the grammar compiler's cold start
-                "model": model, "messages": [{"role": "user", "content": "Hi"}],
-                "guided_choice": ["warm"], "max_tokens": 2})
-            bombs = [http.post("/v1/chat/completions", json={
-                "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
-                "response_format": {"type": "json_schema",
-                                    "json_schema": {"name": "b", "schema": bomb()}}})
-                for _ in range(2)]
-            began = time.perf_counter()
-            choice = http.post("/v1/chat/completions", json={
-                "model": model, "messages": [{"role": "user", "content": "Yes or no?"}],
-                "guided_choice": ["yes", "no"], "max_tokens": 4})
-            *answers, last = await asyncio.gather(*bombs, choice)
-            return [answer(a) for a in answers] + [answer(last)], time.perf_counter() - began
+            await http.post("/v1/chat/completions", json=choice(-1))  # the compiler's cold start
+            for i in range(rounds):
+                began = time.perf_counter()
+                resp = await http.post("/v1/chat/completions", json=choice(2 * i))
+                assert resp.status_code == 200, resp.text
+                alone.append(time.perf_counter() - began)
+                bombs = [http.post("/v1/chat/completions", json=bomb_body) for _ in range(2)]
+                began = time.perf_counter()
+                *got, last = await asyncio.gather(*bombs, http.post(
+                    "/v1/chat/completions", json=choice(2 * i + 1)))
+                beside.append(time.perf_counter() - began)
+                answers = [answer(a) for a in got] + [answer(last)]
+        return answers, alone, beside
     return asyncio.run(run())
 
 
@@ -295,8 +322,8 @@ def main() -> None:
             with httpx.Client(base_url=base, timeout=600) as http:
                 model = http.get("/v1/models").json()["data"][0]["id"]
                 rows = repros(http, model)
-            answers, latency = choice_beside_bombs(base, model)
-            alone, beside = honest_latency(base, model)
+            answers, choice_alone, choice_beside = choice_beside_bombs(base, model)
+            honest = honest_latency(base, model)
             data = big_file()
             before, peak, sizes = downloads(base, gateway.pid, data)
             up_before, up_peak, codes = uploads(base, gateway.pid, data)
@@ -308,14 +335,20 @@ def main() -> None:
     for name, result in rows:
         print(f"| {name} | {result} |")
     print(f"\nTwo 28 KB schema bombs and a `choice` request at once: {answers}; the choice "
-          f"answered in {latency:.2f} s.")
+          "alone / beside the bombs (alternated, a fresh choice set each): "
+          + ", ".join(f"{a:.2f} / {b:.2f} s" for a, b in zip(choice_alone, choice_beside,
+                                                             strict=True)) + ".")
     print(f"12 concurrent downloads of a 63 MB file: gateway RSS {before:.0f} MB before, "
           f"{peak:.0f} MB at peak; bytes received {sorted(set(sizes))}.")
     print(f"12 concurrent uploads of a 63 MB file: gateway RSS {up_before:.0f} MB before, "
           f"{up_peak:.0f} MB at peak; statuses {sorted(codes)}.")
-    print("An honest 16-token chat, alone / beside hostile clients (alternated), seconds: "
-          + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in zip(alone, beside, strict=True))
-          + f"; medians {statistics.median(alone):.2f} / {statistics.median(beside):.2f}.")
+    print("\nAn honest 16-token chat, alone / beside hostile clients (alternated), seconds:\n")
+    print("| hostile clients | pairs (alone / beside) | median alone | median beside | ratio |")
+    print("| --- | --- | --- | --- | --- |")
+    for kind, (alone, beside) in honest.items():
+        pairs = ", ".join(f"{a:.2f} / {b:.2f}" for a, b in zip(alone, beside, strict=True))
+        ma, mb = statistics.median(alone), statistics.median(beside)
+        print(f"| {kind} | {pairs} | {ma:.2f} | {mb:.2f} | {mb / ma:.2f}x |")
 
 
 if __name__ == "__main__":
