@@ -7,8 +7,9 @@ fill the queue's Redis. In Redis a file is a hash ``P:gw:file:ID`` (its meta) an
 ``P:gw:files`` lists them; in a directory it is ``ID.json`` + ``ID.data``, written atomically
 (rename) and treated as gone once expired. Downloads stream chunk by chunk from either, so a
 gateway holds a chunk per download, never a whole file. Uploads arrive the same way
-(``writer``): each piece is appended to a part (``P:gw:file:ID:part``, or ``.ID.part.*`` in the
-directory) that becomes the file only when the upload is whole and within its quotas.
+(``writer``): each piece is appended to the file's bytes (``P:gw:file:ID:data``, expiring in
+PART_TTL until the upload commits, or ``.ID.part.*`` in the directory), which become a file only
+when the upload is whole and within its quotas and its meta is written.
 """
 
 from __future__ import annotations
@@ -137,17 +138,16 @@ class RedisFileStore(FileStore):
     def writer(self) -> RedisFileWriting:
         return RedisFileWriting(self, new_file_id())
 
-    async def _commit(self, obj: FileObject, part: str | None) -> None:
-        """``obj``'s meta, its bytes (renamed from ``part``, or empty) and its index entry, in
-        one transaction."""
+    async def _commit(self, obj: FileObject, written: bool) -> None:
+        """``obj``'s meta, its bytes' lifetime (``written`` by the upload, else empty) and its
+        index entry, in one transaction: the file exists from here on."""
         pipe = self.r.pipeline(transaction=True)
-        pipe.delete(self.key(obj.id), self.data_key(obj.id))
+        pipe.delete(self.key(obj.id))
         pipe.hset(self.key(obj.id), mapping={"meta": json.dumps(asdict(obj))})
-        if part is None:
-            pipe.set(self.data_key(obj.id), b"", ex=self.ttl)
-        else:
-            pipe.rename(part, self.data_key(obj.id))
+        if written:
             pipe.expire(self.data_key(obj.id), self.ttl)
+        else:
+            pipe.set(self.data_key(obj.id), b"", ex=self.ttl)
         pipe.expire(self.key(obj.id), self.ttl)
         pipe.zadd(self.index, {obj.id: obj.created_at})
         pipe.zremrangebyscore(self.index, "-inf", time.time() - self.ttl)
@@ -304,29 +304,30 @@ class FileWriting:
 
 
 class RedisFileWriting(FileWriting):
-    """Pieces APPENDed to a part key that expires (PART_TTL) unless the upload commits, so a
-    gateway that dies mid-upload leaves nothing for good."""
+    """Pieces APPENDed to the file's data key, which expires in PART_TTL unless the upload
+    commits (so a gateway that dies mid-upload leaves nothing for good) and is no file until
+    its meta exists (``meta``, ``stream`` and ``list`` read the meta first)."""
 
     store: RedisFileStore
 
     @property
-    def part(self) -> str:
-        return f"{self.store.key(self.id)}:part"
+    def data(self) -> str:
+        return self.store.data_key(self.id)
 
     async def write(self, chunk: bytes) -> None:
         pipe = self.store.r.pipeline(transaction=False)
-        pipe.append(self.part, chunk)
-        pipe.expire(self.part, PART_TTL)
+        pipe.append(self.data, chunk)
+        pipe.expire(self.data, PART_TTL)
         await pipe.execute()
         self.size += len(chunk)
 
     async def commit(self, filename: str, purpose: str, owner: str = "") -> FileObject:
         obj = self._object(filename, purpose, owner)
-        await self.store._commit(obj, self.part if self.size else None)
+        await self.store._commit(obj, written=self.size > 0)
         return obj
 
     async def abort(self) -> None:
-        await self.store.r.delete(self.part)
+        await self.store.r.delete(self.data)
 
 
 class DirFileWriting(FileWriting):

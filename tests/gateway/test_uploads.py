@@ -57,9 +57,10 @@ class ChunkedUpload:
 
 
 def part_keys(redis_url: str) -> list[bytes]:
+    """An unfinished upload's bytes: a file's data key with no meta beside it."""
     r = redis.Redis.from_url(redis_url)
     try:
-        return r.keys("*:gw:file:*:part")
+        return [k for k in r.keys("*:gw:file:*:data") if not r.exists(k[:-len(b":data")])]
     finally:
         r.close()
 
