@@ -131,6 +131,9 @@ async def _room(config: GatewayConfig, files: list[FileObject], owner: str) -> R
 
 @dataclass(frozen=True)
 class Quota:
+    """One quota's reading: whose (a key, or the whole gateway), what it holds, its bounds and
+    the flags that set them (named in the 403, so an operator knows what to raise)."""
+
     who: str
     count: int
     used: int
