@@ -27,10 +27,10 @@ from pagedq.gateway.api_errors import (
     not_found,
     too_many_prompts,
 )
-from pagedq.gateway.app import Gateway, gateway, tenant
 from pagedq.gateway.openai import ChatCompletionRequest, CompletionRequest
 from pagedq.gateway.render import ChunkRenderer, response
 from pagedq.gateway.sse import SSEResponse, StreamSession
+from pagedq.gateway.state import Gateway, gateway, tenant
 from pagedq.gateway.translate import JobSpec, chat_spec, completion_spec, submit
 
 router = APIRouter()

@@ -526,6 +526,12 @@ class GatewayConfig(QueueConfig):
     """Most files one API key (tenant) keeps at once, batch outputs included (403 above)."""
     max_files_bytes: int = 1 << 30
     """Most bytes of files one API key (tenant) keeps at once (403 above)."""
+    max_total_files: int = 1000
+    """Most files the gateway keeps at once, all keys together, batch outputs included (403
+    above): per-key quotas alone let many keys fill Redis."""
+    max_total_files_bytes: int = 4 << 30
+    """Most bytes of files the gateway keeps at once, all keys together (403 above); keep it
+    under the Redis's maxmemory (the embedded one takes a quarter of the host's memory)."""
     files_ttl: int = 7 * 24 * 3600
     """Seconds files and finished batches are kept."""
     max_batch_lines: int = 50_000
@@ -545,3 +551,8 @@ class GatewayConfig(QueueConfig):
     """Most open HTTP connections and tasks (uvicorn's; 503 above); default: no limit."""
     timeout_keep_alive: int = 5
     """Seconds an idle keep-alive connection stays open."""
+    timeout_header: float = 10.0
+    """Seconds a client has to send a request's headers before its connection is closed
+    (slowloris)."""
+    timeout_body: float = 30.0
+    """Seconds a request's body may pause before its connection is closed."""
