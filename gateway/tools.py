@@ -65,9 +65,6 @@ def legacy_functions(req: ChatCompletionRequest) -> bool:
     if req.tools or req.tool_choice is not None:
         raise bad_request("send either tools/tool_choice or the deprecated functions/"
                           "function_call, not both", "functions")
-    if not all(isinstance(f, dict) for f in req.functions):
-        raise bad_request("functions must be a list of {'name', 'description', 'parameters'}",
-                          "functions")
     req.tools = [{"type": "function", "function": f} for f in req.functions]
     choice = req.function_call
     if isinstance(choice, dict):
