@@ -11,9 +11,10 @@ Throughput: N chats at once with ``tool_choice: "required"`` against the same N 
 tools, each plain row held to exactly the tokens its tool-call row wrote (``ignore_eos``,
 ``max_tokens`` = that count), so both runs do the same decode steps at the same batch sizes.
 Two plain baselines: "chat" (the question alone, the issue's "plain chat") and "same prompt"
-(the prompt with the tools listed, unconstrained: the grammar's own cost). Modes alternate,
-after one warm-up each (grammar compiled, prompt prefixes cached); output tokens per second of
-wall time, and the engine's own grammar-mask seconds.
+(the prompt with the tools listed, unconstrained: the grammar's own cost). Modes alternate
+after the run that measures the lengths (grammar compiled, the tool prompts' prefixes cached);
+output tokens per second of wall time and of this process's CPU time (steadier on a shared
+machine), and the engine's own grammar-mask seconds.
 """
 
 from __future__ import annotations
@@ -70,25 +71,26 @@ def throughput(engine: Engine, n: int, pairs: int, max_tokens: int) -> None:
              for s, k in enumerate(lengths)]
     runs = {"tools": (tool_prompts, tool_params), "same prompt": (tool_prompts, plain),
             "chat": (chat_prompts, plain)}
-    for prompts, params in runs.values():  # warm-up: caches and compiled grammar
-        engine.generate(prompts, params)
-    tokens = sum(lengths)
+    tokens = sum(lengths)  # seeded: every tools run writes these again
     for pair in range(pairs):
-        rate, mask = {}, 0.0
+        rate, cpu, mask = {}, {}, 0.0
         for mode, (prompts, params) in runs.items():
             before = engine.structured.mask_seconds
-            began = time.perf_counter()
-            outs = engine.generate(prompts, params)
-            seconds = time.perf_counter() - began
+            began, began_cpu = time.perf_counter(), time.process_time()
+            engine.generate(prompts, params)
+            rate[mode] = tokens / (time.perf_counter() - began)
+            cpu[mode] = tokens / (time.process_time() - began_cpu)
             if mode == "tools":
                 mask = engine.structured.mask_seconds - before
-                tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            rate[mode] = tokens / seconds
         print(json.dumps({"pair": pair, "requests": n, "output_tokens": tokens,
                           **{f"{m} tok/s": round(r, 1) for m, r in rate.items()},
                           "tools / chat": round(rate["tools"] / rate["chat"], 3),
                           "tools / same prompt": round(rate["tools"] / rate["same prompt"], 3),
-                          "grammar mask s": round(mask, 2)}), flush=True)
+                          "cpu-time tools / chat": round(cpu["tools"] / cpu["chat"], 3),
+                          "cpu-time tools / same prompt": round(
+                              cpu["tools"] / cpu["same prompt"], 3),
+                          "grammar mask s": round(mask, 2),
+                          "tools s": round(tokens / rate["tools"], 1)}), flush=True)
 
 
 def valid_calls(engine: Engine, args: argparse.Namespace) -> None:

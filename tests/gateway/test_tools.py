@@ -300,7 +300,8 @@ def test_functions_are_answered_with_one_function_call(client, model):
 def test_functions_streamed_and_a_function_result_back(client, model):
     kw = dict(model=model, messages=ASK, functions=FUNCTIONS, temperature=1.0, max_tokens=160,
               function_call={"name": "get_weather"}, seed=5)
-    whole = client.chat.completions.create(**kw).choices[0]
+    first = client.chat.completions.create(**kw)
+    whole = first.choices[0]
     name, args, reason = None, "", None
     for chunk in client.chat.completions.create(stream=True, **kw):
         for choice in chunk.choices:
@@ -318,9 +319,12 @@ def test_functions_streamed_and_a_function_result_back(client, model):
                        "function_call": {"name": name, "arguments": args}},
                       {"role": "function", "name": name, "content": '{"temp": 21}'}]
     second = client.chat.completions.create(model=model, messages=messages, functions=FUNCTIONS,
-                                            function_call="none", max_tokens=8, seed=1)
-    assert second.choices[0].message.function_call is None
-    assert second.usage.prompt_tokens > whole.usage.prompt_tokens
+                                            max_tokens=8, seed=1)
+    assert second.choices[0].finish_reason in ("stop", "length", "function_call")
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result
+    without = client.chat.completions.create(model=model, messages=messages, functions=FUNCTIONS,
+                                             function_call="none", max_tokens=8, seed=1)
+    assert without.choices[0].message.function_call is None
 
 
 @pytest.mark.parametrize("body, param", [
