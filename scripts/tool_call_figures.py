@@ -13,8 +13,9 @@ tools, each plain row held to exactly the tokens its tool-call row wrote (``igno
 Two plain baselines: "chat" (the question alone, the issue's "plain chat") and "same prompt"
 (the prompt with the tools listed, unconstrained: the grammar's own cost). Modes alternate
 after the run that measures the lengths (grammar compiled, the tool prompts' prefixes cached);
-output tokens per second of wall time and of this process's CPU time (steadier on a shared
-machine), and the engine's own grammar-mask seconds.
+output tokens per second of wall time, and the engine's own grammar-mask seconds. (This
+process's CPU time was tried as a steadier measure on a shared machine: it was not, since
+torch's threads spin while they wait for a core.)
 """
 
 from __future__ import annotations
@@ -73,22 +74,18 @@ def throughput(engine: Engine, n: int, pairs: int, max_tokens: int) -> None:
             "chat": (chat_prompts, plain)}
     tokens = sum(lengths)  # seeded: every tools run writes these again
     for pair in range(pairs):
-        rate, cpu, mask = {}, {}, 0.0
+        rate, mask = {}, 0.0
         for mode, (prompts, params) in runs.items():
             before = engine.structured.mask_seconds
-            began, began_cpu = time.perf_counter(), time.process_time()
+            began = time.perf_counter()
             engine.generate(prompts, params)
             rate[mode] = tokens / (time.perf_counter() - began)
-            cpu[mode] = tokens / (time.process_time() - began_cpu)
             if mode == "tools":
                 mask = engine.structured.mask_seconds - before
         print(json.dumps({"pair": pair, "requests": n, "output_tokens": tokens,
                           **{f"{m} tok/s": round(r, 1) for m, r in rate.items()},
                           "tools / chat": round(rate["tools"] / rate["chat"], 3),
                           "tools / same prompt": round(rate["tools"] / rate["same prompt"], 3),
-                          "cpu-time tools / chat": round(cpu["tools"] / cpu["chat"], 3),
-                          "cpu-time tools / same prompt": round(
-                              cpu["tools"] / cpu["same prompt"], 3),
                           "grammar mask s": round(mask, 2),
                           "tools s": round(tokens / rate["tools"], 1)}), flush=True)
 
