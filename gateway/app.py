@@ -69,7 +69,8 @@ class Gateway:
     def build(cls, config: GatewayConfig, redis_url: str, metrics: GatewayMetrics) -> Gateway:
         pool = aredis.BlockingConnectionPool.from_url(  # wait for a connection, don't fail
             redis_url, max_connections=config.redis_max_connections,
-            timeout=config.redis_pool_timeout, health_check_interval=30, socket_keepalive=True)
+            timeout=config.redis_pool_timeout, health_check_interval=30, socket_keepalive=True,
+            **(config.tls.kwargs() if config.tls else {}))
         r = aredis.Redis.from_pool(pool)  # closes the pool with the client
         client = AsyncClient(queue=config.queue, prefix=config.prefix, ttl=config.ttl,
                              connection=r)

@@ -7,16 +7,17 @@ when a command runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
 
 from pagedq.worker.cli.console import add_log_level_flag
 from pagedq.worker.cli.flags import add_config_flags, add_engine_flags, engine_knobs, given
-from pagedq.worker.config import EngineConfig, GatewayConfig
+from pagedq.worker.config import EngineConfig, GatewayConfig, QueueConfig
 
 NOT_FLAGS = ("api_keys", "admin_keys")  # --api-key, --admin-key, repeatable, below
-QUEUE_FIELDS = ("redis_url", "queue", "prefix")
+QUEUE_FIELDS = tuple(f.name for f in dataclasses.fields(QueueConfig))
 MODEL_HELP = ("the embedded worker's model, when no Redis URL is given (default: the bundled "
               "SmolLM2-135M); the other engine flags also go to that worker")
 
@@ -102,7 +103,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
                      until_loaded="the lines start once it has", worker_log_level="ERROR") as url:
         ok, failed = asyncio.run(run_batch(args.input, args.output, url, config.queue,
                                            config.prefix, config.batch_window,
-                                           args.ready_timeout, progress=not args.no_progress))
+                                           args.ready_timeout, progress=not args.no_progress,
+                                           tls=config.tls))
     print(summary(ok, failed, args.output))
     return 0 if failed == 0 else 1
 

@@ -24,18 +24,12 @@ that runs:
 
 The :class:`Selector` decides from the device, the model's dtype, the KV-cache dtype and head
 size, the CPU's vector extensions (:mod:`pagedq.kernels.cpu_features`; capped at a level by
-``cpu_isa``, so every level a machine runs can be run and tested there) and these environment
-switches, which :meth:`Switches.from_environ` reads once per process:
-
-    PAGEDQ_CPU_KERNEL=0    no C++ kernels: attention "sdpa", linears oneDNN or torch
-    PAGEDQ_ONEDNN=0        no oneDNN-prepacked weights: batched CPU linears use F.linear
-    PAGEDQ_FUSED_LAYER=0   the per-op Python decoder layer instead of the fused C++ one
-    PAGEDQ_CPU_ISA=LEVEL   the process sees its CPU capped at LEVEL (avx2, avx512, avx512_vnni,
-                           amx), in Python (process_cpu: every Selector starts from it) and
-                           in the C++ ops; EngineConfig.cpu_isa caps further
-    TRITON_INTERPRET=1     allow attention "triton" on CPU tensors (Triton's interpreter)
-    TORCH_EXTENSIONS_DIR   where the C++ library is built and cached
-
+``cpu_isa``, so every level a machine runs can be run and tested there) and the
+:class:`~pagedq.kernel_switches.Switches` it is given (``cpu_kernels``, ``onednn``,
+``fused_layer``: EngineConfig fields, so flags, whose defaults :mod:`pagedq.kernel_switches`
+reads from ``PAGEDQ_CPU_KERNEL``, ``PAGEDQ_ONEDNN`` and ``PAGEDQ_FUSED_LAYER`` once per
+process; ``PAGEDQ_CPU_ISA`` caps the whole process, ``TRITON_INTERPRET`` and
+``TORCH_EXTENSIONS_DIR`` are Triton's and torch's own)
 and logs one line saying what it chose and why. Model code asks the Backend it was given; it
 reads neither the environment nor module globals. Tests and benchmarks build a Selector with
 explicit switches or CPU features instead of changing the environment.
@@ -44,14 +38,17 @@ explicit switches or CPU features instead of changing the environment.
 from __future__ import annotations
 
 import functools
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from pagedq.kernel_switches import (
+    DEFAULT_PACKED_PRECISION,
+    PACKED_GEMM_PRECISIONS,
+    Switches,
+    environment_switches,
+)
 from pagedq.kernels.cpu_attention import unsupported
 from pagedq.kernels.cpu_features import CpuFeatures, detect_cpu_features
 from pagedq.kernels.cpu_ops import (
@@ -66,7 +63,6 @@ from pagedq.logging import get_logger
 
 ATTENTION = ("cpp", "sdpa", "triton")
 KV_WRITE = ("torch", "triton")
-OFF = ("0", "false", "no", "off")
 ONEDNN_BATCH_HINT = 64  # the row count oneDNN lays out the prepacked weights for
 
 _log = get_logger("pagedq.kernels.backend")
@@ -80,35 +76,10 @@ class BackendUnavailableError(RuntimeError):
 def triton_available() -> bool:
     """True when triton imports (it is an optional, x86-64-only dependency)."""
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401 - optional dependency
     except ImportError:
         return False
     return True
-
-
-@dataclass(frozen=True)
-class Switches:
-    """The environment's say in the choice; the defaults are what an unset environment means."""
-
-    cpu_kernels: bool = True  # PAGEDQ_CPU_KERNEL
-    onednn: bool = True  # PAGEDQ_ONEDNN
-    fused_layer: bool = True  # PAGEDQ_FUSED_LAYER
-    triton_interpret: bool = False  # TRITON_INTERPRET
-    extensions_dir: Path | None = None  # TORCH_EXTENSIONS_DIR
-    cpu_isa: str = "auto"  # PAGEDQ_CPU_ISA
-
-    @classmethod
-    def from_environ(cls, env: Mapping[str, str] = os.environ) -> Switches:
-        def on(name: str, default: bool) -> bool:
-            value = env.get(name, "").strip().lower()
-            return default if value == "" else value not in OFF
-
-        ext = env.get("TORCH_EXTENSIONS_DIR")
-        return cls(cpu_kernels=on("PAGEDQ_CPU_KERNEL", True), onednn=on("PAGEDQ_ONEDNN", True),
-                   fused_layer=on("PAGEDQ_FUSED_LAYER", True),
-                   triton_interpret=on("TRITON_INTERPRET", False),
-                   extensions_dir=Path(ext).expanduser() if ext else None,
-                   cpu_isa=env.get("PAGEDQ_CPU_ISA", "").strip().lower() or "auto")
 
 
 @dataclass(frozen=True)
@@ -213,7 +184,7 @@ PACKED_FORMATS = tuple(GEMV_ROWS)
 PACKED_PRECISIONS = {"bf16": GemmPrecision.BF16, "bf16x2": GemmPrecision.BF16X2,
                      "bf16x3": GemmPrecision.BF16X3, "fp32": GemmPrecision.F32}
 TILE_PRECISIONS = ("bf16", "bf16x2", "bf16x3")  # bf16 tiles: AMX only
-DEFAULT_PACKED_PRECISION = "bf16x2"
+assert tuple(PACKED_PRECISIONS) == PACKED_GEMM_PRECISIONS, "EngineConfig's names are these"
 
 
 def _gemv_rows(fmt: str, rows: int, precision: str, grouped: bool) -> int:
@@ -387,7 +358,8 @@ class Selector:
         if fp32_ops is not None and attention == "cpp":
             layer = "cpp-fused" if self.switches.fused_layer else "python"
             if layer == "python":
-                reasons.append("PAGEDQ_FUSED_LAYER=0 keeps the per-op Python layer")
+                reasons.append("--no-fused-layer (PAGEDQ_FUSED_LAYER=0) keeps the per-op "
+                               "Python layer")
         packed = self._cpu_packed(fp32_ops, precision, reasons)
         return Backend("cpu", dtype, attention, "torch", (linear,), packed,
                        norm="cpp" if fp32_ops is not None else "torch", layer=layer,
@@ -396,7 +368,7 @@ class Selector:
     def _cpu_ops(self, reasons: list[str]) -> CpuOps | None:
         """The C++ library, when the switch, the CPU and the build allow it."""
         if not self.switches.cpu_kernels:
-            reasons.append("PAGEDQ_CPU_KERNEL=0 switches the C++ kernels off")
+            reasons.append("--no-cpu-kernels (PAGEDQ_CPU_KERNEL=0) switches the C++ kernels off")
             return None
         if not self.cpu.runs_cpp_kernels:
             reasons.append(f"no C++ kernels: {self.cpu.missing_for_kernels()}")
@@ -410,7 +382,7 @@ class Selector:
         onednn = dtype == torch.float32 and torch.backends.mkldnn.is_available()
         if onednn and not self.switches.onednn:
             onednn = False
-            reasons.append("PAGEDQ_ONEDNN=0: batched linears use F.linear")
+            reasons.append("--no-onednn (PAGEDQ_ONEDNN=0): batched linears use F.linear")
         batched = "onednn" if onednn else "torch"
         if ops is None:
             return LinearChoice(_format(dtype), batched)
@@ -464,22 +436,24 @@ def process_cpu() -> CpuFeatures:
     """This machine's features as this process may use them: capped at PAGEDQ_CPU_ISA when set
     (as the C++ ops cap themselves), so every Selector of a capped process, and every test that
     asks what this CPU runs, sees the capped machine."""
-    return detect_cpu_features().capped(Switches.from_environ().cpu_isa)
+    return detect_cpu_features().capped(environment_switches().cpu_isa)
 
 
 @functools.cache
-def process_selector(cpu_isa: str = "auto") -> Selector:
-    """The selector of this process: the environment's switches (read here, once) and this CPU,
-    capped at ``cpu_isa`` (EngineConfig.cpu_isa)."""
-    return Selector(Switches.from_environ(), cpu_isa=cpu_isa)
+def process_selector(cpu_isa: str = "auto", switches: Switches | None = None) -> Selector:
+    """The selector of an engine in this process: ``switches`` (EngineConfig.kernel_switches();
+    default: the environment's, read once) and this CPU, capped at ``cpu_isa``
+    (EngineConfig.cpu_isa). One per combination, so its C++ library loads once."""
+    return Selector(switches or environment_switches(), cpu_isa=cpu_isa)
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype = torch.float32,
                    kv_dtype: torch.dtype | None = None, head_dim: int | None = None,
                    packed_precision: str = DEFAULT_PACKED_PRECISION,
-                   cpu_isa: str = "auto") -> Backend:
+                   cpu_isa: str = "auto", switches: Switches | None = None) -> Backend:
     """:meth:`Selector.select` of :func:`process_selector`: what the engine runs at start."""
-    return process_selector(cpu_isa).select(device, dtype, kv_dtype, head_dim, packed_precision)
+    return process_selector(cpu_isa, switches).select(device, dtype, kv_dtype, head_dim,
+                                                      packed_precision)
 
 
 @functools.cache

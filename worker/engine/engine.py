@@ -70,7 +70,8 @@ class Engine(OfflineAPI):
         self.config = config = replace(
             config, block_size=config.block_size or default_block_size(self.device.type))
         if self.device.type == "cpu":
-            process_selector(config.cpu_isa)  # a cap above this CPU is refused before loading
+            # a cap above this CPU is refused before loading
+            process_selector(config.cpu_isa, config.kernel_switches())
         self.governor = thread_governor(config, self.device)
         self.kv_dtype = sizing.kv_cache_dtype(config, self.device.type)
         self.kv_dtype_name = str(self.kv_dtype).removeprefix("torch.")
@@ -84,7 +85,8 @@ class Engine(OfflineAPI):
         with waiting("selecting the kernels and packing the weights for them", log):
             self.model.use_backend(select_backend(self.device, self.model.compute_dtype,
                                                   self.kv_dtype, self.model.head_dim,
-                                                  config.packed_gemm_precision, config.cpu_isa))
+                                                  config.packed_gemm_precision, config.cpu_isa,
+                                                  config.kernel_switches()))
         budget = sizing.kv_budget(config, config.block_size, self.device, self.model)
         plan = sizing.plan_kv(self.hf_config, config, self.kv_dtype, config.block_size, budget)
         self.max_model_len = plan.max_model_len
@@ -391,7 +393,8 @@ def load_model(path, hf_config, config: EngineConfig, device: torch.device) -> C
     backend selector picks for its compute dtype (which builds or loads the C++ ones then, not
     on the first step)."""
     positions = config.max_model_len or hf_config.max_position_embeddings
-    mode, compute = weight_mode(config, path, device, process_selector(config.cpu_isa))
+    mode, compute = weight_mode(config, path, device,
+                                  process_selector(config.cpu_isa, config.kernel_switches()))
     model = CausalLM(hf_config, compute, device, positions)
     model.load_weights(pack_weights(iter_weights(path), mode))
     model.eval()
