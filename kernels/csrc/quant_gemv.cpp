@@ -329,25 +329,30 @@ void gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
 
 void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
                 const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias,
-                int64_t isa) {
+                int64_t isa, int64_t acts) {
   check_isa(isa);
+  check_acts(acts);
   const LinearArgs p = check_linear("quant_gemv", out, x, w, fmt, scales, bias);
   if (p.rows == 0 || p.N == 0) return;
   fmt = p.fmt;  // without the kGrouped bit
   const bool vnni = isa == kAvx512Vnni;
   if (p.grouped) {
     TORCH_CHECK(vnni, "quant_gemv: grouped rows need AVX-512 VNNI (isa 2)");
-    v512::group_gemv(p);
+    v512::group_gemv(p, acts == kInt8Acts);
     return;
   }
-  static thread_local Acts acts;
+  if (acts == kInt8Acts && v256::byte_format(fmt)) {  // AVX2 instructions: every isa runs them
+    v256::byte_gemv(p);
+    return;
+  }
+  static thread_local Acts codes;
   if (fmt != kBF16 && vnni)
-    v512::quantize_acts(p.x, p.rows, p.K, nibble_order(fmt), acts);
+    v512::quantize_acts(p.x, p.rows, p.K, nibble_order(fmt), codes);
   else if (fmt != kBF16)
-    v256::quantize_acts(p.x, p.rows, p.K, acts);
+    v256::quantize_acts(p.x, p.rows, p.K, codes);
   // Rows per task: enough weight bytes (~32 KiB) that a thread's start-up cost stays small.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(p.row_bytes, 1));
-  const Acts& a = acts;
+  const Acts& a = codes;
   at::parallel_for(0, p.N, grain, [&](int64_t n0, int64_t n1) {
     if (vnni)
       v512::gemv(p, a, n0, n1);
