@@ -19,6 +19,8 @@ struct ByteActs {
   int64_t rows = 0, blocks = 0;  // blocks of 32 per row
   std::vector<int8_t> q;         // [rows * blocks, 32]
   std::vector<float> da, sx;     // [rows * blocks]
+  std::vector<float> dat, sxt;   // byte_gemv: da and sx transposed, [blocks, tstride]
+  int64_t tstride = 0;
   const int8_t* block(int64_t i) const { return q.data() + i * 32; }  // i = row * blocks + block
 };
 

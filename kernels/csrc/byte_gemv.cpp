@@ -25,6 +25,7 @@
 
 #include "byte_acts.h"
 #include "cpu_ops.h"
+#include "quant_avx2.h"
 #include "quant_formats.h"
 
 namespace pagedq_cpu::v256 {
@@ -40,7 +41,7 @@ inline __m256i dot_u8(__m256i codes, __m256i q) {
 
 // Each walker calls f(b, codes, s, m) for 32-block b of a row: 32 codes in natural order, the
 // block's value s * code + m (kSigned: int8 codes, m = 0; else unsigned).
-struct Q8_0 {
+struct ByteQ8_0 {
   static constexpr bool kSigned = true, kHasMin = false;
   template <class F>
   static inline void walk(const uint8_t* row, int64_t K, F&& f) {
@@ -52,7 +53,7 @@ struct Q8_0 {
 };
 
 template <int64_t Fmt>
-struct Nibble32 {  // Q4_0 (code - 8), Q4_1 (code + min)
+struct ByteNibble32 {  // Q4_0 (code - 8), Q4_1 (code + min)
   static constexpr bool kSigned = false, kHasMin = true;
   static constexpr int64_t kBytes = Fmt == kQ4_0 ? 18 : 20;
   template <class F>
@@ -68,7 +69,7 @@ struct Nibble32 {  // Q4_0 (code - 8), Q4_1 (code + min)
   }
 };
 
-struct Q4_K {  // 8 sub-blocks of 32 per 256, 6-bit scales and mins
+struct ByteQ4_K {  // 8 sub-blocks of 32 per 256, 6-bit scales and mins
   static constexpr bool kSigned = false, kHasMin = true;
   template <class F>
   static inline void walk(const uint8_t* row, int64_t K, F&& f) {
@@ -88,9 +89,37 @@ struct Q4_K {  // 8 sub-blocks of 32 per 256, 6-bit scales and mins
   }
 };
 
-// G activation rows from b0 against weight row n.
+// 4-8 activation rows from b0 against weight row n: each block's sums of all rows reduced into
+// one vector (quant_avx2.h: sum_rows8), one convert and FMA per block for the group.
 template <class W, int G>
-void byte_group(const LinearArgs& p, const ByteActs& a, int64_t b0, int64_t n) {
+void byte_group_wide(const LinearArgs& p, const ByteActs& a, int64_t b0, int64_t n) {
+  __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
+  W::walk(p.w + n * p.row_bytes, p.K, [&](int64_t b, __m256i codes, float s, float m) {
+    const __m256i u = W::kSigned ? _mm256_sign_epi8(codes, codes) : codes;
+    __m256i d[8];
+    for (int g = 0; g < 8; ++g) {
+      if (g >= G) {
+        d[g] = _mm256_setzero_si256();
+        continue;
+      }
+      __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block((b0 + g) * a.blocks + b)));
+      if constexpr (W::kSigned) q = _mm256_sign_epi8(q, codes);
+      d[g] = dot_u8(u, q);
+    }
+    const __m256 da = _mm256_loadu_ps(a.dat.data() + b * a.tstride + b0);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_rows8(d)), _mm256_mul_ps(_mm256_set1_ps(s), da), acc);
+    if constexpr (W::kHasMin)
+      mins = _mm256_fmadd_ps(_mm256_set1_ps(m), _mm256_loadu_ps(a.sxt.data() + b * a.tstride + b0), mins);
+  });
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, _mm256_add_ps(acc, mins));
+  const float bias = p.bias ? p.bias[n] : 0.f;
+  for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = sums[g] + bias;
+}
+
+// 1-3 activation rows from b0 against weight row n.
+template <class W, int G>
+void byte_group_narrow(const LinearArgs& p, const ByteActs& a, int64_t b0, int64_t n) {
   __m256 acc[G];
   float mins[G];
   for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps(), mins[g] = 0.f;
@@ -106,6 +135,14 @@ void byte_group(const LinearArgs& p, const ByteActs& a, int64_t b0, int64_t n) {
   });
   const float bias = p.bias ? p.bias[n] : 0.f;
   for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = hsum(acc[g]) + mins[g] + bias;
+}
+
+template <class W, int G>
+void byte_group(const LinearArgs& p, const ByteActs& a, int64_t b0, int64_t n) {
+  if constexpr (G >= 4)
+    byte_group_wide<W, G>(p, a, b0, n);
+  else
+    byte_group_narrow<W, G>(p, a, b0, n);
 }
 
 template <class W>
@@ -146,11 +183,13 @@ void byte_gemv(const LinearArgs& p) {
               "byte_gemv: int8 activations on AVX2 take plain Q8_0, Q4_0, Q4_1 or Q4_K rows");
   static thread_local ByteActs acts;
   quantize_bytes(p.x, p.rows, p.K, acts);
+  acts.tstride = transpose_steps(acts.da.data(), p.rows, acts.blocks, acts.dat);
+  transpose_steps(acts.sx.data(), p.rows, acts.blocks, acts.sxt);
   switch (p.fmt) {
-    case kQ8_0: run<Q8_0>(p, acts); break;
-    case kQ4_0: run<Nibble32<kQ4_0>>(p, acts); break;
-    case kQ4_1: run<Nibble32<kQ4_1>>(p, acts); break;
-    default: run<Q4_K>(p, acts); break;
+    case kQ8_0: run<ByteQ8_0>(p, acts); break;
+    case kQ4_0: run<ByteNibble32<kQ4_0>>(p, acts); break;
+    case kQ4_1: run<ByteNibble32<kQ4_1>>(p, acts); break;
+    default: run<ByteQ4_K>(p, acts); break;
   }
 }
 
