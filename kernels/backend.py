@@ -170,6 +170,17 @@ F32_GEMV_ROWS = {
     "avx2": {"q4_0": 24, "q4_1": 24, "q5_0": 24, "q5_1": 24, "q8_0": 64, "q4_k": 20, "q5_k": 20,
              "q6_k": 20, "int8": 64, "bf16": 16},
 }
+# The same crossovers for the GEMV on int8 activations (opt-in: ActWidth.INT8, QuantLinear's
+# INT8_ACTS_BIT; docs/quantization.md, "int8 activations", has the table and why it is not the
+# default), measured the same way (1 thread, loaded, --shapes down and the model's shapes):
+# the grouped byte mode beats fp32 tiles at every row count (1.45x the int16 grouped GEMV at 64
+# rows); on AVX2 the maddubs GEMV beats them up to 64 rows for Q8_0/Q4_0 (39.9 and 35.7 against
+# 45.5 and 49.5 ms at 64), to ~48 for Q4_K (22.9 against 24.7 at 32, 47.6 against 44.7 at 64).
+# Formats without an int8 kernel keep their F32_GEMV_ROWS entry.
+F32_GEMV_ROWS_INT8 = {
+    "grouped": dict.fromkeys(("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k"), ALL_ROWS),
+    "avx2": {"q4_0": 64, "q4_1": 64, "q8_0": 64, "q4_k": 48},
+}
 # The 32-element block formats' and Q4_K's GEMV on AVX-512 VNNI reads rows grouped 16 at a time
 # (csrc/group_gemv.cpp): it shares each weight load among 8 activation rows at ~1/3 of the
 # row-at-a-time kernel's cost per row, and beats the GEMM up to these many rows (quant_bench, ms

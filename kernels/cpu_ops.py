@@ -8,7 +8,8 @@
 - ``decoder_layers`` (fused_layer.cpp): every decoder layer of a step in one call;
   ``decoder_layers_packed`` the same over packed projections;
 - ``quant_gemv`` / ``quant_gemm`` (quant_gemv.cpp, quant_gemm.cpp): ``x @ W.T`` straight from
-  packed weights (GGUF blocks, int8, bf16 rows): integer dot products for few rows, bf16 tiles
+  packed weights (GGUF blocks, int8, bf16 rows): integer dot products for few rows (int16
+  activations, or int8 ones on request: byte_gemv.cpp, group_gemv.cpp), bf16 tiles
   for brgemm (AMX) or fp32 tiles for ATen's GEMM (any CPU) for many; ``QuantLinear``
   (quant_linear.cpp) picks between them per step.
 
@@ -42,8 +43,8 @@ from pagedq.progress import waiting
 LIBRARY = "pagedq_cpu_ops"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(CSRC / f for f in ("attention.cpp", "gemv.cpp", "rmsnorm.cpp", "fused_layer.cpp",
-                                   "quant_gemv.cpp", "group_gemv.cpp", "quant_gemm.cpp", "quant_linear.cpp",
-                                   "library.cpp"))
+                                   "quant_gemv.cpp", "group_gemv.cpp", "byte_gemv.cpp",
+                                   "quant_gemm.cpp", "quant_linear.cpp", "library.cpp"))
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 STALE_LOCK_SECONDS = 600  # a build lock this old was left by a process killed mid-compile
 SKINNY_MAX_ROWS = 16  # kMaxSkinnyRows in csrc/cpu_ops.h: the most rows skinny_linear takes
@@ -69,6 +70,19 @@ class GemmPrecision(IntEnum):
     BF16 = 1  # each operand rounded once to bf16: one AMX product per tile, no tails
     BF16X2 = 2  # weights rounded once, activations' heads and tails: two products per tile
     F32 = 3  # tiles dequantized to fp32, ATen's fp32 GEMM: any CPU (the bf16 ones need AMX)
+
+
+class ActWidth(IntEnum):
+    """The ``acts`` argument of ``quant_gemv`` (csrc/cpu_ops.h: kInt16Acts, kInt8Acts): the integer
+    width its activations are rounded to, per 32 values."""
+
+    INT16 = 16  # the default: the dequantized model's product to ~2^-15
+    INT8 = 8  # llama.cpp's rounding (~2^-8), one byte product per weight: opt-in
+
+
+# A QuantLinear ``precision`` with this bit set runs its GEMV on int8 activations (ActWidth.INT8);
+# the low bits are the GEMM's GemmPrecision (csrc/cpu_ops.h: kInt8ActsBit).
+INT8_ACTS_BIT = 1 << 8
 
 
 @dataclass(frozen=True)

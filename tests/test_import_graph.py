@@ -22,7 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 KNOWN_CYCLES: list[tuple[str, ...]] = [
     ("bench.gateway_path", "bench.memory_bound", "bench.quant_scenario", "bench.queue_path",
      "bench.report", "bench.run", "bench.scenarios", "bench.structured_scenario"),
-    ("gateway.app", "gateway.batch_api", "gateway.completions", "gateway.tokenize"),
 ]
 
 

@@ -526,6 +526,12 @@ class GatewayConfig(QueueConfig):
     """Most files one API key (tenant) keeps at once, batch outputs included (403 above)."""
     max_files_bytes: int = 1 << 30
     """Most bytes of files one API key (tenant) keeps at once (403 above)."""
+    max_total_files: int = 1000
+    """Most files the gateway keeps at once, all keys together, batch outputs included (403
+    above): per-key quotas alone let many keys fill Redis."""
+    max_total_files_bytes: int = 4 << 30
+    """Most bytes of files the gateway keeps at once, all keys together (403 above); keep it
+    under the Redis's maxmemory (the embedded one takes a quarter of the host's memory)."""
     files_ttl: int = 7 * 24 * 3600
     """Seconds files and finished batches are kept."""
     max_batch_lines: int = 50_000
@@ -534,6 +540,10 @@ class GatewayConfig(QueueConfig):
     """Lines of one batch in the queue at once."""
     batch_lease: float = 10.0
     """Seconds of silence after which another gateway takes over a gateway's batches."""
+    tool_call_format: Literal["auto", "hermes", "llama", "mistral"] = "auto"
+    """Tool-call format of the served models (pagedq.tools): "auto" reads it from each model's
+    chat template, control tokens and architecture where its directory is readable here
+    (Hermes where it is not); a name forces that format for every model."""
     fleet_cache: float = 0.25
     """Seconds a reading of the live workers and the queue depth is reused."""
     redis_max_connections: int = 4096
@@ -545,3 +555,8 @@ class GatewayConfig(QueueConfig):
     """Most open HTTP connections and tasks (uvicorn's; 503 above); default: no limit."""
     timeout_keep_alive: int = 5
     """Seconds an idle keep-alive connection stays open."""
+    timeout_header: float = 10.0
+    """Seconds a client has to send a request's headers before its connection is closed
+    (slowloris)."""
+    timeout_body: float = 30.0
+    """Seconds a request's body may pause before its connection is closed."""

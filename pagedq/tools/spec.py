@@ -14,10 +14,10 @@ from typing import Any
 
 from pagedq.errors import InvalidParamsError
 
-# The call formats a spec may name: one module each (hermes.py, llama_json.py), gathered in
-# pagedq.tools.FORMATS, which checks at import that it holds exactly these. Written here so the
-# spec, which the formats read, need not import them back.
-FORMAT_NAMES = ("hermes", "llama")
+# The call formats a spec may name: one module each (mistral.py, hermes.py, llama_json.py),
+# gathered in pagedq.tools.FORMATS (most specific first), which checks at import that it holds
+# exactly these. Written here so the spec, which the formats read, need not import them back.
+FORMAT_NAMES = ("mistral", "hermes", "llama")
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's function names (plus dots)
 CHOICES = ("auto", "required")
