@@ -35,6 +35,8 @@ from pagedq.bench.context import BenchContext, Unavailable
 from pagedq.bench.queue_path import _wait_ready, check_dependencies, redis_url, worker_process
 from pagedq.bench.workload import BenchRequest
 from pagedq.processes import stop_process
+from pagedq.worker.cli.flags import to_flags
+from pagedq.worker.config import QueueConfig
 
 GATEWAY_READY_S = 120.0
 TTFT_PROBES = 12  # single requests per path for the added-TTFT figure
@@ -55,12 +57,12 @@ def _http_module() -> Any:
     return httpx
 
 
-def start_gateway(url: str, queue: str, log_path: Path) -> tuple[subprocess.Popen, str]:
+def start_gateway(queue: QueueConfig, log_path: Path) -> tuple[subprocess.Popen, str]:
     from pagedq.embedded_redis import free_port
 
     port = free_port()
-    cmd = [sys.executable, "-m", "pagedq.worker.cli", "serve", "--redis-url", url, "--queue",
-           queue, "--port", str(port), "--log-level", "WARNING"]
+    cmd = [sys.executable, "-m", "pagedq.worker.cli", "serve", *to_flags(queue),
+           "--port", str(port), "--log-level", "WARNING"]
     proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
                             env=dict(os.environ))
     base = f"http://127.0.0.1:{port}"
@@ -80,13 +82,15 @@ def start_gateway(url: str, queue: str, log_path: Path) -> tuple[subprocess.Pope
         time.sleep(0.2)
 
 
-async def run_sdk(url: str, queue: str, trace: list[BenchRequest]) -> dict[str, Any]:
+async def run_sdk(queue: QueueConfig, trace: list[BenchRequest]) -> dict[str, Any]:
     from pagedq.client import AsyncClient
 
-    async with AsyncClient(url, queue) as client:
+    url = str(queue.redis_url)
+    async with AsyncClient(url, **queue.client_options()) as client:
         import redis.asyncio as aredis
 
-        client.redis = aredis.Redis.from_url(url, max_connections=len(trace) + 16)
+        tls = queue.tls.kwargs() if queue.tls else {}
+        client.redis = aredis.Redis.from_url(url, max_connections=len(trace) + 16, **tls)
         began = perf_counter()
 
         async def one(req: BenchRequest) -> tuple[float, int, str]:
@@ -137,7 +141,7 @@ async def run_http(base: str, model: str, trace: list[BenchRequest]) -> dict[str
     return _summary(rows, elapsed)
 
 
-async def ttft_probe(url: str, queue: str, base: str, model: str,
+async def ttft_probe(queue: QueueConfig, base: str, model: str,
                      prompts: list[tuple[list[int], list[int]]]) -> dict[str, list[float]]:
     """Each pair's first prompt alone through HTTP, then its second through the SDK: seconds to
     the first token. The two prompts differ, so neither path finds the other's prompt in the
@@ -147,7 +151,7 @@ async def ttft_probe(url: str, queue: str, base: str, model: str,
 
     httpx = _http_module()
     out: dict[str, list[float]] = {"http": [], "sdk": []}
-    async with AsyncClient(url, queue) as client, \
+    async with AsyncClient(queue.redis_url, **queue.client_options()) as client, \
             httpx.AsyncClient(base_url=base, timeout=600) as http:
         for prompt, sdk_prompt in prompts:
             body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
@@ -179,30 +183,30 @@ def serve_through_gateway(bench: BenchContext, trace: list[BenchRequest]) -> dic
     """SDK, HTTP, SDK on one worker; the figures and their provenance."""
     check_dependencies()
     _http_module()
-    queue = f"bench-gw-{os.getpid()}-{int(time.time())}"
     rng = np.random.default_rng(bench.config.seed + 1)
     with tempfile.TemporaryDirectory(prefix="pagedq-bench-gw-") as tmp, \
             redis_url(bench.config.redis_url) as url:
         tmp_path = Path(tmp)
-        with worker_process(bench, url, queue, tmp_path / "worker.log") as proc:
+        queue = bench.config.run_queue(url, "gateway")
+        with worker_process(bench, queue, tmp_path / "worker.log") as proc:
             from pagedq.client import Client
 
-            with Client(url, queue=queue) as cl:
+            with Client(url, **queue.client_options()) as cl:
                 warmup = BenchRequest("warmup", list(range(bench.space.low,
                                                            bench.space.low + 16)), 4)
                 _wait_ready(cl, proc, warmup, tmp_path / "worker.log")
-            gateway, base = start_gateway(url, queue, tmp_path / "gateway.log")
+            gateway, base = start_gateway(queue, tmp_path / "gateway.log")
             try:
                 httpx = _http_module()
                 model = httpx.get(base + "/v1/models", timeout=5).json()["data"][0]["id"]
                 asyncio.run(run_http(base, model, trace[:2]))  # connections and code paths warm
-                asyncio.run(run_sdk(url, queue, trace))  # the worker's per-shape caches warm
-                sdk_before = asyncio.run(run_sdk(url, queue, trace))
+                asyncio.run(run_sdk(queue, trace))  # the worker's per-shape caches warm
+                sdk_before = asyncio.run(run_sdk(queue, trace))
                 http = asyncio.run(run_http(base, model, trace))
-                sdk_after = asyncio.run(run_sdk(url, queue, trace))
+                sdk_after = asyncio.run(run_sdk(queue, trace))
                 probes = [(bench.space.sample(rng, 16), bench.space.sample(rng, 16))
                           for _ in range(TTFT_PROBES)]
-                ttft = asyncio.run(ttft_probe(url, queue, base, model, probes))
+                ttft = asyncio.run(ttft_probe(queue, base, model, probes))
             finally:
                 stop_process(gateway)
     sdk_tok_s = (sdk_before["tokens_per_s"] + sdk_after["tokens_per_s"]) / 2

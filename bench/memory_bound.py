@@ -112,7 +112,7 @@ def _copy_tokenizer(source: Any, writer: Any) -> None:
 
 
 def files(cpp: llama_cpp.LlamaCpp) -> dict[str, Path]:
-    from pagedq.worker.models.loader import cache_dir
+    from pagedq.worker.models.model_cache import cache_dir
 
     folder = cache_dir() / "memory_bound"
     folder.mkdir(parents=True, exist_ok=True)

@@ -7,11 +7,13 @@ build a config by hand with tiny sizes. Every number here ends up in the report'
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from pagedq.bench.workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT, LengthDist
-from pagedq.worker.config import EngineConfig
+from pagedq.worker.config import EngineConfig, QueueConfig
 
 SCENARIOS = ("throughput", "decode", "capacity", "itl", "prefix", "sharing", "queue", "gateway",
              "structured", "llama_cpp", "quant")
@@ -23,12 +25,21 @@ ALL_SCENARIOS = SCENARIOS + OPT_IN_SCENARIOS
 
 
 @dataclass(frozen=True)
-class BenchConfig(EngineConfig):
-    """Every knob of a run: the engine's knobs (EngineConfig's fields, with its defaults) plus
-    the size of every scenario. The engine knobs apply to every engine the run builds unless a
-    scenario needs a different value to mean anything (capacity sizes its own KV cache, ITL
-    switches chunking); ``seed`` also seeds the synthetic traces, and ``num_threads`` applies to
-    the Hugging Face baseline and llama.cpp alike."""
+class BenchConfig(EngineConfig, QueueConfig):
+    """Every knob of a run: the engine's knobs (EngineConfig's fields, with its defaults), the
+    queue's (QueueConfig's: the queue and gateway scenarios' Redis, TLS files, prefix and ttl)
+    plus the size of every scenario. The engine knobs apply to every engine the run builds
+    unless a scenario needs a different value to mean anything (capacity sizes its own KV cache,
+    ITL switches chunking); ``seed`` also seeds the synthetic traces, and ``num_threads`` applies
+    to the Hugging Face baseline and llama.cpp alike."""
+
+    FLAG_HELP: ClassVar[dict[str, str]] = {
+        "redis_url": "Redis for the queue and gateway scenarios (default: a private "
+                     "redis-server for the run, not $REDIS_URL: a run never touches a shared "
+                     "queue unless told).",
+        "queue": "Stem of the run's queue names: each scenario serves a fresh queue "
+                 "QUEUE-SCENARIO-PID-TIME, so runs never share jobs.",
+    }
 
     max_model_len: int | None = 2048
     """Most tokens per sequence in the serving engine (default: 2048, a fixed length so figures
@@ -102,8 +113,8 @@ class BenchConfig(EngineConfig):
     # ngram forced on at every batch size vs off (where verification stops paying)
     spec_threshold_streams: tuple[int, ...] = (4, 16, 32)
 
-    # queue: the throughput trace through Redis (worker subprocess + client)
-    redis_url: str | None = None  # None: start a private redis-server for the run
+    # queue: the throughput trace through Redis (worker subprocess + client), on QueueConfig's
+    # redis_url (None: a private redis-server for the run) and a queue of the run's own
     queue_timeout_s: float = 600.0
 
     # llama_cpp: llama.cpp measured in the same run (llama-batched-bench on the decode shape,
@@ -130,6 +141,12 @@ class BenchConfig(EngineConfig):
         knobs = {f.name: getattr(self, f.name) for f in fields(EngineConfig)}
         return EngineConfig(**{**knobs, **overrides})
 
+    def run_queue(self, url: str, scenario: str) -> QueueConfig:
+        """The queue a scenario serves on ``url``: a fresh name from the ``queue`` stem, with
+        this run's prefix, ttl and TLS files (what its worker, gateway and clients are given)."""
+        name = f"{self.queue}-{scenario}-{os.getpid()}-{int(time.time())}"
+        return replace(self.queue_config, redis_url=url, queue=name)
+
     def with_(self, **changes: Any) -> BenchConfig:
         return replace(self, **changes)
 
@@ -137,12 +154,13 @@ class BenchConfig(EngineConfig):
         """Apply ``FIELD=VALUE`` strings (the CLI's ``--set``), typed like the field's default:
         ints, floats, bools, comma-separated int tuples, or ``none``."""
         changes: dict[str, Any] = {}
+        names = sorted(f.name for f in fields(self) if f.name != "extra")
         for item in settings:
             name, sep, raw = item.partition("=")
             name = name.strip().replace("-", "_")
-            if not sep or name not in self.__dataclass_fields__ or name == "extra":
+            if not sep or name not in names:
                 raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of "
-                                 f"{sorted(k for k in self.__dataclass_fields__ if k != 'extra')}")
+                                 f"{names}")
             changes[name] = _parse_like(getattr(self, name), raw.strip(), name)
         return replace(self, **changes)
 

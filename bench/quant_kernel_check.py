@@ -16,6 +16,17 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from pagedq.kernels.block_formats import (
+    FORMATS,
+    QuantWeight,
+    dequantize,
+    quantize_int4,
+    quantize_int8,
+    to_gpu_layout,
+)
 
 # (N, K) of Llama-3-8B's projections: q/o, the fused gate+up's half, down
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))
@@ -26,24 +37,18 @@ TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 
 def make_weight(mode: str, n: int, k: int, gen: torch.Generator):
     """A packed weight of ``mode`` (int8, int4 or a GGUF block format) from N(0, 0.02) values."""
-    from pagedq.worker.models.quant import FORMATS, QuantWeight, quantize_int4, quantize_int8
-
     dense = torch.randn(n, k, generator=gen) * 0.02
     if mode == "int8":
         return quantize_int8(dense)
     if mode == "int4":
         return quantize_int4(dense)
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
-
     blocks = quantize(dense.numpy(), GGMLQuantizationType[mode.upper()])
     return QuantWeight(FORMATS[mode], torch.from_numpy(blocks).reshape(n, -1), (n, k))
 
 
 def check_case(w, rows: int, dtype: torch.dtype, device: str, gen: torch.Generator) -> float:
     """Relative max error of the Triton GEMM against dequantize-then-matmul in fp64."""
-    from pagedq.kernels.triton_quant import triton_quant_linear
-    from pagedq.worker.models.quant import dequantize, to_gpu_layout
+    from pagedq.kernels.triton_quant import triton_quant_linear  # triton: optional (GPU)
 
     k = w.shape[1]
     x = torch.randn(rows, k, generator=gen).to(dtype)
@@ -76,8 +81,7 @@ def check_quant(dtype: torch.dtype, quick: bool, bandwidth: bool,
 def print_bandwidth(mode: str, w, dtype: torch.dtype,
                     time_fn: Callable[[Callable[[], object]], float], peak: float | None) -> None:
     """One line per decode batch: the Triton GEMM's time and GB/s, and dense F.linear's time."""
-    from pagedq.kernels.triton_quant import triton_quant_linear
-    from pagedq.worker.models.quant import dequantize, to_gpu_layout
+    from pagedq.kernels.triton_quant import triton_quant_linear  # triton: optional (GPU)
 
     n, k = w.shape
     gpu = to_gpu_layout(w, "cuda")

@@ -7,6 +7,9 @@ real model's are. Paths: fp32 (the skinny GEMV below 17 rows, oneDNN-prepacked a
 (``F.linear`` and oneDNN-prepacked), torch's weight-only int8/int4 ops (bf16 activations), and
 pagedq's packed-weight kernels (``gemv-<format>`` reading the blocks with integer dot products,
 grouped 16 rows at a time where the engine groups them, ``rowgemv-<format>`` one row at a time,
+``i8gemv-<format>`` / ``i8rowgemv-<format>`` the same on int8 activations (quant_gemv's ``acts``
+8: maddubs on AVX2, one vpdpbusd per product grouped on VNNI; Q8_0, Q4_0, Q4_1, Q4_K, and
+grouped Q5_0/Q5_1),
 ``gemm-<format>`` dequantizing bf16 tiles for oneDNN's micro-kernel in precision bf16x3,
 ``x2gemm-<format>`` in precision bf16x2, ``bf16gemm-<format>`` in precision bf16, all three AMX
 only, ``f32gemm-<format>`` dequantizing fp32 tiles for ATen's GEMM, every CPU). The ISA level is
@@ -32,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedq.kernels.backend import process_selector
-from pagedq.kernels.cpu_ops import GemmPrecision, Isa
-from pagedq.worker.models.quant import FORMATS, QuantWeight, as_bf16, quantize_int8
+from pagedq.kernels.block_formats import FORMATS, QuantWeight, as_bf16, quantize_int8
+from pagedq.kernels.cpu_ops import ActWidth, GemmPrecision, Isa
 
 HIDDEN, INTERMEDIATE, VOCAB, LAYERS = 576, 1536, 49152, 30
 PACKED = ("q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k", "int8")
@@ -109,14 +112,15 @@ def build_path(name: str, shapes: list[tuple[int, int]], gen: torch.Generator) -
     ops = selector.library()
     isa = int(Isa.AVX512_VNNI if selector.cpu.has_avx512_vnni else Isa.AVX2)
     vnni = isa == int(Isa.AVX512_VNNI)
-    op = {"gemv": ops.quant_gemv, "rowgemv": ops.quant_gemv,
+    int8 = partial(ops.quant_gemv, acts=int(ActWidth.INT8))
+    op = {"gemv": ops.quant_gemv, "rowgemv": ops.quant_gemv, "i8gemv": int8, "i8rowgemv": int8,
           "gemm": partial(ops.quant_gemm, precision=int(GemmPrecision.BF16X3)),
           "x2gemm": partial(ops.quant_gemm, precision=int(GemmPrecision.BF16X2)),
           "bf16gemm": partial(ops.quant_gemm, precision=int(GemmPrecision.BF16)),
           "f32gemm": partial(ops.quant_gemm, precision=int(GemmPrecision.F32))}[kind]
 
     def packed(w: QuantWeight) -> Callable:
-        w.set_grouped(vnni and w.groupable and kind != "rowgemv")  # the engine's layout
+        w.set_grouped(vnni and w.groupable and not kind.endswith("rowgemv"))  # the engine's layout
 
         def call(xs):
             x = xs[w.shape[1]]

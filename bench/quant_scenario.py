@@ -62,7 +62,7 @@ def requantize(cpp: llama_cpp.LlamaCpp, source: Path, out: Path, type_name: str)
 def files(run: Any, cpp: llama_cpp.LlamaCpp | None) -> dict[str, Path]:
     """The GGUF files to serve, by type name."""
     from pagedq.worker.models.default_model import default_gguf
-    from pagedq.worker.models.loader import cache_dir
+    from pagedq.worker.models.model_cache import cache_dir
 
     c = run.config
     if c.model is not None:

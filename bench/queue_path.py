@@ -10,7 +10,6 @@ result, so it includes every Redis round trip a real client would pay.
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from typing import Any
 from pagedq.bench.context import BenchContext, Unavailable
 from pagedq.bench.workload import BenchRequest
 from pagedq.processes import stop_process
+from pagedq.worker.config import QueueConfig
 
 READY_TIMEOUT_S = 600.0
 POLL_S = 1.0
@@ -57,20 +57,21 @@ def redis_url(configured: str | None) -> Iterator[str]:
         yield server.url
 
 
-def worker_flags(bench: BenchContext, url: str, queue: str) -> list[str]:
-    """Flags for the worker subprocess: exactly the serving engine's knobs."""
+def worker_flags(bench: BenchContext, queue: QueueConfig) -> list[str]:
+    """Flags for the worker subprocess: the scenario's queue and exactly the serving engine's
+    knobs."""
     from pagedq.worker.cli.flags import to_flags
 
     engine = bench.config.engine_config(model=str(bench.model_dir),
                                         **bench.serving_engine_kwargs())
-    return ["--redis-url", url, "--queue", queue, *to_flags(engine)]
+    return [*to_flags(queue), *to_flags(engine)]
 
 
 @contextmanager
-def worker_process(bench: BenchContext, url: str, queue: str, log_path: Path) -> Iterator[Any]:
+def worker_process(bench: BenchContext, queue: QueueConfig, log_path: Path) -> Iterator[Any]:
     """A worker subprocess on the run's model; SIGTERM (then SIGKILL) on the way out."""
     cmd = [sys.executable, "-m", "pagedq.worker"]
-    flags = worker_flags(bench, url, queue)
+    flags = worker_flags(bench, queue)
     bench.results["queue_worker_flags"] = flags
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen([*cmd, *flags], stdout=log_file, stderr=subprocess.STDOUT)
@@ -114,11 +115,12 @@ def serve_through_redis(bench: BenchContext, trace: list[BenchRequest]) -> dict[
     check_dependencies()
     from pagedq.client import Client
 
-    queue = f"bench-{os.getpid()}-{int(time.time())}"
     with tempfile.TemporaryDirectory(prefix="pagedq-bench-") as tmp, \
             redis_url(bench.config.redis_url) as url:
         log_path = Path(tmp) / "worker.log"
-        with worker_process(bench, url, queue, log_path) as proc, Client(url, queue=queue) as cl:
+        queue = bench.config.run_queue(url, "queue")
+        with worker_process(bench, queue, log_path) as proc, \
+                Client(url, **queue.client_options()) as cl:
             warmup = BenchRequest("warmup", list(range(bench.space.low, bench.space.low + 16)), 4)
             ready_s = _wait_ready(cl, proc, warmup, log_path)
             began = perf_counter()

@@ -259,7 +259,7 @@ def llama_cpp(bench: BenchContext, wanted: set[str]) -> None:
     llama-server, on the GGUF pagedq serves packed (auto quantization), else an F32 GGUF of the
     same weights (see llama_cpp.py)."""
     from pagedq.worker.models.default_model import default_gguf
-    from pagedq.worker.models.loader import cache_dir, packed_source
+    from pagedq.worker.models.model_cache import cache_dir, packed_source
 
     c = bench.config
     if torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu")).type != "cpu":

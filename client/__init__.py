@@ -19,7 +19,8 @@ from pagedq.client.errors import (
     StreamGapError,
 )
 from pagedq.client.protocol import PROTOCOL_VERSION, Event, Keys, Limits, Request
-from pagedq.client.result import CompletionResult, Result, ResultBuilder
+from pagedq.client.result import CompletionResult, Result
+from pagedq.client.result_builder import ResultBuilder
 from pagedq.errors import InvalidParamsError
 from pagedq.params import SamplingParams, StructuredOutputsParams
 

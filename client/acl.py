@@ -36,6 +36,7 @@ GATEWAY_COMMANDS: tuple[str, ...] = (
     "hsetnx", "hdel", "hlen",  # batch lines in flight, their outputs exactly once
     "sadd", "srem", "smembers", "zrevrange",  # the batches to drive, listings
     "getrange",  # a file's bytes, streamed out in chunks
+    "append",  # an upload's bytes, written in pieces as they arrive
 )
 
 

@@ -38,7 +38,8 @@ from pagedq.client.protocol import (
     request_digest,
 )
 from pagedq.client.queue import parse_entries, queue_stats, stats_query, workers_query
-from pagedq.client.result import Result, ResultBuilder
+from pagedq.client.result import Result
+from pagedq.client.result_builder import ResultBuilder
 from pagedq.client.scripts import (
     CANCEL,
     CANCEL_ENDED,

@@ -11,12 +11,15 @@ floor's pagedq/redact.py).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 import redis.asyncio as aredis
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.backoff import ExponentialBackoff
+from redis.cluster import RedisCluster
 from redis.exceptions import BusyLoadingError, ConnectionError, RedisError, TimeoutError
 from redis.retry import Retry
 
@@ -90,19 +93,13 @@ def connect(url: str, tls: TLSFiles | None = None, **kwargs: Any) -> Any:
     """A blocking client for ``url``: ``redis.Redis`` or ``redis.cluster.RedisCluster``."""
     options = _options(tls, {"retry": sdk_retry(), **kwargs})
     if is_cluster(url, tls):
-        from redis.cluster import RedisCluster
-
         return RedisCluster.from_url(url, **options)
     return redis.Redis.from_url(url, **options)
 
 
 async def aconnect(url: str, tls: TLSFiles | None = None, **kwargs: Any) -> Any:
     """An asyncio client for ``url``: ``redis.asyncio.Redis`` or its ``RedisCluster``."""
-    import asyncio
-
     options = _options(tls, {"retry": sdk_retry(), **kwargs})
     if await asyncio.to_thread(is_cluster, url, tls):
-        from redis.asyncio.cluster import RedisCluster
-
-        return RedisCluster.from_url(url, **options)
+        return AsyncRedisCluster.from_url(url, **options)
     return aredis.Redis.from_url(url, **options)

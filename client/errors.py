@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pagedq.client.protocol import ProtocolError
+from pagedq.client.result import Result
 from pagedq.errors import InvalidParamsError, PagedQError
-
-if TYPE_CHECKING:
-    from pagedq.client.client import Result
 
 __all__ = [
     "PagedQError",

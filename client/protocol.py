@@ -32,6 +32,7 @@ import hashlib
 import math
 import re
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,8 +172,6 @@ def priority_level(priority: int) -> str:
 
 
 def new_request_id() -> str:
-    import uuid
-
     return uuid.uuid4().hex
 
 

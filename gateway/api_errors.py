@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from pagedq.client.protocol import (
     E_BAD_PAYLOAD,
@@ -93,7 +93,8 @@ def unexpected(exc: BaseException) -> APIError:
                            "surrogate such as \\ud800?): send UTF-8 text", code=E_INVALID_REQUEST)
     if isinstance(exc, RecursionError):
         return bad_request("the request nests objects or arrays too deeply", code=E_INVALID_REQUEST)
-    if isinstance(exc, ResponseError) and str(exc).startswith("OOM"):
+    if isinstance(exc, OutOfMemoryError) or (  # redis-py strips "OOM"; older ones kept it
+            isinstance(exc, ResponseError) and str(exc).startswith("OOM")):
         return APIError(503, "the queue's Redis is full (maxmemory): retry later", "server_error",
                         "storage_full", headers={"Retry-After": "10"})
     if isinstance(exc, RedisError):
@@ -101,3 +102,9 @@ def unexpected(exc: BaseException) -> APIError:
                         "redis_unavailable", headers={"Retry-After": "1"})
     return APIError(500, "internal error: the gateway's log has the details", "server_error",
                     "internal")
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is over the gateway's limit of {limit} bytes "
+                    "(--max-body-bytes / --max-file-bytes)", "invalid_request_error",
+                    "request_too_large")

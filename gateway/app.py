@@ -1,24 +1,20 @@
-"""The FastAPI app: shared state, the auth/limits/metrics middleware, errors, small routes.
+"""The FastAPI app: the auth/limits/metrics middleware, errors, small routes.
 
-Routes live with their nouns: completions.py (chat, completions, stream resume) and
-batch_api.py (files, batches). Everything a route needs hangs off ``Gateway``
-(``request.app.state.gateway``), built in the app's lifespan so it binds to uvicorn's loop.
+Routes live with their nouns: completions.py (chat, completions, stream resume), batch_api.py
+(files, batches) and tokenize.py. Everything a route needs hangs off ``Gateway`` in state.py
+(``request.app.state.gateway``), which the routes import; this module imports the routes, and
+nothing imports it but the commands that serve it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
 import hmac
 import ipaddress
 import json
 import time
-from collections.abc import Coroutine
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aredis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -26,15 +22,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedq.client import AsyncClient
-from pagedq.gateway.api_errors import APIError, unexpected
-from pagedq.gateway.batch_store import BatchStore
-from pagedq.gateway.batches import BatchDriver
-from pagedq.gateway.files import DirFileStore, FileStore, RedisFileStore
-from pagedq.gateway.fleet import Fleet
+from pagedq.gateway import batch_api, completions, tokenize
+from pagedq.gateway.api_errors import APIError, too_large, unexpected
 from pagedq.gateway.http_metrics import CONTENT_TYPE, GatewayMetrics
-from pagedq.gateway.sse import Readers
-from pagedq.gateway.tokens import TokenTexts
+from pagedq.gateway.state import TENANT, Gateway, Tenant, gateway, key_owner
 from pagedq.logging import get_logger
 from pagedq.worker.config import GatewayConfig
 
@@ -43,84 +34,8 @@ log = get_logger("pagedq.gateway")
 MULTIPART_SLACK = 64 << 10  # form boundaries and headers around an uploaded file
 
 
-@dataclass
-class Gateway:
-    """Everything the routes share; one per app."""
-
-    config: GatewayConfig
-    r: aredis.Redis
-    client: AsyncClient
-    fleet: Fleet
-    readers: Readers
-    files: FileStore
-    batches: BatchStore
-    driver: BatchDriver
-    tokens: TokenTexts
-    metrics: GatewayMetrics
-    tasks: set[asyncio.Task] = field(default_factory=set)
-
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        """Run a background coroutine, keeping a reference until it ends."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    @classmethod
-    def build(cls, config: GatewayConfig, redis_url: str, metrics: GatewayMetrics) -> Gateway:
-        pool = aredis.BlockingConnectionPool.from_url(  # wait for a connection, don't fail
-            redis_url, max_connections=config.redis_max_connections,
-            timeout=config.redis_pool_timeout, health_check_interval=30, socket_keepalive=True)
-        r = aredis.Redis.from_pool(pool)  # closes the pool with the client
-        client = AsyncClient(queue=config.queue, prefix=config.prefix, ttl=config.ttl,
-                             connection=r)
-        fleet = Fleet(client, config.fleet_cache)
-        files: FileStore = (DirFileStore(config.files_dir, config.files_ttl) if config.files_dir
-                            else RedisFileStore(r, config.prefix, config.files_ttl))
-        tokens = TokenTexts()
-        driver = BatchDriver(r, client, files, fleet, tokens, config, metrics)
-        return cls(config, r, client, fleet, Readers(r, client.keys, config.ttl), files,
-                   driver.store, driver, tokens, metrics)
-
-    async def close(self) -> None:
-        for task in list(self.tasks):
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.r.aclose()
-
-
-def gateway(request: Request) -> Gateway:
-    return request.app.state.gateway
-
-
-@dataclass(frozen=True)
-class Tenant:
-    """Who made a request: ``owner`` is its API key's fingerprint ("" on an open gateway);
-    files, batches and streams carry their owner, and only it (or an admin key) sees them."""
-
-    owner: str = ""
-    admin: bool = False
-
-    def sees(self, owner: str) -> bool:
-        return self.admin or hmac.compare_digest(owner, self.owner)
-
-
-OPEN = Tenant("", admin=True)  # no keys configured: one trust domain, as before
-TENANT = "pagedq.tenant"  # the scope key the middleware sets
-
-
-def key_owner(key: bytes) -> str:
-    """A key's tenant id: a fingerprint, so Redis never holds the key itself."""
-    return "key-" + hashlib.sha256(key).hexdigest()[:24]
-
-
-def tenant(request: Request) -> Tenant:
-    return request.scope.get(TENANT, OPEN)
-
-
 def create_app(config: GatewayConfig, redis_url: str) -> FastAPI:
     """The ASGI app for ``config`` against the Redis at ``redis_url``."""
-    from pagedq.gateway import batch_api, completions, tokenize
-
     metrics = GatewayMetrics()
 
     @asynccontextmanager
@@ -282,12 +197,6 @@ def host_name(host: str) -> str:
     if host.startswith("["):
         return host[1:].split("]", 1)[0]
     return host.split(":", 1)[0] if host.count(":") == 1 else host
-
-
-def too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is over the gateway's limit of {limit} bytes "
-                    "(--max-body-bytes / --max-file-bytes)", "invalid_request_error",
-                    "request_too_large")
 
 
 class ErrorResponse(JSONResponse):

@@ -1,6 +1,7 @@
 """Routes: the Files API (``/v1/files``) and the Batch API (``/v1/batches``).
 
-Uploads are JSONL with purpose ``batch``, at most ``max_file_bytes`` (413 above). A batch is
+Uploads are JSONL with purpose ``batch``, at most ``max_file_bytes`` (413 above), within the
+key's and the gateway's file quotas (403), streamed to the store as they arrive. A batch is
 created ``validating`` and driven by whichever gateway holds its lease (batches.py); these
 routes only read its state and record a cancel request.
 
@@ -11,17 +12,20 @@ as if it did not exist, an admin key sees them all (``Tenant.sees``).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.datastructures import UploadFile
 
-from pagedq.gateway.api_errors import APIError, bad_request, not_found
-from pagedq.gateway.app import Tenant, gateway, tenant, too_large
+from pagedq.gateway.api_errors import APIError, bad_request, not_found, too_large
 from pagedq.gateway.batch_store import TERMINAL, BatchState, completion_hours, new_batch
 from pagedq.gateway.files import FileObject
 from pagedq.gateway.openai import BatchCreateRequest
+from pagedq.gateway.state import Tenant, gateway, tenant
 from pagedq.gateway.translate import ENDPOINTS
+from pagedq.gateway.uploads import Upload, UploadOverLimit, read_upload
+from pagedq.worker.config import GatewayConfig
 
 router = APIRouter()
 PURPOSES = ("batch",)
@@ -35,20 +39,33 @@ UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-dat
 
 @router.post("/v1/files", openapi_extra=UPLOAD_BODY)  # the form is read by hand (size limits)
 async def upload_file(request: Request) -> Response:
-    gw = gateway(request)
-    form = await request.form(max_files=1, max_fields=8)
-    upload, purpose = form.get("file"), form.get("purpose")
-    if not isinstance(upload, UploadFile):
+    """The file is read as it arrives and written to the store in pieces (uploads.py): the
+    gateway never holds it whole, and an upload past the file limit or a quota stops there."""
+    gw, owner = gateway(request), tenant(request).owner
+    room = await _room(gw.config, await gw.files.list(), owner)
+    writer = gw.files.writer()
+    try:
+        upload = await read_upload(request.headers.get("content-type", ""), request.stream(),
+                                   writer, room.bytes)
+        purpose = _check_form(upload)
+    except UploadOverLimit:
+        await writer.abort()
+        raise room.refusal() from None
+    except BaseException:
+        await writer.abort()
+        raise
+    obj = await writer.commit(upload.filename or "upload.jsonl", purpose, owner=owner)
+    return JSONResponse(obj.to_json())
+
+
+def _check_form(upload: Upload) -> str:
+    """The form's purpose, once it is known to hold a file under 'file' and a valid purpose."""
+    if upload.filename is None or upload.file_field != "file":
         raise bad_request("send the file as multipart form field 'file'", "file")
+    purpose = upload.fields.get("purpose")
     if purpose not in PURPOSES:
         raise bad_request(f"purpose must be one of {list(PURPOSES)}, got {purpose!r}", "purpose")
-    data = await upload.read(gw.config.max_file_bytes + 1)
-    if len(data) > gw.config.max_file_bytes:
-        raise too_large(gw.config.max_file_bytes)
-    await _check_quota(request, len(data))
-    obj = await gw.files.put(data, upload.filename or "upload.jsonl", purpose,
-                             owner=tenant(request).owner)
-    return JSONResponse(obj.to_json())
+    return purpose
 
 
 @router.get("/v1/files")
@@ -82,17 +99,57 @@ async def delete_file(file_id: str, request: Request) -> Response:
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
 
-async def _check_quota(request: Request, size: int) -> None:
-    """403 when the tenant's files would pass --max-files or --max-files-bytes. (Checked at
-    upload: two racing uploads may both pass; the next one is refused.)"""
-    gw, who = gateway(request), tenant(request)
-    mine = [o for o in await gw.files.list() if o.owner == who.owner]
-    used = sum(o.bytes for o in mine)
-    if len(mine) + 1 > gw.config.max_files or used + size > gw.config.max_files_bytes:
-        raise APIError(403, f"this key keeps {len(mine)} files of {used} bytes; the quota is "
-                       f"{gw.config.max_files} files and {gw.config.max_files_bytes} bytes "
-                       "(--max-files, --max-files-bytes): delete files first",
-                       "invalid_request_error", "quota_exceeded")
+@dataclass(frozen=True)
+class Room:
+    """How many bytes an upload may hold, and which limit says so (the file size: 413; the
+    key's or the gateway's quota: 403)."""
+
+    bytes: int
+    refusal: Callable[[], APIError]
+
+
+async def _room(config: GatewayConfig, files: list[FileObject], owner: str) -> Room:
+    """What the tenant's quota (--max-files, --max-files-bytes) and the gateway's, all keys
+    together (--max-total-files, --max-total-files-bytes), leave for one more file; 403 at once
+    when no file may be added. (Checked at upload: two racing uploads may both pass; the next
+    one is refused.)"""
+    mine = [o for o in files if o.owner == owner]
+    used, total = sum(o.bytes for o in mine), sum(o.bytes for o in files)
+    key_quota = Quota("this key", len(mine), used, config.max_files, config.max_files_bytes,
+                      "--max-files, --max-files-bytes")
+    all_quota = Quota("this gateway (all keys together)", len(files), total,
+                      config.max_total_files, config.max_total_files_bytes,
+                      "--max-total-files, --max-total-files-bytes")
+    for quota in (key_quota, all_quota):
+        if quota.count + 1 > quota.max_count or quota.left <= 0:
+            raise quota.refused()
+    tightest = min((key_quota, all_quota), key=lambda q: q.left)
+    if config.max_file_bytes <= tightest.left:
+        return Room(config.max_file_bytes, lambda: too_large(config.max_file_bytes))
+    return Room(tightest.left, tightest.refused)
+
+
+@dataclass(frozen=True)
+class Quota:
+    """One quota's reading: whose (a key, or the whole gateway), what it holds, its bounds and
+    the flags that set them (named in the 403, so an operator knows what to raise)."""
+
+    who: str
+    count: int
+    used: int
+    max_count: int
+    max_bytes: int
+    flags: str
+
+    @property
+    def left(self) -> int:
+        return self.max_bytes - self.used
+
+    def refused(self) -> APIError:
+        return APIError(403, f"{self.who} keeps {self.count} files of {self.used} bytes; the "
+                        f"quota is {self.max_count} files and {self.max_bytes} bytes "
+                        f"({self.flags}): delete files first", "invalid_request_error",
+                        "quota_exceeded")
 
 
 async def _file(request: Request, file_id: str) -> FileObject:

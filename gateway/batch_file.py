@@ -19,8 +19,9 @@ from typing import Any
 import redis.asyncio as aredis
 
 from pagedq.client import AsyncClient
+from pagedq.client.connection import TLSFiles
 from pagedq.gateway.api_errors import unexpected
-from pagedq.gateway.batches import outcome_of
+from pagedq.gateway.batches import model_not_found, outcome_of
 from pagedq.gateway.fleet import Fleet
 from pagedq.gateway.lines import Line, dumps, error_line, parse_line, result_line
 from pagedq.gateway.tokens import TokenTexts
@@ -28,12 +29,14 @@ from pagedq.gateway.translate import submit
 
 
 async def run_batch(in_path: Path, out_path: Path, redis_url: str, queue: str, prefix: str,
-                    window: int, ready_timeout: float, progress: bool = True) -> tuple[int, int]:
-    """Run every line; returns (succeeded, failed)."""
+                    window: int, ready_timeout: float, progress: bool = True,
+                    tls: TLSFiles | None = None) -> tuple[int, int]:
+    """Run every line; returns (succeeded, failed). ``tls``: the files for a rediss:// URL."""
     from tqdm import tqdm
 
     raws = [ln for ln in in_path.read_bytes().splitlines() if ln.strip()]
-    r = aredis.Redis.from_url(redis_url, max_connections=window + 16)
+    r = aredis.Redis.from_url(redis_url, max_connections=window + 16,
+                              **(tls.kwargs() if tls else {}))
     client = AsyncClient(queue=queue, prefix=prefix, connection=r)
     fleet = Fleet(client, 1.0)
     tokens = TokenTexts()
@@ -62,6 +65,9 @@ async def run_batch(in_path: Path, out_path: Path, redis_url: str, queue: str, p
 async def _run_line(line: Line, client: AsyncClient, fleet: Fleet, tokens: TokenTexts,
                     gate: asyncio.Semaphore) -> tuple[bool, dict[str, Any]]:
     rid = line.spec.id if line.spec is not None else f"line-{line.number}"
+    if line.error is None and line.spec is not None \
+            and (await fleet.view()).path_of(line.spec.view.model) is None:
+        line.error = model_not_found(line.spec.view.model)  # refused, never answered by another
     if line.error is not None:
         return False, error_line(line, rid, line.error, False)
     assert line.spec is not None

@@ -38,11 +38,12 @@ from pagedq.client import AsyncClient
 from pagedq.gateway.api_errors import APIError, too_many_prompts, unexpected
 from pagedq.gateway.batch_store import TERMINAL, BatchState, BatchStore
 from pagedq.gateway.files import FileStore
-from pagedq.gateway.fleet import Fleet
+from pagedq.gateway.fleet import Fleet, FleetView
 from pagedq.gateway.http_metrics import GatewayMetrics
 from pagedq.gateway.lines import Line, dumps, error_line, parse_line, result_line
 from pagedq.gateway.tokens import TokenTexts
-from pagedq.gateway.translate import submit
+from pagedq.gateway.tools import model_format
+from pagedq.gateway.translate import submit, use_tool_format
 from pagedq.logging import get_logger
 from pagedq.worker.config import GatewayConfig
 
@@ -191,8 +192,13 @@ class BatchDriver:
         await self.store.save_obj(state.obj)
         await self.r.expire(self.store.keys.batch(state.obj["id"]), self.config.files_ttl)
 
-    def _line(self, state: BatchState, lines: list[bytes], n: int) -> Line:
-        return parse_line(lines[n], n, state.obj["endpoint"], f"{state.obj['id']}-{n}")
+    def _line(self, state: BatchState, lines: list[bytes], n: int,
+              fleet: FleetView | None = None) -> Line:
+        line = parse_line(lines[n], n, state.obj["endpoint"], f"{state.obj['id']}-{n}")
+        if line.spec is not None and fleet is not None:  # tool calls in the served model's format (tools.py)
+            use_tool_format(line.spec, model_format(fleet.path_of(line.spec.view.model),
+                                                    self.config.tool_call_format))
+        return line
 
     async def _submit(self, bid: str, state: BatchState, lines: list[bytes]) -> None:
         """Hand out the next lines up to the window: record them, then submit their jobs."""
@@ -200,7 +206,7 @@ class BatchDriver:
         if last <= state.next:
             return
         fleet = await self.fleet.view()
-        parsed = [self._line(state, lines, n) for n in range(state.next, last)]
+        parsed = [self._line(state, lines, n, fleet) for n in range(state.next, last)]
         keys = self.store.keys
         pipe = self.r.pipeline(transaction=True)
         for line in parsed:
@@ -248,8 +254,10 @@ class BatchDriver:
     async def _collect(self, bid: str, state: BatchState, lines: list[bytes]) -> None:
         """Lines whose jobs all ended -> their output or error line, exactly once."""
         unconfirmed = [n for n, rec in state.inflight.items() if not rec["ok"]]
+        fleet = await self.fleet.view()
         if unconfirmed and not state.cancel:  # a driver died between recording and submitting
-            await self._send(bid, state, [self._line(state, lines, n) for n in unconfirmed])
+            await self._send(bid, state, [self._line(state, lines, n, fleet)
+                                          for n in unconfirmed])
         jobs = [(n, jid) for n, rec in state.inflight.items() for jid in rec["jobs"]]
         if not jobs:
             return
@@ -259,10 +267,9 @@ class BatchDriver:
         pending = {n for (n, _), done in zip(jobs, await pipe.execute(), strict=True)
                    if done != b"1"}
         expiring = time.time() >= state.obj["expires_at"] and not state.cancel
-        fleet = await self.fleet.view()
         keys = self.store.keys
         for n in [n for n in state.inflight if n not in pending]:
-            line = self._line(state, lines, n)
+            line = self._line(state, lines, n, fleet)
             rid = line_rid(bid, line)
             outcome = await outcome_of(self.client, line.spec.job_ids)
             text = self.tokens.lookup(fleet.path_of(line.spec.view.model))

@@ -7,16 +7,23 @@ when a command runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
 
 from pagedq.worker.cli.console import add_log_level_flag
-from pagedq.worker.cli.flags import add_config_flags, add_engine_flags, engine_knobs, given
-from pagedq.worker.config import EngineConfig, GatewayConfig
+from pagedq.worker.cli.flags import (
+    add_config_flags,
+    add_engine_flags,
+    engine_knobs,
+    given,
+    to_flags,
+)
+from pagedq.worker.config import EngineConfig, GatewayConfig, QueueConfig
 
 NOT_FLAGS = ("api_keys", "admin_keys")  # --api-key, --admin-key, repeatable, below
-QUEUE_FIELDS = ("redis_url", "queue", "prefix")
+QUEUE_FIELDS = tuple(f.name for f in dataclasses.fields(QueueConfig))
 MODEL_HELP = ("the embedded worker's model, when no Redis URL is given (default: the bundled "
               "SmolLM2-135M); the other engine flags also go to that worker")
 
@@ -68,6 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedq.gateway.app import create_app
+    from pagedq.gateway.http_timeouts import timed_protocol
     from pagedq.gateway.local import queue_stack
     from pagedq.logging import configure_logging, get_logger
 
@@ -77,11 +85,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not config.api_keys and not config.admin_keys:
         log.warning("no API key configured: anyone who can reach the gateway may use it; set "
                     "--api-key or $PAGEDQ_API_KEY")
-    with queue_stack(config.redis_url, config.queue, config.prefix, engine_config(args)) as url:
+    engine = engine_config(args)
+    with queue_stack(config.redis_url, config.queue, config.prefix, to_flags(engine),
+                     model=engine.model) as url:
         log.info("gateway listening", url=f"http://{config.host}:{config.port}/v1",
                  queue=config.queue)
         uvicorn.run(create_app(config, url), host=config.host, port=config.port,
-                    loop=_loop(), http="httptools", log_level=args.log_level.lower(),
+                    loop=_loop(), log_level=args.log_level.lower(),
+                    http=timed_protocol(config.timeout_header, config.timeout_body),
                     access_log=False, timeout_graceful_shutdown=5,
                     limit_concurrency=config.limit_concurrency,
                     timeout_keep_alive=config.timeout_keep_alive)
@@ -97,12 +108,14 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if not args.input.is_file():
         print(f"error: {args.input} is not a file", file=sys.stderr)
         return 2
-    config = gateway_config(args)
-    with queue_stack(config.redis_url, config.queue, config.prefix, engine_config(args),
-                     until_loaded="the lines start once it has", worker_log_level="ERROR") as url:
+    config, engine = gateway_config(args), engine_config(args)
+    with queue_stack(config.redis_url, config.queue, config.prefix, to_flags(engine),
+                     until_loaded="the lines start once it has", worker_log_level="ERROR",
+                     model=engine.model) as url:
         ok, failed = asyncio.run(run_batch(args.input, args.output, url, config.queue,
                                            config.prefix, config.batch_window,
-                                           args.ready_timeout, progress=not args.no_progress))
+                                           args.ready_timeout, progress=not args.no_progress,
+                                           tls=config.tls))
     print(summary(ok, failed, args.output))
     return 0 if failed == 0 else 1
 

@@ -6,7 +6,10 @@ fill the queue's Redis. In Redis a file is a hash ``P:gw:file:ID`` (its meta) an
 ``P:gw:file:ID:data`` (its bytes, read in ``CHUNK``-sized ranges), and the zset
 ``P:gw:files`` lists them; in a directory it is ``ID.json`` + ``ID.data``, written atomically
 (rename) and treated as gone once expired. Downloads stream chunk by chunk from either, so a
-gateway holds a chunk per download, never a whole file.
+gateway holds a chunk per download, never a whole file. Uploads arrive the same way
+(``writer``): each piece is appended to the file's bytes (``P:gw:file:ID:data``, expiring in
+PART_TTL until the upload commits, or ``.ID.part.*`` in the directory), which become a file only
+when the upload is whole and within its quotas and its meta is written.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class FileObject:
 
 
 CHUNK = 1 << 20  # bytes of a file read at once when it is streamed out
+PART_TTL = 3600  # seconds an unfinished upload's bytes outlive a gateway that died mid-upload
 FILE_ID_RE = re.compile(r"^file-[A-Za-z0-9_-]{1,128}$")  # ours: file-HEX, file-BATCH-output
 
 
@@ -81,6 +85,11 @@ class FileStore:
 
     async def put(self, data: bytes, filename: str, purpose: str,
                   file_id: str | None = None, owner: str = "") -> FileObject:
+        raise NotImplementedError
+
+    def writer(self) -> FileWriting:
+        """A new file written piece by piece (an upload as it arrives); ``commit`` makes it
+        visible, ``abort`` drops what was written."""
         raise NotImplementedError
 
     async def meta(self, file_id: str) -> FileObject | None:
@@ -125,6 +134,24 @@ class RedisFileStore(FileStore):
         pipe.zremrangebyscore(self.index, "-inf", time.time() - self.ttl)
         await pipe.execute()
         return obj
+
+    def writer(self) -> RedisFileWriting:
+        return RedisFileWriting(self, new_file_id())
+
+    async def _commit(self, obj: FileObject, written: bool) -> None:
+        """``obj``'s meta, its bytes' lifetime (``written`` by the upload, else empty) and its
+        index entry, in one transaction: the file exists from here on."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(self.key(obj.id))
+        pipe.hset(self.key(obj.id), mapping={"meta": json.dumps(asdict(obj))})
+        if written:
+            pipe.expire(self.data_key(obj.id), self.ttl)
+        else:
+            pipe.set(self.data_key(obj.id), b"", ex=self.ttl)
+        pipe.expire(self.key(obj.id), self.ttl)
+        pipe.zadd(self.index, {obj.id: obj.created_at})
+        pipe.zremrangebyscore(self.index, "-inf", time.time() - self.ttl)
+        await pipe.execute()
 
     async def meta(self, file_id: str) -> FileObject | None:
         if not valid_file_id(file_id):
@@ -191,6 +218,20 @@ class DirFileStore(FileStore):
         await asyncio.to_thread(_write_atomic, meta, json.dumps(asdict(obj)).encode())
         return obj
 
+    def writer(self) -> DirFileWriting:
+        self._prune_parts()
+        return DirFileWriting(self, new_file_id())
+
+    def _prune_parts(self) -> None:
+        """Drop the part files of uploads a gateway died during (older than PART_TTL)."""
+        stale = time.time() - PART_TTL
+        for part in self.dir.glob(".file-*.part.*"):
+            try:
+                if part.stat().st_mtime < stale:
+                    part.unlink()
+            except OSError:
+                pass
+
     async def meta(self, file_id: str) -> FileObject | None:
         try:
             meta, _ = self._paths(file_id)
@@ -238,6 +279,91 @@ class DirFileStore(FileStore):
         objs = [await self.meta(p.stem) for p in self.dir.glob("file-*.json")
                 if valid_file_id(p.stem)]
         return sorted((o for o in objs if o), key=lambda o: -o.created_at)
+
+
+class FileWriting:
+    """One file being written: ``write`` pieces, then ``commit`` (the file appears) or
+    ``abort`` (its bytes are dropped)."""
+
+    def __init__(self, store: FileStore, file_id: str):
+        self.store, self.id, self.size = store, file_id, 0
+
+    async def write(self, chunk: bytes) -> None:
+        raise NotImplementedError
+
+    async def commit(self, filename: str, purpose: str, owner: str = "") -> FileObject:
+        raise NotImplementedError
+
+    async def abort(self) -> None:
+        raise NotImplementedError
+
+    def _object(self, filename: str, purpose: str, owner: str) -> FileObject:
+        now = int(time.time())
+        return FileObject(self.id, self.size, now, now + self.store.ttl, filename, purpose,
+                          owner)
+
+
+class RedisFileWriting(FileWriting):
+    """Pieces APPENDed to the file's data key, which expires in PART_TTL unless the upload
+    commits (so a gateway that dies mid-upload leaves nothing for good) and is no file until
+    its meta exists (``meta``, ``stream`` and ``list`` read the meta first)."""
+
+    store: RedisFileStore
+
+    @property
+    def data(self) -> str:
+        return self.store.data_key(self.id)
+
+    async def write(self, chunk: bytes) -> None:
+        pipe = self.store.r.pipeline(transaction=False)
+        pipe.append(self.data, chunk)
+        pipe.expire(self.data, PART_TTL)
+        await pipe.execute()
+        self.size += len(chunk)
+
+    async def commit(self, filename: str, purpose: str, owner: str = "") -> FileObject:
+        obj = self._object(filename, purpose, owner)
+        await self.store._commit(obj, written=self.size > 0)
+        return obj
+
+    async def abort(self) -> None:
+        await self.store.r.delete(self.data)
+
+
+class DirFileWriting(FileWriting):
+    """Pieces written to a hidden temporary file, renamed into place on commit."""
+
+    store: DirFileStore
+
+    def __init__(self, store: DirFileStore, file_id: str):
+        super().__init__(store, file_id)
+        self.tmp = store.dir / f".{file_id}.part.{os.getpid()}"
+        self.f: Any = None
+
+    async def write(self, chunk: bytes) -> None:
+        if self.f is None:
+            self.f = await asyncio.to_thread(self.tmp.open, "wb")
+        await asyncio.to_thread(self.f.write, chunk)
+        self.size += len(chunk)
+
+    async def commit(self, filename: str, purpose: str, owner: str = "") -> FileObject:
+        obj = self._object(filename, purpose, owner)
+        meta, body = self.store._paths(self.id)
+        await asyncio.to_thread(self._finish, body)
+        await asyncio.to_thread(_write_atomic, meta, json.dumps(asdict(obj)).encode())
+        return obj
+
+    def _finish(self, body: Path) -> None:
+        if self.f is None:
+            self.tmp.write_bytes(b"")
+        else:
+            self.f.close()
+        os.replace(self.tmp, body)
+
+    async def abort(self) -> None:
+        if self.f is not None:
+            await asyncio.to_thread(self.f.close)
+        self.tmp.unlink(missing_ok=True)
 
 
 async def _one(data: bytes) -> AsyncIterator[bytes]:

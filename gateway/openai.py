@@ -5,8 +5,11 @@ Field names and defaults follow OpenAI's API reference; vLLM's extra body fields
 ``structured_outputs`` and the older ``guided_*`` names) are accepted as vLLM accepts them,
 and pagedq's own ``speculative`` (false: no speculative decoding for this request).
 Unknown fields are ignored, as vLLM does, so clients that send newer OpenAI fields keep
-working; fields whose meaning pagedq cannot honour (the deprecated ``functions``, best_of > n)
-are refused in translate.py with a 400 that says so; ``tools`` are translated in tools.py.
+working; fields whose meaning pagedq cannot honour (best_of > n, ``prompt_logprobs``) are
+refused in translate.py with a 400 that says so. ``tools`` are translated in tools.py, and so
+are the deprecated ``functions`` / ``function_call`` (as OpenAI still serves them: one call,
+answered as ``message.function_call``). Chat's ``echo`` is vLLM's: the reply starts with the
+last message's text when that message is the assistant's.
 Ranges are checked by ``SamplingParams`` itself, so the gateway and the engine can never
 disagree about what is valid.
 """
@@ -70,6 +73,7 @@ class Sampling(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's; refused: the engine keeps no prompt logprobs
 
 
 class ChatMessage(_Body):
@@ -87,7 +91,9 @@ class ChatCompletionRequest(Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    functions: list[dict[str, Any]] | None = None
+    functions: list[dict[str, Any]] | None = None  # deprecated: tools with one call
+    function_call: str | dict[str, Any] | None = None  # deprecated: tool_choice for functions
+    echo: bool = False  # vLLM's: prepend the last message's text when it is the assistant's
 
 
 class CompletionRequest(Sampling):

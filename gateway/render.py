@@ -102,14 +102,15 @@ def response(view: View, request_id: str, results: list[Result],
 def _choice(view: View, lp: Logprobs | None, index: int, out: CompletionResult,
             request_id: str = "") -> dict[str, Any]:
     reason = finish_reason(out.finish_reason)
+    echo = view.echo or ""
     if view.kind == CHAT and view.tools:
         return tools.chat_choice(view.tools, request_id, index, out, reason,
-                                 lp.chat(out.token_ids, out.logprobs) if lp else None)
+                                 lp.chat(out.token_ids, out.logprobs) if lp else None,
+                                 legacy=view.legacy_functions, prefix=echo)
     if view.kind == CHAT:
-        return {"index": index, "message": {"role": "assistant", "content": out.text},
+        return {"index": index, "message": {"role": "assistant", "content": echo + out.text},
                 "logprobs": lp.chat(out.token_ids, out.logprobs) if lp else None,
                 "finish_reason": reason}
-    echo = view.echo or ""
     logprobs = lp.completion(out.token_ids, out.logprobs, len(echo))[0] if lp else None
     return {"index": index, "text": echo + out.text, "logprobs": logprobs,
             "finish_reason": reason}
@@ -125,8 +126,8 @@ class ChunkRenderer:
         self.finished = [False] * view.n
         self.offsets = [len(view.echo or "")] * view.n
         self.object = "chat.completion.chunk" if view.kind == CHAT else "text_completion"
-        self.tool_deltas = ([tools.ToolDeltas(view.tools, request_id, i) for i in range(view.n)]
-                            if view.tools else None)
+        self.tool_deltas = ([tools.ToolDeltas(view.tools, request_id, i, view.legacy_functions)
+                             for i in range(view.n)] if view.tools else None)
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None
               ) -> dict[str, Any]:
@@ -137,9 +138,11 @@ class ChunkRenderer:
         return body
 
     def opening(self) -> list[dict[str, Any]]:
-        """What precedes the first event: the assistant role (chat), the echoed prompt."""
+        """What precedes the first event: the assistant role (chat, with an echoed last
+        assistant message), the echoed prompt (completions)."""
         if self.view.kind == CHAT:
-            return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+            echo = self.view.echo or ""
+            return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": echo},
                                  "logprobs": None, "finish_reason": None}])
                     for i in range(self.view.n)]
         if self.view.echo:

@@ -3,9 +3,18 @@
 ``tools``, ``tool_choice`` and ``parallel_tool_calls`` become the ``tools`` kind of
 ``structured_outputs`` (``pagedq.tools.ToolSpec``): the worker lists the tools through the
 model's chat template and constrains the output to the call format, so every call that ends
-parses, names a declared function and validates against its schema. The format is Hermes'
-``<tool_call>{json}</tool_call>`` (SmolLM2's, Qwen2.5's and Qwen3's). Past calls and tool
-results in ``messages`` travel to the worker as plain maps for its template.
+parses, names a declared function and validates against its schema. The format is the served
+model's (``pagedq.tools.format_for_model``: Hermes ``<tool_call>`` for Qwen2.5/Qwen3/SmolLM2,
+Llama 3.1+ JSON, Mistral ``[TOOL_CALLS]``), read from the directory its workers report, or
+the operator's ``--tool-call-format``; a spec is built with Hermes and set to the model's once
+the request is admitted (``use_tool_format``). Past calls and tool results in ``messages``
+travel to the worker as plain maps for its template.
+
+The deprecated ``functions`` / ``function_call`` are served as OpenAI still serves them: the
+functions become tools, ``function_call`` the tool choice, at most one call, answered as
+``message.function_call`` (streamed: ``delta.function_call``) with ``finish_reason:
+"function_call"``; past ``function_call`` messages and ``role: "function"`` results are
+accepted back.
 
 The answer's text is split by ``pagedq.tools.ToolCallParser``: ``message.tool_calls`` with
 ids, ``finish_reason: "tool_calls"``; streamed, ``delta.tool_calls`` whose argument fragments
@@ -14,6 +23,7 @@ concatenate to the arguments' JSON.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -21,16 +31,57 @@ from pagedq.client import CompletionResult
 from pagedq.errors import InvalidParamsError
 from pagedq.gateway.api_errors import bad_request, invalid_params
 from pagedq.gateway.openai import ChatCompletionRequest, ChatMessage
-from pagedq.tools import HERMES, ToolCallParser, ToolSpec, get_format, parse_tool_calls
+from pagedq.tools import (
+    AUTO,
+    HERMES,
+    ToolCallParser,
+    ToolSpec,
+    format_for_model,
+    get_format,
+    parse_tool_calls,
+)
 
 DEFAULT_FORMAT = HERMES.name
+LEGACY = "function_call"  # View.tools_shape of a request that sent the deprecated functions
+FUNCTION_CALL_ID = "call_fn_{}"  # a past legacy call's id: the index of its message
+
+
+@functools.lru_cache(maxsize=256)
+def model_format(model_path: str | None, override: str = AUTO) -> str:
+    """The tool-call format of the model in ``model_path`` (its template, control tokens and
+    architecture, where the directory is readable here; Hermes where it is not), or the
+    operator's ``override``."""
+    return format_for_model(model_path, override).name
+
+
+def legacy_functions(req: ChatCompletionRequest) -> bool:
+    """Turn the deprecated ``functions`` / ``function_call`` into ``tools`` / ``tool_choice``
+    (one call at most, as OpenAI answers them); returns whether the request used them."""
+    if req.function_call is not None and not req.functions:
+        raise bad_request("function_call needs functions (or send tools and tool_choice)",
+                          "function_call")
+    if not req.functions:
+        return False
+    if req.tools or req.tool_choice is not None:
+        raise bad_request("send either tools/tool_choice or the deprecated functions/"
+                          "function_call, not both", "functions")
+    req.tools = [{"type": "function", "function": f} for f in req.functions]
+    choice = req.function_call
+    if isinstance(choice, dict):
+        if not isinstance(choice.get("name"), str):
+            raise bad_request("function_call must be 'none', 'auto' or {'name': NAME}",
+                              "function_call")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice is not None and choice not in ("none", "auto"):
+        raise bad_request(f"function_call {choice!r} must be 'none', 'auto' or {{'name': NAME}}",
+                          "function_call")
+    req.tool_choice = choice
+    req.parallel_tool_calls = False
+    return True
 
 
 def tool_constraint(req: ChatCompletionRequest) -> dict[str, Any] | None:
     """The request's ``structured_outputs`` for its tools, or None (no tools, or "none")."""
-    if req.functions or req.model_extra and req.model_extra.get("function_call") is not None:
-        raise bad_request("functions/function_call (deprecated) are not supported: send tools "
-                          "and tool_choice", "functions")
     choice = req.tool_choice if req.tool_choice is not None else "auto"
     if not req.tools:
         if choice not in ("auto", "none"):
@@ -49,6 +100,30 @@ def tool_constraint(req: ChatCompletionRequest) -> dict[str, Any] | None:
     except InvalidParamsError as exc:
         raise invalid_params(exc) from exc
     return {"tools": spec}
+
+
+def wire_messages(messages: list[ChatMessage], bases: list[dict[str, str]]
+                  ) -> list[dict[str, Any]]:
+    """The conversation for the worker's template (``wire_message`` each), the deprecated
+    shapes made current: an assistant's ``function_call`` is a one-call ``tool_calls`` and a
+    ``role: "function"`` result a ``role: "tool"`` one answering the last such call."""
+    out: list[dict[str, Any]] = []
+    last_call = None
+    for j, (m, base) in enumerate(zip(messages, bases, strict=True)):
+        extra = m.model_extra or {}
+        if m.role == "assistant" and isinstance(extra.get("function_call"), dict) \
+                and not extra.get("tool_calls"):
+            last_call = FUNCTION_CALL_ID.format(j)
+            call = {"id": last_call, "type": "function", "function": extra["function_call"]}
+            out.append({**base, "tool_calls": [_past_call(call, 0)]})
+        elif m.role == "function":
+            result = {**base, "role": "tool", "name": m.name or ""}
+            if last_call is not None:
+                result["tool_call_id"] = last_call
+            out.append(result)
+        else:
+            out.append(wire_message(m, base))
+    return out
 
 
 def wire_message(m: ChatMessage, base: dict[str, str]) -> dict[str, Any]:
@@ -79,24 +154,31 @@ def _past_call(call: Any, i: int) -> dict[str, Any]:
 
 
 def chat_choice(fmt_name: str, request_id: str, index: int, out: CompletionResult,
-                reason: str | None, logprobs: Any) -> dict[str, Any]:
-    """A non-streamed chat choice whose text may hold calls."""
+                reason: str | None, logprobs: Any, *, legacy: bool = False,
+                prefix: str = "") -> dict[str, Any]:
+    """A non-streamed chat choice whose text may hold calls (``legacy``: the one call as
+    ``function_call``); ``prefix``: echoed text before the content."""
     content, calls = parse_tool_calls(out.text, get_format(fmt_name), request_id, index)
+    content = prefix + content
     message: dict[str, Any] = {"role": "assistant", "content": content or None}
-    if calls:
+    if calls and legacy:
+        message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+        reason = LEGACY if reason == "stop" else reason
+    elif calls:
         message["tool_calls"] = [c.to_openai() for c in calls]
-        if reason == "stop":
-            reason = "tool_calls"
+        reason = "tool_calls" if reason == "stop" else reason
     else:
         message["content"] = content
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
 class ToolDeltas:
-    """One streamed choice's text -> ``delta`` maps with content and/or ``tool_calls``."""
+    """One streamed choice's text -> ``delta`` maps with content and/or ``tool_calls``
+    (``legacy``: ``function_call``)."""
 
-    def __init__(self, fmt_name: str, request_id: str, index: int):
+    def __init__(self, fmt_name: str, request_id: str, index: int, legacy: bool = False):
         self.parser = ToolCallParser(get_format(fmt_name), request_id, index)
+        self.legacy = legacy
 
     def delta(self, text: str, ending: bool) -> dict[str, Any]:
         content, calls = self.parser.feed(text)
@@ -105,9 +187,24 @@ class ToolDeltas:
         out: dict[str, Any] = {}
         if content:
             out["content"] = content
-        if calls:
+        if calls and self.legacy:
+            out["function_call"] = _function_call_delta(calls)
+        elif calls:
             out["tool_calls"] = calls
         return out
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if reason == "stop" and self.parser.calls else reason
+        if reason != "stop" or not self.parser.calls:
+            return reason
+        return LEGACY if self.legacy else "tool_calls"
+
+
+def _function_call_delta(calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """``delta.tool_calls`` items of the one call -> ``delta.function_call`` (name first)."""
+    out: dict[str, Any] = {}
+    for item in calls:
+        fn = item.get("function", {})
+        if "name" in fn:
+            out["name"] = fn["name"]
+        out["arguments"] = out.get("arguments", "") + fn.get("arguments", "")
+    return out

@@ -18,7 +18,7 @@ from pagedq.client.protocol import ProtocolError, build_request
 from pagedq.errors import InvalidParamsError
 from pagedq.gateway.api_errors import bad_request, invalid_params
 from pagedq.gateway.openai import ChatCompletionRequest, CompletionRequest, Sampling
-from pagedq.gateway.tools import tool_constraint, wire_message
+from pagedq.gateway.tools import legacy_functions, tool_constraint, wire_messages
 from pagedq.params import SamplingParams
 
 CHAT = "chat"
@@ -39,6 +39,7 @@ class View:
     logprobs: int | None = None
     echo: str | None = None
     tools: str | None = None  # the tool-call format the output is constrained to (tools.py)
+    legacy_functions: bool = False  # the request sent the deprecated functions (tools.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -72,6 +73,7 @@ def new_id(kind: str) -> str:
 
 def chat_spec(req: ChatCompletionRequest, request_id: str | None = None,
               priority_floor: int | None = None) -> JobSpec:
+    legacy = legacy_functions(req)
     constraint = tool_constraint(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -79,9 +81,12 @@ def chat_spec(req: ChatCompletionRequest, request_id: str | None = None,
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     params = sampling_params(req, max_tokens, logprobs, constraint)
-    messages = [wire_message(m, _message(m.role, m.content)) for m in req.messages]
+    bases = [_message(m.role, m.content) for m in req.messages]
+    messages = wire_messages(req.messages, bases)
+    echo = bases[-1]["content"] if req.echo and req.messages[-1].role == "assistant" else None
     view = View(CHAT, req.model, int(time.time()), req.n, _include_usage(req), logprobs,
-                tools=constraint["tools"]["format"] if constraint else None)
+                echo or None, tools=constraint["tools"]["format"] if constraint else None,
+                legacy_functions=legacy and constraint is not None)
     return JobSpec(request_id or new_id(CHAT), view, [messages], params,
                    _priority(req.priority, priority_floor), req.stream)
 
@@ -109,10 +114,25 @@ def completion_spec(req: CompletionRequest, request_id: str | None = None,
                    _priority(req.priority, priority_floor), req.stream)
 
 
+def use_tool_format(spec: JobSpec, fmt: str) -> None:
+    """Constrain a spec's tool calls to ``fmt``, the served model's format (tools.py): known
+    once the request's model is resolved to a path, after the spec was built with Hermes."""
+    so = spec.params.structured_outputs
+    if spec.view.tools is None or so is None or so.tools is None:
+        return
+    so.tools["format"] = fmt
+    spec.view.tools = fmt
+
+
 def sampling_params(req: Sampling, max_tokens: int | None, logprobs: int | None,
                     tools: dict[str, Any] | None = None) -> SamplingParams:
     """The engine's SamplingParams; its own validation message becomes the 400. ``tools``: the
     request's tool constraint (tools.py), which excludes any other."""
+    if req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not supported by this server: the engine "
+                          "computes logits for the last prompt position only (logprobs of "
+                          "the generated tokens are: logprobs / top_logprobs)",
+                          "prompt_logprobs")
     given: dict[str, Any] = {
         "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,

@@ -135,6 +135,7 @@ def paged_attention(
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     name = resolve_attention(backend, query, k_cache, v_cache)
     if name == "triton":
+        # optional dependency: triton (x86-64 only; CUDA builds of torch bring it)
         from pagedq.kernels.triton_attention import triton_paged_attention
 
         if k_cache.dtype != query.dtype:
@@ -171,7 +172,7 @@ def write_kv(
             f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens"
         )
     if resolve_kv_write(backend, key) == "triton":
-        from pagedq.kernels.triton_cache import triton_write_kv
+        from pagedq.kernels.triton_cache import triton_write_kv  # optional dependency: triton
 
         triton_write_kv(key, value, k_cache, v_cache, slot_mapping)
         return

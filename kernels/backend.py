@@ -24,18 +24,12 @@ that runs:
 
 The :class:`Selector` decides from the device, the model's dtype, the KV-cache dtype and head
 size, the CPU's vector extensions (:mod:`pagedq.kernels.cpu_features`; capped at a level by
-``cpu_isa``, so every level a machine runs can be run and tested there) and these environment
-switches, which :meth:`Switches.from_environ` reads once per process:
-
-    PAGEDQ_CPU_KERNEL=0    no C++ kernels: attention "sdpa", linears oneDNN or torch
-    PAGEDQ_ONEDNN=0        no oneDNN-prepacked weights: batched CPU linears use F.linear
-    PAGEDQ_FUSED_LAYER=0   the per-op Python decoder layer instead of the fused C++ one
-    PAGEDQ_CPU_ISA=LEVEL   the process sees its CPU capped at LEVEL (avx2, avx512, avx512_vnni,
-                           amx), in Python (process_cpu: every Selector starts from it) and
-                           in the C++ ops; EngineConfig.cpu_isa caps further
-    TRITON_INTERPRET=1     allow attention "triton" on CPU tensors (Triton's interpreter)
-    TORCH_EXTENSIONS_DIR   where the C++ library is built and cached
-
+``cpu_isa``, so every level a machine runs can be run and tested there) and the
+:class:`~pagedq.kernel_switches.Switches` it is given (``cpu_kernels``, ``onednn``,
+``fused_layer``: EngineConfig fields, so flags, whose defaults :mod:`pagedq.kernel_switches`
+reads from ``PAGEDQ_CPU_KERNEL``, ``PAGEDQ_ONEDNN`` and ``PAGEDQ_FUSED_LAYER`` once per
+process; ``PAGEDQ_CPU_ISA`` caps the whole process, ``TRITON_INTERPRET`` and
+``TORCH_EXTENSIONS_DIR`` are Triton's and torch's own)
 and logs one line saying what it chose and why. Model code asks the Backend it was given; it
 reads neither the environment nor module globals. Tests and benchmarks build a Selector with
 explicit switches or CPU features instead of changing the environment.
@@ -44,14 +38,17 @@ explicit switches or CPU features instead of changing the environment.
 from __future__ import annotations
 
 import functools
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from pagedq.kernel_switches import (
+    DEFAULT_PACKED_PRECISION,
+    PACKED_GEMM_PRECISIONS,
+    Switches,
+    environment_switches,
+)
 from pagedq.kernels.cpu_attention import unsupported
 from pagedq.kernels.cpu_features import CpuFeatures, detect_cpu_features
 from pagedq.kernels.cpu_ops import (
@@ -66,7 +63,6 @@ from pagedq.logging import get_logger
 
 ATTENTION = ("cpp", "sdpa", "triton")
 KV_WRITE = ("torch", "triton")
-OFF = ("0", "false", "no", "off")
 ONEDNN_BATCH_HINT = 64  # the row count oneDNN lays out the prepacked weights for
 
 _log = get_logger("pagedq.kernels.backend")
@@ -80,35 +76,10 @@ class BackendUnavailableError(RuntimeError):
 def triton_available() -> bool:
     """True when triton imports (it is an optional, x86-64-only dependency)."""
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401 - optional dependency
     except ImportError:
         return False
     return True
-
-
-@dataclass(frozen=True)
-class Switches:
-    """The environment's say in the choice; the defaults are what an unset environment means."""
-
-    cpu_kernels: bool = True  # PAGEDQ_CPU_KERNEL
-    onednn: bool = True  # PAGEDQ_ONEDNN
-    fused_layer: bool = True  # PAGEDQ_FUSED_LAYER
-    triton_interpret: bool = False  # TRITON_INTERPRET
-    extensions_dir: Path | None = None  # TORCH_EXTENSIONS_DIR
-    cpu_isa: str = "auto"  # PAGEDQ_CPU_ISA
-
-    @classmethod
-    def from_environ(cls, env: Mapping[str, str] = os.environ) -> Switches:
-        def on(name: str, default: bool) -> bool:
-            value = env.get(name, "").strip().lower()
-            return default if value == "" else value not in OFF
-
-        ext = env.get("TORCH_EXTENSIONS_DIR")
-        return cls(cpu_kernels=on("PAGEDQ_CPU_KERNEL", True), onednn=on("PAGEDQ_ONEDNN", True),
-                   fused_layer=on("PAGEDQ_FUSED_LAYER", True),
-                   triton_interpret=on("TRITON_INTERPRET", False),
-                   extensions_dir=Path(ext).expanduser() if ext else None,
-                   cpu_isa=env.get("PAGEDQ_CPU_ISA", "").strip().lower() or "auto")
 
 
 @dataclass(frozen=True)
@@ -199,6 +170,17 @@ F32_GEMV_ROWS = {
     "avx2": {"q4_0": 24, "q4_1": 24, "q5_0": 24, "q5_1": 24, "q8_0": 64, "q4_k": 20, "q5_k": 20,
              "q6_k": 20, "int8": 64, "bf16": 16},
 }
+# The same crossovers for the GEMV on int8 activations (opt-in: ActWidth.INT8, QuantLinear's
+# INT8_ACTS_BIT; docs/quantization.md, "int8 activations", has the table and why it is not the
+# default), measured the same way (1 thread, loaded, --shapes down and the model's shapes):
+# the grouped byte mode beats fp32 tiles at every row count (1.45x the int16 grouped GEMV at 64
+# rows); on AVX2 the maddubs GEMV beats them up to 64 rows for Q8_0/Q4_0 (39.9 and 35.7 against
+# 45.5 and 49.5 ms at 64), to ~48 for Q4_K (22.9 against 24.7 at 32, 47.6 against 44.7 at 64).
+# Formats without an int8 kernel keep their F32_GEMV_ROWS entry.
+F32_GEMV_ROWS_INT8 = {
+    "grouped": dict.fromkeys(("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k"), ALL_ROWS),
+    "avx2": {"q4_0": 64, "q4_1": 64, "q8_0": 64, "q4_k": 48},
+}
 # The 32-element block formats' and Q4_K's GEMV on AVX-512 VNNI reads rows grouped 16 at a time
 # (csrc/group_gemv.cpp): it shares each weight load among 8 activation rows at ~1/3 of the
 # row-at-a-time kernel's cost per row, and beats the GEMM up to these many rows (quant_bench, ms
@@ -213,7 +195,7 @@ PACKED_FORMATS = tuple(GEMV_ROWS)
 PACKED_PRECISIONS = {"bf16": GemmPrecision.BF16, "bf16x2": GemmPrecision.BF16X2,
                      "bf16x3": GemmPrecision.BF16X3, "fp32": GemmPrecision.F32}
 TILE_PRECISIONS = ("bf16", "bf16x2", "bf16x3")  # bf16 tiles: AMX only
-DEFAULT_PACKED_PRECISION = "bf16x2"
+assert tuple(PACKED_PRECISIONS) == PACKED_GEMM_PRECISIONS, "EngineConfig's names are these"
 
 
 def _gemv_rows(fmt: str, rows: int, precision: str, grouped: bool) -> int:
@@ -233,7 +215,7 @@ def _gemv_rows(fmt: str, rows: int, precision: str, grouped: bool) -> int:
 
 @dataclass(frozen=True)
 class PackedChoice:
-    """How ``x @ W.T`` runs for a weight kept in a packed format (pagedq.worker.models.quant).
+    """How ``x @ W.T`` runs for a weight kept in a packed format (pagedq.kernels.block_formats).
 
     ``kind`` "cpp": the packed GEMV (integer dot products, ``isa``) for steps of at most
     ``gemv_rows`` rows, the bf16-tile GEMM in ``precision`` (a PACKED_PRECISIONS name) for more;
@@ -339,7 +321,15 @@ class Selector:
                  has_triton: bool | None = None, cpu_isa: str = "auto") -> None:
         self.switches = switches or Switches()
         self.cpu = (cpu or process_cpu()).capped(cpu_isa)
-        self.has_triton = triton_available() if has_triton is None else has_triton
+        self._has_triton = has_triton
+
+    @property
+    def has_triton(self) -> bool:
+        """Whether triton imports, asked only for an accelerator: importing it costs ~65 MB
+        resident, which a CPU engine never uses."""
+        if self._has_triton is None:
+            self._has_triton = triton_available()
+        return self._has_triton
 
     def library(self) -> CpuOps | None:
         """The C++ ops when this CPU runs them and they build; None otherwise."""
@@ -387,7 +377,8 @@ class Selector:
         if fp32_ops is not None and attention == "cpp":
             layer = "cpp-fused" if self.switches.fused_layer else "python"
             if layer == "python":
-                reasons.append("PAGEDQ_FUSED_LAYER=0 keeps the per-op Python layer")
+                reasons.append("--no-fused-layer (PAGEDQ_FUSED_LAYER=0) keeps the per-op "
+                               "Python layer")
         packed = self._cpu_packed(fp32_ops, precision, reasons)
         return Backend("cpu", dtype, attention, "torch", (linear,), packed,
                        norm="cpp" if fp32_ops is not None else "torch", layer=layer,
@@ -396,7 +387,7 @@ class Selector:
     def _cpu_ops(self, reasons: list[str]) -> CpuOps | None:
         """The C++ library, when the switch, the CPU and the build allow it."""
         if not self.switches.cpu_kernels:
-            reasons.append("PAGEDQ_CPU_KERNEL=0 switches the C++ kernels off")
+            reasons.append("--no-cpu-kernels (PAGEDQ_CPU_KERNEL=0) switches the C++ kernels off")
             return None
         if not self.cpu.runs_cpp_kernels:
             reasons.append(f"no C++ kernels: {self.cpu.missing_for_kernels()}")
@@ -410,7 +401,7 @@ class Selector:
         onednn = dtype == torch.float32 and torch.backends.mkldnn.is_available()
         if onednn and not self.switches.onednn:
             onednn = False
-            reasons.append("PAGEDQ_ONEDNN=0: batched linears use F.linear")
+            reasons.append("--no-onednn (PAGEDQ_ONEDNN=0): batched linears use F.linear")
         batched = "onednn" if onednn else "torch"
         if ops is None:
             return LinearChoice(_format(dtype), batched)
@@ -464,22 +455,24 @@ def process_cpu() -> CpuFeatures:
     """This machine's features as this process may use them: capped at PAGEDQ_CPU_ISA when set
     (as the C++ ops cap themselves), so every Selector of a capped process, and every test that
     asks what this CPU runs, sees the capped machine."""
-    return detect_cpu_features().capped(Switches.from_environ().cpu_isa)
+    return detect_cpu_features().capped(environment_switches().cpu_isa)
 
 
 @functools.cache
-def process_selector(cpu_isa: str = "auto") -> Selector:
-    """The selector of this process: the environment's switches (read here, once) and this CPU,
-    capped at ``cpu_isa`` (EngineConfig.cpu_isa)."""
-    return Selector(Switches.from_environ(), cpu_isa=cpu_isa)
+def process_selector(cpu_isa: str = "auto", switches: Switches | None = None) -> Selector:
+    """The selector of an engine in this process: ``switches`` (EngineConfig.kernel_switches();
+    default: the environment's, read once) and this CPU, capped at ``cpu_isa``
+    (EngineConfig.cpu_isa). One per combination, so its C++ library loads once."""
+    return Selector(switches or environment_switches(), cpu_isa=cpu_isa)
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype = torch.float32,
                    kv_dtype: torch.dtype | None = None, head_dim: int | None = None,
                    packed_precision: str = DEFAULT_PACKED_PRECISION,
-                   cpu_isa: str = "auto") -> Backend:
+                   cpu_isa: str = "auto", switches: Switches | None = None) -> Backend:
     """:meth:`Selector.select` of :func:`process_selector`: what the engine runs at start."""
-    return process_selector(cpu_isa).select(device, dtype, kv_dtype, head_dim, packed_precision)
+    return process_selector(cpu_isa, switches).select(device, dtype, kv_dtype, head_dim,
+                                                      packed_precision)
 
 
 @functools.cache

@@ -8,7 +8,8 @@
 - ``decoder_layers`` (fused_layer.cpp): every decoder layer of a step in one call;
   ``decoder_layers_packed`` the same over packed projections;
 - ``quant_gemv`` / ``quant_gemm`` (quant_gemv.cpp, quant_gemm.cpp): ``x @ W.T`` straight from
-  packed weights (GGUF blocks, int8, bf16 rows): integer dot products for few rows, bf16 tiles
+  packed weights (GGUF blocks, int8, bf16 rows): integer dot products for few rows (int16
+  activations, or int8 ones on request: byte_gemv.cpp, group_gemv.cpp), bf16 tiles
   for brgemm (AMX) or fp32 tiles for ATen's GEMM (any CPU) for many; ``QuantLinear``
   (quant_linear.cpp) picks between them per step.
 
@@ -25,7 +26,6 @@ This module builds, loads and names the ops. Which of them run is the backend se
 from __future__ import annotations
 
 import hashlib
-import os
 import platform
 import threading
 import time
@@ -36,14 +36,15 @@ from pathlib import Path
 
 import torch
 
+from pagedq.kernel_switches import environment_switches
 from pagedq.logging import get_logger
 from pagedq.progress import waiting
 
 LIBRARY = "pagedq_cpu_ops"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(CSRC / f for f in ("attention.cpp", "gemv.cpp", "rmsnorm.cpp", "fused_layer.cpp",
-                                   "quant_gemv.cpp", "group_gemv.cpp", "quant_gemm.cpp", "quant_linear.cpp",
-                                   "library.cpp"))
+                                   "quant_gemv.cpp", "group_gemv.cpp", "byte_gemv.cpp",
+                                   "quant_gemm.cpp", "quant_linear.cpp", "library.cpp"))
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 STALE_LOCK_SECONDS = 600  # a build lock this old was left by a process killed mid-compile
 SKINNY_MAX_ROWS = 16  # kMaxSkinnyRows in csrc/cpu_ops.h: the most rows skinny_linear takes
@@ -71,6 +72,19 @@ class GemmPrecision(IntEnum):
     F32 = 3  # tiles dequantized to fp32, ATen's fp32 GEMM: any CPU (the bf16 ones need AMX)
 
 
+class ActWidth(IntEnum):
+    """The ``acts`` argument of ``quant_gemv`` (csrc/cpu_ops.h: kInt16Acts, kInt8Acts): the integer
+    width its activations are rounded to, per 32 values."""
+
+    INT16 = 16  # the default: the dequantized model's product to ~2^-15
+    INT8 = 8  # llama.cpp's rounding (~2^-8), one byte product per weight: opt-in
+
+
+# A QuantLinear ``precision`` with this bit set runs its GEMV on int8 activations (ActWidth.INT8);
+# the low bits are the GEMM's GemmPrecision (csrc/cpu_ops.h: kInt8ActsBit).
+INT8_ACTS_BIT = 1 << 8
+
+
 @dataclass(frozen=True)
 class CpuOps:
     """The library's ops, as loaded in this process."""
@@ -95,13 +109,14 @@ def build_directory(name: str, root: Path | None, sources: tuple[Path, ...] = ()
     installed copy beside a source tree) would otherwise share one build directory and each
     load would recompile the other's sources.
     """
+    # measured: cpp_extension adds ~0.6 s after torch; only a process loading the C++ ops pays
     from torch.utils.cpp_extension import get_default_build_root
 
     tag = f"torch{torch.__version__.split('+')[0]}_py{platform.python_version()}"
     if sources:
         where = str(Path(sources[0]).resolve().parent).encode()
         tag += "_" + hashlib.sha1(where).hexdigest()[:8]
-    base = root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    base = root or environment_switches().extensions_dir or get_default_build_root()
     return Path(base) / f"{name}_{tag}"
 
 
@@ -119,7 +134,7 @@ def clear_stale_lock(build_dir: Path) -> None:
 
 def build(sources: tuple[Path, ...], name: str, root: Path | None) -> CpuOps:
     """Compile (or load the cached build of) ``sources`` into one library; raises on failure."""
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import load  # ~0.6 s, as above
 
     missing = [s for s in sources if not s.is_file()]
     if missing:

@@ -1,6 +1,6 @@
 """Weight-only quantized GEMM in Triton (w8a16, w4a16): ``out = x @ W.T`` with W packed.
 
-W arrives in :class:`~pagedq.worker.models.quant.GpuWeight`'s layout: integer codes (4-bit, two
+W arrives in :class:`~pagedq.kernels.block_formats.GpuWeight`'s layout: integer codes (4-bit, two
 per byte, or 8-bit) and an fp32 scale (and optional offset) per group of inputs, so one kernel
 serves per-channel int8, grouped int4 and every GGUF block format. Each program owns a
 ``BLOCK_M x BLOCK_N`` output tile; per ``BLOCK_K`` step it loads the codes, expands them with

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from pagedq.errors import InvalidParamsError
+from pagedq.tools import ToolSpec
 
 # Bounds no request may cross whatever a worker allows: every integer fits the engine's 32-bit
 # tensors, and no list can make validation itself slow. A worker's own limits
@@ -54,8 +55,6 @@ class StructuredOutputsParams:
         if isinstance(self.choice, tuple):
             self.choice = list(self.choice)
         if self.tools is not None and not isinstance(self.tools, dict):
-            from pagedq.tools import ToolSpec
-
             if isinstance(self.tools, ToolSpec):
                 self.tools = self.tools.to_dict()
         self.validate()
@@ -107,8 +106,6 @@ class StructuredOutputsParams:
     @property
     def tool_spec(self):
         """The ``tools`` constraint as a validated ``pagedq.tools.ToolSpec``."""
-        from pagedq.tools import ToolSpec
-
         return ToolSpec.coerce(self.tools)
 
     def _schema(self) -> dict[str, Any]:

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import structlog
+
 DELAY_S = 2.0
 _live = {"on": False}
 _drawing = threading.Lock()  # rich draws one live display at a time: a nested wait only logs
@@ -37,8 +39,6 @@ class _CurrentStderr:
 
 def enable_live(on: bool = True) -> None:
     """Show spinners on a terminal (the CLI's console mode); route console logs past them."""
-    import structlog
-
     _live["on"] = on
     if on:
         structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()))
@@ -47,7 +47,7 @@ def enable_live(on: bool = True) -> None:
 def _console() -> Any:
     if not (_live["on"] and sys.stderr.isatty()):
         return None
-    from rich.console import Console
+    from rich.console import Console  # only on a terminal: rich takes ~0.25 s to import
 
     return Console(stderr=True)
 

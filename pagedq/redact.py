@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-_CREDENTIALS = re.compile(r"(rediss?://)(?:([^:@/\s]*):)?([^@/\s]*)@")
+_CREDENTIALS = re.compile(r"((?:rediss?|unix)://)(?:([^:@/\s]*):)?([^@/\s]*)@")
 
 
 def redact_url(text: str) -> str:

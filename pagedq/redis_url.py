@@ -13,6 +13,7 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import overload
+from urllib.parse import unquote, urlsplit
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 # Where a worker that started an embedded redis-server writes its URL, in the pagedq cache.
@@ -66,19 +67,38 @@ def find_advertised(path: Path | None = None, timeout: float = 0.5) -> str | Non
     path = path or advertised_path()
     try:
         url = json.loads(path.read_text())["url"]
-        address = url.split("://", 1)[1].split("/", 1)[0]
-        password = address.rsplit("@", 1)[0].lstrip(":") if "@" in address else ""
-        port = int(address.rsplit(":", 1)[1])
+        address, password = _local_address(url)
     except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
         return None
-    return url if answers_ping(port, timeout, password) else None
+    return url if answers_ping(address, timeout, password) else None
 
 
-def answers_ping(port: int, timeout: float, password: str = "") -> bool:
-    """Whether a Redis on 127.0.0.1:``port`` answers PING (after AUTH when ``password``)."""
+def _local_address(url: str) -> tuple[int | str, str]:
+    """An advertised URL's (port or unix socket path, password): ``redis://:PW@127.0.0.1:PORT/0``
+    or ``unix://:PW@/PATH?db=0``."""
+    parts = urlsplit(url)
+    password = unquote(parts.password or "")
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ValueError("a unix URL without a path")
+        return unquote(parts.path), password
+    if parts.port is None:
+        raise ValueError("no port")
+    return parts.port, password
+
+
+def redis_connection_options(url: str) -> dict[str, bool]:
+    """Options for redis-py's ``from_url`` that only a TCP connection takes (a unix socket's
+    connection refuses ``socket_keepalive``)."""
+    return {} if url.startswith("unix:") else {"socket_keepalive": True}
+
+
+def answers_ping(address: int | str, timeout: float, password: str = "") -> bool:
+    """Whether a Redis on 127.0.0.1:``address`` (a port) or on the unix socket ``address`` (a
+    path) answers PING (after AUTH when ``password``)."""
     auth = f"AUTH {password}\r\n".encode() if password else b""
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        with _connect(address, timeout) as s:
             s.settimeout(timeout)
             s.sendall(auth + b"PING\r\n")
             reply = b""
@@ -90,3 +110,16 @@ def answers_ping(port: int, timeout: float, password: str = "") -> bool:
             return reply.endswith(b"+PONG\r\n")
     except OSError:
         return False
+
+
+def _connect(address: int | str, timeout: float) -> socket.socket:
+    if isinstance(address, int):
+        return socket.create_connection(("127.0.0.1", address), timeout=timeout)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(address)
+    except OSError:
+        s.close()
+        raise
+    return s

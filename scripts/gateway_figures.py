@@ -1,7 +1,9 @@
 """The figures of docs/operations.md's "The gateway against hostile clients": issue 25's repros
-against a real `pagedq serve` process (and a worker on the bundled model), each with its answer;
-the gateway's peak RSS while 12 clients download a 63 MB file at once; and a `choice` request's
-latency beside two schema bombs.
+against a real `pagedq serve` process (and a worker on the bundled model, packed, unless a
+MODEL_DIR is given), each with its answer; the gateway's peak RSS while 12 clients download a
+63 MB file at once and while 12 upload one; a `choice` request's latency beside two schema
+bombs; and an honest client's chat latency alone and while hostile clients run (slowloris
+sockets, schema bombs, uploads, 300-prompt requests), alternated.
 
     python scripts/gateway_figures.py [MODEL_DIR]     # prints a markdown table
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,7 +26,6 @@ except ImportError:
     import httpx
 
 from pagedq.embedded_redis import EmbeddedRedis, free_port
-from pagedq.worker.models.loader import resolve_model
 
 QUEUE = "figures"
 
@@ -49,10 +51,13 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def start(redis_url: str, env: dict, model: str) -> tuple[subprocess.Popen, subprocess.Popen, str]:
+def start(redis_url: str, env: dict, model: str | None
+          ) -> tuple[subprocess.Popen, subprocess.Popen, str]:
+    """A worker (the bundled model, packed, when ``model`` is None) and a gateway."""
+    chosen = ["--model", model, "--quantization", "none"] if model else []
     worker = subprocess.Popen(
         [sys.executable, "-m", "pagedq.worker", "--redis-url", redis_url, "--queue", QUEUE,
-         "--model", model, "--quantization", "none", "--log-level", "WARNING"], env=env)
+         *chosen, "--log-level", "WARNING"], env=env)
     port = free_port()
     gateway = subprocess.Popen(
         [sys.executable, "-m", "pagedq.worker.cli", "serve", "--redis-url", redis_url,
@@ -122,17 +127,54 @@ def repros(http: httpx.Client, model: str) -> list[tuple[str, str]]:
     return rows
 
 
-def downloads(base: str, pid: int) -> tuple[float, float, list[int]]:
-    data = b"".join(b'{"n": %d}\n' % i for i in range(6_000_000))[:63_000_000]
+def big_file() -> bytes:
+    return b"".join(b'{"n": %d}\n' % i for i in range(6_000_000))[:63_000_000]
+
+
+class PeakRSS:
+    """A process's RSS sampled every 50 ms in a thread, while the ``with`` block runs."""
+
+    def __init__(self, pid: int):
+        self.pid, self.before, self.peak = pid, rss_mb(pid), 0.0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample)
+
+    def _sample(self) -> None:
+        while not self.stop.is_set():
+            self.peak = max(self.peak, rss_mb(self.pid))
+            time.sleep(0.05)
+
+    def __enter__(self) -> PeakRSS:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def uploads(base: str, pid: int, data: bytes) -> tuple[float, float, list[int]]:
+    """12 concurrent uploads of ``data``: the gateway's RSS before and at peak, the statuses."""
+    async def one(http: httpx.AsyncClient) -> int:
+        resp = await http.post("/v1/files", files={"file": ("big.jsonl", data)},
+                               data={"purpose": "batch"})
+        if resp.status_code == 200:
+            await http.delete(f"/v1/files/{resp.json()['id']}")
+        return resp.status_code
+
+    async def all12() -> list[int]:
+        async with httpx.AsyncClient(base_url=base, timeout=600) as http:
+            return await asyncio.gather(*(one(http) for _ in range(12)))
+
+    with PeakRSS(pid) as rss:
+        codes = asyncio.run(all12())
+    return rss.before, rss.peak, codes
+
+
+def downloads(base: str, pid: int, data: bytes) -> tuple[float, float, list[int]]:
     with httpx.Client(base_url=base, timeout=600) as http:
         fid = http.post("/v1/files", files={"file": ("big.jsonl", data)},
                         data={"purpose": "batch"}).json()["id"]
-    before, peak, stop = rss_mb(pid), [0.0], threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], rss_mb(pid))
-            time.sleep(0.05)
 
     async def one(http: httpx.AsyncClient) -> int:
         size = 0
@@ -145,45 +187,146 @@ def downloads(base: str, pid: int) -> tuple[float, float, list[int]]:
         async with httpx.AsyncClient(base_url=base, timeout=600) as http:
             return await asyncio.gather(*(one(http) for _ in range(12)))
 
-    thread = threading.Thread(target=sample)
-    thread.start()
-    sizes = asyncio.run(all12())
-    stop.set()
-    thread.join()
-    return before, peak[0], sizes
+    with PeakRSS(pid) as rss:
+        sizes = asyncio.run(all12())
+    return rss.before, rss.peak, sizes
 
 
-def choice_beside_bombs(base: str, model: str) -> tuple[list[str], float]:
-    async def run() -> tuple[list[str], float]:
-        async with httpx.AsyncClient(base_url=base, timeout=600) as http:
-            await http.post("/v1/chat/completions", json={  # the grammar compiler's cold start
-                "model": model, "messages": [{"role": "user", "content": "Hi"}],
-                "guided_choice": ["warm"], "max_tokens": 2})
-            bombs = [http.post("/v1/chat/completions", json={
-                "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
-                "response_format": {"type": "json_schema",
-                                    "json_schema": {"name": "b", "schema": bomb()}}})
+async def _slowloris(port: int, stop: asyncio.Event) -> None:
+    """A connection whose headers arrive a byte every 0.5 s; reconnects when cut off."""
+    while not stop.is_set():
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            while not stop.is_set():
+                writer.write(b"X")
+                await writer.drain()
+                await asyncio.sleep(0.5)
+        except OSError:
+            await asyncio.sleep(0.1)
+
+
+async def _repeat(stop: asyncio.Event, make: object) -> None:
+    while not stop.is_set():
+        try:
+            await make()  # type: ignore[operator]
+        except httpx.HTTPError:
+            await asyncio.sleep(0.1)
+
+
+HOSTILE_KINDS = ("slowloris", "bombs", "uploads", "prompts", "all")
+
+
+def honest_latency(base: str, model: str, rounds: int = 3) -> dict[str, tuple[list, list]]:
+    """An honest chat request (16 tokens, greedy) timed alone and while one kind of hostile
+    client runs, alternated ``rounds`` times per kind: 100 slowloris sockets; two schema bombs;
+    two 20 MB uploads; a 300-prompt request; all of them at once. Each hostile request is sent
+    again as soon as it is answered."""
+    port = int(base.rsplit(":", 1)[1])
+    honest = {"model": model, "messages": [{"role": "user", "content": "Name three colors."}],
+              "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    upload = b'{"a": 1}\n' * ((20 << 20) // 9)
+    bomb_body = {**honest, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "b", "schema": bomb()}}}
+
+    async def timed(http: httpx.AsyncClient) -> float:
+        began = time.perf_counter()
+        resp = await http.post("/v1/chat/completions", json=honest)
+        assert resp.status_code == 200, resp.text
+        return time.perf_counter() - began
+
+    def hostile(kind: str, http: httpx.AsyncClient, stop: asyncio.Event) -> list:
+        every = kind == "all"
+        made: list = []
+        if every or kind == "slowloris":
+            made += [_slowloris(port, stop) for _ in range(100)]
+        if every or kind == "bombs":
+            made += [_repeat(stop, lambda: http.post("/v1/chat/completions", json=bomb_body))
+                     for _ in range(2)]
+        if every or kind == "uploads":
+            made += [_repeat(stop, lambda: http.post(
+                "/v1/files", files={"file": ("u.jsonl", upload)}, data={"purpose": "batch"}))
                 for _ in range(2)]
-            began = time.perf_counter()
-            choice = http.post("/v1/chat/completions", json={
-                "model": model, "messages": [{"role": "user", "content": "Yes or no?"}],
-                "guided_choice": ["yes", "no"], "max_tokens": 4})
-            *answers, last = await asyncio.gather(*bombs, choice)
-            return [answer(a) for a in answers] + [answer(last)], time.perf_counter() - began
+        if every or kind == "prompts":
+            made.append(_repeat(stop, lambda: http.post("/v1/completions", json={
+                "model": model, "prompt": [[1]] * 300, "max_tokens": 1})))
+        return made
+
+    async def loaded(kind: str, http: httpx.AsyncClient) -> float:
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(h) for h in hostile(kind, http, stop)]
+        await asyncio.sleep(2.0)  # the hostile clients are all under way
+        try:
+            return await timed(http)
+        finally:
+            stop.set()
+            await asyncio.wait(tasks, timeout=30)
+            for t in tasks:
+                t.cancel()
+
+    async def run() -> dict[str, tuple[list, list]]:
+        out: dict[str, tuple[list, list]] = {}
+        async with httpx.AsyncClient(base_url=base, timeout=600,
+                                     limits=httpx.Limits(max_connections=64)) as http:
+            await timed(http)  # warm-up
+            for kind in HOSTILE_KINDS:
+                alone, beside = [], []
+                for _ in range(rounds):
+                    alone.append(await timed(http))
+                    beside.append(await loaded(kind, http))
+                out[kind] = (alone, beside)
+            for f in (await http.get("/v1/files")).json()["data"]:
+                await http.delete(f"/v1/files/{f['id']}")
+        return out
+    return asyncio.run(run())
+
+
+def choice_beside_bombs(base: str, model: str, rounds: int = 3
+                        ) -> tuple[list[str], list[float], list[float]]:
+    """A `choice` request (a fresh choice set each time, so each compiles its grammar) timed
+    alone and with two schema bombs sent at the same moment, alternated ``rounds`` times: the
+    bombs' answers, the latencies alone and beside them."""
+    def choice(i: int) -> dict:
+        return {"model": model, "messages": [{"role": "user", "content": "Yes or no?"}],
+                "guided_choice": [f"yes {i}", f"no {i}"], "max_tokens": 4}
+
+    bomb_body = {"model": model, "messages": [{"role": "user", "content": "Hi"}],
+                 "max_tokens": 8, "response_format": {"type": "json_schema", "json_schema": {
+                     "name": "b", "schema": bomb()}}}
+
+    async def run() -> tuple[list[str], list[float], list[float]]:
+        alone, beside, answers = [], [], []
+        async with httpx.AsyncClient(base_url=base, timeout=600) as http:
+            await http.post("/v1/chat/completions", json=choice(-1))  # the compiler's cold start
+            for i in range(rounds):
+                began = time.perf_counter()
+                resp = await http.post("/v1/chat/completions", json=choice(2 * i))
+                assert resp.status_code == 200, resp.text
+                alone.append(time.perf_counter() - began)
+                bombs = [http.post("/v1/chat/completions", json=bomb_body) for _ in range(2)]
+                began = time.perf_counter()
+                *got, last = await asyncio.gather(*bombs, http.post(
+                    "/v1/chat/completions", json=choice(2 * i + 1)))
+                beside.append(time.perf_counter() - began)
+                answers = [answer(a) for a in got] + [answer(last)]
+        return answers, alone, beside
     return asyncio.run(run())
 
 
 def main() -> None:
     env = dict(os.environ, PAGEDQ_CACHE=tempfile.mkdtemp())  # never join another's Redis
-    model = sys.argv[1] if len(sys.argv) > 1 else str(resolve_model(None))
+    model = sys.argv[1] if len(sys.argv) > 1 else None
     with EmbeddedRedis.start() as redis:
         worker, gateway, base = start(redis.url, env, model)
         try:
             with httpx.Client(base_url=base, timeout=600) as http:
                 model = http.get("/v1/models").json()["data"][0]["id"]
                 rows = repros(http, model)
-            answers, latency = choice_beside_bombs(base, model)
-            before, peak, sizes = downloads(base, gateway.pid)
+            answers, choice_alone, choice_beside = choice_beside_bombs(base, model)
+            honest = honest_latency(base, model)
+            data = big_file()
+            before, peak, sizes = downloads(base, gateway.pid, data)
+            up_before, up_peak, codes = uploads(base, gateway.pid, data)
         finally:
             for proc in (gateway, worker):
                 proc.terminate()
@@ -192,9 +335,20 @@ def main() -> None:
     for name, result in rows:
         print(f"| {name} | {result} |")
     print(f"\nTwo 28 KB schema bombs and a `choice` request at once: {answers}; the choice "
-          f"answered in {latency:.2f} s.")
+          "alone / beside the bombs (alternated, a fresh choice set each): "
+          + ", ".join(f"{a:.2f} / {b:.2f} s" for a, b in zip(choice_alone, choice_beside,
+                                                             strict=True)) + ".")
     print(f"12 concurrent downloads of a 63 MB file: gateway RSS {before:.0f} MB before, "
           f"{peak:.0f} MB at peak; bytes received {sorted(set(sizes))}.")
+    print(f"12 concurrent uploads of a 63 MB file: gateway RSS {up_before:.0f} MB before, "
+          f"{up_peak:.0f} MB at peak; statuses {sorted(codes)}.")
+    print("\nAn honest 16-token chat, alone / beside hostile clients (alternated), seconds:\n")
+    print("| hostile clients | pairs (alone / beside) | median alone | median beside | ratio |")
+    print("| --- | --- | --- | --- | --- |")
+    for kind, (alone, beside) in honest.items():
+        pairs = ", ".join(f"{a:.2f} / {b:.2f}" for a, b in zip(alone, beside, strict=True))
+        ma, mb = statistics.median(alone), statistics.median(beside)
+        print(f"| {kind} | {pairs} | {ma:.2f} | {mb:.2f} | {mb / ma:.2f}x |")
 
 
 if __name__ == "__main__":

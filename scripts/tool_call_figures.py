@@ -1,10 +1,21 @@
-"""Valid tool calls out of N under sampling (the figures in docs/gateway.md).
+"""Tool-call figures for docs/gateway.md: valid calls out of N, and throughput.
 
     python scripts/tool_call_figures.py [--model PATH|random|bundled] [--seeds 16]
+    python scripts/tool_call_figures.py --throughput [--model bundled] [--seeds 64] [--pairs 2]
 
-For each tool_choice mode, N seeded chats at temperature 1.0 through the engine's ``tools``
-constraint (the SDK route; the gateway adds only the response shape). A call counts as valid
-when its arguments parse and validate against its function's schema (jsonschema).
+Valid calls: for each tool_choice mode, N seeded chats at temperature 1.0 through the engine's
+``tools`` constraint (the SDK route; the gateway adds only the response shape). A call counts
+as valid when its arguments parse and validate against its function's schema (jsonschema).
+
+Throughput: N chats at once with ``tool_choice: "required"`` against the same N chats without
+tools, each plain row held to exactly the tokens its tool-call row wrote (``ignore_eos``,
+``max_tokens`` = that count), so both runs do the same decode steps at the same batch sizes.
+Two plain baselines: "chat" (the question alone, the issue's "plain chat") and "same prompt"
+(the prompt with the tools listed, unconstrained: the grammar's own cost). Modes alternate
+after the run that measures the lengths (grammar compiled, the tool prompts' prefixes cached);
+output tokens per second of wall time, and the engine's own grammar-mask seconds. (This
+process's CPU time was tried as a steadier measure on a shared machine: it was not, since
+torch's threads spin while they wait for a core.)
 """
 
 from __future__ import annotations
@@ -34,12 +45,52 @@ def main() -> None:
     ap.add_argument("--model", default="random")
     ap.add_argument("--seeds", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--throughput", action="store_true", help="tools vs plain chat instead")
+    ap.add_argument("--pairs", type=int, default=2, help="alternations (--throughput)")
     args = ap.parse_args()
     if args.model == "random":
-        engine = Engine(str(build_random_model(Path(tempfile.mkdtemp()))), num_kv_blocks=2048)
+        engine = Engine(str(build_random_model(Path(tempfile.mkdtemp()))), num_kv_blocks=4096)
     else:
-        engine = Engine(None if args.model == "bundled" else args.model, num_kv_blocks=2048,
-                        max_num_batched_tokens=512)
+        engine = Engine(None if args.model == "bundled" else args.model, num_kv_blocks=4096,
+                        max_num_batched_tokens=2048 if args.throughput else 512)
+    if args.throughput:
+        throughput(engine, args.seeds, args.pairs, min(args.max_tokens, 64))
+    else:
+        valid_calls(engine, args)
+
+
+def throughput(engine: Engine, n: int, pairs: int, max_tokens: int) -> None:
+    spec = {"tools": [WEATHER, ADD, ORDER], "tool_choice": "required"}
+    asks = [[{"role": "user", "content": QUESTIONS[s % len(QUESTIONS)]}] for s in range(n)]
+    tool_params = [SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens,
+                                  structured_outputs={"tools": spec}) for s in range(n)]
+    tool_prompts = [engine.apply_chat_template(a, p) for a, p in zip(asks, tool_params,
+                                                                      strict=True)]
+    chat_prompts = [engine.apply_chat_template(a) for a in asks]
+    lengths = [len(o.outputs[0].token_ids) for o in engine.generate(tool_prompts, tool_params)]
+    plain = [SamplingParams(temperature=1.0, seed=s, max_tokens=k, ignore_eos=True)
+             for s, k in enumerate(lengths)]
+    runs = {"tools": (tool_prompts, tool_params), "same prompt": (tool_prompts, plain),
+            "chat": (chat_prompts, plain)}
+    tokens = sum(lengths)  # seeded: every tools run writes these again
+    for pair in range(pairs):
+        rate, mask = {}, 0.0
+        for mode, (prompts, params) in runs.items():
+            before = engine.structured.mask_seconds
+            began = time.perf_counter()
+            engine.generate(prompts, params)
+            rate[mode] = tokens / (time.perf_counter() - began)
+            if mode == "tools":
+                mask = engine.structured.mask_seconds - before
+        print(json.dumps({"pair": pair, "requests": n, "output_tokens": tokens,
+                          **{f"{m} tok/s": round(r, 1) for m, r in rate.items()},
+                          "tools / chat": round(rate["tools"] / rate["chat"], 3),
+                          "tools / same prompt": round(rate["tools"] / rate["same prompt"], 3),
+                          "grammar mask s": round(mask, 2),
+                          "tools s": round(tokens / rate["tools"], 1)}), flush=True)
+
+
+def valid_calls(engine: Engine, args: argparse.Namespace) -> None:
     tools = [WEATHER, ADD, ORDER]
     for mode, choice in MODES.items():
         convs = [[{"role": "user", "content": QUESTIONS[s % len(QUESTIONS)]}]

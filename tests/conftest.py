@@ -24,8 +24,20 @@ from pagedq.redis_url import pagedq_cache_dir
 from pagedq.worker.config import settings
 
 ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def _checkout_path() -> str:
+    """A folder holding only a link to this checkout's ``pagedq``: on PYTHONPATH it makes the
+    subprocesses import the tree under test, without also making the top-level folders
+    (``client``, ``worker``, ``kernels``, ...) importable under those generic names."""
+    folder = Path(tempfile.mkdtemp(prefix="pagedq-checkout-"))
+    (folder / "pagedq").symlink_to(Path(ROOT) / "pagedq", target_is_directory=True)
+    return str(folder)
+
+
+CHECKOUT_PATH = _checkout_path()
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    p for p in (CHECKOUT_PATH, os.environ.get("PYTHONPATH")) if p)
 
 
 # default_model.GGUF_FILENAME, written out: importing that module imports torch (4 s), which
@@ -50,6 +62,7 @@ settings.cache_clear()
 
 
 def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(CHECKOUT_PATH, ignore_errors=True)
     if _REMOVE_CACHE:
         shutil.rmtree(SESSION_CACHE, ignore_errors=True)
 

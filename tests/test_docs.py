@@ -62,7 +62,7 @@ def test_every_doc_is_reachable_from_the_readme():
 def test_architecture_map_names_existing_files():
     """Every path in the architecture page's module map and picture is a file or folder."""
     text = (ROOT / "docs" / "architecture.md").read_text()
-    named = set(re.findall(r"\b((?:client|worker|kernels|pagedq|tests)/[\w/.*]+)", text))
+    named = set(re.findall(r"\b((?:client|worker|kernels|gateway|bench|pagedq|tests)/[\w/.*]+)", text))
     assert len(named) > 20
     missing = []
     for path in named - {"pagedq/x/y.py", "tests/x/test_y.py"}:  # the naming rule's pattern

@@ -1,12 +1,14 @@
 """The config: every knob and every environment switch pagedq reads, defined once.
 
 - ``Settings``: the environment, read once per process (``settings()``); no other module of the
-  worker reads ``os.environ`` (the client resolves its Redis URL, the backend selector in
-  pagedq.kernels reads the kernel switches).
+  worker reads ``os.environ`` (the client resolves its Redis URL; pagedq.kernel_switches reads
+  the kernel switches, which are EngineConfig fields' defaults).
 - ``EngineConfig``: what the engine was asked for; every command derives its engine flags from
   its fields (pagedq.worker.cli).
-- ``WorkerConfig``: the queue service's knobs, likewise.
-- ``GatewayConfig``: ``pagedq serve``'s knobs (the OpenAI-compatible HTTP gateway).
+- ``QueueConfig``: where the queue is (Redis URL, TLS files) and its names (queue, prefix, ttl),
+  shared by the worker, the gateway, ``pagedq submit``/``stats`` and the bench.
+- ``WorkerConfig``: the queue service's knobs (a QueueConfig), likewise flags.
+- ``GatewayConfig``: ``pagedq serve``'s knobs (a QueueConfig; the OpenAI-compatible gateway).
 """
 
 from __future__ import annotations
@@ -15,19 +17,25 @@ import functools
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pagedq.client.connection import TLSFiles
 from pagedq.client.protocol import DEFAULT_LIMITS, DEFAULT_PREFIX, DEFAULT_QUEUE, DEFAULT_TTL_S, Limits
 from pagedq.errors import InvalidRequestError
+from pagedq.kernel_switches import (
+    DEFAULT_PACKED_PRECISION,
+    PACKED_GEMM_PRECISIONS,
+    PackedGemmPrecision,
+    Switches,
+    environment_switches,
+)
 from pagedq.redis_url import pagedq_cache_dir
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: the model's dtype
 Quantization = Literal["auto", "none", "int8", "int4"]
-PackedGemmPrecision = Literal["bf16", "bf16x2", "bf16x3", "fp32"]  # kernels.backend.PACKED_PRECISIONS
 CpuIsa = Literal["auto", "avx2", "avx512", "avx512_vnni", "amx"]  # pagedq.kernels.ISA_LEVELS
 DTYPES: tuple[str, ...] = get_args(Dtype)
 
@@ -51,7 +59,6 @@ def parse_bytes(text: str | int) -> int:
 ByteSize = Annotated[int, parse_bytes]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
-PACKED_GEMM_PRECISIONS: tuple[str, ...] = get_args(PackedGemmPrecision)
 CPU_ISAS: tuple[str, ...] = get_args(CpuIsa)
 
 
@@ -220,7 +227,7 @@ class EngineConfig:
     """Weight format: auto keeps a GGUF's own blocks packed (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
     Q5_K, Q6_K; other types widen) and a float checkpoint in dtype; none widens everything to
     dtype; int8 (per channel) and int4 (groups of 32) quantize the projections at load."""
-    packed_gemm_precision: PackedGemmPrecision = "bf16x2"
+    packed_gemm_precision: PackedGemmPrecision = DEFAULT_PACKED_PRECISION
     """Products of packed weights for prefill chunks and large batches on the CPU. bf16x2 rounds
     each dequantized weight once to bf16 and multiplies it by the activations' bf16 heads and
     tails (two AMX products: the activations keep fp32 accuracy); bf16x3 adds the weights'
@@ -229,11 +236,22 @@ class EngineConfig:
     the dequantized model sooner: it misses the fidelity bars on tiny test models); fp32
     dequantizes tiles to fp32 for ATen's GEMM. The bf16 ones need AMX: every other CPU runs fp32
     whatever is asked (the start-up log says so). Decode steps take the integer GEMV either way."""
-    cpu_isa: CpuIsa = "auto"
+    cpu_isa: CpuIsa = field(default_factory=lambda: environment_switches().cpu_isa)
     """The highest CPU instruction-set level the kernels may use: avx2, avx512 (AVX-512F/VL/DQ/BW),
-    avx512_vnni (+ VNNI: integer dot products), amx (+ AMX bf16 tiles); auto: all this CPU has.
-    A cap runs exactly what a CPU of that level runs (pagedq.kernels.cpu_isa_levels() lists the
-    levels this machine runs); a level above the CPU's is refused at start."""
+    avx512_vnni (+ VNNI: integer dot products), amx (+ AMX bf16 tiles); auto: all this CPU has
+    (default: $PAGEDQ_CPU_ISA, which also caps the whole process, else auto). A cap runs exactly
+    what a CPU of that level runs (pagedq.kernels.cpu_isa_levels() lists the levels this machine
+    runs); a level above the CPU's is refused at start."""
+    cpu_kernels: bool = field(default_factory=lambda: environment_switches().cpu_kernels)
+    """Run pagedq's C++ CPU kernels (attention, skinny GEMV, packed GEMV/GEMM, the fused layer)
+    where the CPU and the build allow; off: torch's SDPA, oneDNN and dequantize-per-call
+    (default: off when $PAGEDQ_CPU_KERNEL=0)."""
+    onednn: bool = field(default_factory=lambda: environment_switches().onednn)
+    """Prepack float32 weights for oneDNN for the CPU's batched linears; off: F.linear (default:
+    off when $PAGEDQ_ONEDNN=0)."""
+    fused_layer: bool = field(default_factory=lambda: environment_switches().fused_layer)
+    """Run every decoder layer of a step in one C++ call where the step's rows fit the
+    attention kernel; off: the per-op Python layer (default: off when $PAGEDQ_FUSED_LAYER=0)."""
     kv_cache_dtype: KVCacheDtype = "auto"
     """KV cache dtype (auto: the model's). float16 under a float32 model on the CPU halves the
     memory attention reads per token."""
@@ -325,23 +343,33 @@ class EngineConfig:
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
+    def kernel_switches(self) -> Switches:
+        """The switches the backend selector gets: this config's, on the environment's rest
+        (TRITON_INTERPRET, TORCH_EXTENSIONS_DIR and the process's PAGEDQ_CPU_ISA cap)."""
+        return replace(environment_switches(), cpu_kernels=self.cpu_kernels,
+                       onednn=self.onednn, fused_layer=self.fused_layer)
+
     def resolved_block_size(self) -> int:
         """``block_size``, or the default of the device the engine will run on."""
         device_type = (self.device or default_device()).split(":")[0]
         return self.block_size or default_block_size(device_type)
 
 
-@dataclass
-class WorkerConfig:
-    """Everything ``pagedq worker`` takes; engine fields go straight to ``Engine``."""
+@dataclass(frozen=True)
+class QueueConfig:
+    """Where the queue is and how its keys are named: the fields every queue user shares.
 
-    model: str | None = None
-    """The engine's model (the ``--model`` flag); None: EngineConfig's default."""
+    The worker, the gateway, ``pagedq submit``/``stats`` and the bench each take these (their
+    configs inherit them, so the flags ``--redis-url``, ``--redis-ca``, ``--redis-cert``,
+    ``--redis-key``, ``--queue``, ``--prefix`` and ``--ttl`` are derived from here, once). A
+    config's ``FLAG_HELP`` words a field's help for its command where the meaning differs (what
+    happens without a Redis URL).
+    """
+
     redis_url: str | None = None
     """Redis holding the queue: a standalone server or any node of a Redis Cluster; rediss://
-    for TLS; credentials as redis://user:password@host (default: $REDIS_URL; without either, the
-    embedded redis-server another worker on this machine started, else a new one, which pagedq
-    submit and stats on this machine then find)."""
+    for TLS; credentials as redis://user:password@host (default: $REDIS_URL, else the embedded
+    Redis a `pagedq worker` on this machine advertises, else redis://localhost:6379/0)."""
     redis_ca: str | None = None
     """CA certificate file a rediss:// server's certificate must chain to (default: the
     system's CAs)."""
@@ -350,9 +378,47 @@ class WorkerConfig:
     redis_key: str | None = None
     """Private key file of --redis-cert."""
     queue: str = field(default_factory=lambda: settings().queue)
-    """Queue to serve (default: $PAGEDQ_QUEUE, else "default")."""
+    """Queue the jobs go to (default: $PAGEDQ_QUEUE, else "default")."""
     prefix: str = DEFAULT_PREFIX
     """Prefix of every Redis key the queue uses."""
+    ttl: int = DEFAULT_TTL_S
+    """Seconds each request's output stream and state live after their last write (the workers
+    and gateways of one queue should agree: a gateway resumes streams for this long)."""
+
+    FLAG_HELP: ClassVar[dict[str, str]] = {}
+
+    @property
+    def tls(self) -> TLSFiles | None:
+        """The TLS files given (None: none, the system's CAs for rediss://)."""
+        if not (self.redis_ca or self.redis_cert or self.redis_key):
+            return None
+        return TLSFiles(self.redis_ca, self.redis_cert, self.redis_key)
+
+    @property
+    def queue_config(self) -> QueueConfig:
+        """Just the queue's fields (of a WorkerConfig, GatewayConfig or BenchConfig)."""
+        return QueueConfig(**{f.name: getattr(self, f.name) for f in fields(QueueConfig)})
+
+    def client_options(self) -> dict[str, Any]:
+        """Keywords for ``Client(url, **options)`` / ``AsyncClient``: queue, prefix, ttl, tls."""
+        return {"queue": self.queue, "prefix": self.prefix, "ttl": self.ttl, "tls": self.tls}
+
+
+@dataclass(frozen=True)
+class WorkerConfig(QueueConfig):
+    """Everything ``pagedq worker`` takes; engine fields go straight to ``Engine``."""
+
+    FLAG_HELP: ClassVar[dict[str, str]] = {
+        "redis_url": "Redis holding the queue: a standalone server or any node of a Redis "
+                     "Cluster; rediss:// for TLS; credentials as redis://user:password@host "
+                     "(default: $REDIS_URL; without either, the embedded redis-server another "
+                     "worker on this machine started, else a new one, which pagedq submit and "
+                     "stats on this machine then find).",
+        "queue": 'Queue to serve (default: $PAGEDQ_QUEUE, else "default").',
+    }
+
+    model: str | None = None
+    """The engine's model (the ``--model`` flag); None: EngineConfig's default."""
     consumer_name: str | None = None
     """Stable consumer name in the queue's group, so a restarted worker resumes its own pending
     jobs (default: $PAGEDQ_CONSUMER_NAME, else the host name)."""
@@ -379,8 +445,6 @@ class WorkerConfig:
     """Bytes of a job's payload kept in the dead-letter stream (the rest is cut off)."""
     dead_letter_max_bytes: int = 32 << 20
     """Bytes the dead-letter stream may hold in all (it keeps the newest entries)."""
-    ttl: int = DEFAULT_TTL_S
-    """Seconds each request's output stream and state live after their last write."""
     checkpoint_interval: float = 1.0
     """Seconds between the worker's heartbeat and load reports."""
     checkpoint_ttl: float | None = None
@@ -409,29 +473,23 @@ class WorkerConfig:
                       self.max_stop_chars)
 
     @property
-    def tls(self) -> TLSFiles | None:
-        if not (self.redis_ca or self.redis_cert or self.redis_key):
-            return None
-        return TLSFiles(self.redis_ca, self.redis_cert, self.redis_key)
-
-    @property
     def checkpoint_ttl_s(self) -> float:
         """How long a checkpoint (and the consumer-name lock) outlives its worker."""
         return self.checkpoint_ttl or max(5.0, 3 * self.checkpoint_interval)
 
 
-@dataclass
-class GatewayConfig:
+@dataclass(frozen=True)
+class GatewayConfig(QueueConfig):
     """Everything ``pagedq serve`` takes. The gateway runs no model: its limits bound what one
     HTTP client can ask of the queue and of Redis."""
 
-    redis_url: str | None = None
-    """Redis holding the queue (default: $REDIS_URL; without either, an embedded redis-server
-    and one worker on --model start)."""
-    queue: str = field(default_factory=lambda: settings().queue)
-    """Queue the jobs go to (default: $PAGEDQ_QUEUE, else "default")."""
-    prefix: str = DEFAULT_PREFIX
-    """Prefix of every Redis key the queue uses."""
+    FLAG_HELP: ClassVar[dict[str, str]] = {
+        "redis_url": "Redis holding the queue (default: $REDIS_URL, else the embedded Redis a "
+                     "`pagedq worker` on this machine advertises; without any, an embedded "
+                     "redis-server and one worker on --model start).",
+        "ttl": "Seconds a stream stays resumable (match the workers' --ttl).",
+    }
+
     host: str = "127.0.0.1"
     """Address to listen on."""
     port: int = 8000
@@ -461,8 +519,6 @@ class GatewayConfig:
     """Least urgent priority a client may ask for (vLLM's sense); clamped likewise."""
     disconnect_grace: float = 10.0
     """Seconds a dropped stream may take to resume before its job is cancelled."""
-    ttl: int = DEFAULT_TTL_S
-    """Seconds a stream stays resumable (match the workers' --ttl)."""
     files_dir: str | None = None
     """Keep files in this directory (shared by every gateway) instead of Redis."""
     max_file_bytes: int = 64 << 20
@@ -471,6 +527,12 @@ class GatewayConfig:
     """Most files one API key (tenant) keeps at once, batch outputs included (403 above)."""
     max_files_bytes: int = 1 << 30
     """Most bytes of files one API key (tenant) keeps at once (403 above)."""
+    max_total_files: int = 1000
+    """Most files the gateway keeps at once, all keys together, batch outputs included (403
+    above): per-key quotas alone let many keys fill Redis."""
+    max_total_files_bytes: int = 4 << 30
+    """Most bytes of files the gateway keeps at once, all keys together (403 above); keep it
+    under the Redis's maxmemory (the embedded one takes a quarter of the host's memory)."""
     files_ttl: int = 7 * 24 * 3600
     """Seconds files and finished batches are kept."""
     max_batch_lines: int = 50_000
@@ -479,6 +541,10 @@ class GatewayConfig:
     """Lines of one batch in the queue at once."""
     batch_lease: float = 10.0
     """Seconds of silence after which another gateway takes over a gateway's batches."""
+    tool_call_format: Literal["auto", "hermes", "llama", "mistral"] = "auto"
+    """Tool-call format of the served models (pagedq.tools): "auto" reads it from each model's
+    chat template, control tokens and architecture where its directory is readable here
+    (Hermes where it is not); a name forces that format for every model."""
     fleet_cache: float = 0.25
     """Seconds a reading of the live workers and the queue depth is reused."""
     redis_max_connections: int = 4096
@@ -490,3 +556,8 @@ class GatewayConfig:
     """Most open HTTP connections and tasks (uvicorn's; 503 above); default: no limit."""
     timeout_keep_alive: int = 5
     """Seconds an idle keep-alive connection stays open."""
+    timeout_header: float = 10.0
+    """Seconds a client has to send a request's headers before its connection is closed
+    (slowloris)."""
+    timeout_body: float = 30.0
+    """Seconds a request's body may pause before its connection is closed."""

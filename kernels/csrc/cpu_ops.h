@@ -74,7 +74,22 @@ enum GemmPrecision : int64_t { kBf16x3 = 0, kBf16 = 1, kBf16x2 = 2, kF32Tiles = 
 // AMX turns it off): the bf16 precisions need it.
 bool bf16_tiles();
 
+// quant_gemv's `acts`: the width its activations are rounded to per 32 values. 16 (the default)
+// keeps the product to ~2^-15 of the dequantized model's; 8 is llama.cpp's rounding (~2^-8),
+// opt-in: one byte product per weight (maddubs on AVX2, one vpdpbusd on VNNI) for Q8_0, Q4_0,
+// Q4_1, Q4_K (and, grouped, Q5_0/Q5_1); the other formats keep int16.
+constexpr int64_t kInt16Acts = 16, kInt8Acts = 8;
+// A QuantLinear precision with this bit set runs its GEMV on int8 activations (kInt8Acts); the
+// low bits are the GEMM's GemmPrecision.
+constexpr int64_t kInt8ActsBit = 1 << 8;
+
+inline void check_acts(int64_t acts) {
+  TORCH_CHECK(acts == kInt16Acts || acts == kInt8Acts, "acts ", acts,
+              " is not an activation width: pass 16 (int16, the default) or 8 (int8)");
+}
+
 inline void check_precision(int64_t precision) {
+  precision &= ~kInt8ActsBit;
   TORCH_CHECK(precision == kBf16x3 || precision == kBf16 || precision == kBf16x2 ||
                   precision == kF32Tiles,
               "precision ", precision,
@@ -127,7 +142,7 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double 
 // bf16-tile GEMM for many (quant_gemv.cpp, quant_gemm.cpp).
 void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
                 const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias,
-                int64_t isa);
+                int64_t isa, int64_t acts = kInt16Acts);
 void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
                 const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias,
                 int64_t isa, int64_t precision);

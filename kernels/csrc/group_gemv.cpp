@@ -17,7 +17,10 @@
 //
 // Precision: the activations are int16 per 32 values as in quant_gemv.cpp (scale amax / 32512),
 // each split into two signed bytes, code = 256 hi + lo, so the unsigned-by-signed byte dot product
-// (vpdpbusd) takes them: sum(w q) = 256 sum(w hi) + sum(w lo), exactly.
+// (vpdpbusd) takes them: sum(w q) = 256 sum(w hi) + sum(w lo), exactly. Byte mode (quant_gemv's
+// acts = 8, opt-in): the activations are int8 per 32 values (scale amax / 127, byte_acts.h's rule)
+// and each product is one vpdpbusd: half the dot products and activation loads, at int8's
+// rounding of the activations (~2^-8 of a block's largest value instead of ~2^-15).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -27,6 +30,7 @@
 #include <cstring>
 #include <vector>
 
+#include "byte_acts.h"
 #include "quant_avx512.h"
 #include "quant_formats.h"
 
@@ -39,7 +43,8 @@ constexpr int kMaxActRows = 8;  // activation rows per pass over a group (accumu
 constexpr float kActMax = 32512.f;  // 127 * 256: the largest code whose high byte fits in int8
 
 // The activation rows, per 32-value block: codes as two signed bytes (natural order), the block's
-// scale da and da * (sum of its codes) (the offset term: m * sum(x)).
+// scale da and da * (sum of its codes) (the offset term: m * sum(x)). Byte mode: int8 codes in lo
+// (byte_acts.h's rounding), hi unused.
 struct SplitActs {
   int64_t blocks = 0;
   std::vector<int8_t> hi, lo;  // [rows, blocks * 32]
@@ -74,8 +79,23 @@ void split_acts(const float* x, int64_t rows, int64_t K, SplitActs& a) {
   }
 }
 
+// int8 codes (byte_acts.h) in SplitActs' lo, for the byte mode's kernels.
+void byte_acts(const float* x, int64_t rows, int64_t K, SplitActs& a) {
+  static thread_local ByteActs bytes;
+  quantize_bytes(x, rows, K, bytes);
+  a.blocks = bytes.blocks;
+  a.lo.swap(bytes.q);
+  a.da.swap(bytes.da);
+  a.sx.swap(bytes.sx);
+}
+
+inline __m512i l_unused() { return _mm512_setzero_si512(); }  // byte mode's hi operand
+
 // 256 hi + lo dotted with the codes, per 32-bit lane: lane l sums its 4 bytes' products.
+// Byte mode (B): lo holds the int8 codes, hi is not read.
+template <bool B>
 inline __m512i dot(__m512i codes, __m512i hi, __m512i lo) {
+  if constexpr (B) return _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, lo);
   const __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, hi);
   return _mm512_dpbusd_epi32(_mm512_slli_epi32(h, 8), codes, lo);
 }
@@ -145,7 +165,7 @@ inline void nibble_codes(const uint8_t* at, __m512i lo[4], __m512i hi[4]) {
 }
 
 // G activation rows from b0 against the groups [g0, g1) of a nibble format.
-template <int64_t Fmt, int G>
+template <int64_t Fmt, int G, bool B>
 void nibble_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int64_t g1) {
   using W = Nibble32<Fmt>;
   const int64_t blocks = p.K / 32;
@@ -164,15 +184,15 @@ void nibble_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t 
       nibble_codes<Fmt>(at, lo, hi);
       for (int g = 0; g < G; ++g) {
         const int64_t i = (b0 + g) * blocks + blk;
-        const int8_t* xh = a.hi.data() + i * 32;
+        const int8_t* xh = B ? nullptr : a.hi.data() + i * 32;
         const int8_t* xl = a.lo.data() + i * 32;
-        const __m512i h0 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xh)));
-        const __m512i h1 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xh + 16)));
+        const __m512i h0 = B ? l_unused() : _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xh)));
+        const __m512i h1 = B ? l_unused() : _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xh + 16)));
         const __m512i l0 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xl)));
         const __m512i l1 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xl + 16)));
         __m512i s[4];
         for (int k = 0; k < 4; ++k)
-          s[k] = _mm512_add_epi32(dot(lo[k], h0, l0), dot(hi[k], h1, l1));
+          s[k] = _mm512_add_epi32(dot<B>(lo[k], h0, l0), dot<B>(hi[k], h1, l1));
         accumulate(acc[g], mins[g], reduce4(s), d, m, a, i);
       }
     }
@@ -180,7 +200,7 @@ void nibble_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t 
 }
 
 // The same for Q8_0 (codes stored +128 as unsigned bytes, 2 rows per vector).
-template <int G>
+template <int G, bool B>
 void q8_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int64_t g1) {
   const int64_t blocks = p.K / 32;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -196,12 +216,12 @@ void q8_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, 
         v[k] = _mm512_xor_si512(_mm512_loadu_si512(at + 2 * kGroupRows + 64 * k), flip);
       for (int g = 0; g < G; ++g) {
         const int64_t i = (b0 + g) * blocks + blk;
-        const __m512i h = _mm512_broadcast_i64x4(
+        const __m512i h = B ? l_unused() : _mm512_broadcast_i64x4(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.hi.data() + i * 32)));
         const __m512i l = _mm512_broadcast_i64x4(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.lo.data() + i * 32)));
         __m512i s[8];
-        for (int k = 0; k < 8; ++k) s[k] = dot(v[k], h, l);
+        for (int k = 0; k < 8; ++k) s[k] = dot<B>(v[k], h, l);
         accumulate(acc[g], mins[g], reduce8(s), d, m, a, i);
       }
     }
@@ -233,7 +253,7 @@ inline void k_scale_vectors(const uint8_t* at, __m512 sc[8], __m512 mn[8]) {
 
 // Q4_K: per super-block of 256, four 32-byte runs of nibbles (low: sub-block 2c, high: 2c + 1),
 // each a field of 16 rows read 2 rows per vector as Q8_0's codes are.
-template <int G>
+template <int G, bool B>
 void q4k_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int64_t g1) {
   const int64_t supers = p.K / 256, blocks = p.K / 32;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -256,12 +276,12 @@ void q4k_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0,
           for (int half = 0; half < 2; ++half) {  // sub-block 2c + half
             const int j = 2 * c + half;
             const int64_t i = (b0 + g) * blocks + sb * 8 + j;
-            const __m512i h = _mm512_broadcast_i64x4(
+            const __m512i h = B ? l_unused() : _mm512_broadcast_i64x4(
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.hi.data() + i * 32)));
             const __m512i l = _mm512_broadcast_i64x4(
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.lo.data() + i * 32)));
             __m512i s[8];
-            for (int k = 0; k < 8; ++k) s[k] = dot(half ? hi[k] : lo[k], h, l);
+            for (int k = 0; k < 8; ++k) s[k] = dot<B>(half ? hi[k] : lo[k], h, l);
             accumulate(acc[g], mins[g], reduce8(s), sc[j], mn[j], a, i);
           }
         }
@@ -270,39 +290,51 @@ void q4k_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0,
   });
 }
 
-template <int G>
+template <int G, bool B>
 void groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int64_t g1) {
   switch (p.fmt) {
-    case kQ4_0: nibble_groups<kQ4_0, G>(p, a, b0, g0, g1); break;
-    case kQ4_1: nibble_groups<kQ4_1, G>(p, a, b0, g0, g1); break;
-    case kQ5_0: nibble_groups<kQ5_0, G>(p, a, b0, g0, g1); break;
-    case kQ5_1: nibble_groups<kQ5_1, G>(p, a, b0, g0, g1); break;
-    case kQ4_K: q4k_groups<G>(p, a, b0, g0, g1); break;
-    default: q8_groups<G>(p, a, b0, g0, g1); break;
+    case kQ4_0: nibble_groups<kQ4_0, G, B>(p, a, b0, g0, g1); break;
+    case kQ4_1: nibble_groups<kQ4_1, G, B>(p, a, b0, g0, g1); break;
+    case kQ5_0: nibble_groups<kQ5_0, G, B>(p, a, b0, g0, g1); break;
+    case kQ5_1: nibble_groups<kQ5_1, G, B>(p, a, b0, g0, g1); break;
+    case kQ4_K: q4k_groups<G, B>(p, a, b0, g0, g1); break;
+    default: q8_groups<G, B>(p, a, b0, g0, g1); break;
+  }
+}
+
+// Every activation row against the groups [g0, g1), kMaxActRows rows per pass.
+template <bool B>
+void all_rows(const LinearArgs& p, const SplitActs& a, int64_t g0, int64_t g1) {
+  for (int64_t b = 0; b < p.rows; b += kMaxActRows) {
+    switch (std::min<int64_t>(kMaxActRows, p.rows - b)) {
+      case 1: groups<1, B>(p, a, b, g0, g1); break;
+      case 2: groups<2, B>(p, a, b, g0, g1); break;
+      case 3: groups<3, B>(p, a, b, g0, g1); break;
+      case 4: groups<4, B>(p, a, b, g0, g1); break;
+      case 5: groups<5, B>(p, a, b, g0, g1); break;
+      case 6: groups<6, B>(p, a, b, g0, g1); break;
+      case 7: groups<7, B>(p, a, b, g0, g1); break;
+      default: groups<8, B>(p, a, b, g0, g1); break;
+    }
   }
 }
 
 }  // namespace
 
-void group_gemv(const LinearArgs& p) {
+void group_gemv(const LinearArgs& p, bool bytes) {
   static thread_local SplitActs acts;
-  split_acts(p.x, p.rows, p.K, acts);
+  if (bytes)
+    byte_acts(p.x, p.rows, p.K, acts);
+  else
+    split_acts(p.x, p.rows, p.K, acts);
   const SplitActs& a = acts;
   // Groups per task: enough weight bytes (~32 KiB) that a thread's start-up cost stays small.
   const int64_t grain = std::max<int64_t>(1, 32768 / (kGroupRows * p.row_bytes));
   at::parallel_for(0, p.N / kGroupRows, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t b = 0; b < p.rows; b += kMaxActRows) {
-      switch (std::min<int64_t>(kMaxActRows, p.rows - b)) {
-        case 1: groups<1>(p, a, b, g0, g1); break;
-        case 2: groups<2>(p, a, b, g0, g1); break;
-        case 3: groups<3>(p, a, b, g0, g1); break;
-        case 4: groups<4>(p, a, b, g0, g1); break;
-        case 5: groups<5>(p, a, b, g0, g1); break;
-        case 6: groups<6>(p, a, b, g0, g1); break;
-        case 7: groups<7>(p, a, b, g0, g1); break;
-        default: groups<8>(p, a, b, g0, g1); break;
-      }
-    }
+    if (bytes)
+      all_rows<true>(p, a, g0, g1);
+    else
+      all_rows<false>(p, a, g0, g1);
   });
 }
 

@@ -22,7 +22,7 @@ TORCH_LIBRARY(pagedq_cpu, m) {
       "Tensor rows, int num_heads, int heads_per_item, int grain, int skinny_max_rows, int isa, "
       "float eps, float scale) -> Tensor");
   m.def("quant_gemv(Tensor(a!) out, Tensor x, Tensor w, int fmt, Tensor? scales, Tensor? bias, "
-        "int isa) -> ()");
+        "int isa, int acts=16) -> ()");
   m.def("quant_gemm(Tensor(a!) out, Tensor x, Tensor w, int fmt, Tensor? scales, Tensor? bias, "
         "int isa, int precision=0) -> ()");
   m.def("bf16_tiles() -> bool", &pagedq_cpu::bf16_tiles);

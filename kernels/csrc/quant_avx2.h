@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "quant_formats.h"
 
@@ -157,6 +158,28 @@ struct Q6_K {  // 6-bit codes minus 32, one int8 scale per 16 elements
     }
   }
 };
+
+// Lane g of the result: the sum of d[g]'s 8 lanes. The GEMVs' wide groups (4-8 activation rows)
+// reduce one block's integer dot products of all their rows at once, so its scale costs one
+// convert and one FMA for every row together instead of one each (the per-row float work, not
+// the products, bounded the AVX2 GEMV at 16-64 rows).
+inline __m256i sum_rows8(const __m256i d[8]) {
+  const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+  const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
+  // u0: [rows 0-3, low 128 bits | rows 0-3, high 128 bits]; u1 the same for rows 4-7
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                          _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// src [rows, steps] -> dst [steps, stride] (stride = rows + 8, zero-padded): one block's values
+// of 8 consecutive rows are then one load (sum_rows8's lanes).
+inline int64_t transpose_steps(const float* src, int64_t rows, int64_t steps, std::vector<float>& dst) {
+  const int64_t stride = rows + 8;
+  dst.assign(steps * stride, 0.f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < steps; ++b) dst[b * stride + r] = src[r * steps + b];
+  return stride;
+}
 
 // 16 int16 codes -> 16 floats s * code + m, at out[0..15].
 inline void store_scaled(__m256i codes, float s, float m, float* out) {

@@ -259,8 +259,16 @@ inline LinearArgs check_linear(const char* op, at::Tensor& out, const at::Tensor
 }
 
 namespace v512 {
-// x @ W^T over grouped rows (group_gemv.cpp); AVX-512 VNNI CPUs only.
-void group_gemv(const LinearArgs& p);
+// x @ W^T over grouped rows (group_gemv.cpp); AVX-512 VNNI CPUs only. bytes: int8 activations
+// (one vpdpbusd per 64 products) instead of int16 (two).
+void group_gemv(const LinearArgs& p, bool bytes);
 }  // namespace v512
+
+namespace v256 {
+// The formats byte_gemv takes (Q8_0, Q4_0, Q4_1, Q4_K), plain rows.
+bool byte_format(int64_t fmt);
+// x @ W^T on int8 activations with AVX2 (byte_gemv.cpp); any CPU the library runs on.
+void byte_gemv(const LinearArgs& p);
+}  // namespace v256
 
 }  // namespace pagedq_cpu

@@ -17,6 +17,10 @@
 //   decoded to int16 codes (quant_avx2.h) and meets them in _mm256_madd_epi16, the block's
 //   scales applied to the int32 sums. (It dequantized each row to fp32 before: compute-bound,
 //   half of llama.cpp's speed on an AVX2 machine.)
+// - acts = 8 (opt-in): int8 activations per 32 values, llama.cpp's rounding, one byte product per
+//   weight: byte_gemv.cpp (AVX2 maddubs; Q8_0, Q4_0, Q4_1, Q4_K) and group_gemv.cpp's byte mode.
+//   The matching-prefix bars against the dequantized twin fail with it (docs/quantization.md),
+//   so it is never the default; the other formats keep int16 when asked for it.
 //
 // The library is built for AVX2; the AVX-512 functions are compiled for AVX-512 (pragma below)
 // and run only when the caller passes Isa kAvx512Vnni (check_isa refuses it on CPUs without).
@@ -49,6 +53,8 @@ struct Acts {
   std::vector<int16_t> q;  // [rows, padded]
   std::vector<float> da;  // [rows, padded / 4] (VNNI) or [rows, K / 32] (AVX2): the code step
   std::vector<float> ab;  // likewise: da * (the lane's share of / the block's) code sum
+  std::vector<float> dat, abt;  // AVX2: da and ab transposed, [steps, tstride] (transpose_steps)
+  int64_t tstride = 0;
   const int16_t* qrow(int64_t b) const { return q.data() + b * padded; }
   const float* darow(int64_t b) const { return da.data() + b * steps; }
   const float* abrow(int64_t b) const { return ab.data() + b * steps; }
@@ -219,10 +225,42 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+// 4-8 activation rows from b0 against weight row n, as int_group below, but each block's sums of
+// all rows reduced into one vector (sum_rows8): one convert and FMA per block for the group.
+template <class W, int G>
+void int_group_wide(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n) {
+  __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
+  const float scale = p.scales ? p.scales[n] : 0.f;
+  W::walk(p.w + n * p.row_bytes, p.K, scale,
+          [&](int64_t b, __m256i lo, __m256i hi, float s_lo, float s_hi, float m) {
+    __m256i d_lo[8], d_hi[8];
+    for (int g = 0; g < 8; ++g) {
+      if (g >= G) {
+        d_lo[g] = d_hi[g] = _mm256_setzero_si256();
+        continue;
+      }
+      const int16_t* q = a.qrow(b0 + g) + b * kActBlock;
+      d_lo[g] = _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+      d_hi[g] = _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16)));
+      if constexpr (!W::kTwoScales) d_lo[g] = _mm256_add_epi32(d_lo[g], d_hi[g]);
+    }
+    const __m256 da = _mm256_loadu_ps(a.dat.data() + b * a.tstride + b0);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_rows8(d_lo)), _mm256_mul_ps(_mm256_set1_ps(s_lo), da), acc);
+    if constexpr (W::kTwoScales)
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_rows8(d_hi)), _mm256_mul_ps(_mm256_set1_ps(s_hi), da), acc);
+    if constexpr (W::kHasMin)
+      mins = _mm256_fmadd_ps(_mm256_set1_ps(m), _mm256_loadu_ps(a.abt.data() + b * a.tstride + b0), mins);
+  });
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, _mm256_add_ps(acc, mins));
+  const float bias = p.bias ? p.bias[n] : 0.f;
+  for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = sums[g] + bias;
+}
+
 // G activation rows from b0 against weight row n: per 32-block, the decoded int16 codes meet
 // each row's int16 activations in madd; the block's scales apply to the int32 sums.
 template <class W, int G>
-void int_group(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n) {
+void int_group_narrow(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n) {
   __m256 acc[G];
   float mins[G];
   for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps(), mins[g] = 0.f;
@@ -246,6 +284,14 @@ void int_group(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n) {
   });
   const float bias = p.bias ? p.bias[n] : 0.f;
   for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = hsum(acc[g]) + mins[g] + bias;
+}
+
+template <class W, int G>
+void int_group(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n) {
+  if constexpr (G >= 4)
+    int_group_wide<W, G>(p, a, b0, n);
+  else
+    int_group_narrow<W, G>(p, a, b0, n);
 }
 
 template <class W>
@@ -312,6 +358,8 @@ void quantize_acts(const float* x, int64_t rows, int64_t K, Acts& a) {
       a.ab[r * K / kActBlock + blk] = d * static_cast<float>(hsum_epi32(total));
     }
   }
+  a.tstride = transpose_steps(a.da.data(), rows, a.steps, a.dat);
+  transpose_steps(a.ab.data(), rows, a.steps, a.abt);
 }
 
 void gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
@@ -329,25 +377,30 @@ void gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
 
 void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
                 const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias,
-                int64_t isa) {
+                int64_t isa, int64_t acts) {
   check_isa(isa);
+  check_acts(acts);
   const LinearArgs p = check_linear("quant_gemv", out, x, w, fmt, scales, bias);
   if (p.rows == 0 || p.N == 0) return;
   fmt = p.fmt;  // without the kGrouped bit
   const bool vnni = isa == kAvx512Vnni;
   if (p.grouped) {
     TORCH_CHECK(vnni, "quant_gemv: grouped rows need AVX-512 VNNI (isa 2)");
-    v512::group_gemv(p);
+    v512::group_gemv(p, acts == kInt8Acts);
     return;
   }
-  static thread_local Acts acts;
+  if (acts == kInt8Acts && v256::byte_format(fmt)) {  // AVX2 instructions: every isa runs them
+    v256::byte_gemv(p);
+    return;
+  }
+  static thread_local Acts codes;
   if (fmt != kBF16 && vnni)
-    v512::quantize_acts(p.x, p.rows, p.K, nibble_order(fmt), acts);
+    v512::quantize_acts(p.x, p.rows, p.K, nibble_order(fmt), codes);
   else if (fmt != kBF16)
-    v256::quantize_acts(p.x, p.rows, p.K, acts);
+    v256::quantize_acts(p.x, p.rows, p.K, codes);
   // Rows per task: enough weight bytes (~32 KiB) that a thread's start-up cost stays small.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(p.row_bytes, 1));
-  const Acts& a = acts;
+  const Acts& a = codes;
   at::parallel_for(0, p.N, grain, [&](int64_t n0, int64_t n1) {
     if (vnni)
       v512::gemv(p, a, n0, n1);

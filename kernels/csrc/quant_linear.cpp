@@ -52,9 +52,10 @@ at::Tensor QuantLinear::forward(const at::Tensor& x) const {
     if (fmts[i] == kF32)  // a tensor the packed kernels do not read, kept as fp32 rows
       part.copy_(dense(x, data[i], b, x.size(0) <= gemv_max_rows[i], isa));
     else if (x.size(0) <= gemv_max_rows[i])
-      quant_gemv(part, x, data[i], fmts[i], scales.get(i), b, isa);
+      quant_gemv(part, x, data[i], fmts[i], scales.get(i), b, isa,
+                 precision & kInt8ActsBit ? kInt8Acts : kInt16Acts);
     else
-      quant_gemm(part, x, data[i], fmts[i], scales.get(i), b, isa, precision);
+      quant_gemm(part, x, data[i], fmts[i], scales.get(i), b, isa, precision & ~kInt8ActsBit);
     col += n;
   }
   return out;

@@ -3,20 +3,43 @@
 ``ToolSpec`` rides in ``SamplingParams.structured_outputs`` as its ``tools`` kind; the engine
 compiles it to a grammar, so every finished call parses, names a declared function and holds
 arguments valid against that function's schema. ``ToolCallParser`` turns the output text back
-into calls (streamed or whole). Nothing here imports torch or a grammar library.
+into calls (streamed or whole). ``format_for_model`` picks the format a model writes
+(detect.py). Nothing here imports torch or a grammar library.
 """
 
+from __future__ import annotations
+
+from pathlib import Path
+
+from pagedq.errors import InvalidParamsError
+from pagedq.tools.detect import ModelSigns, choose_format
 from pagedq.tools.formats import ToolFormat
 from pagedq.tools.hermes import HERMES
 from pagedq.tools.llama_json import LLAMA
+from pagedq.tools.mistral import MISTRAL
 from pagedq.tools.parse import ToolCall, ToolCallParser, call_id, parse_tool_calls
-from pagedq.tools.spec import ToolSpec
+from pagedq.tools.spec import FORMAT_NAMES, ToolSpec
 
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA)}
+# Most specific first: a Mistral v11 template holds no <tool_call>, Qwen's no [ARGS].
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (MISTRAL, HERMES, LLAMA)}
+if tuple(FORMATS) != FORMAT_NAMES:
+    raise ImportError(f"pagedq.tools: spec.FORMAT_NAMES {FORMAT_NAMES} must name the formats "
+                      f"{tuple(FORMATS)}")
+AUTO = "auto"
+
+
+class UnknownToolFormatError(InvalidParamsError):
+    """A tool-call format name nobody defines (an override, or a request's ``format``)."""
 
 
 def get_format(name: str) -> ToolFormat:
-    return FORMATS[name]
+    """The format called ``name``; a clear error listing the known ones otherwise."""
+    try:
+        return FORMATS[name]
+    except (KeyError, TypeError):
+        raise UnknownToolFormatError(
+            f"unknown tool-call format {name!r}: use one of {sorted(FORMATS)} (or "
+            f"{AUTO!r}: the model's own)") from None
 
 
 def detect_format(chat_template: str | None) -> ToolFormat | None:
@@ -26,5 +49,17 @@ def detect_format(chat_template: str | None) -> ToolFormat | None:
     return next((f for f in FORMATS.values() if f.speaks(chat_template)), None)
 
 
-__all__ = ["FORMATS", "HERMES", "LLAMA", "ToolCall", "ToolCallParser", "ToolFormat", "ToolSpec",
-           "call_id", "detect_format", "get_format", "parse_tool_calls"]
+def format_for_model(directory: str | Path | None, override: str = AUTO) -> ToolFormat:
+    """The format a model writes calls in: ``override`` unless it is "auto", else what the
+    model directory's template, control tokens and architecture say (Hermes without signs)."""
+    if override != AUTO:
+        return get_format(override)
+    if directory is None:
+        return HERMES
+    return choose_format(ModelSigns.read(directory), list(FORMATS.values()))
+
+
+__all__ = ["AUTO", "FORMATS", "HERMES", "LLAMA", "MISTRAL", "ModelSigns", "ToolCall",
+           "ToolCallParser", "ToolFormat", "ToolSpec", "UnknownToolFormatError", "call_id",
+           "choose_format", "detect_format", "format_for_model", "get_format",
+           "parse_tool_calls"]

@@ -4,8 +4,9 @@ Every supported family writes a call as ``BEGIN name MIDDLE {arguments} END``, s
 ``ToolFormat`` holds the four strings and builds the three things the rest needs from them:
 xgrammar's structural tag (the constraint), the call's text (a past call in a conversation),
 and the system prompt that lists the tools for a chat template that can not (SmolLM2's). The
-families are one module each (hermes.py, llama.py); ``detect`` names the family a chat
-template speaks, so a template that renders tools itself is used as it is.
+families are one module each (hermes.py, llama_json.py, mistral.py); ``speaks`` says whether
+a chat template renders calls in the format, so such a template is used as it is, and
+detect.py picks a model's format from its template, control tokens and architecture.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ class ToolFormat:
     separator: str  # between two calls
     markers: tuple[str, ...]  # text in a chat template that says it speaks this format
     preamble: str  # the system prompt's text before the tools, "{tools}" where they go
+    special_tokens: tuple[str, ...] = ()  # control tokens only a model of this family has
+    model_types: tuple[str, ...] = ()  # config.json model_type values of this family
+    id_length: int | None = None  # call ids the family's templates insist on (alphanumeric)
 
     def call_text(self, name: str, arguments: dict[str, Any] | str) -> str:
         args = arguments if isinstance(arguments, str) else json.dumps(arguments)

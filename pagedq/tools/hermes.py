@@ -22,6 +22,8 @@ HERMES = ToolFormat(
         "For each function call, return a json object with function name and arguments within "
         "<tool_call></tool_call> XML tags:\n<tool_call>\n"
         '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'),
+    special_tokens=("<tool_call>",),
+    model_types=("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"),
 )
 
 

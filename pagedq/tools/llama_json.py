@@ -19,4 +19,5 @@ LLAMA = ToolFormat(
         "proper arguments that best answers the given prompt.\n\n"
         'Respond in the format {"name": function name, "parameters": dictionary of argument '
         "name and its value}. Do not use variables.\n\n{tools}"),
+    special_tokens=("<|python_tag|>",),  # Llama 3.1+ (3.0 has no tool calling)
 )

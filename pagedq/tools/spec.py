@@ -14,6 +14,11 @@ from typing import Any
 
 from pagedq.errors import InvalidParamsError
 
+# The call formats a spec may name: one module each (mistral.py, hermes.py, llama_json.py),
+# gathered in pagedq.tools.FORMATS (most specific first), which checks at import that it holds
+# exactly these. Written here so the spec, which the formats read, need not import them back.
+FORMAT_NAMES = ("mistral", "hermes", "llama")
+
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's function names (plus dots)
 CHOICES = ("auto", "required")
 MAX_TOOLS = 128
@@ -43,8 +48,6 @@ class ToolSpec:
         self.validate()
 
     def validate(self) -> None:
-        from pagedq.tools import FORMATS
-
         if not isinstance(self.tools, list) or not 1 <= len(self.tools) <= MAX_TOOLS:
             raise _bad(f"tools must be a list of 1 to {MAX_TOOLS} function tools")
         names = [function_name(t, i) for i, t in enumerate(self.tools)]
@@ -58,8 +61,8 @@ class ToolSpec:
                        f"of a declared function ({names})")
         if not isinstance(self.parallel_tool_calls, bool):
             raise _bad("parallel_tool_calls must be a bool")
-        if self.format not in FORMATS:
-            raise _bad(f"format={self.format!r} must be one of {sorted(FORMATS)}")
+        if self.format not in FORMAT_NAMES:
+            raise _bad(f"format={self.format!r} must be one of {sorted(FORMAT_NAMES)}")
 
     @property
     def functions(self) -> list[tuple[str, dict[str, Any]]]:

@@ -15,12 +15,13 @@ import pytest
 
 from pagedq.bench.command import config_from_args
 from pagedq.bench.options import BenchConfig
+from pagedq.client.connection import TLSFiles
 from pagedq.params import SamplingParams
 from pagedq.worker.cli import COMMANDS, build_parser
 from pagedq.worker.cli.flags import engine_knobs, field_docs, to_flags
 from pagedq.worker.cli.generate import sampling_from_args
 from pagedq.worker.cli.worker_command import standalone_parser, worker_config
-from pagedq.worker.config import EngineConfig, WorkerConfig
+from pagedq.worker.config import EngineConfig, QueueConfig, WorkerConfig
 
 ENGINE_SAMPLE = {
     "model": "/models/tiny", "dtype": "bfloat16", "kv_cache_dtype": "float16", "device": "cpu",
@@ -30,6 +31,7 @@ ENGINE_SAMPLE = {
     "enable_prefix_caching": False, "num_threads": 3, "seed": 11, "grammar_cache_size": 5,
     "grammar_compile_threads": 3, "grammar_compile_timeout": 2.5, "quantization": "int4",
     "packed_gemm_precision": "bf16", "cpu_isa": "avx2", "adaptive_threads": False,
+    "cpu_kernels": False, "onednn": False, "fused_layer": False,
     "speculative_config": {"method": "suffix", "num_speculative_tokens": 3,
                            "prompt_lookup_min": 1, "prompt_lookup_max": 4,
                            "suffix_decoding_max_tree_depth": 8,
@@ -212,3 +214,44 @@ def test_log_level_is_one_flag_everywhere():
         assert tuple(action.choices) == LOG_LEVELS, command
         assert parse(command, "--log-level", "debug").log_level == "DEBUG"
     assert {"worker", "serve", "chat", "generate", "plan", "demo"} <= set(having)
+
+
+QUEUE_SAMPLE = {"redis_url": "rediss://h:1/2", "redis_ca": "/tls/ca.crt",
+                "redis_cert": "/tls/client.crt", "redis_key": "/tls/client.key", "queue": "q2",
+                "prefix": "px", "ttl": 77}
+
+
+@pytest.mark.parametrize("command", ("worker", "serve", "batch", "submit", "stats"))
+def test_every_queue_command_takes_the_one_queue_config(command):
+    """QueueConfig's fields are the same flags on every command that talks to the queue, and
+    each command's config carries what they say."""
+    from pagedq.gateway.commands import gateway_config
+    from pagedq.worker.cli.queue_commands import queue_config
+
+    assert {f.name for f in dataclasses.fields(QueueConfig)} == set(QUEUE_SAMPLE)
+    args = parse(command, *argv(QUEUE_SAMPLE))
+    config = {"worker": worker_config, "serve": gateway_config, "batch": gateway_config,
+              "submit": queue_config, "stats": queue_config}[command](args)
+    assert config.queue_config == QueueConfig(**QUEUE_SAMPLE)
+    assert config.tls == TLSFiles("/tls/ca.crt", "/tls/client.crt", "/tls/client.key")
+    options = config.client_options()
+    assert (options["queue"], options["prefix"], options["ttl"]) == ("q2", "px", 77)
+
+
+def test_the_bench_takes_the_queue_config_and_serves_a_queue_of_its_own():
+    from pagedq.bench.options import quick
+
+    config = quick().with_settings(["prefix=px", "ttl=77", "queue=stem", "redis_ca=/tls/ca.crt"])
+    run = config.run_queue("rediss://h:1/2", "queue")
+    assert run.queue.startswith("stem-queue-") and run.redis_url == "rediss://h:1/2"
+    assert (run.prefix, run.ttl, run.tls) == ("px", 77, TLSFiles("/tls/ca.crt"))
+    assert to_flags(run)[:2] == ["--redis-url", "rediss://h:1/2"] and "--redis-ca" in to_flags(run)
+    with pytest.raises(ValueError, match="FIELD one of"):
+        config.with_settings(["FLAG_HELP=x"])
+
+
+def test_each_config_words_the_redis_url_for_its_command():
+    """One field, one default; the help says what each command does without a URL."""
+    helps = {cls: field_docs(cls)["redis_url"] for cls in (QueueConfig, WorkerConfig)}
+    assert "localhost:6379" in helps[QueueConfig] and "starts" not in helps[QueueConfig]
+    assert "else a new one" in helps[WorkerConfig]

@@ -104,12 +104,29 @@ def test_chat_applies_the_template_and_generate_does_not(tiny_text_model_dir, en
 
 def test_chat_runs_the_bundled_model_packed(engines, capsys):
     """`pagedq chat` with no --model runs the bundled GGUF as shipped (the engine's rule for
-    quantization "auto"): no fp32 conversion, weights about the file's size."""
-    from pagedq.worker.models.loader import packed_source
+    quantization "auto"): the engine's weight form keeps the GGUF's blocks, read from the GGUF
+    the cache already holds (no second fetch), with no fp32 conversion; weights about the
+    file's size."""
+    import torch
+
+    from pagedq.worker.models.build import WeightForm
+    from pagedq.worker.models.default_model import default_gguf, default_model_dir
+    from pagedq.worker.models.model_cache import packed_source
 
     assert main(["chat", "What is the capital of France?", "--max-tokens", "24"]) == 0
     assert "Paris" in capsys.readouterr().out
     (engine,) = engines
+    assert engine.weight_form == WeightForm("keep", torch.float32)
     gguf = packed_source(engine.model_path)
-    assert gguf is not None and gguf.suffix == ".gguf"
+    assert gguf == default_gguf() and gguf.suffix == ".gguf"
+    assert not default_model_dir(packed=False).exists()
     assert engine.stats()["weight_bytes"] <= 1.1 * gguf.stat().st_size
+
+
+def test_generate_runs_the_bundled_model_packed(engines):
+    import torch
+
+    from pagedq.worker.models.build import WeightForm
+
+    assert main(["generate", "The capital of France is", "--max-tokens", "4", "--json"]) == 0
+    assert engines[0].weight_form == WeightForm("keep", torch.float32)

@@ -7,7 +7,7 @@ import pytest
 
 from pagedq.client import StreamGapError
 from pagedq.client.protocol import FINISHED, TOKENS, Event
-from pagedq.client.result import ResultBuilder
+from pagedq.client.result_builder import ResultBuilder
 
 
 def tokens(seq, ids, position, text=None, reason=None):

@@ -73,7 +73,7 @@ def test_a_call_cut_short_stays_text_and_llama_calls_parse():
     ({"tools": []}, "1 to 128"),
     ({"tools": TOOLS, "tool_choice": "nope"}, "tool_choice"),
     ({"tools": TOOLS + TOOLS}, "unique"),
-    ({"tools": TOOLS, "format": "mistral"}, "format"),
+    ({"tools": TOOLS, "format": "qwen"}, "format"),
 ])
 def test_bad_tool_specs_say_what_is_wrong(spec, problem):
     with pytest.raises(InvalidParamsError, match=problem):

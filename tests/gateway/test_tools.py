@@ -279,3 +279,95 @@ def test_langchain_bind_tools_and_structured_output(gw, model):
         assert call["id"].startswith("call_")
     out = llm.with_structured_output(Weather, method="function_calling").invoke("Paris?")
     assert isinstance(out, Weather) and out.unit in ("celsius", "fahrenheit")
+
+
+# -- the deprecated functions / function_call ------------------------------------------------
+FUNCTIONS = [t["function"] for t in TOOLS]
+
+
+def test_functions_are_answered_with_one_function_call(client, model):
+    for seed in range(3):
+        c = client.chat.completions.create(
+            model=model, messages=ASK, functions=FUNCTIONS, function_call={"name": "add"},
+            seed=seed, temperature=1.0, max_tokens=160).choices[0]
+        if c.finish_reason == "length":
+            continue
+        assert c.finish_reason == "function_call" and c.message.tool_calls is None
+        assert c.message.function_call.name == "add"
+        jsonschema.validate(json.loads(c.message.function_call.arguments), SCHEMAS["add"])
+
+
+def test_functions_streamed_and_a_function_result_back(client, model):
+    kw = dict(model=model, messages=ASK, functions=FUNCTIONS, temperature=1.0, max_tokens=160,
+              function_call={"name": "get_weather"}, seed=5)
+    first = client.chat.completions.create(**kw)
+    whole = first.choices[0]
+    name, args, reason = None, "", None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            assert not choice.delta.tool_calls
+            if choice.delta.function_call is not None:
+                name = choice.delta.function_call.name or name
+                args += choice.delta.function_call.arguments or ""
+            reason = choice.finish_reason or reason
+    assert reason == whole.finish_reason
+    if reason == "length":
+        return
+    assert (name, args) == (whole.message.function_call.name, whole.message.function_call.arguments)
+    jsonschema.validate(json.loads(args), SCHEMAS["get_weather"])
+    messages = ASK + [{"role": "assistant", "content": None,
+                       "function_call": {"name": name, "arguments": args}},
+                      {"role": "function", "name": name, "content": '{"temp": 21}'}]
+    second = client.chat.completions.create(model=model, messages=messages, functions=FUNCTIONS,
+                                            max_tokens=8, seed=1)
+    assert second.choices[0].finish_reason in ("stop", "length", "function_call")
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result
+    without = client.chat.completions.create(model=model, messages=messages, functions=FUNCTIONS,
+                                             function_call="none", max_tokens=8, seed=1)
+    assert without.choices[0].message.function_call is None
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"functions": FUNCTIONS, "tools": TOOLS}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"functions": FUNCTIONS, "function_call": "sometimes"}, "function_call"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+])
+def test_bad_legacy_and_prompt_logprobs_requests_are_400s(client, model, body, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model, messages=ASK, max_tokens=8, extra_body=body)
+    assert err.value.body["param"] == param
+
+
+# -- chat echo (vLLM's) --------------------------------------------------------------------------
+def test_chat_echo_prepends_the_last_assistant_message(client, model):
+    messages = ASK + [{"role": "assistant", "content": "The answer is"}]
+    kw = dict(model=model, messages=messages, max_tokens=6, seed=3, temperature=1.0)
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    echoed = client.chat.completions.create(extra_body={"echo": True}, **kw)
+    assert echoed.choices[0].message.content == "The answer is" + plain
+    streamed_text = "".join(ch.delta.content or "" for chunk in client.chat.completions.create(
+        stream=True, extra_body={"echo": True}, **kw) for ch in chunk.choices)
+    assert streamed_text == "The answer is" + plain
+    user_last = client.chat.completions.create(model=model, messages=ASK, max_tokens=6, seed=3,
+                                               extra_body={"echo": True})
+    assert not user_last.choices[0].message.content.startswith(ASK[0]["content"])
+
+
+# -- the format: the model's, or the operator's override --------------------------------------------
+def test_a_gateway_forced_to_the_mistral_format_answers_valid_calls(redis_url, gw, model):
+    with serve(redis_url, queue=QUEUE, tool_call_format="mistral") as forced:
+        client = forced.openai()
+        ended = 0
+        for seed in range(4):
+            c = create(client, model, tool_choice="required", seed=seed).choices[0]
+            if c.finish_reason == "length":
+                continue
+            ended += 1
+            assert c.finish_reason == "tool_calls"
+            check_calls(c.message.tool_calls, ("get_weather", "add"))
+        assert ended
+        content, calls, reason = streamed(client, model, tool_choice="required", seed=1)
+        if reason == "tool_calls":
+            for call in calls.values():
+                jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])

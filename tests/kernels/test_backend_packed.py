@@ -22,10 +22,10 @@ from pagedq.kernels.backend import (
     PACKED_PRECISIONS,
     process_selector,
 )
+from pagedq.kernels.block_formats import quantize_int4
 from pagedq.kernels.cpu_features import ISA_LEVELS, CpuFeatures
 from pagedq.worker.config import PACKED_GEMM_PRECISIONS, EngineConfig
 from pagedq.worker.models.packed import build_projection
-from pagedq.worker.models.quant import quantize_int4
 
 BASE = ("avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512dq", "avx512bw")
 AMX = CpuFeatures.of(*BASE, "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
@@ -59,7 +59,7 @@ def test_projections_group_their_rows_where_the_vnni_gemv_runs(cpu_ops, level, g
     and a tied head share the object) and leaves GGUF's rows for the AVX2 kernels; the output is
     the dequantized matmul either way, through the GEMV and the GEMM. This machine's CPU, capped
     at ``level``: the kernels really run."""
-    from pagedq.worker.models.quant import dequantize
+    from pagedq.kernels.block_formats import dequantize
     from tests.quant_fixtures import random_weight
 
     if level not in process_selector().cpu.levels:
@@ -79,7 +79,7 @@ def test_projections_group_their_rows_where_the_vnni_gemv_runs(cpu_ops, level, g
 
 
 def test_the_grouped_formats_are_the_groupable_ones():
-    from pagedq.worker.models.quant import GROUP_FIELDS
+    from pagedq.kernels.block_formats import GROUP_FIELDS
 
     assert set(GROUPED_FORMATS) == set(GROUP_FIELDS)
 
@@ -107,7 +107,7 @@ def test_without_amx_the_gemm_multiplies_fp32_tiles(cpu_ops):
 def test_each_level_routes_only_kernels_it_runs(cpu_ops, level):
     """This machine capped at each level it runs: every packed route and GEMM precision is one
     that level's CPU runs, and a projection through it computes (the kernels take the call)."""
-    from pagedq.worker.models.quant import dequantize
+    from pagedq.kernels.block_formats import dequantize
     from tests.quant_fixtures import random_weight
 
     if level not in process_selector().cpu.levels:

@@ -20,6 +20,7 @@ from tests.subprocess_pytest import run_pytest
 MACHINE = detect_cpu_features()
 SUITES = [
     "tests/kernels/test_quant_kernels.py",
+    "tests/kernels/test_int8_acts.py",
     "tests/kernels/test_gemv.py",
     "tests/kernels/test_backend_packed.py",
     "tests/kernels/test_cpu_ops.py",

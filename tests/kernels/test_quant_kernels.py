@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from pagedq.kernels.backend import process_selector
+from pagedq.kernels.block_formats import FORMATS, GROUPED, QuantWeight, dequantize, quantize_int4
 from pagedq.kernels.cpu_ops import GemmPrecision, Isa
-from pagedq.worker.models.quant import FORMATS, GROUPED, QuantWeight, dequantize, quantize_int4
 from tests.quant_fixtures import ALL, random_weight
 
 CPU = process_selector().cpu  # this CPU, capped at PAGEDQ_CPU_ISA where that is set

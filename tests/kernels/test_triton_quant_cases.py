@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from pagedq.worker.models.quant import dequantize, quantize_int4, quantize_int8, to_gpu_layout
+from pagedq.kernels.block_formats import dequantize, quantize_int4, quantize_int8, to_gpu_layout
 from tests.quant_fixtures import INTEGER, random_weight
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

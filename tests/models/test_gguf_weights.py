@@ -10,8 +10,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
+from pagedq.kernels.block_formats import QuantWeight, dequantize
 from pagedq.worker.models.gguf_weights import hf_name, iter_gguf_weights
-from pagedq.worker.models.quant import QuantWeight, dequantize
 from tests.gguf_files import ALL_TYPES, K_QUANTS, fits, quantize, quantized_state, write_gguf
 from tests.tiny_models import build_tiny_model
 

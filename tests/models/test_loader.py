@@ -20,16 +20,13 @@ from pagedq.errors import ModelNotFoundError
 from pagedq.worker.config import settings
 from pagedq.worker.models import default_model
 from pagedq.worker.models.loader import (
-    cache_dir,
-    convert_gguf,
-    gguf_cache_path,
-    is_converted,
     iter_weights,
     load_config,
     load_tokenizer,
     resolve_model,
     weight_files,
 )
+from pagedq.worker.models.model_cache import cache_dir, convert_gguf, gguf_cache_path, is_converted
 
 
 def hf_state_dict(path: Path) -> dict[str, torch.Tensor]:

@@ -18,9 +18,10 @@ import pytest
 
 from pagedq.bench import fidelity
 from pagedq.bench.fidelity import PROMPTS, greedy, mean_matching_prefix, perplexity
+from pagedq.kernels.block_formats import QuantWeight, dequantize
 from pagedq.worker import Engine
+from pagedq.worker.models.build import pack_weights
 from pagedq.worker.models.loader import iter_weights
-from pagedq.worker.models.quant import QuantWeight, dequantize, pack_weights
 from tests.gguf_files import ALL_TYPES, write_gguf
 from tests.oracle import assert_greedy
 from tests.tiny_models import build_tiny_model

@@ -21,11 +21,10 @@ ENGINE = dict(num_kv_blocks=64, max_num_seqs=4, max_model_len=256)
 @contextmanager
 def running_worker(redis_url, model, name, engine_instance=None, **overrides):
     engine = dict(ENGINE, **overrides.pop("engine", {}))
-    cfg = WorkerConfig(model=model, redis_url=redis_url, consumer_name=name, reclaim_after=1.0,
-                       checkpoint_interval=0.2, poll_interval=0.05, read_block_ms=200,
-                       drain_timeout=5, engine=engine)
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
+    knobs = dict(reclaim_after=1.0, checkpoint_interval=0.2, poll_interval=0.05,
+                 read_block_ms=200, drain_timeout=5)
+    cfg = WorkerConfig(model=model, redis_url=redis_url, consumer_name=name, engine=engine,
+                       **{**knobs, **overrides})
     worker = Worker(cfg, engine_instance)
     errors = []
 

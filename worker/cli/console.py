@@ -24,6 +24,7 @@ def add_log_level_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup
 
 def setup_console_logging(level: str = "INFO") -> None:
     """Readable log lines on stderr, and a live timer under each long wait on a terminal."""
+    # measured: structlog (under both) adds ~0.2 s to `pagedq --help` (0.9 s), which never logs
     from pagedq.logging import configure_logging
     from pagedq.progress import enable_live
 

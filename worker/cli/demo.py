@@ -5,12 +5,17 @@ while the KV cache fills and empties."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import RedisError
+
+from pagedq.client import Client
+from pagedq.embedded_redis import EmbeddedRedis
 from pagedq.errors import PagedQError
 from pagedq.worker.cli.console import (
     PROMPT_HELP,
@@ -27,6 +32,7 @@ from pagedq.worker.cli.flags import (
     sampling_params,
 )
 from pagedq.worker.cli.queue_commands import redis_error_line, render_stats
+from pagedq.worker.config import EngineConfig, WorkerConfig
 
 DEMO_PROMPTS = [
     "Write one sentence about the sea.",
@@ -64,8 +70,6 @@ class Stream:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedq.worker.config import EngineConfig
-
     setup_console_logging(args.log_level)
     try:
         prompts = read_prompts(args.prompts) if args.prompts else DEMO_PROMPTS
@@ -77,10 +81,6 @@ def run(args: argparse.Namespace) -> int:
     except PagedQError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from redis.exceptions import RedisError
-
-    from pagedq.embedded_redis import EmbeddedRedis
-
     with EmbeddedRedis.start() as server:
         print(f"embedded redis-server listening on {server.url}", flush=True)
         worker, thread = start_worker(server.url, engine)
@@ -100,9 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
 def start_worker(url: str, engine: dict[str, Any]) -> tuple[Any, Any]:
     """A worker in a thread of this process, once its model is loaded (None if it failed)."""
-    import asyncio
-
-    from pagedq.worker.config import WorkerConfig
+    # measured: the service adds ~0.3 s to `pagedq --help` (0.9 s)
     from pagedq.worker.service.worker import Worker
 
     model = engine.pop("model", None)
@@ -122,8 +120,6 @@ def start_worker(url: str, engine: dict[str, Any]) -> tuple[Any, Any]:
 def stream_all(url: str, worker: Any, prompts: list[str], params: Any) -> int:
     """Submit every prompt in one round trip, follow all streams at once, then print the
     queue's stats from a checkpoint written after the last answer."""
-    from pagedq.client import Client
-
     tokenizer = worker.engine.tokenizer
     chat = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
     streams = [Stream(p) for p in prompts]
@@ -178,6 +174,7 @@ def status(s: Stream) -> str:
 
 def live_view(client: Any, streams: list[Stream], readers: list[Any], start: float) -> None:
     """The answers side by side, redrawn as tokens arrive, with the worker's KV occupancy."""
+    # measured: rich's live view adds ~0.06 s (0.3 s alone) to `pagedq --help`
     from rich.console import Group
     from rich.live import Live
     from rich.table import Table

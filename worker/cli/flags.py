@@ -22,6 +22,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from pagedq.errors import InvalidParamsError
+from pagedq.params import SamplingParams
 from pagedq.worker.config import EngineConfig, parse_bytes
 
 # Old spellings still accepted, hidden from --help: field -> flags
@@ -35,8 +37,10 @@ def flag_name(name: str) -> str:
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """Each field's help: ``metadata["help"]``, else the string literal right below the field
-    (an attribute docstring), inherited from base dataclasses too; whitespace collapsed."""
+    """Each field's help: the class's ``FLAG_HELP[name]`` (a subclass rewording an inherited
+    field for its command, e.g. QueueConfig's redis_url), else ``metadata["help"]``, else the
+    string literal right below the field (an attribute docstring), inherited from base
+    dataclasses too; whitespace collapsed."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
@@ -54,6 +58,7 @@ def field_docs(cls: type) -> dict[str, str]:
     for f in dataclasses.fields(cls):
         if f.metadata.get("help"):
             docs[f.name] = f.metadata["help"]
+    docs.update(getattr(cls, "FLAG_HELP", {}))  # a config's wording for its command
     return docs
 
 
@@ -230,8 +235,6 @@ def add_sampling_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, A
                        skip: Iterable[str] = ()) -> None:
     """SamplingParams fields as flags in a "sampling" group; ``defaults`` are the command's own
     (a terminal user wants greedy and longer outputs than the wire's defaults)."""
-    from pagedq.params import SamplingParams
-
     group = parser.add_argument_group("sampling")
     add_config_flags(group, SamplingParams, defaults=SamplingParams(**defaults),
                      skip=skip, helps=SAMPLING_HELP)
@@ -240,8 +243,6 @@ def add_sampling_flags(parser: argparse.ArgumentParser, *, defaults: dict[str, A
 
 def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> Any:
     """SamplingParams from the command's defaults and the sampling flags given."""
-    from pagedq.params import SamplingParams
-
     structured = structured_outputs(args)
     extra = {"structured_outputs": structured} if structured else {}
     return SamplingParams(**{**defaults, **given(args, SamplingParams), **extra})
@@ -267,8 +268,6 @@ def add_structured_flags(parser: argparse.ArgumentParser) -> None:
 
 def structured_outputs(args: argparse.Namespace) -> dict[str, Any] | None:
     """The structured_outputs dict the structured-output flags ask for (None: none given)."""
-    from pagedq.errors import InvalidParamsError
-
     def read(flag: str, path: str) -> str:
         try:
             return Path(path).expanduser().read_text()

@@ -15,7 +15,13 @@ from typing import Any
 
 from pagedq.errors import InvalidParamsError, PagedQError
 from pagedq.params import StructuredOutputsParams
-from pagedq.worker.cli.console import PROMPT_HELP, add_log_level_flag, read_prompts
+from pagedq.tools import get_format, parse_tool_calls
+from pagedq.worker.cli.console import (
+    PROMPT_HELP,
+    add_log_level_flag,
+    read_prompts,
+    setup_console_logging,
+)
 from pagedq.worker.cli.flags import (
     COMMAND_SAMPLING,
     add_engine_flags,
@@ -23,6 +29,7 @@ from pagedq.worker.cli.flags import (
     engine_knobs,
     sampling_params,
 )
+from pagedq.worker.config import EngineConfig
 
 # --seed is the engine's field; given, it also seeds each request (see sampling_from_args).
 SEED_HELP = ("Seed of the random draws: the same seed, prompt and flags give the same output "
@@ -83,10 +90,8 @@ def read_tools(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedq.logging import get_logger
-    from pagedq.progress import waiting
-    from pagedq.worker.cli.console import setup_console_logging
-    from pagedq.worker.config import EngineConfig
+    from pagedq.logging import get_logger  # structlog: ~0.2 s on `pagedq --help`
+    from pagedq.progress import waiting  # the same
 
     setup_console_logging(args.log_level)
     log = get_logger("pagedq.cli")
@@ -95,11 +100,11 @@ def run(args: argparse.Namespace) -> int:
         params = sampling_from_args(args)
         config = EngineConfig(**engine_knobs(args))
         with waiting("reading the model's tokenizer and checking the prompts", log):
-            prompts, config = prepare(config, texts, params, args)
-        from pagedq.worker import Engine
+            prompts, config, files = prepare(config, texts, params, args)
+        from pagedq.worker import Engine  # torch (seconds): `pagedq --help` never loads it
 
         with waiting("loading the model", log, delay=0, model=config.model):
-            engine = Engine(config=config)
+            engine = Engine(config=config, files=files)
         if len(prompts) == 1 and params.n == 1 and not args.json:
             return stream_one(engine, prompts[0], params)
         for text, out in zip(texts, engine.generate(prompts, params), strict=True):
@@ -117,29 +122,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def prepare(config: Any, texts: list[str], params: Any, args: argparse.Namespace
-            ) -> tuple[list[list[int]], Any]:
+            ) -> tuple[list[list[int]], Any, Any]:
     """Token ids of each prompt (chat template applied for ``chat``), checked against the
-    model's length, and ``config`` with a KV cache just large enough for them, unless one was
-    asked for. Reads the model's config and tokenizer only, never its weights."""
-    from pagedq.worker.engine.intake import chat_prompt, fit_lengths, tokenize
-    from pagedq.worker.engine.sizing import blocks_for
-    from pagedq.worker.models.loader import load_config, load_tokenizer, resolve_model
+    model's length, ``config`` with the KV cache the engine says they need (unless a size was
+    asked for), and the model's opened files, which the engine then loads without resolving or
+    reading the tokenizer again. Reads the model's config and tokenizer only, never its
+    weights."""
+    # torch and transformers (seconds): `pagedq --help`, submit and stats never load them
+    from pagedq.worker.engine.intake import chat_prompt, tokenize
+    from pagedq.worker.engine.sizing import fit_cache
+    from pagedq.worker.models.build import open_model
 
-    # The engine's rule (Engine.__init__): quantization "auto" keeps a GGUF packed, so the
-    # bundled model runs from its GGUF's blocks, with no fp32 conversion and no second fetch.
-    path = resolve_model(config.model, packed=config.quantization == "auto")
-    hf_config, tokenizer = load_config(path), load_tokenizer(path)
+    files = open_model(config)  # the engine's rule: the bundled GGUF stays packed
     if args.chat:
-        prompts = [chat_prompt(tokenizer, path, conversation(args, t), params) for t in texts]
+        prompts = [chat_prompt(files.tokenizer, files.path, conversation(args, t), params)
+                   for t in texts]
     else:
-        prompts = [tokenize(tokenizer, hf_config.vocab_size, path, t, None)[1] for t in texts]
-    limit = config.max_model_len or hf_config.max_position_embeddings
-    lengths = [len(ids) + fit_lengths(ids, params, limit).max_tokens for ids in prompts]
-    config = replace(config, model=str(path))
-    if config.num_kv_blocks is None and config.kv_cache_memory is None:
-        config = replace(config, num_kv_blocks=blocks_for(lengths * params.n,
-                                                          config.resolved_block_size()))
-    return prompts, config
+        prompts = [tokenize(files.tokenizer, files.hf_config.vocab_size, files.path, t, None)[1]
+                   for t in texts]
+    config = fit_cache(replace(config, model=str(files.path)), files.hf_config, prompts, params)
+    return prompts, config, files
 
 
 def calls(params: Any, text: str) -> dict[str, Any]:
@@ -147,8 +149,6 @@ def calls(params: Any, text: str) -> dict[str, Any]:
     so = params.structured_outputs
     if so is None or so.kind != "tools":
         return {}
-    from pagedq.tools import get_format, parse_tool_calls
-
     _, found = parse_tool_calls(text, get_format(so.tool_spec.format))
     return {"tool_calls": [c.to_openai() for c in found]}
 

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from pagedq.errors import PagedQError
-from pagedq.worker.cli.console import add_log_level_flag
+from pagedq.worker.cli.console import add_log_level_flag, setup_console_logging
 from pagedq.worker.cli.flags import add_engine_flags, engine_knobs
+from pagedq.worker.config import EngineConfig, default_device
 
 GiB = 1 << 30
 
@@ -36,10 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedq.logging import get_logger
-    from pagedq.progress import waiting
-    from pagedq.worker.cli.console import setup_console_logging
-    from pagedq.worker.config import EngineConfig
+    from pagedq.logging import get_logger  # structlog: ~0.2 s on `pagedq --help`
+    from pagedq.progress import waiting  # the same
 
     setup_console_logging(args.log_level)
     try:
@@ -57,9 +56,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def plan_text(config: Any, jobs: int, seq_len: int) -> str:
+    # torch and transformers (seconds): `pagedq --help`, submit and stats never load them
     import torch
 
-    from pagedq.worker.config import default_device
     from pagedq.worker.engine import sizing
     from pagedq.worker.models.loader import load_config, resolve_model
 
@@ -111,9 +110,9 @@ LOAD_QUANT_BYTES = {"int8": 1.0, "int4": 20 / 32}
 
 def weights_text(path: Path, config: Any) -> str:
     """The resident weights: a packed GGUF's file size, else parameters x bytes per weight."""
-    import torch
+    import torch  # seconds: as in plan_text
 
-    from pagedq.worker.models.loader import packed_source
+    from pagedq.worker.models.model_cache import packed_source  # torch: as in plan_text
 
     gguf = packed_source(path)
     if gguf is not None:
@@ -131,7 +130,7 @@ def weights_text(path: Path, config: Any) -> str:
 
 def parameter_count(path: Path) -> int | None:
     """Parameters in the checkpoint's safetensors files, from their headers alone."""
-    from pagedq.worker.models.loader import weight_files
+    from pagedq.worker.models.loader import weight_files  # torch: as in plan_text
 
     total = 0
     for file in weight_files(path):

@@ -11,19 +11,22 @@ import sys
 import time
 from typing import Any
 
-from pagedq.errors import InvalidRequestError
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
+
+from pagedq.client import Client, ProtocolError, RequestError, ResultTimeoutError
+from pagedq.client.connection import redact_url
+from pagedq.errors import InvalidParamsError, InvalidRequestError
+from pagedq.redis_url import client_redis_url
 from pagedq.worker.cli.console import PROMPT_HELP, event_sentence, read_prompt
 from pagedq.worker.cli.flags import (
     COMMAND_SAMPLING,
     add_config_flags,
     add_sampling_flags,
+    given,
     sampling_params,
 )
-from pagedq.worker.config import WorkerConfig
+from pagedq.worker.config import QueueConfig
 
-CONNECTION = ("redis_url", "queue", "prefix")
-REDIS_URL_HELP = ("Redis holding the queue (default: $REDIS_URL, else the embedded Redis a "
-                  "`pagedq worker` on this machine started, else redis://localhost:6379/0)")
 NO_REDIS_HINT = ("start one (`pagedq worker` with no --redis-url starts an embedded Redis that "
                  "this command finds), or point --redis-url / REDIS_URL at yours")
 
@@ -68,33 +71,28 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_connection_flags(p: argparse.ArgumentParser) -> None:
-    add_config_flags(p.add_argument_group("queue"), WorkerConfig, only=CONNECTION,
-                     helps={"redis_url": REDIS_URL_HELP})
+    """QueueConfig's flags: --redis-url, the TLS files, --queue, --prefix, --ttl."""
+    add_config_flags(p.add_argument_group("queue"), QueueConfig)
+
+
+def queue_config(args: argparse.Namespace) -> QueueConfig:
+    """The queue the flags name (QueueConfig's defaults for those not given)."""
+    return QueueConfig(**given(args, QueueConfig))
 
 
 def redis_url_of(args: argparse.Namespace) -> str:
     """--redis-url, else $REDIS_URL, else a local worker's advertised embedded server, else
     Redis on localhost's default port."""
-    from pagedq.redis_url import client_redis_url
-
-    return client_redis_url(getattr(args, "redis_url", None))
+    return client_redis_url(queue_config(args).redis_url)
 
 
-def connect(args: argparse.Namespace, url: str) -> Any:
-    """A Client on the queue the flags name (WorkerConfig's defaults for those not given)."""
-    from pagedq.client import Client
-
-    defaults = WorkerConfig()
-    queue, prefix = (getattr(args, k, getattr(defaults, k)) for k in ("queue", "prefix"))
-    return Client(url, queue, prefix=prefix)
+def connect(args: argparse.Namespace, url: str) -> Client:
+    """A Client on the queue the flags name, over TLS when --redis-ca/--redis-cert are given."""
+    return Client(url, **queue_config(args).client_options())
 
 
 def redis_error_line(url: str, exc: Exception) -> str:
     """One line for a Redis failure: which Redis, what went wrong, what to do."""
-    from redis.exceptions import AuthenticationError, ResponseError
-
-    from pagedq.client.connection import redact_url
-
     where = redact_url(url)
     if isinstance(exc, AuthenticationError) or "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
         return (f"error: Redis at {where} refused the credentials: put the password in the URL "
@@ -118,10 +116,6 @@ def submit_prompt(args: argparse.Namespace) -> Any:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from redis.exceptions import RedisError
-
-    from pagedq.errors import InvalidParamsError
-
     try:
         prompt = submit_prompt(args)
         params = sampling_params(args, COMMAND_SAMPLING["submit"])
@@ -140,9 +134,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def submit_and_stream(args: argparse.Namespace, client: Any, prompt: Any, params: Any) -> int:
     """Enqueue, warn at once when no worker serves the queue (or wait for one that announces
     it is loading its model), then print the answer."""
-    from pagedq.client import ProtocolError, RequestError, ResultTimeoutError
-    from pagedq.errors import InvalidParamsError
-
     deadline = time.time() + args.deadline if args.deadline else None
     try:
         handle = client.submit(prompt, params, deadline=deadline, priority=args.priority)
@@ -225,8 +216,6 @@ def render_stats(stats: dict[str, Any]) -> str:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from redis.exceptions import RedisError
-
     url = redis_url_of(args)
     try:
         with connect(args, url) as client:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,9 +23,7 @@ from pagedq.errors import InvalidRequestError
 from pagedq.params import SamplingParams
 from pagedq.worker.engine.outputs import BeamSearchOutput, CompletionOutput, StepOutput
 from pagedq.worker.engine.sequence import Request, SeqStatus, Sequence
-
-if TYPE_CHECKING:
-    from pagedq.worker.engine.engine import Engine
+from pagedq.worker.engine.step_api import StepAPI
 
 
 @dataclass
@@ -84,7 +81,7 @@ def select(logprobs: torch.Tensor, cum: list[float], width: int, eos: frozenset[
 class BeamSearch:
     """The sampling hook of one beam request (``Request.hook``): picks, forks and drops beams."""
 
-    def __init__(self, engine: Engine, params: BeamParams) -> None:
+    def __init__(self, engine: StepAPI, params: BeamParams) -> None:
         self.engine = engine
         self.params = params
         self.completed: list[Hypothesis] = []
@@ -162,7 +159,7 @@ class BeamSearch:
         return outs
 
 
-def add_beam_request(engine: Engine, request_id: str, prompt: str | list[int],
+def add_beam_request(engine: StepAPI, request_id: str, prompt: str | list[int],
                      beam: BeamParams, *, priority: int = 0,
                      deadline: float | None = None) -> Request:
     """Queue a beam search on ``engine``; its beams come out together when it finishes."""
@@ -171,7 +168,7 @@ def add_beam_request(engine: Engine, request_id: str, prompt: str | list[int],
                               hook=BeamSearch(engine, beam))
 
 
-def beam_search(engine: Engine, prompts: Seq[str] | Seq[list[int]], beam: BeamParams
+def beam_search(engine: StepAPI, prompts: Seq[str] | Seq[list[int]], beam: BeamParams
                 ) -> list[BeamSearchOutput]:
     """Run a beam search per prompt to the end; each result's ``beams`` are best first."""
     reqs = engine.run_to_completion("beam", [

@@ -16,10 +16,8 @@ from typing import Any
 import torch
 
 from pagedq.errors import InvalidParamsError, InvalidRequestError
-from pagedq.kernels.backend import process_selector, select_backend
 from pagedq.logging import get_logger
 from pagedq.params import SamplingParams
-from pagedq.progress import waiting
 from pagedq.worker.config import EngineConfig, default_block_size, default_device
 from pagedq.worker.engine import sizing
 from pagedq.worker.engine.drafts import Drafter
@@ -41,15 +39,7 @@ from pagedq.worker.engine.scheduler import Scheduler
 from pagedq.worker.engine.sequence import Request, SamplingHook, Sequence
 from pagedq.worker.engine.structured import StructuredOutputs
 from pagedq.worker.engine.threads import ThreadGovernor, usable_cpus
-from pagedq.worker.models.llama import CausalLM
-from pagedq.worker.models.loader import (
-    iter_weights,
-    load_config,
-    load_tokenizer,
-    packed_source,
-    resolve_model,
-)
-from pagedq.worker.models.quant import pack_weights
+from pagedq.worker.models.build import ModelFiles, build_model
 
 log = get_logger("pagedq.engine")
 
@@ -58,33 +48,30 @@ class Engine(OfflineAPI):
     """A paged-KV, continuously batched LLM engine for one model on one device.
 
     ``Engine(model, **knobs)`` takes every field of EngineConfig as a keyword (or a whole
-    ``config=``); ``self.config`` is that config with the device's block size filled in.
+    ``config=``); ``self.config`` is that config with the device's block size filled in. The
+    model comes from the models layer's one room (pagedq.worker.models.build), which resolves
+    it, picks its weight form (``self.weight_form``), loads it and chooses its kernels
+    (``self.backend``); ``files=`` hands it a model already opened there (the CLI opens it to
+    size the cache for its prompts).
     """
 
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
-                 **knobs: Any) -> None:
+                 files: ModelFiles | None = None, **knobs: Any) -> None:
         if model is not None:
             knobs["model"] = model
         config = replace(config, **knobs) if config else EngineConfig(**knobs)
         self.device = torch.device(config.device or default_device())
         self.config = config = replace(
             config, block_size=config.block_size or default_block_size(self.device.type))
-        if self.device.type == "cpu":
-            process_selector(config.cpu_isa)  # a cap above this CPU is refused before loading
         self.governor = thread_governor(config, self.device)
         self.kv_dtype = sizing.kv_cache_dtype(config, self.device.type)
         self.kv_dtype_name = str(self.kv_dtype).removeprefix("torch.")
         started = time.perf_counter()
-        self.model_path = resolve_model(config.model, packed=config.quantization == "auto")
-        self.hf_config = load_config(self.model_path)
-        self.tokenizer = load_tokenizer(self.model_path)
-        with waiting(f"loading the weights of {self.model_path.name}", log):
-            self.model = load_model(self.model_path, self.hf_config, config, self.device)
-        # the selector builds the C++ ops on a first run; the model then packs its weights
-        with waiting("selecting the kernels and packing the weights for them", log):
-            self.model.use_backend(select_backend(self.device, self.model.compute_dtype,
-                                                  self.kv_dtype, self.model.head_dim,
-                                                  config.packed_gemm_precision, config.cpu_isa))
+        built = build_model(config, self.device, self.kv_dtype, files)
+        self.model, self.weight_form, self.backend = built.model, built.form, built.backend
+        self.model_path = built.files.path
+        self.hf_config = built.files.hf_config
+        self.tokenizer = built.files.tokenizer
         budget = sizing.kv_budget(config, config.block_size, self.device, self.model)
         plan = sizing.plan_kv(self.hf_config, config, self.kv_dtype, config.block_size, budget)
         self.max_model_len = plan.max_model_len
@@ -383,34 +370,3 @@ def split_draft_rows(logits: torch.Tensor, seqs: list[Sequence]
     drafted = [(s, s.draft_token_ids, logits[st + 1:st + c])
                for s, st, c in zip(seqs, starts, counts, strict=True) if c > 1]
     return logits[starts], drafted
-
-
-def load_model(path, hf_config, config: EngineConfig, device: torch.device) -> CausalLM:
-    """The model with its weights in the form ``config.quantization`` asks for (weight_mode)
-    and its RoPE tables sized for ``max_model_len``. The engine then hands it the kernels the
-    backend selector picks for its compute dtype (which builds or loads the C++ ones then, not
-    on the first step)."""
-    positions = config.max_model_len or hf_config.max_position_embeddings
-    mode, compute = weight_mode(config, path, device, process_selector(config.cpu_isa))
-    model = CausalLM(hf_config, compute, device, positions)
-    model.load_weights(pack_weights(iter_weights(path), mode))
-    model.eval()
-    if compute != getattr(torch, config.dtype):
-        log.info("weights kept packed; activations in float32 for the CPU kernels",
-                 dtype=config.dtype, pack=mode)
-    return model
-
-
-def weight_mode(config: EngineConfig, path, device: torch.device, selector) -> tuple[str, torch.dtype]:
-    """(pack mode for quant.pack_weights, activations' dtype). ``auto`` keeps a GGUF's blocks
-    and, where bf16 rows are the fast path (Selector.compute_dtype), packs a bfloat16 model's
-    matrices as bf16 rows; ``none`` widens; ``int8``/``int4`` quantize."""
-    dtype = getattr(torch, config.dtype)
-    if config.quantization == "none":
-        return "float", dtype
-    if config.quantization in ("int8", "int4"):
-        return config.quantization, selector.compute_dtype(device, dtype, packed=True)
-    gguf = packed_source(path) is not None
-    compute = selector.compute_dtype(device, dtype, packed=gguf)
-    return ("bf16" if dtype == torch.bfloat16 and compute == torch.float32 and not gguf
-            else "keep"), compute

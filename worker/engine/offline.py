@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
 
 from pagedq.errors import InvalidRequestError
 from pagedq.params import SamplingParams
@@ -16,9 +15,7 @@ from pagedq.worker.engine.beam_search import BeamParams, beam_search
 from pagedq.worker.engine.intake import chat_prompt
 from pagedq.worker.engine.outputs import BeamSearchOutput, RequestOutput
 from pagedq.worker.engine.sequence import Request
-
-if TYPE_CHECKING:
-    from pagedq.worker.engine.engine import Engine
+from pagedq.worker.engine.step_api import StepAPI
 
 
 class OfflineAPI:
@@ -26,7 +23,7 @@ class OfflineAPI:
 
     _offline_ids = itertools.count()
 
-    def generate(self: Engine, prompts: Seq[str] | Seq[list[int]] | str,
+    def generate(self: StepAPI, prompts: Seq[str] | Seq[list[int]] | str,
                  params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Run prompts to completion with continuous batching; results in prompt order."""
@@ -38,9 +35,9 @@ class OfflineAPI:
         reqs = self.run_to_completion("offline", [
             lambda rid, prompt=prompt, p=p: self.add_request(rid, prompt, p)
             for prompt, p in zip(prompts, plist, strict=True)])
-        return [RequestOutput.from_request(r) for r in reqs]
+        return [r.output() for r in reqs]
 
-    def chat(self: Engine, conversations: list[dict] | list[list[dict]],
+    def chat(self: StepAPI, conversations: list[dict] | list[list[dict]],
              params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then ``generate``."""
         if conversations and isinstance(conversations[0], dict):
@@ -49,20 +46,20 @@ class OfflineAPI:
         return self.generate([self.apply_chat_template(c, p)
                               for c, p in zip(conversations, plist, strict=True)], params)
 
-    def beam_search(self: Engine, prompts: Seq[str] | Seq[list[int]], beam_width: int = 4,
+    def beam_search(self: StepAPI, prompts: Seq[str] | Seq[list[int]], beam_width: int = 4,
                     max_tokens: int = 16, length_penalty: float = 1.0,
                     ignore_eos: bool = False) -> list[BeamSearchOutput]:
         """Beam search per prompt (beam_search.py); each result's ``beams`` are best first."""
         return beam_search(self, prompts,
                            BeamParams(beam_width, max_tokens, length_penalty, ignore_eos))
 
-    def apply_chat_template(self: Engine, messages: list[dict],
+    def apply_chat_template(self: StepAPI, messages: list[dict],
                             params: SamplingParams | None = None) -> list[int]:
         """The prompt token ids of a conversation, ready for the assistant's turn (with the
         tools of ``params``' ``tools`` constraint listed, if it has one)."""
         return chat_prompt(self.tokenizer, self.model_path, messages, params)
 
-    def run_to_completion(self: Engine, kind: str, adders: list[Callable[[str], Request]]
+    def run_to_completion(self: StepAPI, kind: str, adders: list[Callable[[str], Request]]
                           ) -> list[Request]:
         """Add one request per adder under a fresh id (all or none: a bad one aborts those
         already added), then step until all of them have finished; raises the first error of

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pagedq.worker.engine.sequence import Request
 
 
 @dataclass
@@ -23,7 +19,7 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The offline API's result for one prompt."""
+    """The offline API's result for one prompt (``Request.output()`` builds it)."""
 
     request_id: str
     prompt: str | None
@@ -31,18 +27,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0
-
-    @classmethod
-    def from_request(cls, req: Request) -> RequestOutput:
-        """Where the request stands: its samples by index (a hooked request's own results)."""
-        if req.hook is not None:
-            outs = req.hook.completions()
-        else:
-            outs = [CompletionOutput(s.index, s.output_token_ids, s.text, s.finish_reason,
-                                     s.cum_logprob, s.logprobs)
-                    for s in sorted(req.seqs, key=lambda s: s.index)]
-        return cls(req.request_id, req.prompt, req.prompt_token_ids, outs,
-                   finished=req.finished, num_cached_tokens=req.num_cached_tokens)
 
 
 @dataclass

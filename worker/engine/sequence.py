@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from pagedq.params import SamplingParams
+from pagedq.worker.engine.outputs import CompletionOutput, RequestOutput, StepOutput
 
 if TYPE_CHECKING:
     import torch
 
     from pagedq.worker.engine.detokenizer import IncrementalDetokenizer
-    from pagedq.worker.engine.outputs import CompletionOutput, StepOutput
 
 
 class SeqStatus(enum.Enum):
@@ -80,6 +80,17 @@ class Request:
     def sort_key(self) -> tuple[int, int]:
         """Waiting-queue order: higher priority first, then first come first served."""
         return (-self.priority, self.arrival)
+
+    def output(self) -> RequestOutput:
+        """Where the request stands: its samples by index (a hooked request's own results)."""
+        if self.hook is not None:
+            outs = self.hook.completions()
+        else:
+            outs = [CompletionOutput(s.index, s.output_token_ids, s.text, s.finish_reason,
+                                     s.cum_logprob, s.logprobs)
+                    for s in sorted(self.seqs, key=lambda s: s.index)]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
+                             finished=self.finished, num_cached_tokens=self.num_cached_tokens)
 
 
 @dataclass(eq=False)

@@ -11,7 +11,7 @@ fit at the longest allowed length and at a typical one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -20,6 +20,7 @@ import torch
 from pagedq.errors import InvalidRequestError
 from pagedq.params import SamplingParams
 from pagedq.worker.config import EngineConfig
+from pagedq.worker.engine.intake import fit_lengths
 from pagedq.worker.engine.kv_cache_manager import cdiv
 from pagedq.worker.engine.model_runner import ModelRunner
 from pagedq.worker.engine.scheduler import SchedulerOutput
@@ -134,6 +135,19 @@ def _memory_stat(path: Path, key: str) -> int:
 def blocks_for(lengths: list[int], block_size: int) -> int:
     """KV blocks that hold sequences of these lengths (prompt + output each) all at once."""
     return sum(cdiv(length, block_size) for length in lengths)
+
+
+def fit_cache(config: EngineConfig, hf_config, prompts: list[list[int]],
+              params: SamplingParams) -> EngineConfig:
+    """``config`` with a KV cache just large enough to run ``prompts`` (token ids) all at once,
+    ``params.n`` samples each, unless a size was asked for. Raises RequestTooLongError (via
+    fit_lengths) for a prompt the model cannot take, before any weight is loaded."""
+    limit = config.max_model_len or hf_config.max_position_embeddings
+    lengths = [len(ids) + fit_lengths(ids, params, limit).max_tokens for ids in prompts]
+    if config.num_kv_blocks is not None or config.kv_cache_memory is not None:
+        return config
+    return replace(config, num_kv_blocks=blocks_for(lengths * params.n,
+                                                    config.resolved_block_size()))
 
 
 def kv_budget(config: EngineConfig, block_size: int, device: torch.device, model) -> int | None:

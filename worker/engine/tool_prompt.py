@@ -2,7 +2,8 @@
 
 A template that renders tools itself, in the format the request's calls are constrained to
 (Qwen2.5/Qwen3 for "hermes", Llama 3.1+ for "llama"), gets the tools and the past calls as
-``apply_chat_template(..., tools=...)`` expects them (arguments as objects). Any other
+``apply_chat_template(..., tools=...)`` expects them (arguments as objects, call ids in the
+shape the family's template insists on: Mistral's 9 alphanumerics). Any other
 template (SmolLM2's ChatML has no tools) gets them folded into plain messages: the format's
 system prompt listing the tools, each past call as its text, each tool result wrapped the way
 the format shows results. Either way the model is told exactly the syntax the grammar allows.
@@ -10,6 +11,7 @@ the format shows results. Either way the model is told exactly the syntax the gr
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -24,7 +26,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolSpec 
     fmt = get_format(tools.format) if tools is not None else (native or HERMES)
     if native is not None and native.name == fmt.name:
         return tokenizer.apply_chat_template(
-            [_native(m) for m in messages], tools=tools.tools if tools is not None else None,
+            [_native(m, fmt) for m in messages], tools=tools.tools if tools is not None else None,
             add_generation_prompt=True, tokenize=False)
     folded = [_folded(m, fmt) for m in messages]
     if tools is not None:
@@ -36,13 +38,25 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolSpec 
     return tokenizer.apply_chat_template(folded, add_generation_prompt=True, tokenize=False)
 
 
-def _native(message: dict[str, Any]) -> dict[str, Any]:
-    """Past calls' arguments as objects, which tool-aware templates serialize themselves."""
+def _native(message: dict[str, Any], fmt: ToolFormat) -> dict[str, Any]:
+    """Past calls' arguments as objects, which tool-aware templates serialize themselves; ids
+    reshaped where the family's template checks them (a call and its result keep matching)."""
+    if message.get("tool_call_id") is not None and fmt.id_length:
+        return {**message, "tool_call_id": _family_id(message["tool_call_id"], fmt.id_length)}
     if not message.get("tool_calls"):
         return message
     calls = [{**c, "function": {**c["function"], "arguments": _arguments(c["function"])}}
              for c in message["tool_calls"]]
+    if fmt.id_length:
+        calls = [{**c, "id": _family_id(c.get("id", ""), fmt.id_length)} for c in calls]
     return {**message, "tool_calls": calls}
+
+
+def _family_id(call_id: str, length: int) -> str:
+    """An alphanumeric id of ``length`` characters standing for ``call_id`` (the same every
+    time, so a call and the result that names it still pair up)."""
+    digest = hashlib.sha256(str(call_id).encode()).hexdigest()
+    return digest[:length]
 
 
 def _folded(message: dict[str, Any], fmt: ToolFormat) -> dict[str, str]:

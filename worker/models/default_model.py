@@ -26,7 +26,7 @@ from pagedq.errors import ModelNotFoundError
 from pagedq.logging import get_logger
 from pagedq.progress import waiting
 from pagedq.worker.config import settings
-from pagedq.worker.models.loader import cache_dir, convert_gguf, file_lock, is_converted
+from pagedq.worker.models.model_cache import cache_dir, convert_gguf, file_lock, is_converted
 
 __all__ = [
     "DEFAULT_MODEL_NAME",

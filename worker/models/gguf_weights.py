@@ -2,7 +2,7 @@
 
 Tensors come out under Hugging Face names (``model.layers.3.self_attn.q_proj.weight``), so the
 forward pass loads a GGUF exactly like a safetensors checkpoint. Each weight is either a
-:class:`~pagedq.worker.models.quant.QuantWeight` holding the file's own blocks (the formats the
+:class:`~pagedq.kernels.block_formats.QuantWeight` holding the file's own blocks (the formats the
 kernels read, when ``keep_packed``) or a float tensor (F32/F16/BF16 tensors, and every packed type
 the kernels do not read, widened with one log line per type).
 
@@ -19,11 +19,13 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import torch
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
 
+from pagedq.kernels.block_formats import BY_CODE, QuantWeight
 from pagedq.logging import get_logger
-from pagedq.worker.models.quant import BY_CODE, QuantWeight
+from pagedq.worker.models.gguf_file import TensorInfo, read_index
 
 log = get_logger(__name__)
 
@@ -63,56 +65,55 @@ def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(-1)
 
 
-def _architecture(reader) -> str:
-    field = reader.fields["general.architecture"]
-    return bytes(field.parts[field.data[0]]).decode()
-
-
-def _field_int(reader, key: str) -> int | None:
-    field = reader.fields.get(key)
-    return None if field is None else int(field.parts[field.data[0]][0])
-
-
 Weight = torch.Tensor | QuantWeight
 
 
 def gguf_head_dim(path: Path) -> int | None:
     """The attention head size a GGUF states (``<arch>.attention.key_length``), if it does."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    return _field_int(reader, f"{_architecture(reader)}.attention.key_length")
+    return read_index(path).arch_int("attention.key_length")
 
 
 def iter_gguf_weights(path: Path, keep_packed: bool = True) -> Iterator[tuple[str, Weight]]:
-    """Yield (HF name, weight) for every tensor of the forward pass, one at a time."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize as gguf_dequantize
-
-    reader = GGUFReader(str(path))
-    arch = _architecture(reader)
-    heads = {"q_proj": _field_int(reader, f"{arch}.attention.head_count")}
-    heads["k_proj"] = _field_int(reader, f"{arch}.attention.head_count_kv") or heads["q_proj"]
+    """Yield (HF name, weight) for every tensor of the forward pass, one at a time, each read
+    from the file into the tensor that keeps it (gguf_file.py says why not GGUFReader)."""
+    index = read_index(path)
+    heads = {"q_proj": index.arch_int("attention.head_count")}
+    heads["k_proj"] = index.arch_int("attention.head_count_kv") or heads["q_proj"]
+    permuted = index.architecture in PERMUTED_ARCHITECTURES
     widened: Counter[str] = Counter()
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name)
-        if name is None:
-            log.info("gguf tensor not used by the forward pass", tensor=tensor.name)
-            continue
-        code = int(tensor.tensor_type)
-        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGML lists the fastest dim first
-        if code in FLOAT_TYPES:
-            weight = torch.from_numpy(np.array(tensor.data)).reshape(shape)
-        elif keep_packed and code in BY_CODE and len(shape) == 2:
-            weight = QuantWeight(BY_CODE[code], torch.from_numpy(np.array(tensor.data)), shape)
-        else:
-            widened[tensor.tensor_type.name] += 1
-            weight = torch.from_numpy(gguf_dequantize(tensor.data, tensor.tensor_type)).reshape(shape)
-        proj = name.split(".")[-2]
-        if arch in PERMUTED_ARCHITECTURES and proj in heads and heads[proj]:
-            order = unpermute_rows(shape[0], heads[proj])
-            weight = weight.rows(order) if isinstance(weight, QuantWeight) else weight[order]
-        yield name, weight
+    with open(path, "rb") as fh:
+        for info in index.tensors:
+            name = hf_name(info.name)
+            if name is None:
+                log.info("gguf tensor not used by the forward pass", tensor=info.name)
+                continue
+            weight = _weight(info, index.read(info, fh), keep_packed, widened)
+            proj = name.split(".")[-2]
+            if permuted and proj in heads and heads[proj]:
+                order = unpermute_rows(info.shape[0], heads[proj])
+                weight = weight.rows(order) if isinstance(weight, QuantWeight) else weight[order]
+            yield name, weight
     for type_name, count in sorted(widened.items()):
         log.info("gguf tensors widened to float (no packed kernel for this type)", type=type_name,
                  tensors=count, gguf=str(path), packed=keep_packed)
+
+
+def _weight(info: TensorInfo, raw: torch.Tensor, keep_packed: bool,
+            widened: Counter[str]) -> Weight:
+    """One tensor's bytes as the forward pass takes it: float types as floats, the formats the
+    kernels read as a QuantWeight (``keep_packed``), any other type dequantized by ``gguf``."""
+    if info.code in FLOAT_TYPES:
+        return raw.view(FLOAT_TYPES[info.code]).reshape(info.shape)
+    if keep_packed and info.code in BY_CODE and len(info.shape) == 2:
+        return QuantWeight(BY_CODE[info.code], raw.view(info.shape[0], -1), info.shape)
+    qtype = GGMLQuantizationType(info.code)
+    widened[qtype.name] += 1
+    rows = raw.numpy().reshape(-1, info.nbytes // max(1, _rows(info.shape)))
+    return torch.from_numpy(gguf_dequantize(rows, qtype)).reshape(info.shape)
+
+
+def _rows(shape: tuple[int, ...]) -> int:
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return rows

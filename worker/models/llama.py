@@ -10,14 +10,13 @@ Which kernels run is the :class:`~pagedq.kernels.backend.Backend` the engine han
 :meth:`CausalLM.use_backend`; the model asks it and nothing else.
 
 Weights are either float parameters or, when the checkpoint's matrices arrive packed
-(:class:`~pagedq.worker.models.quant.QuantWeight`: GGUF blocks, int8/int4, bf16 rows), packed
+(:class:`~pagedq.kernels.block_formats.QuantWeight`: GGUF blocks, int8/int4, bf16 rows), packed
 projections (:mod:`pagedq.worker.models.packed`) that never widen them; the embedding then looks
 up and dequantizes only the rows a step needs, and a tied LM head reads the same blocks.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +28,9 @@ from torch import nn
 from pagedq.errors import EngineError
 from pagedq.kernels import Backend, LinearChoice, paged_attention, write_kv
 from pagedq.kernels.backend import portable_backend
+from pagedq.kernels.block_formats import QuantWeight, dequantize
 from pagedq.kernels.cpu_attention import kernel_rows, kernel_takes_step
 from pagedq.worker.models.packed import Segment, build_projection, segment_bytes
-from pagedq.worker.models.quant import QuantWeight, dequantize
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 UNSUPPORTED_ROPE = {"dynamic", "longrope"}  # depend on the running length: no static table
@@ -80,19 +79,35 @@ def rope_tables(config, max_positions: int, dtype: torch.dtype, device) -> torch
             f"RoPE type {rope_type!r} rescales with the running length; use a model with static "
             "RoPE scaling (default, linear, llama3, yarn)"
         )
-    module = importlib.import_module(
-        f"transformers.models.{config.model_type}.modeling_{config.model_type}"
-    )
-    rotary_cls = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))
-    rotary = rotary_cls(config)
+    inv_freq, scale = rope_frequencies(config, rope_type)
     positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = positions[:, None] * rotary.inv_freq.float()[None, :]
+    freqs = positions[:, None] * inv_freq.float()[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    scale = rotary.attention_scaling
     cos, sin = emb.cos() * scale, emb.sin() * scale
     half = cos.shape[-1] // 2
     sin[:, :half] = -sin[:, :half]  # folds rotate_half's sign into the table (see apply_rope)
     return torch.stack([cos, sin], dim=1).to(dtype=dtype, device=device)
+
+
+def rope_frequencies(config, rope_type: str) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention scaling) as the family's ``*RotaryEmbedding`` computes them: its
+    ``compute_default_rope_parameters`` for "default" (the same formula in Llama, Mistral, Qwen2
+    and Qwen3), transformers' ROPE_INIT_FUNCTIONS for the scaled types. Importing the modeling
+    module for its rotary class would load the whole PyTorch model code (~60-200 MB resident)
+    for these few lines."""
+    # transformers costs ~3 s to import: the engine package imports this module long before
+    # a model loads (the worker's service, the CLI's parser)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    init = ROPE_INIT_FUNCTIONS.get(rope_type)  # transformers 4.x also lists "default"
+    if init is not None:
+        return init(config, None)
+    if rope_type != "default":
+        raise UnsupportedModelError(f"RoPE type {rope_type!r} is unknown to this transformers")
+    params = getattr(config, "rope_parameters", None) or {}
+    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

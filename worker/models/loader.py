@@ -9,41 +9,32 @@ to know where the files came from.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
 
 from pagedq.errors import ModelNotFoundError
 from pagedq.logging import get_logger
-from pagedq.progress import waiting
 from pagedq.worker.config import settings
-from pagedq.worker.models.gguf_weights import Weight, gguf_head_dim, iter_gguf_weights
+from pagedq.worker.models.default_model import ensure_default_model
+from pagedq.worker.models.gguf_weights import Weight, iter_gguf_weights
+from pagedq.worker.models.model_cache import convert_gguf, gguf_cache_path, packed_source
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 __all__ = [
-    "cache_dir",
     "resolve_model",
     "load_config",
     "iter_weights",
     "load_tokenizer",
-    "convert_gguf",
     "hf_hub_cache_dir",
-    "gguf_cache_path",
-    "is_converted",
-    "file_lock",
     "weight_files",
-    "packed_source",
 ]
 
 log = get_logger(__name__)
@@ -57,13 +48,6 @@ TOKENIZER_FILES = (
     "vocab.txt",
     "spiece.model",
 )
-
-
-def cache_dir() -> Path:
-    """pagedq's own cache ($PAGEDQ_CACHE or ~/.cache/pagedq): converted GGUF and default models."""
-    root = settings().cache_dir
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 def hf_hub_cache_dir() -> Path:
@@ -86,8 +70,6 @@ def resolve_model(model: str | os.PathLike | None, packed: bool = False) -> Path
     every place that was looked at.
     """
     if model is None or (isinstance(model, str) and not model.strip()):
-        from pagedq.worker.models.default_model import ensure_default_model
-
         return ensure_default_model(packed)
     text = os.fspath(model)
     path = Path(text).expanduser()
@@ -135,7 +117,7 @@ def _split_revision(text: str) -> tuple[str, str | None]:
 
 
 def _looks_like_repo_id(text: str) -> bool:
-    from huggingface_hub.utils import validate_repo_id
+    from huggingface_hub.utils import validate_repo_id  # with transformers' cost (load_config)
 
     if text.count("/") > 1 or text.startswith((".", "/", "~")):
         return False
@@ -148,7 +130,7 @@ def _looks_like_repo_id(text: str) -> bool:
 
 def _hf_cache_snapshot(repo_id: str, revision: str | None) -> tuple[Path | None, str]:
     """The cached snapshot directory of ``repo_id``, offline only; (None, why) when absent."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # with transformers' cost (load_config)
 
     hub = hf_hub_cache_dir()
     where = f"Hugging Face cache {str(hub)!r} (offline) for {repo_id!r}"
@@ -183,6 +165,8 @@ def _not_found_message(model: str, tried: list[str]) -> str:
 
 def load_config(path: Path) -> PretrainedConfig:
     """The model's transformers config (architecture flags the forward pass reads)."""
+    # transformers costs ~2-3 s to import (and its config classes ~70 MB): the engine package
+    # and the worker's service import this module without needing it until a model loads.
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(Path(path))
@@ -217,8 +201,6 @@ def iter_weights(path: Path) -> Iterator[tuple[str, Weight]]:
     Names are exactly the checkpoint's (Hugging Face names); dtypes are the checkpoint's too. A
     packed GGUF conversion yields its GGUF's tensors, blocks kept (QuantWeight).
     """
-    from safetensors import safe_open
-
     source = packed_source(path)
     if source is not None:
         yield from iter_gguf_weights(source)
@@ -243,215 +225,6 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         log.info("no tokenizer files; token ids only", model=str(path))
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # start-up cost: see load_config
 
     return AutoTokenizer.from_pretrained(path)
-
-
-# --------------------------------------------------------------------------- GGUF
-
-
-def gguf_cache_path(gguf_file: Path, packed: bool = False) -> Path:
-    """Where a GGUF file's conversion lives: keyed by path, size and mtime so edits re-convert;
-    ``packed`` conversions (config and tokenizer only) apart from fp32 ones."""
-    gguf_file = Path(os.path.abspath(gguf_file))
-    st = gguf_file.stat()
-    key = hashlib.sha256(f"{gguf_file}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "gguf" / f"{gguf_file.stem}-{key}{'-packed' if packed else ''}"
-
-
-def convert_gguf(gguf_file: Path, out_dir: Path, weights: bool = True) -> Path:
-    """Write a GGUF checkpoint as a Hugging Face directory at ``out_dir`` (once): config,
-    tokenizer and, with ``weights``, the tensors dequantized to fp32. Without them the directory
-    names its GGUF (:func:`packed_source`) and the weights are read from there, packed.
-
-    transformers reads GGUF but refuses to ``save_pretrained`` what it read, so the state dict is
-    written with safetensors directly. The result appears atomically (temp dir + rename) and a
-    file lock serialises concurrent converters, so a crash or a race never leaves a half cache.
-    Returns ``out_dir``; if it already holds a conversion nothing is done.
-    """
-    gguf_file, out_dir = Path(os.path.abspath(gguf_file)), Path(out_dir)
-    if is_converted(out_dir):
-        return out_dir
-    if not gguf_file.is_file():
-        raise ModelNotFoundError(f"GGUF file {gguf_file} does not exist; pass an existing .gguf.")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(out_dir.with_name(out_dir.name + ".lock")):
-        if is_converted(out_dir):  # another process finished while we waited
-            return out_dir
-        _make_room(out_dir)  # fail fast, before the slow part
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-        try:
-            what = "safetensors" if weights else "config and tokenizer (weights stay in the GGUF)"
-            with waiting(f"converting {gguf_file.name} to {what} (once; kept in "
-                         f"{out_dir.parent})", log, delay=0, gguf=str(gguf_file), out=str(out_dir)):
-                _write_converted(gguf_file, tmp, weights)
-                _make_shareable(tmp)
-                os.rename(tmp, out_dir)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    if out_dir.parent == cache_dir() / "gguf":  # the cache only, never a directory of the caller's
-        prune_stale_conversions(out_dir.parent, keep=out_dir)
-    return out_dir
-
-
-def prune_stale_conversions(directory: Path, keep: Path) -> list[Path]:
-    """Remove the conversions in ``directory`` that no lookup can reach any more: their GGUF
-    is gone, or it changed (size or mtime) since, so gguf_cache_path now names another entry.
-
-    Why: every edited or deleted GGUF (and every test run's temporary files) would otherwise
-    leave its conversion behind for good, up to an fp32 copy of the weights each. Returns what
-    was removed."""
-    removed = []
-    for entry in directory.iterdir():
-        marker = entry / _DONE_MARKER
-        if entry == keep or not marker.is_file():
-            continue
-        try:
-            source = Path(json.loads(marker.read_text())["source"])
-            stale = not source.is_file() or gguf_cache_path(source, entry.name.endswith("-packed")) != entry
-        except (OSError, ValueError, KeyError):
-            continue  # unreadable or being written: not ours to judge now
-        if stale:
-            shutil.rmtree(entry, ignore_errors=True)
-            entry.with_name(entry.name + ".lock").unlink(missing_ok=True)
-            removed.append(entry)
-    if removed:
-        log.info("removed stale GGUF conversions", count=len(removed), directory=str(directory))
-    return removed
-
-
-_DONE_MARKER = "pagedq_converted.json"
-
-
-def is_converted(out_dir: Path) -> bool:
-    """Whether ``out_dir`` holds a finished conversion (the marker is written last)."""
-    return (out_dir / _DONE_MARKER).is_file()
-
-
-def packed_source(model_dir: Path) -> Path | None:
-    """The GGUF whose blocks a packed conversion reads its weights from; None for a directory
-    with weights of its own."""
-    marker = Path(model_dir) / _DONE_MARKER
-    if not marker.is_file():
-        return None
-    info = json.loads(marker.read_text())
-    return Path(info["source"]) if info.get("packed") else None
-
-
-def _make_shareable(directory: Path) -> None:
-    """mkdtemp and safetensors create owner-only files; a model cache is meant to be shared."""
-    directory.chmod(0o755)
-    for file in directory.iterdir():
-        file.chmod(0o644)
-
-
-def _make_room(out_dir: Path) -> None:
-    """Clear the way for the rename; never delete a non-empty directory we did not write."""
-    if not out_dir.exists():
-        return
-    if out_dir.is_dir() and not any(out_dir.iterdir()):
-        out_dir.rmdir()
-        return
-    raise ModelNotFoundError(
-        f"Cannot write the converted model to {out_dir}: it exists and is not a pagedq "
-        f"conversion (no {_DONE_MARKER}). Remove it or choose another output directory."
-    )
-
-
-@contextlib.contextmanager
-def file_lock(lock_path: Path) -> Iterator[None]:
-    """An exclusive fcntl lock across processes (not re-entrant: never nest on one path)."""
-    with open(lock_path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def _quiet_progress_bars() -> Iterator[None]:
-    """transformers' GGUF loader draws tqdm bars; they would garble JSON logs, and its
-    dequantizing bar sits at 100 % through the slow part that follows (our waits say what
-    runs instead). Its GGUF module calls tqdm directly, so that name is swapped too."""
-    import functools
-
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    bar = getattr(gguf_utils, "tqdm", None)
-    if bar is not None:
-        gguf_utils.tqdm = functools.partial(bar, disable=True)
-    try:
-        yield
-    finally:
-        if bar is not None:
-            gguf_utils.tqdm = bar
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
-def _write_converted(gguf_file: Path, out: Path, weights: bool = True) -> None:
-    """Save ``gguf_file``'s config, tokenizer and (``weights``) fp32 tensors in HF layout."""
-    from transformers import AutoTokenizer
-
-    src, name = gguf_file.parent, gguf_file.name
-    if weights:
-        _write_fp32(gguf_file, out)
-    else:
-        _write_config(gguf_file, out)
-    try:
-        with waiting("building the tokenizer from the GGUF's vocabulary", log):
-            tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
-    except (ValueError, KeyError) as exc:  # a GGUF without tokenizer metadata is legal
-        log.warning("gguf has no usable tokenizer; the model will take token ids only",
-                    gguf=str(gguf_file), error=str(exc))
-    else:
-        tokenizer.save_pretrained(out)
-    (out / _DONE_MARKER).write_text(json.dumps(
-        {"source": str(gguf_file), "size": gguf_file.stat().st_size, "packed": not weights}) + "\n")
-
-
-def _write_fp32(gguf_file: Path, out: Path) -> None:
-    """The model dequantized by transformers, saved with its config and generation config."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    with _quiet_progress_bars(), waiting("dequantizing the GGUF's weights", log):
-        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
-                                                     dtype=torch.float32)
-    config = model.config
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    state = {
-        k: v.detach().contiguous()
-        for k, v in model.state_dict().items()
-        if not (tied and k == "lm_head.weight")
-    }
-    with waiting("writing model.safetensors", log):
-        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    del state
-    # The loaded config says "quantized with gguf"; the saved weights are plain fp32.
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.architectures = [type(model).__name__]
-    config.save_pretrained(out)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(out)
-    del model
-
-
-def _write_config(gguf_file: Path, out: Path) -> None:
-    """The model's config (and a generation config from it) read from the GGUF's metadata alone."""
-    from transformers import AutoConfig, GenerationConfig
-
-    config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    head_dim = gguf_head_dim(gguf_file)
-    if head_dim and head_dim != config.hidden_size // config.num_attention_heads:
-        config.head_dim = head_dim  # transformers' Qwen3 GGUF reader leaves its default
-    config.save_pretrained(out)
-    GenerationConfig.from_model_config(config).save_pretrained(out)

@@ -1,7 +1,7 @@
 """Projections over packed weights, built for the kernels the backend chose.
 
 A projection is one or more column segments (q, k and v fused, gate and up fused): each a
-:class:`~pagedq.worker.models.quant.QuantWeight` or a float tensor a GGUF held in a type no
+:class:`~pagedq.kernels.block_formats.QuantWeight` or a float tensor a GGUF held in a type no
 kernel reads. :func:`build_projection` turns them into an object with ``forward(x)`` (bias
 included) and ``nbytes()``:
 
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedq.kernels import Backend
+from pagedq.kernels.block_formats import QuantWeight, dequantize, to_gpu_layout
 from pagedq.kernels.cpu_ops import Isa
-from pagedq.worker.models.quant import QuantWeight, dequantize, to_gpu_layout
 
 Segment = QuantWeight | torch.Tensor
 
@@ -59,7 +59,7 @@ class TritonProjection:
     bias: torch.Tensor | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from pagedq.kernels.triton_quant import triton_quant_linear
+        from pagedq.kernels.triton_quant import triton_quant_linear  # triton: optional, CUDA
 
         outs = [F.linear(x, p.to(x.dtype)) if isinstance(p, torch.Tensor) else triton_quant_linear(x, p)
                 for p in self.parts]

@@ -10,6 +10,7 @@ is the model's name, never its path.
 
 from __future__ import annotations
 
+import asyncio
 import socketserver
 import threading
 from collections.abc import Callable, Iterator
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Histogram, generate_latest, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pagedq.logging import get_logger
@@ -94,8 +95,6 @@ class Metrics:
         self.failed[code] = self.failed.get(code, 0) + 1
 
     def render(self) -> str:
-        from prometheus_client import generate_latest
-
         return generate_latest(self.registry).decode()
 
 
@@ -187,7 +186,5 @@ class MetricsServer:
 
     async def stop(self) -> None:
         if self.server is not None:
-            import asyncio
-
             await asyncio.to_thread(self.server.shutdown)
             self.server.server_close()

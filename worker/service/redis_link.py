@@ -45,6 +45,7 @@ from pagedq.embedded_redis import (
     withdraw,
 )
 from pagedq.logging import get_logger
+from pagedq.redis_url import redis_connection_options
 
 log = get_logger("pagedq.worker.redis")
 
@@ -225,7 +226,7 @@ class RedisLink:
                 log.info("no --redis-url or REDIS_URL: joining the embedded redis-server "
                          "another worker on this machine started", url=url)
         if url is None:
-            embedded = EmbeddedRedis.start()
+            embedded = EmbeddedRedis.start(unix_socket=True)
             url = embedded.url
             if discovery is not None:
                 advertise(embedded, discovery)
@@ -249,7 +250,7 @@ class RedisLink:
 
     @staticmethod
     async def _client(url: str, tls: TLSFiles | None, outage: Outage) -> Redis | RedisCluster:
-        options = {**(tls.kwargs() if tls else {}), "socket_keepalive": True}
+        options = {**(tls.kwargs() if tls else {}), **redis_connection_options(url)}
         if await asyncio.to_thread(is_cluster, url, tls):
             # the cluster's own retry re-reads the slots a few times; PatientCluster then
             # waits out the rest (a retry-forever connection would never fail over)

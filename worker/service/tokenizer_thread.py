@@ -45,6 +45,8 @@ class Intake:
         return ids
 
     def _tokenize(self, req: Request) -> list[int]:
+        # torch: the service imports without it, so a worker announces "starting" on the queue
+        # seconds before the engine's imports finish; torch is loaded by the time jobs arrive
         from pagedq.worker.engine.intake import chat_prompt
 
         if self.tokenizer is None:

@@ -7,7 +7,7 @@
 - admission (admission.py) reads only what the engine can start, claims it and starts it;
 - the outbox (outbox.py) publishes each step's events in one fenced round trip and settles
   what each publish says about its job;
-- the lease keeper (leases.py) renews this worker's jobs, notices cancelled and lost ones,
+- the lease keeper (lease_keeper.py) renews this worker's jobs, notices cancelled and lost ones,
   takes over jobs of dead workers and hands jobs back;
 - checkpoints (checkpoints.py) write the worker's state and the queue's depth;
 - the metrics server (metrics.py), when a port is given.
@@ -45,7 +45,8 @@ from pagedq.worker.service.checkpoints import Checkpoints, Starting, claim_name
 from pagedq.worker.service.consumer import Consumer
 from pagedq.worker.service.engine_loop import EngineLoop, Report
 from pagedq.worker.service.job import Jobs
-from pagedq.worker.service.leases import LeaseKeeper, Leases
+from pagedq.worker.service.lease_keeper import LeaseKeeper
+from pagedq.worker.service.leases import Leases
 from pagedq.worker.service.metrics_server import Metrics, MetricsServer
 from pagedq.worker.service.outbox import Outbox
 from pagedq.worker.service.publisher import Publisher
@@ -97,6 +98,7 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
 
 
 def build_engine(config: WorkerConfig) -> Any:
+    # torch (seconds), loaded in the loading thread while the worker already announces itself
     from pagedq.worker import Engine
 
     return Engine(config.model, **config.engine)
@@ -375,7 +377,7 @@ def run_worker(config: WorkerConfig, engine: Any = None) -> int:
     """Run a worker until SIGTERM/SIGINT (on uvloop where available); returns the exit code."""
     worker = Worker(config, engine)
     try:
-        import uvloop
+        import uvloop  # optional dependency: not on Windows
 
         return uvloop.run(worker.run())
     except ImportError:

@@ -1,4 +1,4 @@
-"""Weights that stay quantized in memory: GGUF block formats and pagedq's own int8 / int4.
+"""The packed weight formats the kernels read: GGUF block formats and pagedq's own int8 / int4.
 
 A :class:`QuantWeight` is one linear layer's weight ``[N, K]`` kept in its packed form: GGUF
 blocks exactly as the file stores them (one row of ``K / block`` blocks per output channel), or a
@@ -9,19 +9,19 @@ Resident bytes are the file's bytes: nothing is widened.
 The dequantizers here are the plain-PyTorch reference every kernel is tested against (and
 themselves tested against the ``gguf`` package's NumPy dequantizers). They also serve the rows the
 kernels do not compute, such as embedding lookups.
+
+They live beside the kernels that read these bytes (csrc/quant_formats.h mirrors the format codes
+and the grouped layout) and import nothing above the kernels: the models layer turns a checkpoint
+into these weights (pagedq.worker.models.build), the kernels and their checks take them as they
+are.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
-
-from pagedq.logging import get_logger
-
-log = get_logger(__name__)
 
 QK = 32  # elements per block of the 32-element formats (and per activation block in the kernels)
 QK_K = 256  # elements per super-block of the K-quants
@@ -133,13 +133,14 @@ class QuantWeight:
         Grouped, the 16 rows of a group share each block position, field by field ([d x16]
         [m x16] [qh x16] [qs x16]), which the CPU's one-row GEMV reads 4 rows per vector
         (kernels/csrc/group_gemv.cpp). In place, so a table the embedding and a tied LM head
-        share stays one copy.
+        share stays one copy, and a few groups at a time, so loading a model never holds a
+        second copy of a matrix (a group's bytes stay where its 16 rows were).
         """
         if grouped == self.grouped:
             return
         if grouped and not self.groupable:
             raise ValueError(f"{self.fmt.name} [{self.shape[0]} rows] cannot be grouped")
-        self.data = _group(self.fmt.name, self.data) if grouped else _ungroup(self.fmt.name, self.data)
+        _regroup_in_place(self.fmt.name, self.data, _group if grouped else _ungroup)
         self.grouped = grouped
 
     def plain(self) -> QuantWeight:
@@ -156,19 +157,36 @@ class QuantWeight:
         return QuantWeight(self.fmt, self.data.to(device), self.shape, scales, self.grouped)
 
 
+REGROUP_ROWS = GROUP_ROWS * 16  # rows per step of an in-place regrouping (see _regroup_in_place)
+
+
+def _regroup_in_place(name: str, data: torch.Tensor, convert) -> None:
+    """Rewrite ``data`` with ``convert`` (_group or _ungroup) a few groups at a time: each
+    group's bytes stay within its own 16 rows, so the extra memory is one chunk's. Chunks of
+    256 rows keep each temporary under glibc's 128 KiB mmap threshold for the bundled model's
+    rows, so the allocator reuses one block instead of keeping every freed one (chunks of
+    4096 rows left ~40 MB of freed heap resident after loading it)."""
+    for start in range(0, data.shape[0], REGROUP_ROWS):
+        part = data[start:start + REGROUP_ROWS]
+        part.copy_(convert(name, part))
+
+
 def _group(name: str, data: torch.Tensor) -> torch.Tensor:
     """GGUF rows [N, B * S] -> the grouped layout, same shape (QuantWeight.set_grouped)."""
     fields = GROUP_FIELDS[name]
     size = sum(f for f, _ in fields)
     n = data.shape[0]
     blocks = data.view(n // GROUP_ROWS, GROUP_ROWS, -1, size).transpose(1, 2)  # [G, B, row, S]
+    out = torch.empty_like(data)
+    dst = out.view(n // GROUP_ROWS, blocks.shape[1], GROUP_ROWS * size)  # [G, B, 16 * S]
     by_slot = torch.argsort(group_slots(name))  # the row each slot holds
-    parts, at = [], 0
+    at = 0
     for width, code in fields:
         field = blocks[..., at:at + width]
-        parts.append((field[:, :, by_slot] if code else field).flatten(2))
+        target = dst[..., GROUP_ROWS * at:GROUP_ROWS * (at + width)].unflatten(2, (GROUP_ROWS, width))
+        target.copy_(field[:, :, by_slot] if code else field)
         at += width
-    return torch.cat(parts, dim=2).reshape(n, -1)
+    return out
 
 
 def _ungroup(name: str, data: torch.Tensor) -> torch.Tensor:
@@ -344,58 +362,7 @@ def quantize_int4(weight: torch.Tensor) -> QuantWeight:
     return QuantWeight(FORMATS["q4_1"], blocks.reshape(n, -1).contiguous(), (n, k))
 
 
-# --------------------------------------------------------------------------- loading
-
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-TABLES = ("model.embed_tokens.weight", "lm_head.weight")  # the embedding and the LM head
-MODES = ("keep", "float", "int8", "int4", "bf16")
-
-
-def is_matrix(name: str) -> bool:
-    """Whether a checkpoint tensor is a projection, the embedding or the LM head (the tensors
-    that are ever packed; norms and biases stay float)."""
-    return name in TABLES or (name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS)
-
-
-def pack_weights(weights: Iterable[tuple[str, torch.Tensor | QuantWeight]],
-                 mode: str) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
-    """The checkpoint's tensors in the form ``mode`` asks for, one at a time.
-
-    ``keep``: as they come (GGUF blocks packed, float tensors float); ``float``: every packed
-    weight dequantized; ``int8`` / ``int4``: projections quantized per channel / in groups of 32
-    (the embedding and LM head int8 either way, as llama.cpp's 4-bit recipes keep them at 6-8
-    bits); ``bf16``: matrices as bf16 rows. A matrix whose width is not a multiple of 32 stays
-    float (the kernels' block), with a log line.
-    """
-    if mode not in MODES:
-        raise ValueError(f"pack mode must be one of {MODES}, got {mode!r}")
-    requantized = 0
-    for name, weight in weights:
-        if mode == "keep" or not is_matrix(name):
-            yield name, weight
-            continue
-        if isinstance(weight, QuantWeight):
-            if mode != "float":
-                requantized += 1
-            weight = dequantize(weight)
-        if mode == "float":
-            yield name, weight
-        elif weight.shape[1] % QK:
-            log.info("weight kept in float: its width is not a multiple of 32", weight=name,
-                     shape=tuple(weight.shape))
-            yield name, weight
-        elif mode == "bf16":
-            yield name, as_bf16(weight)
-        elif mode == "int4" and name not in TABLES:
-            yield name, quantize_int4(weight)
-        else:
-            yield name, quantize_int8(weight)
-    if requantized:
-        log.info("packed checkpoint weights dequantized and quantized again", mode=mode,
-                 tensors=requantized)
-
-
-# --------------------------------------------------------------------------- GPU layout
+# --------------------------------------------------------------------------- GPU layout (Triton)
 
 FOUR_BIT = ("q4_0", "q4_1", "q4_k")  # formats whose codes fit in a nibble
 

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from pagedq.worker.models.quant import (
+from pagedq.kernels.block_formats import (
     FORMATS,
     GROUPED,
     QuantWeight,

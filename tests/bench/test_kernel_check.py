@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from pagedq.kernels import check
+from pagedq.bench import kernel_check as check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -56,7 +56,7 @@ def test_triton_kernels_compile_for_hopper_without_a_gpu():
 
 def test_cpu_benchmark_runs(capsys):
     """By default it times the selector's attention for the CPU beside SDPA; --paths picks."""
-    from pagedq.kernels import bench
+    from pagedq.bench import attention_kernels as bench
     from pagedq.kernels.backend import select_backend
 
     bench.main(["--batches", "1,3", "--repeats", "1"])

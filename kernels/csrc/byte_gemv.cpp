@@ -1,0 +1,196 @@
+// The AVX2 GEMV on int8 activations (quant_gemv's acts = 8) for Q8_0, Q4_0, Q4_1 and Q4_K: the
+// activations are rounded to int8 per 32 values (step da = max|x| / 127), once per call, and
+// each 32-code block of a weight row meets them in one _mm256_maddubs_epi16 (unsigned x signed
+// bytes, pairs summed to int16) and one _mm256_madd_epi16 against ones (to int32), as llama.cpp's
+// AVX2 kernels do.
+//
+// Why: the int16-activation GEMV (quant_gemv.cpp) widens every code to 16 bits and multiplies in
+// _mm256_madd_epi16, 16 products per instruction; here 32 codes go in one instruction as bytes,
+// with no widening. The cost is the activations' rounding: ~2^-8 of each block's largest value
+// instead of ~2^-16, so the model no longer follows its dequantized twin to the last bit
+// (docs/quantization.md: fidelity of int8 activations). Callers opt in.
+//
+// Per block: value = s * code + m (quant_avx2.h's convention). Unsigned codes (the nibble
+// formats, 0-15) go into maddubs as they are; the offsets m (Q4_0: -8 d; Q4_1, Q4_K: their mins)
+// meet the block's da * sum(q). Q8_0's signed codes use the sign trick (|w| unsigned, q with w's
+// sign): |w| <= 128 and |q| <= 127, so a pair's sum stays within int16.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "byte_acts.h"
+#include "cpu_ops.h"
+#include "quant_avx2.h"
+#include "quant_formats.h"
+
+namespace pagedq_cpu::v256 {
+namespace {
+
+constexpr int kMaxRows = 8;  // activation rows per pass over a weight row (accumulators in registers)
+constexpr int64_t kPrefetchBytes = 4096;
+
+// 32 unsigned codes times 32 signed activations: 8 int32 sums of 4 products each.
+inline __m256i dot_u8(__m256i codes, __m256i q) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q), _mm256_set1_epi16(1));
+}
+
+// Each walker calls f(b, codes, s, m) for 32-block b of a row: 32 codes in natural order, the
+// block's value s * code + m (kSigned: int8 codes, m = 0; else unsigned).
+struct ByteQ8_0 {
+  static constexpr bool kSigned = true, kHasMin = false;
+  template <class F>
+  static inline void walk(const uint8_t* row, int64_t K, F&& f) {
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const uint8_t* blk = row + b * 34;
+      f(b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), fp16(blk), 0.f);
+    }
+  }
+};
+
+template <int64_t Fmt>
+struct ByteNibble32 {  // Q4_0 (code - 8), Q4_1 (code + min)
+  static constexpr bool kSigned = false, kHasMin = true;
+  static constexpr int64_t kBytes = Fmt == kQ4_0 ? 18 : 20;
+  template <class F>
+  static inline void walk(const uint8_t* row, int64_t K, F&& f) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const uint8_t* blk = row + b * kBytes;
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (Fmt == kQ4_1 ? 4 : 2)));
+      const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low);
+      const float d = fp16(blk);
+      f(b, codes, d, Fmt == kQ4_1 ? fp16(blk + 2) : -8.f * d);
+    }
+  }
+};
+
+struct ByteQ4_K {  // 8 sub-blocks of 32 per 256, 6-bit scales and mins
+  static constexpr bool kSigned = false, kHasMin = true;
+  template <class F>
+  static inline void walk(const uint8_t* row, int64_t K, F&& f) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+      const uint8_t* blk = row + sb * 144;
+      const float d = fp16(blk), dmin = fp16(blk + 2);
+      uint8_t sc[8], mn[8];
+      k_scales(blk + 4, sc, mn);
+      for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 high
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
+        f(sb * 8 + 2 * c, _mm256_and_si256(q, low), d * sc[2 * c], -dmin * mn[2 * c]);
+        f(sb * 8 + 2 * c + 1, _mm256_and_si256(_mm256_srli_epi16(q, 4), low), d * sc[2 * c + 1],
+          -dmin * mn[2 * c + 1]);
+      }
+    }
+  }
+};
+
+// 4-8 activation rows from b0 against weight row n: each block's sums of all rows reduced into
+// one vector (quant_avx2.h: sum_rows8), one convert and FMA per block for the group.
+template <class W, int G>
+void byte_group_wide(const LinearArgs& p, const ByteActs& a, int64_t b0, int64_t n) {
+  __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
+  W::walk(p.w + n * p.row_bytes, p.K, [&](int64_t b, __m256i codes, float s, float m) {
+    const __m256i u = W::kSigned ? _mm256_sign_epi8(codes, codes) : codes;
+    __m256i d[8];
+    for (int g = 0; g < 8; ++g) {
+      if (g >= G) {
+        d[g] = _mm256_setzero_si256();
+        continue;
+      }
+      __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block((b0 + g) * a.blocks + b)));
+      if constexpr (W::kSigned) q = _mm256_sign_epi8(q, codes);
+      d[g] = dot_u8(u, q);
+    }
+    const __m256 da = _mm256_loadu_ps(a.dat.data() + b * a.tstride + b0);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_rows8(d)), _mm256_mul_ps(_mm256_set1_ps(s), da), acc);
+    if constexpr (W::kHasMin)
+      mins = _mm256_fmadd_ps(_mm256_set1_ps(m), _mm256_loadu_ps(a.sxt.data() + b * a.tstride + b0), mins);
+  });
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, _mm256_add_ps(acc, mins));
+  const float bias = p.bias ? p.bias[n] : 0.f;
+  for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = sums[g] + bias;
+}
+
+// 1-3 activation rows from b0 against weight row n.
+template <class W, int G>
+void byte_group_narrow(const LinearArgs& p, const ByteActs& a, int64_t b0, int64_t n) {
+  __m256 acc[G];
+  float mins[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps(), mins[g] = 0.f;
+  W::walk(p.w + n * p.row_bytes, p.K, [&](int64_t b, __m256i codes, float s, float m) {
+    const __m256i u = W::kSigned ? _mm256_sign_epi8(codes, codes) : codes;
+    for (int g = 0; g < G; ++g) {
+      const int64_t i = (b0 + g) * a.blocks + b;
+      __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block(i)));
+      if constexpr (W::kSigned) q = _mm256_sign_epi8(q, codes);
+      acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8(u, q)), _mm256_set1_ps(s * a.da[i]), acc[g]);
+      if constexpr (W::kHasMin) mins[g] += m * a.sx[i];
+    }
+  });
+  const float bias = p.bias ? p.bias[n] : 0.f;
+  for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = hsum(acc[g]) + mins[g] + bias;
+}
+
+template <class W, int G>
+void byte_group(const LinearArgs& p, const ByteActs& a, int64_t b0, int64_t n) {
+  if constexpr (G >= 4)
+    byte_group_wide<W, G>(p, a, b0, n);
+  else
+    byte_group_narrow<W, G>(p, a, b0, n);
+}
+
+template <class W>
+void run_rows(const LinearArgs& p, const ByteActs& a, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t off = 0; off < p.row_bytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p.w + n * p.row_bytes + kPrefetchBytes + off), _MM_HINT_T0);
+    for (int64_t b = 0; b < a.rows; b += kMaxRows) {
+      switch (std::min<int64_t>(kMaxRows, a.rows - b)) {
+        case 1: byte_group<W, 1>(p, a, b, n); break;
+        case 2: byte_group<W, 2>(p, a, b, n); break;
+        case 3: byte_group<W, 3>(p, a, b, n); break;
+        case 4: byte_group<W, 4>(p, a, b, n); break;
+        case 5: byte_group<W, 5>(p, a, b, n); break;
+        case 6: byte_group<W, 6>(p, a, b, n); break;
+        case 7: byte_group<W, 7>(p, a, b, n); break;
+        default: byte_group<W, 8>(p, a, b, n); break;
+      }
+    }
+  }
+}
+
+template <class W>
+void run(const LinearArgs& p, const ByteActs& a) {
+  // Rows per task: enough weight bytes (~32 KiB) that a thread's start-up cost stays small.
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(p.row_bytes, 1));
+  at::parallel_for(0, p.N, grain, [&](int64_t n0, int64_t n1) { run_rows<W>(p, a, n0, n1); });
+}
+
+}  // namespace
+
+bool byte_format(int64_t fmt) {
+  return fmt == kQ8_0 || fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ4_K;
+}
+
+void byte_gemv(const LinearArgs& p) {
+  TORCH_CHECK(byte_format(p.fmt) && !p.grouped,
+              "byte_gemv: int8 activations on AVX2 take plain Q8_0, Q4_0, Q4_1 or Q4_K rows");
+  static thread_local ByteActs acts;
+  quantize_bytes(p.x, p.rows, p.K, acts);
+  acts.tstride = transpose_steps(acts.da.data(), p.rows, acts.blocks, acts.dat);
+  transpose_steps(acts.sx.data(), p.rows, acts.blocks, acts.sxt);
+  switch (p.fmt) {
+    case kQ8_0: run<ByteQ8_0>(p, acts); break;
+    case kQ4_0: run<ByteNibble32<kQ4_0>>(p, acts); break;
+    case kQ4_1: run<ByteNibble32<kQ4_1>>(p, acts); break;
+    default: run<ByteQ4_K>(p, acts); break;
+  }
+}
+
+}  // namespace pagedq_cpu::v256

@@ -1,0 +1,144 @@
+"""The GEMV on int8 activations (quant_gemv's ``acts`` = 8, opt-in) against plain PyTorch.
+
+The oracle applies the kernels' activation rounding in PyTorch (each run of 32 values rounded to
+int8 steps of max|x| / 127, nearest even), dequantizes the weights and multiplies in float64: the
+kernel must then agree to fp32 accumulation. The AVX2 kernel (byte_gemv.cpp: Q8_0, Q4_0, Q4_1,
+Q4_K) runs at every level; the grouped VNNI byte mode (group_gemv.cpp) where the process's level
+has AVX-512 VNNI. tests/kernels/test_isa_levels.py runs this file again at every lower level.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedq.kernels.backend import process_selector
+from pagedq.kernels.block_formats import QuantWeight, dequantize
+from pagedq.kernels.cpu_ops import INT8_ACTS_BIT, ActWidth, GemmPrecision, Isa
+from tests.quant_fixtures import ALL, random_weight
+
+CPU = process_selector().cpu  # this CPU, capped at PAGEDQ_CPU_ISA where that is set
+BEST = int(Isa.AVX512_VNNI if CPU.has_avx512_vnni else Isa.AVX2)
+BYTE_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k")  # byte_gemv.cpp's
+GROUPABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k")
+INT8 = int(ActWidth.INT8)
+needs_vnni = pytest.mark.skipif(not CPU.has_avx512_vnni,
+                                reason=f"grouped rows run on AVX-512 VNNI only (level here: {CPU.level})")
+
+
+@pytest.fixture(params=[Isa.AVX512_VNNI, Isa.AVX2], ids=lambda i: i.name)
+def isa(request) -> int:
+    if request.param == Isa.AVX512_VNNI and not CPU.has_avx512_vnni:
+        pytest.skip(f"no AVX-512 VNNI at this process's level ({CPU.level})")
+    return int(request.param)
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 GEMVs see it: each run of 32 values rounded to steps of max|x| / 127."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # 127 / amax in fp32, as the kernels compute it (an ulp off flips values landing on .5)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / 127)).view_as(x)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+def check(out: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor, what) -> None:
+    want = int8_activations(x).double() @ dense.T + bias.double()
+    assert relative_error(out, want) < 1e-5, what
+    # int8's rounding of the activations, and no more, against the exact product
+    assert relative_error(out, x.double() @ dense.T + bias.double()) < 3e-2, what
+
+
+@pytest.mark.parametrize("fmt", BYTE_FORMATS)
+def test_int8_gemv_matches_dequantized_matmul(cpu_ops, isa, fmt):
+    """Plain rows on any isa: byte_gemv.cpp's maddubs kernel (AVX2 instructions)."""
+    gen = torch.Generator().manual_seed(31)
+    for k in (256, 1536) if fmt == "q4_k" else (32, 96, 576):
+        w = random_weight(fmt, 37, k, gen)
+        dense = dequantize(w).double()
+        bias = torch.randn(37, generator=gen)
+        for rows in (1, 3, 8, 11, 17):
+            x = torch.randn(rows, k, generator=gen)
+            out = torch.empty(rows, 37)
+            cpu_ops.quant_gemv(out, x, w.data, w.fmt.code, None, bias, isa, INT8)
+            check(out, x, dense, bias, (fmt, k, rows))
+
+
+def test_int8_gemv_takes_extreme_codes(cpu_ops, isa):
+    """Q8_0 codes of -128 and activations at +-max: maddubs' int16 pair sums must not saturate."""
+    gen = torch.Generator().manual_seed(32)
+    w = random_weight("q8_0", 16, 64, gen)
+    blocks = w.data.view(16, 2, 34)
+    blocks[:, :, 2:] = torch.tensor([128, 127], dtype=torch.uint8).repeat(16)  # -128, 127, ...
+    x = torch.tensor([[1.0, -1.0] * 32, [-3.0, 3.0] * 32])
+    out = torch.empty(2, 16)
+    cpu_ops.quant_gemv(out, x, w.data, w.fmt.code, None, None, isa, INT8)
+    check(out, x, dequantize(w).double(), torch.zeros(16), "extremes")
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", GROUPABLE)
+def test_grouped_int8_gemv_matches_dequantized_matmul(cpu_ops, fmt):
+    """Grouped rows in byte mode: one vpdpbusd per product."""
+    gen = torch.Generator().manual_seed(33)
+    for k in (256, 1536) if fmt == "q4_k" else (32, 96, 576):
+        w = random_weight(fmt, 48, k, gen)
+        g = QuantWeight(w.fmt, w.data.clone(), w.shape)
+        g.set_grouped(True)
+        dense = dequantize(w).double()
+        bias = torch.randn(48, generator=gen)
+        for rows in (1, 3, 8, 9, 20):
+            x = torch.randn(rows, k, generator=gen)
+            out = torch.empty(rows, 48)
+            cpu_ops.quant_gemv(out, x, g.data, g.kernel_code, None, bias, BEST, INT8)
+            check(out, x, dense, bias, (fmt, k, rows))
+
+
+@pytest.mark.parametrize("fmt", [f for f in ALL if f not in BYTE_FORMATS])
+def test_formats_without_an_int8_kernel_keep_int16(cpu_ops, isa, fmt):
+    """acts = 8 asks for int8 where a kernel exists; plain rows of the other formats run the
+    int16 GEMV, bit for bit."""
+    gen = torch.Generator().manual_seed(34)
+    w = random_weight(fmt, 24, 256, gen)
+    x = torch.randn(3, 256, generator=gen)
+    asked, plain = torch.empty(3, 24), torch.empty(3, 24)
+    cpu_ops.quant_gemv(asked, x, w.data, w.fmt.code, w.scales, None, isa, INT8)
+    cpu_ops.quant_gemv(plain, x, w.data, w.fmt.code, w.scales, None, isa)
+    torch.testing.assert_close(asked, plain, rtol=0, atol=0)
+
+
+def test_activation_width_is_checked(cpu_ops):
+    w = random_weight("q8_0", 16, 64, torch.Generator().manual_seed(35))
+    with pytest.raises(RuntimeError, match="not an activation width"):
+        cpu_ops.quant_gemv(torch.empty(1, 16), torch.randn(1, 64), w.data, w.fmt.code, None, None,
+                           BEST, 4)
+
+
+def test_linear_with_the_int8_bit_runs_int8_gemv_and_plain_gemm(cpu_ops):
+    """QuantLinear's precision bit: its GEMV rows take int8 activations, its GEMM is untouched."""
+    gen = torch.Generator().manual_seed(36)
+    parts = [random_weight(f, n, 256, gen) for f, n in (("q4_k", 16), ("q8_0", 8), ("q6_k", 8))]
+    bias = torch.randn(32, generator=gen)
+    precision = int(GemmPrecision.F32) | INT8_ACTS_BIT
+    linear = cpu_ops.quant_linear([p.data for p in parts], [p.fmt.code for p in parts],
+                                  [p.scales for p in parts], bias, 256, [4, 4, 4], BEST, precision)
+    assert linear.precision == precision
+    for rows in (2, 6):
+        x = torch.randn(rows, 256, generator=gen)
+        out = linear.forward(x)
+        col = 0
+        for part in parts:
+            n = part.shape[0]
+            want = torch.empty(rows, n)
+            if rows <= 4:
+                cpu_ops.quant_gemv(want, x, part.data, part.fmt.code, part.scales, None, BEST, INT8)
+            else:
+                cpu_ops.quant_gemm(want, x, part.data, part.fmt.code, part.scales, None, BEST,
+                                   int(GemmPrecision.F32))
+            torch.testing.assert_close(out[:, col:col + n] - bias[col:col + n], want,
+                                       rtol=1e-6, atol=1e-5)
+            col += n
