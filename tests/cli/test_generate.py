@@ -113,13 +113,17 @@ def test_chat_runs_the_bundled_model_packed(engines, capsys):
     from pagedq.worker.models.default_model import default_gguf, default_model_dir
     from pagedq.worker.models.model_cache import packed_source
 
+    fp32_dir = default_model_dir(packed=False)
+    # other tests of the session may have made the fp32 conversion: this one must not touch it
+    before = fp32_dir.stat().st_mtime_ns if fp32_dir.exists() else None
     assert main(["chat", "What is the capital of France?", "--max-tokens", "24"]) == 0
     assert "Paris" in capsys.readouterr().out
     (engine,) = engines
     assert engine.weight_form == WeightForm("keep", torch.float32)
     gguf = packed_source(engine.model_path)
     assert gguf == default_gguf() and gguf.suffix == ".gguf"
-    assert not default_model_dir(packed=False).exists()
+    assert (fp32_dir.stat().st_mtime_ns if fp32_dir.exists() else None) == before
+    assert engine.model_path != fp32_dir
     assert engine.stats()["weight_bytes"] <= 1.1 * gguf.stat().st_size
 
 

@@ -382,7 +382,10 @@ def test_the_gateway_runs_under_the_documented_acl_rule(redis_url, tiny_model, t
 def test_duplicate_custom_ids_fail_the_batch_and_models_show_no_path(redis_url, queue,
                                                                     tiny_worker, tiny_model):
     rows = [chat_line("same", "Hi", 2), chat_line("other", "Hi", 2), chat_line("same", "Yo", 2)]
-    with serve(redis_url, queue=queue) as gw:
+    # a queue of its own: a batch is driven by any gateway serving its queue, and the earlier
+    # tests' gateways kept their files in a folder, where this one's input is not (a driver
+    # still stopping on a loaded machine once failed it with file_not_found)
+    with serve(redis_url, queue=queue + "-dup") as gw:
         client = gw.openai()
         f = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
         batch = wait_batch(client, client.batches.create(
@@ -390,6 +393,9 @@ def test_duplicate_custom_ids_fail_the_batch_and_models_show_no_path(redis_url, 
         assert batch.status == "failed"
         assert batch.errors.data[0].code == "duplicate_custom_id"
         assert "lines 1 and 3" in batch.errors.data[0].message
+    with serve(redis_url, queue=queue) as gw:  # the queue the tiny worker serves
+        client = gw.openai()
+        wait_until(lambda: client.models.list().data, 60, "the worker")
         with gw.http() as http:
             models = http.get("/v1/models").text
         assert tiny_model not in models and "/tmp" not in models
