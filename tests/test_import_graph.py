@@ -116,3 +116,23 @@ def test_each_lazy_import_says_why(graph):
             silent.append(f"{where}: {lines[at].strip()}")
     assert silent == [], "say why each stays lazy (optional dependency, measured cost):\n" + \
         "\n".join(silent)
+
+
+def test_the_gateway_runner_imports_only_the_ground_floor(graph):
+    """gateway/local.py starts a Redis and a worker as child processes: it needs the ground
+    floor (the embedded Redis, processes, the Redis URL) and nothing of the worker's code."""
+    edges = [e for e in graph.edges if e.source == "pagedq.gateway.local"]
+    assert edges
+    above = [f"{e.where}: {ig.short(e.target)}" for e in edges
+             if ig.folder_of(e.target) != "pagedq"]
+    assert not above, above
+
+
+def test_the_bench_imports_absolutely():
+    """Relative imports hid the bench's 8-file cycle from a reader: bench/ spells them out."""
+    import ast
+
+    relative = [f"{path.name}:{node.lineno}" for path in sorted((ROOT / "bench").glob("*.py"))
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ImportFrom) and node.level]
+    assert not relative, f"use `from pagedq.bench import x`: {relative}"
