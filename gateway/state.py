@@ -27,8 +27,12 @@ from pagedq.gateway.fleet import Fleet
 from pagedq.gateway.http_metrics import GatewayMetrics
 from pagedq.gateway.sse import Readers
 from pagedq.gateway.tokens import TokenTexts
+from pagedq.logging import get_logger
 from pagedq.redis_url import redis_connection_options
 from pagedq.worker.config import GatewayConfig
+
+log = get_logger("pagedq.gateway")
+CLOSE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -72,10 +76,18 @@ class Gateway:
                    driver.store, driver, tokens, metrics)
 
     async def close(self) -> None:
+        """Cancel the background tasks and close Redis, each within CLOSE_TIMEOUT_S: a stop
+        must end even when a task or a pooled connection does not answer."""
         for task in list(self.tasks):
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.r.aclose()
+        if self.tasks:
+            _, pending = await asyncio.wait(set(self.tasks), timeout=CLOSE_TIMEOUT_S)
+            if pending:
+                log.warning("background tasks did not stop", tasks=len(pending))
+        try:
+            await asyncio.wait_for(self.r.aclose(), CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("the Redis connections did not close in time")
 
 
 def gateway(request: Request) -> Gateway:
