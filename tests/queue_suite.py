@@ -94,3 +94,26 @@ def server_or_skip(path: str, what: str, install: str) -> str:
     if os.environ.get("PAGEDQ_REQUIRE_SERVERS") == "1":
         pytest.fail(message + " ($PAGEDQ_REQUIRE_SERVERS=1: every server must run)")
     pytest.skip(message)
+
+
+def started_server(binary: str, name: str, install: str):
+    """A module's redis_url fixture body: ``binary`` (or a skip naming ``install``) started on
+    a free loopback port, stopped after the module."""
+    from pagedq.embedded_redis import EmbeddedRedis
+
+    server = EmbeddedRedis.start(binary=server_or_skip(binary, name, install))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def server_info(url: str) -> dict:
+    """The server's INFO server section."""
+    import redis
+
+    r = redis.Redis.from_url(url)
+    try:
+        return r.info("server")
+    finally:
+        r.close()

@@ -11,11 +11,9 @@ module (test_redis8.py).
 from __future__ import annotations
 
 import pytest
-import redis
 
-from pagedq.embedded_redis import EmbeddedRedis
 from tests.queue_suite import *  # noqa: F403 - the queue's promises, on Redis 7
-from tests.queue_suite import server_or_skip
+from tests.queue_suite import server_info, started_server
 
 REDIS7 = "/usr/bin/redis-server"
 
@@ -23,17 +21,10 @@ REDIS7 = "/usr/bin/redis-server"
 @pytest.fixture(scope="module")
 def redis_url():
     """Debian's redis-server 7 on a free loopback port, for this module's tests."""
-    server = EmbeddedRedis.start(binary=server_or_skip(REDIS7, "Redis 7 (Debian's redis-server)",
-                                                       "apt-get install -y redis-server"))
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    yield from started_server(REDIS7, "Redis 7 (Debian's redis-server)", "apt-get install -y redis-server")
 
 
 def test_the_server_is_redis_7(redis_url):
-    r = redis.Redis.from_url(redis_url)
-    info = r.info("server")
-    r.close()
+    info = server_info(redis_url)
     assert str(info["redis_version"]).startswith("7."), info["redis_version"]
     assert "valkey_version" not in info

@@ -15,11 +15,9 @@ import os
 from pathlib import Path
 
 import pytest
-import redis
 
-from pagedq.embedded_redis import EmbeddedRedis
 from tests.queue_suite import *  # noqa: F403 - the queue's promises, on Redis 8
-from tests.queue_suite import server_or_skip
+from tests.queue_suite import server_info, started_server
 
 REDIS8 = os.environ.get("PAGEDQ_REDIS8") or str(Path.home() / ".cache" / "pagedq-redis8"
                                                  / "redis-server")
@@ -28,17 +26,10 @@ REDIS8 = os.environ.get("PAGEDQ_REDIS8") or str(Path.home() / ".cache" / "pagedq
 @pytest.fixture(scope="module")
 def redis_url():
     """A redis-server 8 on a free loopback port, for this module's tests."""
-    server = EmbeddedRedis.start(binary=server_or_skip(REDIS8, "Redis 8",
-                                                       "bash scripts/build-redis8.sh"))
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    yield from started_server(REDIS8, "Redis 8", "bash scripts/build-redis8.sh")
 
 
 def test_the_server_is_redis_8(redis_url):
-    r = redis.Redis.from_url(redis_url)
-    info = r.info("server")
-    r.close()
+    info = server_info(redis_url)
     assert str(info["redis_version"]).startswith("8."), info["redis_version"]
     assert "valkey_version" not in info
