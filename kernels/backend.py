@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from pagedq.kernel_switches import (
     DEFAULT_PACKED_PRECISION,
+    PACKED_ACTIVATIONS,
     PACKED_GEMM_PRECISIONS,
     Switches,
     environment_switches,
@@ -52,6 +53,7 @@ from pagedq.kernel_switches import (
 from pagedq.kernels.cpu_attention import unsupported
 from pagedq.kernels.cpu_features import CpuFeatures, detect_cpu_features
 from pagedq.kernels.cpu_ops import (
+    INT8_ACTS_BIT,
     SKINNY_MAX_ROWS,
     CpuOps,
     GemmPrecision,
@@ -188,6 +190,9 @@ F32_GEMV_ROWS_INT8 = {
 # 45.9/64.1/63.4, bf16x3 59.6/82.4/82.0). A matrix whose rows are not a whole number of groups
 # keeps the row-at-a-time GEMV under the same limit (no model we know has one).
 GROUPED_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k")
+# The formats whose GEMV has an int8-activation kernel, per GEMV kind (csrc/byte_gemv.cpp for
+# AVX2, csrc/group_gemv.cpp's byte mode for VNNI); the others keep int16 activations.
+INT8_FORMATS = {"grouped": GROUPED_FORMATS, "avx2": ("q4_0", "q4_1", "q8_0", "q4_k")}
 GROUPED_GEMV_ROWS = {"bf16": 24, "bf16x2": 32, "bf16x3": 40}
 PACKED_FORMATS = tuple(GEMV_ROWS)
 # The packed GEMM's precisions (EngineConfig.packed_gemm_precision names the same ones and the
@@ -198,13 +203,16 @@ TILE_PRECISIONS = ("bf16", "bf16x2", "bf16x3")  # bf16 tiles: AMX only
 assert tuple(PACKED_PRECISIONS) == PACKED_GEMM_PRECISIONS, "EngineConfig's names are these"
 
 
-def _gemv_rows(fmt: str, rows: int, precision: str, grouped: bool) -> int:
+def _gemv_rows(fmt: str, rows: int, precision: str, grouped: bool, int8: bool = False) -> int:
     """The row count up to which ``fmt``'s packed GEMV runs (GEMV_ROWS and its exceptions;
-    ``grouped``: the CPU runs the grouped GEMV; ``precision`` the GEMM's)."""
+    ``grouped``: the CPU runs the grouped GEMV; ``precision`` the GEMM's; ``int8``: the GEMV
+    rounds activations to int8, where ``fmt`` has such a kernel)."""
     if fmt == "float32":
         return rows
     if precision == "fp32":
         kind = ("grouped" if fmt in GROUPED_FORMATS else "vnni") if grouped else "avx2"
+        if int8 and fmt in F32_GEMV_ROWS_INT8.get(kind, {}):
+            return F32_GEMV_ROWS_INT8[kind][fmt]
         return F32_GEMV_ROWS[kind][fmt]
     if grouped and fmt in GROUPED_FORMATS:
         return GROUPED_GEMV_ROWS[precision]
@@ -229,11 +237,13 @@ class PackedChoice:
     isa: int = 0
     ops: CpuOps | None = field(default=None, compare=False, repr=False)
     precision: str = DEFAULT_PACKED_PRECISION
+    int8_acts: bool = False  # the GEMV rounds activations to int8 (an INT8_FORMATS format)
 
     @property
     def precision_code(self) -> int:
-        """The GEMM's ``precision`` argument (QuantLinear passes it on)."""
-        return int(PACKED_PRECISIONS[self.precision])
+        """QuantLinear's ``precision``: the GEMM's GemmPrecision, with INT8_ACTS_BIT when the
+        GEMV takes int8 activations."""
+        return int(PACKED_PRECISIONS[self.precision]) | (INT8_ACTS_BIT if self.int8_acts else 0)
 
     @property
     def name(self) -> str:
@@ -248,7 +258,8 @@ class PackedChoice:
         if self.weight_format == "float32":  # a widened tensor among packed ones
             return "cpp-skinny" if rows <= self.gemv_rows else "torch"
         if rows <= self.gemv_rows:
-            return "cpp-gemv-vnni" if self.isa == Isa.AVX512_VNNI else "cpp-gemv-avx2"
+            gemv = "cpp-gemv-vnni" if self.isa == Isa.AVX512_VNNI else "cpp-gemv-avx2"
+            return gemv + ("-int8" if self.int8_acts else "")
         return f"cpp-gemm-{self.precision}"
 
 
@@ -337,16 +348,21 @@ class Selector:
 
     def select(self, device: torch.device | str, dtype: torch.dtype = torch.float32,
                kv_dtype: torch.dtype | None = None, head_dim: int | None = None,
-               packed_precision: str = DEFAULT_PACKED_PRECISION) -> Backend:
+               packed_precision: str = DEFAULT_PACKED_PRECISION,
+               packed_activations: str = "int16") -> Backend:
         """The kernels for a ``dtype`` model with a ``kv_dtype`` cache (default: ``dtype``) and
         ``head_dim``-wide heads (None: any the kernels take) on ``device``, the packed GEMM in
-        ``packed_precision``; logs one line."""
+        ``packed_precision``, the packed GEMV on ``packed_activations``; logs one line."""
         if packed_precision not in PACKED_PRECISIONS:
             raise ValueError(f"packed_precision must be one of {tuple(PACKED_PRECISIONS)}, "
                              f"got {packed_precision!r}")
+        if packed_activations not in PACKED_ACTIVATIONS:
+            raise ValueError(f"packed_activations must be one of {PACKED_ACTIVATIONS}, "
+                             f"got {packed_activations!r}")
         device = torch.device(device)
         if device.type == "cpu":
-            backend = self._cpu(dtype, kv_dtype or dtype, head_dim, packed_precision)
+            backend = self._cpu(dtype, kv_dtype or dtype, head_dim, packed_precision,
+                                packed_activations == "int8")
         else:
             backend = self._accelerator(device.type, dtype)
         _log.info("kernel_backend", **backend.summary(), why="; ".join(backend.reasons))
@@ -361,7 +377,7 @@ class Selector:
                        (LinearChoice(_format(dtype), "torch"),), packed, reasons=(why,))
 
     def _cpu(self, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int | None,
-             precision: str) -> Backend:
+             precision: str, int8: bool = False) -> Backend:
         reasons: list[str] = []
         ops = self._cpu_ops(reasons)
         attention = "sdpa"
@@ -379,7 +395,7 @@ class Selector:
             if layer == "python":
                 reasons.append("--no-fused-layer (PAGEDQ_FUSED_LAYER=0) keeps the per-op "
                                "Python layer")
-        packed = self._cpu_packed(fp32_ops, precision, reasons)
+        packed = self._cpu_packed(fp32_ops, precision, reasons, int8)
         return Backend("cpu", dtype, attention, "torch", (linear,), packed,
                        norm="cpp" if fp32_ops is not None else "torch", layer=layer,
                        reasons=tuple(reasons), cpu=self.cpu, ops=ops)
@@ -410,10 +426,11 @@ class Selector:
         return LinearChoice(_format(dtype), batched, f"cpp-skinny-{isa}", SKINNY_MAX_ROWS, ops)
 
 
-    def _cpu_packed(self, ops: CpuOps | None, precision: str,
-                    reasons: list[str]) -> tuple[PackedChoice, ...]:
+    def _cpu_packed(self, ops: CpuOps | None, precision: str, reasons: list[str],
+                    int8: bool = False) -> tuple[PackedChoice, ...]:
         """The packed formats' routes: the C++ GEMV/GEMM pair where the library runs (it takes
-        float32 activations), else dequantize per call."""
+        float32 activations), else dequantize per call; ``int8``: the GEMV on int8 activations
+        for the formats that have such a kernel at this level."""
         if ops is None:
             return tuple(PackedChoice(f, "torch") for f in PACKED_FORMATS)
         isa = int(Isa.AVX512_VNNI if self.cpu.has_avx512_vnni else Isa.AVX2)
@@ -429,8 +446,13 @@ class Selector:
         reasons.append(f"packed weights: GEMV in {'AVX-512 VNNI' if isa else 'AVX2'}, "
                        f"GEMM on {precision} tiles")
         grouped = isa == Isa.AVX512_VNNI
-        return tuple(PackedChoice(f, "cpp", _gemv_rows(f, rows, precision, grouped), isa,
-                                  ops, precision) for f, rows in GEMV_ROWS.items())
+        bytes_ = INT8_FORMATS["grouped" if grouped else "avx2"] if int8 else ()
+        if int8:
+            reasons.append(f"packed GEMV on int8 activations for {'/'.join(bytes_)} "
+                           "(--packed-activations int8)")
+        return tuple(PackedChoice(f, "cpp", _gemv_rows(f, rows, precision, grouped, f in bytes_),
+                                  isa, ops, precision, f in bytes_)
+                     for f, rows in GEMV_ROWS.items())
 
     def compute_dtype(self, device: torch.device | str, dtype: torch.dtype,
                       packed: bool = False) -> torch.dtype:
@@ -469,10 +491,11 @@ def process_selector(cpu_isa: str = "auto", switches: Switches | None = None) ->
 def select_backend(device: torch.device | str, dtype: torch.dtype = torch.float32,
                    kv_dtype: torch.dtype | None = None, head_dim: int | None = None,
                    packed_precision: str = DEFAULT_PACKED_PRECISION,
-                   cpu_isa: str = "auto", switches: Switches | None = None) -> Backend:
+                   cpu_isa: str = "auto", switches: Switches | None = None,
+                   packed_activations: str = "int16") -> Backend:
     """:meth:`Selector.select` of :func:`process_selector`: what the engine runs at start."""
     return process_selector(cpu_isa, switches).select(device, dtype, kv_dtype, head_dim,
-                                                      packed_precision)
+                                                      packed_precision, packed_activations)
 
 
 @functools.cache

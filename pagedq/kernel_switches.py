@@ -33,6 +33,11 @@ PACKED_GEMM_PRECISIONS: tuple[str, ...] = get_args(PackedGemmPrecision)
 # Weights rounded once to bf16, activations' heads and tails: two AMX products per tile, the
 # activations keep fp32 accuracy (see EngineConfig.packed_gemm_precision).
 DEFAULT_PACKED_PRECISION: PackedGemmPrecision = "bf16x2"
+# The packed GEMV's activation width: int16 (the default: the dequantized model to ~2^-15) or
+# int8 (llama.cpp's rounding: one byte product per weight, faster where the GEMV is
+# compute-bound, but greedy output parts from the dequantized model sooner).
+PackedActivations = Literal["int16", "int8"]
+PACKED_ACTIVATIONS: tuple[str, ...] = get_args(PackedActivations)
 OFF = ("0", "false", "no", "off")
 
 

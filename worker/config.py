@@ -26,7 +26,9 @@ from pagedq.client.protocol import DEFAULT_LIMITS, DEFAULT_PREFIX, DEFAULT_QUEUE
 from pagedq.errors import InvalidRequestError
 from pagedq.kernel_switches import (
     DEFAULT_PACKED_PRECISION,
+    PACKED_ACTIVATIONS,
     PACKED_GEMM_PRECISIONS,
+    PackedActivations,
     PackedGemmPrecision,
     Switches,
     environment_switches,
@@ -236,6 +238,13 @@ class EngineConfig:
     the dequantized model sooner: it misses the fidelity bars on tiny test models); fp32
     dequantizes tiles to fp32 for ATen's GEMM. The bf16 ones need AMX: every other CPU runs fp32
     whatever is asked (the start-up log says so). Decode steps take the integer GEMV either way."""
+    packed_activations: PackedActivations = "int16"
+    """Width the packed GEMV rounds the activations to, per 32 values, on the CPU. int16 keeps
+    the dequantized model's product to ~2^-15 (greedy output matches it); int8 is llama.cpp's
+    rounding: one byte product per weight (AVX2 maddubs, one VNNI vpdpbusd) for Q4_0, Q4_1,
+    Q5_0, Q5_1, Q8_0 and Q4_K, up to ~1.5x faster where the GEMV is compute-bound (many streams,
+    AVX2 CPUs), at the cost of greedy output leaving the dequantized model's sooner
+    (docs/quantization.md, "int8 activations", has both figures). Other formats keep int16."""
     cpu_isa: CpuIsa = field(default_factory=lambda: environment_switches().cpu_isa)
     """The highest CPU instruction-set level the kernels may use: avx2, avx512 (AVX-512F/VL/DQ/BW),
     avx512_vnni (+ VNNI: integer dot products), amx (+ AMX bf16 tiles); auto: all this CPU has
@@ -339,6 +348,9 @@ class EngineConfig:
         need(self.packed_gemm_precision in PACKED_GEMM_PRECISIONS,
              f"packed_gemm_precision must be one of {PACKED_GEMM_PRECISIONS}, "
              f"got {self.packed_gemm_precision!r}")
+        need(self.packed_activations in PACKED_ACTIVATIONS,
+             f"packed_activations must be one of {PACKED_ACTIVATIONS}, "
+             f"got {self.packed_activations!r}")
         need(self.cpu_isa in CPU_ISAS, f"cpu_isa must be one of {CPU_ISAS}, got {self.cpu_isa!r}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")

@@ -190,3 +190,29 @@ def test_accelerators_compute_in_the_models_dtype():
     assert Selector(cpu=AMX, has_triton=True).compute_dtype("cuda", BF16, packed=True) == BF16
     off = Selector(Switches(cpu_kernels=False), cpu=AMX)
     assert off.compute_dtype("cpu", BF16, packed=True) == BF16
+
+
+@pytest.mark.parametrize(("cpu", "kind"), [(ZEN4, "grouped"), (AVX2, "avx2")])
+def test_int8_activations_route_the_formats_that_have_an_int8_gemv(cpu_ops, cpu, kind):
+    """--packed-activations int8: the formats with an int8 kernel at this level take it (named
+    "-int8", with INT8_ACTS_BIT in QuantLinear's precision and F32_GEMV_ROWS_INT8's crossover);
+    the others keep int16 and their own crossover; int16 (the default) sets no bit."""
+    from pagedq.kernels.backend import F32_GEMV_ROWS_INT8, INT8_FORMATS
+    from pagedq.kernels.cpu_ops import INT8_ACTS_BIT
+
+    int8 = Selector(cpu=cpu).select("cpu", F32, None, 64, packed_activations="int8")
+    int16 = Selector(cpu=cpu).select("cpu", F32, None, 64)
+    gemv = "cpp-gemv-vnni" if kind == "grouped" else "cpp-gemv-avx2"
+    for fmt in BLOCK_FORMATS:
+        choice, plain = int8.packed_for(fmt), int16.packed_for(fmt)
+        assert not plain.int8_acts and plain.precision_code & INT8_ACTS_BIT == 0
+        if fmt in INT8_FORMATS[kind]:
+            assert choice.int8_acts and choice.precision_code & INT8_ACTS_BIT
+            assert choice.gemv_rows == F32_GEMV_ROWS_INT8[kind][fmt]
+            assert choice.kernel(1) == gemv + "-int8"
+        else:
+            assert choice == plain, fmt
+    with pytest.raises(ValueError, match="packed_activations must be one of"):
+        Selector(cpu=cpu).select("cpu", F32, None, 64, packed_activations="int4")
+    with pytest.raises(ValueError, match="packed_activations"):
+        EngineConfig(packed_activations="int4")

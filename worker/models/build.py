@@ -130,7 +130,7 @@ def build_model(config: EngineConfig, device: torch.device, kv_dtype: torch.dtyp
                  dtype=config.dtype, pack=form.mode)
     with waiting("selecting the kernels and packing the weights for them", log):
         backend = selector.select(device, form.compute, kv_dtype, model.head_dim,
-                                  config.packed_gemm_precision)
+                                  config.packed_gemm_precision, config.packed_activations)
         model.use_backend(backend)
     release_freed_heap()
     return BuiltModel(files, form, model, backend)
