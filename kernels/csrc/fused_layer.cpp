@@ -15,6 +15,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/record_function.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/ops/add.h>
@@ -210,29 +211,45 @@ at::Tensor layer(const at::Tensor& x, const LayerWeights& w, at::Tensor& k_cache
               "decoder_layers: slot_mapping must be contiguous int64 [T]");
   const float feps = static_cast<float>(s.eps);
 
+  // Named scopes: torch.profiler shows where a fused step's time goes (no-ops when no profiler
+  // runs; docs/engine.md, "Where a step's time goes").
   at::Tensor h = at::empty_like(x);
   rms_norm(h, x, w.in_norm, s.eps);
-  const at::Tensor qkv = w.qkv(h);
+  at::Tensor qkv;
+  {
+    RECORD_FUNCTION("pagedq::qkv_proj", std::vector<c10::IValue>());
+    qkv = w.qkv(h);
+  }
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "decoder_layers: qkv width");
   at::Tensor q = at::empty({T, num_heads, D}, x.options());
-  const float* qn = data_or_null(w.q_norm);
-  const float* kn = data_or_null(w.k_norm);
-  if (cache_dtype == at::kHalf)
-    rope_and_cache<c10::Half>(qkv, s.rope, qn, kn, feps, num_heads, num_kv_heads, q, k_cache,
-                              v_cache, s.slot_mapping);
-  else if (cache_dtype == at::kBFloat16)
-    rope_and_cache<c10::BFloat16>(qkv, s.rope, qn, kn, feps, num_heads, num_kv_heads, q, k_cache,
-                                  v_cache, s.slot_mapping);
-  else
-    rope_and_cache<float>(qkv, s.rope, qn, kn, feps, num_heads, num_kv_heads, q, k_cache,
-                          v_cache, s.slot_mapping);
   at::Tensor o = at::empty({T, num_heads, D}, x.options());
-  paged_attention_rows(o, q, k_cache, v_cache, s.block_table, s.rows, s.scale, s.heads_per_item,
-                       s.grain);
-  at::Tensor x1 = w.o(o.view({T, num_heads * D}));
+  {
+    RECORD_FUNCTION("pagedq::rope_attention", std::vector<c10::IValue>());
+    const float* qn = data_or_null(w.q_norm);
+    const float* kn = data_or_null(w.k_norm);
+    if (cache_dtype == at::kHalf)
+      rope_and_cache<c10::Half>(qkv, s.rope, qn, kn, feps, num_heads, num_kv_heads, q, k_cache,
+                                v_cache, s.slot_mapping);
+    else if (cache_dtype == at::kBFloat16)
+      rope_and_cache<c10::BFloat16>(qkv, s.rope, qn, kn, feps, num_heads, num_kv_heads, q,
+                                    k_cache, v_cache, s.slot_mapping);
+    else
+      rope_and_cache<float>(qkv, s.rope, qn, kn, feps, num_heads, num_kv_heads, q, k_cache,
+                            v_cache, s.slot_mapping);
+    paged_attention_rows(o, q, k_cache, v_cache, s.block_table, s.rows, s.scale,
+                         s.heads_per_item, s.grain);
+  }
+  at::Tensor x1, out;
+  {
+    RECORD_FUNCTION("pagedq::o_proj", std::vector<c10::IValue>());
+    x1 = w.o(o.view({T, num_heads * D}));
+  }
   x1.add_(x);
   rms_norm(h, x1, w.post_norm, s.eps);
-  at::Tensor out = w.down(silu_mul(w.gate_up(h)));
+  {
+    RECORD_FUNCTION("pagedq::mlp", std::vector<c10::IValue>());
+    out = w.down(silu_mul(w.gate_up(h)));
+  }
   return out.add_(x1);
 }
 
