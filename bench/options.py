@@ -117,7 +117,7 @@ class BenchConfig(EngineConfig, QueueConfig):
     spec_threshold_rounds: int = 1  # alternated off / forced-on rounds per stream count
     # a differing greedy output is a near-tie flip only within this many logits, in the packed
     # model and its fp32 twin alike (bench/spec_judge.py: NEAR_TIE_MARGIN, why this value)
-    spec_tie_margin: float = 0.02
+    spec_tie_margin: float = 0.025
 
     # queue: the throughput trace through Redis (worker subprocess + client), on QueueConfig's
     # redis_url (None: a private redis-server for the run) and a queue of the run's own

@@ -220,7 +220,7 @@ def build_engines(bench: BenchContext) -> dict[str, Any]:
 def spec_engine(bench: BenchContext, method: str | None, **spec: Any) -> Any:
     """An engine holding the largest batch the scenario runs, speculating with ``method``."""
     c = bench.config
-    top = max((*c.spec_streams, *c.spec_threshold_streams))
+    top = max((*c.spec_streams, *(c.spec_threshold_streams or ())))
     k = c.spec_num_speculative_tokens
     per_seq = bench.blocks_for(c.spec_prompt_tokens_max + c.spec_max_tokens + k + 1) + 1
     config = None if method is None else {"method": method, "num_speculative_tokens": k, **spec}
