@@ -130,3 +130,32 @@ def test_constructed_near_tie_is_a_flip_and_a_clear_swap_is_not(llama, tmp_path,
                                      want[:cut] + [other], want)], engine, lambda: engine)
     assert [v.near_tie for v in verdicts] == [True]
     assert_all_free(engine)
+
+
+def test_bench_wiring_judges_a_forged_difference(llama):
+    """spec_scenario.differences finds a differing output in a round and judge_differences
+    builds the fp32 twin through the bench and calls a swap to a losing token unexplained."""
+    from pagedq.bench.context import BenchContext
+    from pagedq.bench.options import quick
+    from pagedq.bench.spec_scenario import Batch, differences, judge_differences
+
+    bench = BenchContext(quick(model=str(llama), num_threads=1, max_model_len=256))
+    bench.setup()
+    off = bench.engine(num_kv_blocks=64)
+    ids = prompts([9, 6], seed=11)
+    plain = outputs(off, ids, PLAIN)
+    row = hf_logits(llama, ids[1] + plain[1][:4])[-1]
+    forged = [plain[0], plain[1][:4] + [int(row.argmin())] + plain[1][5:]]
+
+    def batch(method, outs):
+        jobs = {f"j{i}": o for i, o in enumerate(outs)}
+        return Batch(method, 0, 0, 1.0, 0, 0, dict.fromkeys(jobs, 2), dict.fromkeys(jobs, 2),
+                     outputs=jobs, prompts={f"j{i}": p for i, p in enumerate(ids)})
+
+    grid = {"edit": {"2": [[batch("off", plain), batch("ngram", forged)]]}}
+    diffs = differences(grid, {"2": [[batch("off", plain), batch("ngram", plain)]]})
+    assert [(d.workload, d.streams, d.method, d.job) for d in diffs] == [("edit", "2", "ngram",
+                                                                           "j1")]
+    (verdict,) = judge_differences(bench, off, diffs)
+    assert not verdict.near_tie and verdict.position == 4 and verdict.gap_reference > 1.0
+    assert_all_free(off)
