@@ -100,10 +100,12 @@ class BenchConfig(EngineConfig, QueueConfig):
     structured_temperature: float = 0.0
 
     # spec: speculation off / ngram / suffix on extraction, edit and chat jobs, alternated
-    # (bench/spec_scenario.py); rounds (batches per engine) per stream count, and more
-    # extraction rounds at spec_learning_streams so the suffix engine sees 50 jobs first
+    # (bench/spec_scenario.py); rounds (batches per engine) per stream count (the last value
+    # repeats past its end), and more extraction rounds at spec_learning_streams so the suffix
+    # engine sees 50 jobs first
     spec_streams: tuple[int, ...] = (1, 8, 64)
     spec_rounds: tuple[int, ...] = (2, 2, 1)
+    spec_workloads: tuple[str, ...] = ("extraction", "edit", "chat")
     spec_learning_streams: int = 8
     spec_learning_rounds: int = 8
     spec_max_tokens: int = 96
@@ -112,6 +114,10 @@ class BenchConfig(EngineConfig, QueueConfig):
     spec_disable_by_batch_size: int | None = None  # None: SpeculativeConfig's default
     # ngram forced on at every batch size vs off (where verification stops paying)
     spec_threshold_streams: tuple[int, ...] = (4, 16, 32)
+    spec_threshold_rounds: int = 1  # alternated off / forced-on rounds per stream count
+    # a differing greedy output is a near-tie flip only within this many logits, in the packed
+    # model and its fp32 twin alike (bench/spec_judge.py: NEAR_TIE_MARGIN, why this value)
+    spec_tie_margin: float = 0.025
 
     # queue: the throughput trace through Redis (worker subprocess + client), on QueueConfig's
     # redis_url (None: a private redis-server for the run) and a queue of the run's own

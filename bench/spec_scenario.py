@@ -10,19 +10,26 @@ three alike:
 - **edit**: "repeat this paragraph with every date in ISO format";
 - **chat**: open questions.
 
-All requests are greedy, so every engine must produce the same tokens (a difference is
-counted: a near-tie flip, see docs/engine.md). Per workload and stream count: decode tok/s
-(tokens after the last first token, over the time after it, like the decode sweep), the
-acceptance rate, and tokens per decode step per job (distinct step timestamps of its tokens: a
-machine-independent figure, the ceiling of the speed-up).
+All requests are greedy, so every engine must produce the same tokens. Each output that
+differs from off's is judged (bench/spec_judge.py): its first differing position recomputed
+through the packed model (speculation off, a one-token pass) and the dequantized fp32 twin, a
+near-tie flip only if both put the two tokens within ``spec_tie_margin`` logits, else an
+**unexplained difference** (the JSON's ``unexplained_differences``, a loud line in the report).
+Per workload and stream count: decode tok/s (tokens after the last first token, over the time
+after it, like the decode sweep), the acceptance rate, and tokens per decode step per job
+(distinct step timestamps of its tokens: a machine-independent figure, the ceiling of the
+speed-up).
 
 The extraction workload at ``spec_learning_streams`` runs ``spec_learning_rounds`` rounds, so
 the suffix engine, which drafts from earlier requests' outputs too, has seen 50 extraction jobs
 before the last rounds: its tokens per step on jobs 50 and later are compared with ngram's.
 
 ``spec_threshold_streams``: ngram with speculation forced on at every batch size against off,
-on the extraction workload, to find where verification rows stop paying (the measured
-``disable_by_batch_size``).
+on the extraction workload, ``spec_threshold_rounds`` alternated rounds each, to find where
+verification rows stop paying (the measured ``disable_by_batch_size``). ``spec_streams`` takes
+any list of stream counts (``spec_rounds`` pairs with it, its last value repeating), and
+``spec_workloads`` a subset of the workloads, so a sweep such as ``--set
+spec_streams=32,40,48,56,64 --set spec_workloads=extraction`` fits in one run.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedq.bench import driver
+from pagedq.bench import driver, spec_judge
 from pagedq.bench.context import BenchContext, Unavailable
 from pagedq.bench.structured_scenario import SCHEMA, SampledRequest, record
 from pagedq.logging import get_logger
@@ -109,6 +116,7 @@ class Batch:
     steps_per_job: dict[str, int]
     tokens_per_job: dict[str, int]
     outputs: dict[str, list[int]] = field(repr=False)
+    prompts: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
 
 def serve_batch(engine: Any, method: str, requests: list[SampledRequest]) -> Batch:
@@ -128,7 +136,8 @@ def serve_batch(engine: Any, method: str, requests: list[SampledRequest]) -> Bat
                  accepted=delta("spec_decode_num_accepted_tokens"),
                  steps_per_job={k: len(set(r.token_times)) for k, r in times.items()},
                  tokens_per_job={k: len(r.token_times) for k, r in times.items()},
-                 outputs=run.outputs)
+                 outputs=run.outputs,
+                 prompts={r.request_id: list(r.prompt_token_ids) for r in requests})
 
 
 def measure(bench: BenchContext) -> None:
@@ -138,19 +147,65 @@ def measure(bench: BenchContext) -> None:
     if load_tokenizer(bench.model_dir) is None:
         raise Unavailable("the spec workloads are chat prompts: this model has no tokenizer")
     c = bench.config
+    unknown = sorted(set(c.spec_workloads) - set(WORKLOADS))
+    if unknown:
+        raise ValueError(f"spec_workloads: unknown {unknown}; choose from {list(WORKLOADS)}")
     engines = build_engines(bench)
     grid: dict[str, dict[str, list[list[Batch]]]] = {}
-    for workload in WORKLOADS:
+    for workload in (w for w in WORKLOADS if w in c.spec_workloads):
         grid[workload] = {}
-        for streams, rounds in zip(c.spec_streams, c.spec_rounds, strict=True):
+        for streams in c.spec_streams:
+            rounds = rounds_for(c.spec_streams, c.spec_rounds, streams)
             if workload == "extraction" and streams == c.spec_learning_streams:
                 rounds = max(rounds, c.spec_learning_rounds)
             grid[workload][str(streams)] = run_rounds(bench, engines, workload, streams, rounds)
-    threshold = sweep_threshold(bench, engines["off"])
+    threshold, threshold_rounds = sweep_threshold(bench, engines["off"])
+    verdicts = judge_differences(bench, engines["off"], differences(grid, threshold_rounds))
     bench.results["spec"] = {"grid": grid, "threshold": threshold,
+                             "judged": [v.as_dict() for v in verdicts],
+                             "tie_margin": c.spec_tie_margin,
                              "suffix_stats": engines["suffix"].stats(),
                              "disable_by_batch_size": engines["ngram"].drafter.config
                              .disable_by_batch_size}
+
+
+def rounds_for(streams_list: tuple[int, ...], rounds_list: tuple[int, ...], streams: int) -> int:
+    """The rounds of ``streams``: ``spec_rounds`` pairs with ``spec_streams`` by position, its
+    last value repeating for stream counts past its end (so a sweep needs one value)."""
+    if not rounds_list:
+        return 1
+    i = streams_list.index(streams)
+    return rounds_list[min(i, len(rounds_list) - 1)]
+
+
+def differences(grid: dict[str, dict[str, list[list[Batch]]]],
+                threshold_rounds: dict[str, list[list[Batch]]]) -> list[spec_judge.Difference]:
+    """Every greedy job whose output differs from off's in the same round: the grid's cells
+    and the threshold sweep's (as workload ``threshold``)."""
+    cells = [(w, s, rounds) for w, per in grid.items() for s, rounds in per.items()]
+    cells += [("threshold", s, rounds) for s, rounds in threshold_rounds.items()]
+    out = []
+    for workload, streams, rounds in cells:
+        for batches in rounds:
+            off = next(b for b in batches if b.method == "off")
+            out += [spec_judge.Difference(workload, streams, b.method, job, off.prompts[job],
+                                          b.outputs[job], want)
+                    for b in batches if b.method != "off"
+                    for job, want in off.outputs.items() if b.outputs[job] != want]
+    return out
+
+
+def judge_differences(bench: BenchContext, off: Any,
+                      diffs: list[spec_judge.Difference]) -> list[spec_judge.Verdict]:
+    """The judge's verdict on every difference, against the off engine (idle now) and the
+    dequantized fp32 twin, built only when there is a difference to judge."""
+    def twin() -> Any:
+        longest = max(len(d.prompt) + len(d.want) for d in diffs)
+        log.info("spec judge: building the fp32 twin", differences=len(diffs))
+        return bench.engine(quantization="none", speculative_config=None, max_num_seqs=1,
+                            num_kv_blocks=bench.blocks_for(longest) + 2)
+
+    return spec_judge.judge_all(diffs, off, twin, bench.config.spec_tie_margin)
 
 
 def build_engines(bench: BenchContext) -> dict[str, Any]:
@@ -165,7 +220,7 @@ def build_engines(bench: BenchContext) -> dict[str, Any]:
 def spec_engine(bench: BenchContext, method: str | None, **spec: Any) -> Any:
     """An engine holding the largest batch the scenario runs, speculating with ``method``."""
     c = bench.config
-    top = max((*c.spec_streams, *c.spec_threshold_streams))
+    top = max((*c.spec_streams, *(c.spec_threshold_streams or ())))
     k = c.spec_num_speculative_tokens
     per_seq = bench.blocks_for(c.spec_prompt_tokens_max + c.spec_max_tokens + k + 1) + 1
     config = None if method is None else {"method": method, "num_speculative_tokens": k, **spec}
@@ -188,21 +243,33 @@ def run_rounds(bench: BenchContext, engines: dict[str, Any], workload: str, stre
     return out
 
 
-def sweep_threshold(bench: BenchContext, off: Any) -> list[dict[str, Any]]:
-    """Off against ngram with speculation at every batch size, one extraction batch each."""
+def sweep_threshold(bench: BenchContext,
+                    off: Any) -> tuple[list[dict[str, Any]], dict[str, list[list[Batch]]]]:
+    """Off against ngram with speculation at every batch size, on extraction batches,
+    ``spec_threshold_rounds`` rounds alternated per stream count: the rows and the batches
+    (whose differing outputs the judge sees)."""
     c = bench.config
     if not c.spec_threshold_streams:
-        return []
+        return [], {}
     forced = spec_engine(bench, "ngram", disable_by_batch_size=NEVER_OFF)
-    rows = []
+    rows, batches = [], {}
     for streams in c.spec_threshold_streams:
-        reqs = jobs(off, "extraction", streams, c.seed + 7 + streams, c.spec_max_tokens,
-                    f"spec-threshold-{streams}")
-        a, b = serve_batch(off, "off", reqs), serve_batch(forced, "ngram", reqs)
-        rows.append({"streams": streams, "off_tok_s": rate([a]), "ngram_tok_s": rate([b]),
-                     "ratio": rate([b]) / rate([a]), "acceptance_rate": acceptance([b]),
-                     "identical": a.outputs == b.outputs})
-    return rows
+        rounds = []
+        for r in range(max(1, c.spec_threshold_rounds)):
+            reqs = jobs(off, "extraction", streams, c.seed + 7 + streams + 1000 * r,
+                        c.spec_max_tokens, f"spec-threshold-{streams}-{r}")
+            rounds.append([serve_batch(off, "off", reqs), serve_batch(forced, "ngram", reqs)])
+        batches[str(streams)] = rounds
+        m = by_method(rounds)
+        rows.append({"streams": streams, "rounds": len(rounds), "off_tok_s": rate(m["off"]),
+                     "ngram_tok_s": rate(m["ngram"]), "ratio": rate(m["ngram"]) / rate(m["off"]),
+                     "round_ratios": [rate([b]) / rate([a]) for a, b in rounds],
+                     "acceptance_rate": acceptance(m["ngram"]),
+                     "tokens_per_step": tokens_per_step(m["ngram"]),
+                     "identical": all(a.outputs == b.outputs for a, b in rounds),
+                     "differing": flips(rounds).get("ngram", 0)})
+        log.info("spec threshold", streams=streams, ratio=round(rows[-1]["ratio"], 3))
+    return rows, batches
 
 
 # -- figures ------------------------------------------------------------------------------------
@@ -248,11 +315,23 @@ def flips(rounds: list[list[Batch]]) -> dict[str, int]:
     return out
 
 
+def judged_outputs(rounds: list[list[Batch]], verdicts: list[dict[str, Any]], workload: str,
+                   streams: str) -> dict[str, dict[str, int]]:
+    """Per method: requests, identical, near-tie flips and unexplained differences in one cell
+    (a difference the judge did not see counts as unexplained)."""
+    requests = sum(len(b.outputs) for batches in rounds for b in batches if b.method == "off")
+    return {method: spec_judge.tally(
+                [v for v in verdicts if (v["workload"], v["streams"], v["method"])
+                 == (workload, streams, method)], requests, differing)
+            for method, differing in flips(rounds).items()}
+
+
 def figures(results: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Per workload and stream count: tok/s, ratio to off, acceptance, tokens per step, flips;
-    the learning comparison; the threshold sweep; each target's verdict."""
+    """Per workload and stream count: tok/s, ratio to off, acceptance, tokens per step, output
+    differences judged; the learning comparison; the threshold sweep; each target's verdict."""
     if not results:
         return None
+    verdicts = results.get("judged") or []
     cells: dict[str, dict[str, Any]] = {}
     for workload, per_streams in results["grid"].items():
         cells[workload] = {}
@@ -265,12 +344,38 @@ def figures(results: dict[str, Any] | None) -> dict[str, Any] | None:
                 "ratio": {k: rate(v) / off for k, v in m.items() if k != "off"},
                 "acceptance_rate": {k: acceptance(v) for k, v in m.items() if k != "off"},
                 "tokens_per_step": {k: tokens_per_step(v) for k, v in m.items()},
-                "outputs_differ": flips(rounds)}
-    return {"cells": cells, "learning": learning(results), "threshold": results["threshold"],
+                "outputs_differ": flips(rounds),
+                "outputs": judged_outputs(rounds, verdicts, workload, streams)}
+    threshold = [{**row, "outputs": threshold_outputs(row, verdicts)}
+                 for row in results["threshold"]]
+    return {"cells": cells, "learning": learning(results), "threshold": threshold,
             "disable_by_batch_size": results.get("disable_by_batch_size"),
             "suffix_stats": {k: v for k, v in (results.get("suffix_stats") or {}).items()
                              if k.startswith("spec_")},
-            "targets": TARGETS, "met": verdicts(cells, learning(results))}
+            **judgement(cells, threshold, verdicts, results.get("tie_margin")),
+            "targets": TARGETS, "met": verdicts_met(cells, learning(results))}
+
+
+def threshold_outputs(row: dict[str, Any], verdicts: list[dict[str, Any]]) -> dict[str, int]:
+    """The threshold row's differences (ngram forced on against off), judged."""
+    mine = [v for v in verdicts if (v["workload"], v["streams"]) == ("threshold",
+                                                                      str(row["streams"]))]
+    requests = row["streams"] * row.get("rounds", 1)
+    return spec_judge.tally(mine, requests, row.get("differing", len(mine)))
+
+
+def judgement(cells: dict[str, Any], threshold: list[dict[str, Any]],
+              verdicts: list[dict[str, Any]], margin: float | None) -> dict[str, Any]:
+    """The run's totals: greedy requests compared with off, near-tie flips, and
+    ``unexplained_differences`` (the count the issue's exactness promise needs at 0), with
+    every judged difference listed."""
+    tallies = [t for per in cells.values() for cell in per.values()
+               for t in cell["outputs"].values()] + [row["outputs"] for row in threshold]
+    return {"compared_requests": sum(t["requests"] for t in tallies),
+            "near_tie_flips": sum(t["near_tie_flips"] for t in tallies),
+            "unexplained_differences": sum(t["unexplained"] for t in tallies),
+            "tie_margin": margin, "tie_reference": spec_judge.REFERENCE,
+            "differences": verdicts}
 
 
 def learning(results: dict[str, Any]) -> dict[str, Any] | None:
@@ -291,7 +396,7 @@ def learning(results: dict[str, Any]) -> dict[str, Any] | None:
                for m in ("ngram", "suffix")}}
 
 
-def verdicts(cells: dict[str, Any], learned: dict[str, Any] | None) -> dict[str, bool | None]:
+def verdicts_met(cells: dict[str, Any], learned: dict[str, Any] | None) -> dict[str, bool | None]:
     """Each target per method: 1 and 8 streams on extraction and edit, 64 streams everywhere,
     chat at every stream count, suffix >= ngram on extraction from the 50th job."""
     met: dict[str, bool | None] = {}
@@ -308,6 +413,29 @@ def verdicts(cells: dict[str, Any], learned: dict[str, Any] | None) -> dict[str,
     return met
 
 
+def _outputs(t: dict[str, int] | None) -> str:
+    if not t:
+        return "-"
+    return f"{t['identical']} / {t['near_tie_flips']} / {t['unexplained']}"
+
+
+def judgement_line(figs: dict[str, Any]) -> str:
+    """The exactness verdict: loud when any greedy output differs from off's unexplained."""
+    n, flips = figs.get("compared_requests", 0), figs.get("near_tie_flips", 0)
+    bad = figs.get("unexplained_differences", 0)
+    margin = f"{figs['tie_margin']:g}" if figs.get("tie_margin") is not None else "?"
+    head = (f"Outputs against off: {n} greedy requests compared, {flips} near-tie flips "
+            f"(both candidate tokens within {margin} logits in the packed model and its fp32 "
+            f"twin)")
+    if not bad:
+        return head + ", **0 unexplained differences**."
+    where = "; ".join(f"{v['workload']} {v['streams']} streams {v['method']} job {v['job']} "
+                      f"at token {v['position']}: {v['why']}"
+                      for v in figs.get("differences", []) if not v["near_tie"])
+    return (head + f". **UNEXPLAINED DIFFERENCES: {bad}** (speculation changed a greedy output "
+            f"beyond a near-tie: a bug until explained): {where or 'not judged'}.")
+
+
 def _f(v: Any, digits: int = 3) -> str:
     return "-" if v is None else (f"{v:.{digits}g}" if isinstance(v, float) else str(v))
 
@@ -318,7 +446,8 @@ def markdown(figs: dict[str, Any] | None) -> str:
     if not figs:
         return ""
     lines = ["| workload | streams | tok/s off | ngram (x off) | suffix (x off) | acceptance "
-             "ngram / suffix | tokens/step off / ngram / suffix | target | outputs differ |",
+             "ngram / suffix | tokens/step off / ngram / suffix | target | outputs vs off: identical "
+             "/ near-tie flips / unexplained, ngram; suffix |",
              "|---|---|---|---|---|---|---|---|---|"]
     for workload, per_streams in figs["cells"].items():
         for streams, cell in per_streams.items():
@@ -331,8 +460,8 @@ def markdown(figs: dict[str, Any] | None) -> str:
                 f"{_f(acc['ngram'], 2)} / {_f(acc['suffix'], 2)} | "
                 + " / ".join(_f(tps[m], 3) for m in METHODS)
                 + f" | {'>= ' + str(bar) + 'x' if bar else '-'} | "
-                f"{cell['outputs_differ'].get('ngram', 0)} / "
-                f"{cell['outputs_differ'].get('suffix', 0)} of {cell['jobs']} |")
+                + "; ".join(_outputs(cell["outputs"].get(m)) for m in METHODS[1:])
+                + f" (of {cell['jobs']}) |")
     learned = figs.get("learning") or {}
     if "suffix_tokens_per_step" in learned:
         lines += ["", f"Extraction jobs {learned['from_job']}..{learned['jobs'] - 1} (after the "
@@ -341,10 +470,13 @@ def markdown(figs: dict[str, Any] | None) -> str:
                   f"{_f(learned['suffix_tokens_per_step'])}."]
     if figs.get("threshold"):
         lines += ["", "| streams (ngram forced on) | tok/s off | tok/s ngram | ratio | "
-                  "acceptance | outputs identical |", "|---|---|---|---|---|---|"]
+                  "ratio per round | acceptance | tokens/step | outputs vs off |",
+                  "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['streams']} | {_f(r['off_tok_s'])} | {_f(r['ngram_tok_s'])} | "
-                  f"{_f(r['ratio'])} | {_f(r['acceptance_rate'], 2)} | {r['identical']} |"
-                  for r in figs["threshold"]]
+                  f"{_f(r['ratio'])} | {', '.join(_f(x) for x in r.get('round_ratios', []))} | "
+                  f"{_f(r['acceptance_rate'], 2)} | {_f(r.get('tokens_per_step'))} | "
+                  f"{_outputs(r.get('outputs'))} |" for r in figs["threshold"]]
+    lines += ["", judgement_line(figs)]
     met = figs.get("met") or {}
     lines += ["", "Targets: " + "; ".join(
         f"{k} {'met' if v else 'NOT met'}" for k, v in met.items() if v is not None) + "."]
