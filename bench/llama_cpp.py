@@ -87,8 +87,10 @@ class LlamaCpp:
         proc = subprocess.run([self.exe("llama-server"), "--version"], capture_output=True,
                               text=True, timeout=60)
         lines = (proc.stdout + proc.stderr).strip().splitlines()
-        return next((ln.strip() for ln in lines if ln.startswith("version")), lines[-1] if lines
-                    else "unknown")
+        version = next((ln.strip() for ln in lines if ln.startswith("version")),
+                       lines[-1] if lines else "unknown")
+        info = self.bin_dir / "BUILD_INFO"  # written by scripts/build-llama-cpp.sh: which ISA
+        return f"{version}; {info.read_text().strip()}" if info.is_file() else version
 
 
 def f32_gguf(cpp: LlamaCpp, source: Path, cache: Path) -> Path:

