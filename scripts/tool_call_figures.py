@@ -120,31 +120,31 @@ def throughput(engine: Engine, n: int, pairs: int, max_tokens: int) -> None:
 
 
 def ttft(engine: Engine, pairs: int) -> None:
-    """Median time to first token of one tools chat: new tool set, cached one, plain chat."""
+    """Median time to first token of one chat: with a new tool set, a cached one, the same
+    tools' prompt uncached (grammar compiled), and without tools (cached and not)."""
     ask = [{"role": "user", "content": QUESTIONS[0]}]
-    times: dict[str, list[float]] = {"new tools": [], "cached tools": [],
-                                     "tools prompt not cached": [], "chat": []}
+    plain = SamplingParams(temperature=0.0, max_tokens=1)
+    times: dict[str, list[float]] = {}
     for pair in range(pairs):
         tools = [{**WEATHER, "function": {**WEATHER["function"],
                                           "description": f"The weather in a city ({pair})."}},
                  ADD, {**ORDER, "function": {**ORDER["function"], "name": f"order_{pair}"}}]
-        spec = {"tools": tools, "tool_choice": "required"}
-        params = SamplingParams(temperature=0.0, max_tokens=1,
-                                structured_outputs={"tools": spec})
-        times["new tools"].append(first_token_s(engine, ask, params))
-        times["cached tools"].append(first_token_s(engine, ask, params))
-        engine.reset_prefix_cache()  # the same tools' prompt again, its grammar compiled
-        times["tools prompt not cached"].append(first_token_s(engine, ask, params))
-        times["chat"].append(first_token_s(engine, ask, SamplingParams(temperature=0.0,
-                                                                       max_tokens=1)))
-    med = {m: statistics.median(t) for m, t in times.items()}
-    print(json.dumps({"pairs": pairs, **{f"{m} ttft ms": round(1000 * v, 1)
-                                         for m, v in med.items()},
-                      "added ttft new tools ms": round(1000 * (med["new tools"] - med["chat"]), 1),
-                      "added ttft cached tools ms": round(
-                          1000 * (med["cached tools"] - med["chat"]), 1),
+        params = SamplingParams(temperature=0.0, max_tokens=1, structured_outputs={
+            "tools": {"tools": tools, "tool_choice": "required"}})
+        for mode, reset, p in (("chat not cached", True, plain), ("chat", False, plain),
+                               ("new tools", False, params), ("cached tools", False, params),
+                               ("tools prompt not cached", True, params)):
+            if reset:
+                engine.reset_prefix_cache()
+            times.setdefault(mode, []).append(first_token_s(engine, ask, p))
+    med = {m: 1000 * statistics.median(t) for m, t in times.items()}
+    print(json.dumps({"pairs": pairs, **{f"{m} ttft ms": round(v, 1) for m, v in med.items()},
+                      "added ttft new tools ms": round(med["new tools"] - med["chat not cached"],
+                                                       1),
+                      "added ttft cached tools ms": round(med["cached tools"] - med["chat"], 1),
                       "added ttft tools prompt not cached ms": round(
-                          1000 * (med["tools prompt not cached"] - med["chat"]), 1)}), flush=True)
+                          med["tools prompt not cached"] - med["chat not cached"], 1)}),
+          flush=True)
 
 
 def first_token_s(engine: Engine, ask: list[dict], params: SamplingParams) -> float:
