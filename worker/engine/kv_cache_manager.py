@@ -37,19 +37,33 @@ class KVCacheManager:
         if not self.enable_prefix_caching or seq.block_table:
             return [], []
         bs = self.block_size
+        chain = self.hash_chain(seq, self.num_matchable_blocks(seq))
         blocks: list[int] = []
-        hashes: list[int] = []
-        parent: int | None = None
-        for i in range((seq.num_tokens - 1) // bs):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = hash_block(parent, tokens)
-            block_id = self.pool.lookup(h, tokens)
+        for i, h in enumerate(chain):
+            block_id = self.pool.lookup(h, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             if block_id is None:
                 break
             blocks.append(block_id)
-            hashes.append(h)
-            parent = h
-        return blocks, hashes
+        return blocks, chain[:len(blocks)]
+
+    def num_matchable_blocks(self, seq: Sequence) -> int:
+        """Full blocks a fresh sequence could take from the cache: all but the last token's."""
+        return (seq.num_tokens - 1) // self.block_size
+
+    def hash_chain(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The chained hashes of ``seq``'s first ``num_blocks`` full blocks of known tokens.
+
+        Kept on the sequence (``token_block_hashes``) so a request waiting through many steps
+        hashes its prompt once; token ids are only ever appended, except when a resumed
+        sequence is replayed, so entries past the current full blocks are dropped first.
+        """
+        bs = self.block_size
+        chain = seq.token_block_hashes
+        del chain[seq.num_tokens // bs:]
+        for i in range(len(chain), min(num_blocks, seq.num_tokens // bs)):
+            chain.append(hash_block(chain[i - 1] if i else None,
+                                    tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+        return chain[:num_blocks]
 
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_query_tokens

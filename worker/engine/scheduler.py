@@ -8,6 +8,11 @@ budget, sequence slots and KV blocks last. When blocks run out the lowest-priori
 recently admitted running sequence is preempted: its blocks are freed and it is recomputed later
 (it keeps its generated tokens, so its output does not change).
 
+A waiting sequence whose next prompt blocks a running sequence is computing right now (same
+chained block hashes, not cached yet) is held back until that sequence's step commits them, and
+then admitted with them as prefix hits: N requests arriving together with one long prefix
+compute it once, not N times (shared_prefix.py says why this cannot deadlock or starve).
+
 With speculative decoding a decoding sequence may get a draft (drafts.py): 1 + k tokens of the
 budget instead of 1. A draft never preempts anyone: when its slots do not fit, the sequence
 decodes plainly this step.
@@ -22,6 +27,7 @@ from typing import TYPE_CHECKING
 from pagedq.worker.config import EngineConfig
 from pagedq.worker.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedq.worker.engine.sequence import SeqStatus, Sequence
+from pagedq.worker.engine.shared_prefix import InflightBlocks
 
 if TYPE_CHECKING:
     from pagedq.worker.engine.drafts import Drafter
@@ -57,6 +63,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
         self._admissions = 0
+        # hold back waiters whose prefix a running sequence is computing (only useful, and
+        # only sound, with the prefix cache: the held request must find the blocks there)
+        self.share_inflight_prefixes = kv.enable_prefix_caching
+        self.num_prefix_holds = 0  # waiting sequences x steps held back for a shared prefix
 
     # -- queue management -----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -93,7 +103,7 @@ class Scheduler:
 
     def stats(self) -> dict[str, int]:
         return {"running": len(self.running), "waiting": len(self.waiting),
-                "preemptions": self.num_preemptions}
+                "preemptions": self.num_preemptions, "prefix_holds": self.num_prefix_holds}
 
     # -- the step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -147,10 +157,20 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences in order while budget, slots and blocks last; one held back
+        for a shared prefix keeps its place and the next one is considered."""
         bs = self.kv.block_size
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        inflight = (InflightBlocks.of(self.kv, self.running) if self.share_inflight_prefixes
+                    else None)
+        held = 0  # waiting sequences skipped this step, at the head of the queue
+        while (held < len(self.waiting) and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[held]
             hit = self.kv.match_prefix(seq)
+            if inflight is not None and inflight.producer_for(seq, len(hit[0])) is not None:
+                held += 1
+                self.num_prefix_holds += 1
+                continue
             hit_tokens = len(hit[0]) * bs
             remaining = seq.num_tokens - max(hit_tokens, seq.num_computed_tokens)
             num_new = self._chunk(remaining, budget)
@@ -162,13 +182,15 @@ class Scheduler:
                 self.kv.record_prefix_query(seq.num_tokens, hit_tokens)
             if seq.request.num_cached_tokens == 0 and seq.num_preemptions == 0:
                 seq.request.num_cached_tokens = hit_tokens
-            self.waiting.pop(0)
+            self.waiting.pop(held)
             seq.status = SeqStatus.RUNNING
             seq.admitted_at = self._admissions
             self._admissions += 1
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
+            if inflight is not None:
+                inflight.add(seq)
 
     def _pick_victim(self) -> Sequence:
         """Lowest priority first, then the most recently admitted."""

@@ -106,6 +106,9 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    # chained hashes of the full blocks of token_ids, computed or not (KVCacheManager.hash_chain
+    # fills it lazily; it survives preemption, as the tokens do)
+    token_block_hashes: list[int] = field(default_factory=list)
     # the scheduler's admission count when this sequence last entered the running set; the
     # highest (most recently admitted) is preempted first, losing the least computed work
     admitted_at: int = -1
