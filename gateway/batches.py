@@ -70,9 +70,15 @@ class BatchDriver:
         self.name = f"gateway-{uuid.uuid4().hex[:12]}"
         self._inputs: dict[str, list[bytes]] = {}
         self._failures: dict[str, int] = {}  # batch -> passes in a row whose driving raised
+        self._stopping = False
+
+    def stop(self) -> None:
+        """End ``run`` after its current pass: the gateway's stop does not rest on the cancel
+        alone, which Python 3.11 can lose inside a Redis command (state.py, _stop_tasks)."""
+        self._stopping = True
 
     async def run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self.tick()
             except asyncio.CancelledError:

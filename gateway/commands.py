@@ -86,17 +86,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.warning("no API key configured: anyone who can reach the gateway may use it; set "
                     "--api-key or $PAGEDQ_API_KEY")
     engine = engine_config(args)
+    refusal = https_refusal(config)
+    if refusal is not None:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
+    scheme = "https" if config.ssl_certfile else "http"
     with queue_stack(config.redis_url, config.queue, config.prefix, to_flags(engine),
                      model=engine.model) as url:
-        log.info("gateway listening", url=f"http://{config.host}:{config.port}/v1",
+        log.info("gateway listening", url=f"{scheme}://{config.host}:{config.port}/v1",
                  queue=config.queue)
         uvicorn.run(create_app(config, url), host=config.host, port=config.port,
+                    ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile,
                     loop=_loop(), log_level=args.log_level.lower(),
                     http=timed_protocol(config.timeout_header, config.timeout_body),
                     access_log=False, timeout_graceful_shutdown=5,
                     limit_concurrency=config.limit_concurrency,
                     timeout_keep_alive=config.timeout_keep_alive)
     return 0
+
+
+def https_refusal(config: GatewayConfig) -> str | None:
+    """Why the HTTPS flags cannot serve (one without the other, an unreadable or mismatched
+    pair), checked before any process starts; None when they can (or HTTPS is off)."""
+    import ssl
+
+    cert, key = config.ssl_certfile, config.ssl_keyfile
+    if not cert and not key:
+        return None
+    if not (cert and key):
+        return "--ssl-certfile and --ssl-keyfile go together: give both to serve HTTPS"
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        return (f"cannot serve HTTPS with --ssl-certfile {cert} and --ssl-keyfile {key}: {exc} "
+                "(both PEM; the key must be the certificate's, unencrypted)")
+    return None
 
 
 def cmd_batch(args: argparse.Namespace) -> int:

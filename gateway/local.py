@@ -16,13 +16,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from pagedq.embedded_redis import (
-    EmbeddedRedis,
-    advertise,
-    detach_child,
-    find_advertised,
-    withdraw,
-)
+from pagedq.embedded_redis import EmbeddedRedis, advertised, detach_child, find_advertised
 from pagedq.logging import get_logger
 from pagedq.processes import stop_process
 from pagedq.redis_url import resolve_redis_url
@@ -56,12 +50,3 @@ def queue_stack(redis_url: str | None, queue: str, prefix: str,
             yield server.url
         finally:
             stop_process(worker)
-
-
-@contextmanager
-def advertised(server: EmbeddedRedis) -> Iterator[None]:
-    path = advertise(server)
-    try:
-        yield
-    finally:
-        withdraw(path)

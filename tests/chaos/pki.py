@@ -1,5 +1,9 @@
 """A throw-away PKI for the TLS tests: a self-signed CA, a server certificate for 127.0.0.1,
-a client certificate (mutual TLS), and an unrelated CA that signed nothing of ours."""
+a client certificate (mutual TLS), and an unrelated CA that signed nothing of ours.
+
+Fixtures (a plugin of tests/conftest.py: every test module has them): ``pki`` (per module)
+and ``tls_server``, a factory of TLS-only redis-servers with that PKI
+(``tls_server(verify_clients=True)`` for mutual TLS)."""
 
 from __future__ import annotations
 
@@ -8,10 +12,13 @@ import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+
+from tests.chaos.servers import RedisServer
 
 
 @dataclass
@@ -63,3 +70,22 @@ def make_pki(folder: Path) -> PKI:
     _write(folder / "client.crt", client, client_key)
     return PKI(_write(folder / "ca.crt", ca), folder / "server.crt", folder / "server.key",
                folder / "client.crt", folder / "client.key", _write(folder / "other.crt", other))
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture
+def tls_server(tmp_path, pki):
+    def start(verify_clients: bool) -> RedisServer:
+        return RedisServer(tmp_path / "redis-tls", [
+            "--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key),
+            "--tls-ca-cert-file", str(pki.ca),
+            "--tls-auth-clients", "yes" if verify_clients else "no"], tls=True).start()
+
+    servers = []
+    yield lambda verify_clients=False: servers.append(start(verify_clients)) or servers[-1]
+    for server in servers:
+        server.stop()

@@ -7,6 +7,7 @@ test needs raw SSE bytes or odd requests).
 from __future__ import annotations
 
 import os
+import ssl
 import subprocess
 import sys
 import threading
@@ -63,20 +64,23 @@ def serve(redis_url: str, **overrides) -> Iterator[Gateway]:
         thread.join(30)
 
 
-def spawn_gateway(redis_url: str, log_path, *flags: str) -> tuple[subprocess.Popen, str]:
-    """``pagedq serve`` as a process (for tests that SIGKILL the gateway)."""
+def spawn_gateway(redis_url: str, log_path, *flags: str,
+                  ca: str | None = None) -> tuple[subprocess.Popen, str]:
+    """``pagedq serve`` as a process (for tests that SIGKILL the gateway). ``ca``: it serves
+    HTTPS (``flags`` hold --ssl-certfile/--ssl-keyfile) with a certificate this CA signed."""
     port = free_port()
     cmd = [sys.executable, "-m", "pagedq.worker.cli", "serve", "--redis-url", redis_url,
            "--port", str(port), "--log-level", "WARNING", *flags]
     proc = subprocess.Popen(cmd, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
                             env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
+    base = f"{'https' if ca else 'http'}://127.0.0.1:{port}"
+    verify = ssl.create_default_context(cafile=ca) if ca else True
     end = time.monotonic() + 60
     while True:
         assert proc.poll() is None, f"the gateway exited with {proc.returncode}"
         assert time.monotonic() < end, "the gateway did not start"
         try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
+            if httpx.get(base + "/health", timeout=1, verify=verify).status_code == 200:
                 return proc, base
         except httpx.HTTPError:
             pass

@@ -4,6 +4,8 @@ and worker; no route may answer 5xx, whatever it is sent."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -16,6 +18,8 @@ from tests.gateway.harness import serve  # noqa: E402
 SCHEMA = schemathesis.openapi.from_dict(create_app(GatewayConfig(api_keys=()), "redis://-")
                                         .openapi())
 TRIED: list[str] = []
+# examples per operation: the suite's budget; a longer run sets $PAGEDQ_FUZZ_EXAMPLES
+EXAMPLES = int(os.environ.get("PAGEDQ_FUZZ_EXAMPLES", "25"))
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +30,7 @@ def fuzz_gateway(redis_url, queue, tiny_worker):
 
 
 @SCHEMA.parametrize()
-@settings(max_examples=25, deadline=None, derandomize=True,
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 def test_no_route_answers_5xx(case, fuzz_gateway):
     response = case.call(base_url=fuzz_gateway.base, timeout=120)
@@ -36,4 +40,5 @@ def test_no_route_answers_5xx(case, fuzz_gateway):
 
 def test_report_examples_tried():
     """How many requests the run above sent (the figure in docs/operations.md)."""
-    print(f"schemathesis: {len(TRIED)} requests over {len(set(TRIED))} operations, 0 5xx")
+    print(f"schemathesis: {len(TRIED)} requests over {len(set(TRIED))} operations at "
+          f"{EXAMPLES} examples each, 0 5xx")

@@ -115,3 +115,21 @@ def test_a_flood_meets_maxmemory_and_never_evicts_a_queue_key():
         assert r.xlen("pagedq:q:default:normal") == 1 and r.get("pagedq:lease:w1") == b"held"
         assert r.info("stats")["evicted_keys"] == 0
         r.close()
+
+
+def test_a_second_embedded_redis_never_displaces_a_live_advertisement(tmp_path):
+    """`pagedq demo` (or `serve`) beside a running `pagedq worker`: the worker's advertisement
+    stays, and the newcomer's stop withdraws nothing; alone, the newcomer is advertised."""
+    from pagedq.embedded_redis import advertised
+
+    path = tmp_path / "embedded-redis.json"
+    with EmbeddedRedis.start(unix_socket=True) as first, \
+            EmbeddedRedis.start(unix_socket=True) as second:
+        with advertised(first, path) as written:
+            assert written == path and find_advertised(path) == first.url
+            with advertised(second, path) as displaced:
+                assert displaced is None and find_advertised(path) == first.url
+            assert find_advertised(path) == first.url
+        assert not path.exists()
+        with advertised(second, path):
+            assert find_advertised(path) == second.url

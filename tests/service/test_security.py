@@ -18,7 +18,6 @@ from pagedq.client.acl import acl_rule
 from pagedq.client.protocol import F_ID, F_PAYLOAD, PROTOCOL_VERSION, Keys
 from pagedq.worker.config import WorkerConfig
 from pagedq.worker.service.worker import Worker
-from tests.chaos.pki import make_pki
 from tests.chaos.servers import RedisServer
 from tests.service.harness import ENGINE, running_worker
 
@@ -116,25 +115,6 @@ def test_acl_users_confine_each_tenant_to_its_prefix(auth_server, model, referen
     assert run_worker_once(f"redis://narrow:n-pw@127.0.0.1:{auth_server.port}/0", model) == 1
     one_clear_line(logs.read(), "Redis denied a command", "operations.md")
     admin.close()
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture
-def tls_server(tmp_path, pki):
-    def start(verify_clients: bool) -> RedisServer:
-        return RedisServer(tmp_path / "redis-tls", [
-            "--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key),
-            "--tls-ca-cert-file", str(pki.ca),
-            "--tls-auth-clients", "yes" if verify_clients else "no"], tls=True).start()
-
-    servers = []
-    yield lambda verify_clients=False: servers.append(start(verify_clients)) or servers[-1]
-    for server in servers:
-        server.stop()
 
 
 def test_tls_with_a_private_ca_and_mutual_tls(tls_server, pki, model, reference, logs):

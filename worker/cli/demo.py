@@ -1,6 +1,11 @@
 """``pagedq demo``: an embedded Redis, one worker in this process, and a few prompts streamed
 through the queue at once, so continuous batching is visible: the answers grow side by side
-while the KV cache fills and empties."""
+while the KV cache fills and empties.
+
+The Redis is the one ``pagedq worker`` and ``serve`` start (pagedq/embedded_redis.py): a unix
+socket in a directory only this user can enter, a password, ``maxmemory`` with noeviction; no
+TCP port. It is advertised while the demo runs (unless a worker's already is), so
+`pagedq stats` or ``Client()`` in another terminal find it."""
 
 from __future__ import annotations
 
@@ -15,8 +20,9 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from pagedq.client import Client
-from pagedq.embedded_redis import EmbeddedRedis
+from pagedq.embedded_redis import EmbeddedRedis, advertised
 from pagedq.errors import PagedQError
+from pagedq.redact import redact_url
 from pagedq.worker.cli.console import (
     PROMPT_HELP,
     add_log_level_flag,
@@ -81,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
     except PagedQError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    with EmbeddedRedis.start() as server:
-        print(f"embedded redis-server listening on {server.url}", flush=True)
+    with EmbeddedRedis.start(unix_socket=True) as server, advertised(server) as found_at:
+        print(f"embedded redis-server on {redact_url(server.url)}" + (
+            " (`pagedq stats` in another terminal finds it)" if found_at else ""), flush=True)
         worker, thread = start_worker(server.url, engine)
         if worker is None:
             return 1

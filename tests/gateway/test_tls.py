@@ -1,0 +1,66 @@
+"""The gateway's TLS, both sides, for real: HTTPS to its clients (``--ssl-certfile`` and
+``--ssl-keyfile``; the client trusts a private CA) and ``rediss://`` with mutual TLS to its Redis
+(``--redis-ca``, ``--redis-cert``, ``--redis-key``), against the system's redis-server 7 on its
+``--tls-port`` (tests/chaos/pki.py: the PKI and the server; skipped, saying why, without one)."""
+
+from __future__ import annotations
+
+import signal
+import ssl
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from tests.gateway.harness import httpx, spawn_gateway
+from tests.service.harness import running_worker
+
+
+def test_https_to_clients_and_mutual_tls_to_redis(tls_server, pki, tiny_model, tiny_id, queue,
+                                                  tmp_path):
+    """A chat answered through an HTTPS gateway whose Redis wants a client certificate; a client
+    trusting another CA, and plain HTTP to the HTTPS port, get no answer."""
+    server = tls_server(verify_clients=True)
+    files = {"redis_ca": str(pki.ca), "redis_cert": str(pki.client_cert),
+             "redis_key": str(pki.client_key)}
+    flags = ["--queue", queue, *(f"--{k.replace('_', '-')}={v}" for k, v in files.items()),
+             "--ssl-certfile", str(pki.server_cert), "--ssl-keyfile", str(pki.server_key)]
+    with running_worker(server.url, tiny_model, f"{queue}-w", queue=queue, **files):
+        proc, base = spawn_gateway(server.url, tmp_path / "gateway.log", *flags, ca=str(pki.ca))
+        try:
+            assert base.startswith("https://")
+            trusting = httpx.Client(verify=ssl.create_default_context(cafile=str(pki.ca)))
+            client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0,
+                                   http_client=trusting)
+            answer = client.chat.completions.create(
+                model=tiny_id, messages=[{"role": "user", "content": "Hello"}], max_tokens=4,
+                temperature=0, extra_body={"ignore_eos": True})
+            assert answer.usage.completion_tokens == 4 and answer.choices[0].message.content
+            stranger = httpx.Client(verify=ssl.create_default_context(cafile=str(pki.other_ca)))
+            with pytest.raises(openai.APIConnectionError):
+                openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0,
+                              http_client=stranger).models.list()
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(base.replace("https://", "http://") + "/health", timeout=10)
+            trusting.close()
+            stranger.close()
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    log = (tmp_path / "gateway.log").read_text()
+    assert proc.returncode == -signal.SIGTERM and "Traceback" not in log, log[-2000:]
+
+
+@pytest.mark.parametrize("case", ["certificate alone", "key alone", "the wrong key"])
+def test_https_flags_that_cannot_serve_are_a_usage_error(pki, case):
+    """Checked before anything starts: exit 2 and one line saying what to give."""
+    cert, key = str(pki.server_cert), str(pki.server_key)
+    given = {"certificate alone": ["--ssl-certfile", cert],
+             "key alone": ["--ssl-keyfile", key],
+             "the wrong key": ["--ssl-certfile", cert, "--ssl-keyfile", str(pki.client_key)]}
+    done = subprocess.run([sys.executable, "-m", "pagedq.worker.cli", "serve", "--redis-url",
+                           "redis://127.0.0.1:9/0", *given[case]], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--ssl-certfile" in done.stderr and "--ssl-keyfile" in done.stderr
