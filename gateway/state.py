@@ -19,6 +19,7 @@ from typing import Any
 import redis.asyncio as aredis
 from starlette.requests import Request
 
+from pagedq.cancel import stop_tasks
 from pagedq.client import AsyncClient
 from pagedq.gateway.batch_store import BatchStore
 from pagedq.gateway.batches import BatchDriver
@@ -33,7 +34,6 @@ from pagedq.worker.config import GatewayConfig
 
 log = get_logger("pagedq.gateway")
 CLOSE_TIMEOUT_S = 5.0  # the bound on each step of a stop: a safety net, never the normal path
-RECANCEL_S = 0.05  # how often a background task still running at a stop is cancelled again
 
 
 @dataclass
@@ -87,19 +87,9 @@ class Gateway:
             log.warning("the Redis connections did not close in time")
 
     async def _stop_tasks(self) -> None:
-        """Cancel the background tasks, and again every RECANCEL_S while one still runs.
-
-        One cancel is not enough on Python 3.11: redis-py wraps each command's write in
-        ``asyncio.wait_for`` (the socket timeout), and 3.11's wait_for drops a cancel that
-        lands in the loop turn the write completes (CPython bpo-42130, fixed in 3.12). The
-        batch driver, polling Redis, lost its cancel that way and ran on until the bound."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + CLOSE_TIMEOUT_S
-        pending = set(self.tasks)
-        while pending and loop.time() < deadline:
-            for task in pending:
-                task.cancel()
-            _, pending = await asyncio.wait(pending, timeout=RECANCEL_S)
+        """Cancel the background tasks until they end (pagedq.cancel: one cancel is not enough
+        on Python 3.11; the batch driver, polling Redis, lost its cancel and ran on)."""
+        pending = await stop_tasks(self.tasks, CLOSE_TIMEOUT_S)
         if pending:
             log.warning("background tasks did not stop", tasks=len(pending))
 

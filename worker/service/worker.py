@@ -33,6 +33,7 @@ from typing import Any
 
 from redis.exceptions import NoPermissionError, OutOfMemoryError, RedisError
 
+from pagedq.cancel import stop_tasks
 from pagedq.client.connection import redact_url
 from pagedq.client.protocol import Keys, Request
 from pagedq.embedded_redis import advertised_path
@@ -283,9 +284,8 @@ class Worker:
                  model=self.model_name)
         await self._stopping.wait()
         end = await self._drain(parts, pullers)
-        for task in tasks:
-            task.cancel()
-        _, stuck = await asyncio.wait(tasks, timeout=max(0.1, end - time.monotonic()))
+        # cancelled until they end: one cancel can be lost on Python 3.11 (pagedq.cancel)
+        stuck = await stop_tasks(tasks, max(0.1, end - time.monotonic()))
         if stuck:
             log.warning("background tasks did not stop", tasks=[t.get_name() for t in stuck])
         await self._shutdown(parts, server, end)
