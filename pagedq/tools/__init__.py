@@ -16,12 +16,13 @@ from pagedq.tools.detect import ModelSigns, choose_format
 from pagedq.tools.formats import ToolFormat
 from pagedq.tools.hermes import HERMES
 from pagedq.tools.llama_json import LLAMA
-from pagedq.tools.mistral import MISTRAL
+from pagedq.tools.mistral import MISTRAL, MISTRAL_JSON
 from pagedq.tools.parse import ToolCall, ToolCallParser, call_id, parse_tool_calls
 from pagedq.tools.spec import FORMAT_NAMES, ToolSpec
 
-# Most specific first: a Mistral v11 template holds no <tool_call>, Qwen's no [ARGS].
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (MISTRAL, HERMES, LLAMA)}
+# Most specific first: a Mistral v11 template holds no <tool_call>, Qwen's no [ARGS]; a v11
+# tokenizer has [TOOL_CALLS] too, so MISTRAL (an [ARGS] token) goes before MISTRAL_JSON.
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (MISTRAL, MISTRAL_JSON, HERMES, LLAMA)}
 if tuple(FORMATS) != FORMAT_NAMES:
     raise ImportError(f"pagedq.tools: spec.FORMAT_NAMES {FORMAT_NAMES} must name the formats "
                       f"{tuple(FORMATS)}")
@@ -59,7 +60,7 @@ def format_for_model(directory: str | Path | None, override: str = AUTO) -> Tool
     return choose_format(ModelSigns.read(directory), list(FORMATS.values()))
 
 
-__all__ = ["AUTO", "FORMATS", "HERMES", "LLAMA", "MISTRAL", "ModelSigns", "ToolCall",
+__all__ = ["AUTO", "FORMATS", "HERMES", "LLAMA", "MISTRAL", "MISTRAL_JSON", "ModelSigns", "ToolCall",
            "ToolCallParser", "ToolFormat", "ToolSpec", "UnknownToolFormatError", "call_id",
            "choose_format", "detect_format", "format_for_model", "get_format",
            "parse_tool_calls"]

@@ -17,7 +17,7 @@ from pagedq.errors import InvalidParamsError
 # The call formats a spec may name: one module each (mistral.py, hermes.py, llama_json.py),
 # gathered in pagedq.tools.FORMATS (most specific first), which checks at import that it holds
 # exactly these. Written here so the spec, which the formats read, need not import them back.
-FORMAT_NAMES = ("mistral", "hermes", "llama")
+FORMAT_NAMES = ("mistral", "mistral_json", "hermes", "llama")
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's function names (plus dots)
 CHOICES = ("auto", "required")
@@ -35,7 +35,8 @@ class ToolSpec:
     "description", "parameters"}}``. ``tool_choice``: "auto" (text or calls), "required" (one
     call or more) or a function's name (exactly one call of it; OpenAI's
     ``{"type": "function", "function": {"name": ...}}`` is accepted too). ``format``: the
-    model family's call syntax ("hermes" or "llama", see ``pagedq.tools.formats``)."""
+    model family's call syntax ("hermes", "llama", "mistral" or "mistral_json", see
+    ``pagedq.tools.formats``)."""
 
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: str | dict[str, Any] = "auto"
