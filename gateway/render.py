@@ -166,7 +166,8 @@ def _choice(view: View, lp: Logprobs | None, index: int, out: CompletionResult,
     if view.kind == CHAT and view.tools:
         return tools.chat_choice(view.tools, request_id, index, out, reason,
                                  lp.chat(out.token_ids, out.logprobs) if lp else None,
-                                 legacy=view.legacy_functions, prefix=echo)
+                                 legacy=view.legacy_functions, prefix=echo,
+                                 reasoning=view.reasoning)
     if view.kind == CHAT:
         return {"index": index, "message": {"role": "assistant", "content": echo + out.text},
                 "logprobs": lp.chat(out.token_ids, out.logprobs) if lp else None,
@@ -196,7 +197,8 @@ class ChunkRenderer:
         self.finished = [False] * view.n
         self.offsets = [len(view.echo or "")] * view.n
         self.object = "chat.completion.chunk" if view.kind == CHAT else "text_completion"
-        self.tool_deltas = ([tools.ToolDeltas(view.tools, request_id, i, view.legacy_functions)
+        self.tool_deltas = ([tools.ToolDeltas(view.tools, request_id, i, view.legacy_functions,
+                                              view.reasoning)
                              for i in range(view.n)] if view.tools else None)
         self.token_text = token_text
         self.prompt_lp: PromptLogprobs | None = None  # from sample 0's first event

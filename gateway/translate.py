@@ -42,6 +42,7 @@ class View:
     prompt_logprobs: int | None = None  # vLLM's field asked: answer it as vLLM does (render.py)
     echo_logprobs: bool = False  # completions echo + logprobs: the prompt's logprobs lead
     legacy_functions: bool = False  # the request sent the deprecated functions (tools.py)
+    reasoning: bool = False  # tools on a thinking model: <think> is reasoning_content (tools.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -123,14 +124,18 @@ def completion_spec(req: CompletionRequest, request_id: str | None = None,
                    _priority(req.priority, priority_floor), req.stream)
 
 
-def use_tool_format(spec: JobSpec, fmt: str) -> None:
+def use_tool_format(spec: JobSpec, fmt: str, reasoning: bool = False) -> None:
     """Constrain a spec's tool calls to ``fmt``, the served model's format (tools.py): known
-    once the request's model is resolved to a path, after the spec was built with Hermes."""
+    once the request's model is resolved to a path, after the spec was built with Hermes.
+    ``reasoning``: the model thinks first (``<think>``, free) and its answer reports it as
+    ``reasoning_content`` (pagedq.tools.reasoning)."""
     so = spec.params.structured_outputs
     if spec.view.tools is None or so is None or so.tools is None:
         return
     so.tools["format"] = fmt
     spec.view.tools = fmt
+    if reasoning:
+        so.tools["reasoning"] = spec.view.reasoning = True
 
 
 def sampling_params(req: Sampling, max_tokens: int | None, logprobs: int | None,

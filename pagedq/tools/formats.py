@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pagedq.tools.reasoning import think_tag
 from pagedq.tools.spec import ToolSpec
 
 
@@ -55,7 +56,14 @@ class ToolFormat:
 
     def structural_tag(self, spec: ToolSpec, contents: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """xgrammar's structural tag for ``spec``; ``contents[name]`` constrains that
-        function's arguments object (an xgrammar format, e.g. ``{"type": "grammar", ...}``)."""
+        function's arguments object (an xgrammar format, e.g. ``{"type": "grammar", ...}``).
+        With ``spec.reasoning`` an optional free ``<think>`` block comes first."""
+        tag = self._calls_tag(spec, contents)
+        if spec.reasoning:
+            tag = {"type": "structural_tag", "format": think_tag(tag["format"])}
+        return tag
+
+    def _calls_tag(self, spec: ToolSpec, contents: dict[str, dict[str, Any]]) -> dict[str, Any]:
         tags = [{"type": "tag", "begin": f"{self.begin}{name}{self.middle}",
                  "content": contents[name], "end": self.end} for name, _ in spec.functions]
         if self.is_list:
