@@ -173,8 +173,8 @@ def chat_choice(fmt_name: str, request_id: str, index: int, out: CompletionResul
     content, calls = parse_tool_calls(text, get_format(fmt_name), request_id, index)
     content = prefix + content
     message: dict[str, Any] = {"role": "assistant", "content": content or None}
-    if reasoning:
-        message["reasoning_content"] = thought
+    if reasoning:  # vLLM's older name and its current one
+        message["reasoning_content"] = message["reasoning"] = thought
     if calls and legacy:
         message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
         reason = LEGACY if reason == "stop" else reason
@@ -208,7 +208,7 @@ class ToolDeltas:
             content += self.parser.finish()
         out: dict[str, Any] = {}
         if thought:
-            out["reasoning_content"] = thought
+            out["reasoning_content"] = out["reasoning"] = thought
         if content:
             out["content"] = content
         if calls and self.legacy:

@@ -4,8 +4,9 @@ A thinking model writes its reasoning first, then its answer or its calls. With 
 reasoning stays free (the grammar allows one optional ``<think>`` block, any text, up to
 ``</think>`` and the blank line Qwen3 writes after it) and the calls after it are constrained,
 under every tool choice: vLLM's reasoning parsers do the same (structured output starts when
-the reasoning ends). The gateway returns the block as ``message.reasoning_content``, not as
-content, and never reads a call marker inside it as a call.
+the reasoning ends). The gateway returns the block as ``message.reasoning_content`` (and
+``reasoning``, vLLM's newer name), not as content, and never reads a call marker inside it as
+a call.
 
 Nothing here imports torch or a grammar library (the SDK uses it too).
 """

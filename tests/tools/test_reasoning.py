@@ -106,7 +106,7 @@ def test_the_answer_reports_reasoning_content_and_never_a_call_inside_it():
     out = CompletionResult(0, text=THOUGHT + ADD, finish_reason="stop")
     choice = chat_choice("hermes", "req", 0, out, "stop", None, reasoning=True)
     msg = choice["message"]
-    assert msg["reasoning_content"] == THOUGHT[7:-10]
+    assert msg["reasoning_content"] == msg["reasoning"] == THOUGHT[7:-10]
     assert [c["function"]["name"] for c in msg["tool_calls"]] == ["add"]
     assert msg["content"] is None and choice["finish_reason"] == "tool_calls"
     deltas, text = ToolDeltas("hermes", "req", 0, reasoning=True), THOUGHT + ADD
