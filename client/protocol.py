@@ -39,6 +39,7 @@ from typing import Any
 import msgpack
 
 from pagedq.errors import InvalidParamsError
+from pagedq.logprobs import PromptLogprobs
 from pagedq.params import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -329,6 +330,7 @@ class Limits:
         for what, value, limit, flag in (
                 ("n", params.n, self.max_n, "n"),
                 ("logprobs", params.logprobs or 0, self.max_logprobs, "logprobs"),
+                ("prompt_logprobs", params.prompt_logprobs or 0, self.max_logprobs, "logprobs"),
                 ("stop: strings", len(params.stop), self.max_stop, "stop"),
                 ("stop_token_ids: ids", len(params.stop_token_ids), self.max_stop, "stop"),
                 ("stop: characters in one string", longest, self.max_stop_chars,
@@ -484,6 +486,7 @@ class Event:
     sample's generated-token count after them, so its first token sits at
     ``position - len(token_ids)``. ``finish_reason`` is set on a sample's last TOKENS event.
     The terminal FINISHED event carries ``finish_reasons`` (per sample) and ``usage``.
+    ``prompt_logprobs`` (a request that asked for them) rides on sample 0's first TOKENS event.
     """
 
     type: str
@@ -497,6 +500,7 @@ class Event:
     finish_reasons: list[str | None] | None = None
     usage: dict[str, int] | None = None
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     error_code: str | None = None
     error: str | None = None
     worker: str | None = None
@@ -520,6 +524,8 @@ def encode_event(ev: Event) -> bytes:
             body[key] = value
     if ev.logprobs is not None:  # string-keyed maps only: [[token id, logprob], ...] per token
         body["logprobs"] = [[[int(t), float(lp)] for t, lp in d.items()] for d in ev.logprobs]
+    if ev.prompt_logprobs is not None:
+        body["prompt_logprobs"] = ev.prompt_logprobs.to_wire()
     return msgpack.packb(body, use_bin_type=True)
 
 
@@ -544,5 +550,10 @@ def decode_event(fields: dict[bytes, bytes], entry_id: str | bytes | None = None
             setattr(ev, key, obj[key])
     if ev.logprobs is not None:
         ev.logprobs = [{int(t): float(lp) for t, lp in pairs} for pairs in ev.logprobs]
+    if obj.get("prompt_logprobs") is not None:
+        try:
+            ev.prompt_logprobs = PromptLogprobs.from_wire(obj["prompt_logprobs"])
+        except ValueError as exc:
+            raise ProtocolError(f"output stream entry {entry_id!r}: {exc}") from exc
     return ev
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedq.client.protocol import FINISHED
+from pagedq.logprobs import PromptLogprobs
 
 
 @dataclass
@@ -31,6 +32,8 @@ class Result:
     outputs: list[CompletionResult]
     usage: dict[str, int] = field(default_factory=dict)
     status: str = FINISHED  # FINISHED | ERROR | CANCELLED | "running" (partial)
+    # SamplingParams.prompt_logprobs: each prompt token's logprob (pagedq.logprobs)
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def token_ids(self) -> list[int]:

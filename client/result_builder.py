@@ -49,6 +49,7 @@ class ResultBuilder:
         self.from_start = expect_seq == 1
         self.states: dict[int, SampleState] = {}
         self.terminal: Event | None = None
+        self.prompt_logprobs = None  # from sample 0's first event (pagedq.logprobs)
 
     @property
     def samples(self) -> dict[int, CompletionResult]:
@@ -64,6 +65,8 @@ class ResultBuilder:
                 f"{ev.seq}; events were lost (expired keys?). Resubmit the request or raise the "
                 "worker --ttl")
         self.expect_seq = ev.seq + 1
+        if ev.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = ev.prompt_logprobs
         if ev.type == TOKENS:
             return self._tokens(ev)
         if rewind and self.terminal is not None:
@@ -143,7 +146,7 @@ class ResultBuilder:
         outputs = [self.states[i].result for i in sorted(self.states)] or [CompletionResult(0)]
         status = self.terminal.type if self.terminal else "running"
         usage = dict(self.terminal.usage or {}) if self.terminal else {}
-        return Result(self.request_id, outputs, usage, status)
+        return Result(self.request_id, outputs, usage, status, self.prompt_logprobs)
 
     def result(self) -> Result:
         """The Result, or the typed error the terminal event stands for."""

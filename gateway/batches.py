@@ -42,7 +42,7 @@ from pagedq.gateway.fleet import Fleet, FleetView
 from pagedq.gateway.http_metrics import GatewayMetrics
 from pagedq.gateway.lines import Line, dumps, error_line, parse_line, result_line
 from pagedq.gateway.tokens import TokenTexts
-from pagedq.gateway.tools import model_format
+from pagedq.gateway.tools import model_format, reasoning_model
 from pagedq.gateway.translate import submit, use_tool_format
 from pagedq.logging import get_logger
 from pagedq.worker.config import GatewayConfig
@@ -202,8 +202,9 @@ class BatchDriver:
               fleet: FleetView | None = None) -> Line:
         line = parse_line(lines[n], n, state.obj["endpoint"], f"{state.obj['id']}-{n}")
         if line.spec is not None and fleet is not None:  # tool calls in the served model's format (tools.py)
-            use_tool_format(line.spec, model_format(fleet.path_of(line.spec.view.model),
-                                                    self.config.tool_call_format))
+            path = fleet.path_of(line.spec.view.model)
+            use_tool_format(line.spec, model_format(path, self.config.tool_call_format),
+                            reasoning_model(path))
         return line
 
     async def _submit(self, bid: str, state: BatchState, lines: list[bytes]) -> None:

@@ -2,10 +2,10 @@
 
 Field names and defaults follow OpenAI's API reference; vLLM's extra body fields (``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``priority``,
-``structured_outputs`` and the older ``guided_*`` names) are accepted as vLLM accepts them,
-and pagedq's own ``speculative`` (false: no speculative decoding for this request).
+``structured_outputs`` and the older ``guided_*`` names, ``prompt_logprobs``) are accepted as
+vLLM accepts them, and pagedq's own ``speculative`` (false: no speculative decoding for this request).
 Unknown fields are ignored, as vLLM does, so clients that send newer OpenAI fields keep
-working; fields whose meaning pagedq cannot honour (best_of > n, ``prompt_logprobs``) are
+working; fields whose meaning pagedq cannot honour (best_of > n, suffix) are
 refused in translate.py with a 400 that says so. ``tools`` are translated in tools.py, and so
 are the deprecated ``functions`` / ``function_call`` (as OpenAI still serves them: one call,
 answered as ``message.function_call``). Chat's ``echo`` is vLLM's: the reply starts with the
@@ -73,7 +73,7 @@ class Sampling(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    prompt_logprobs: int | None = None  # vLLM's; refused: the engine keeps no prompt logprobs
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, + top-k
 
 
 class ChatMessage(_Body):

@@ -15,6 +15,7 @@ from pagedq.client.protocol import FINISHED, TOKENS
 from pagedq.gateway import tools
 from pagedq.gateway.tokens import TokenText
 from pagedq.gateway.translate import CHAT, View
+from pagedq.logprobs import PromptLogprobs
 
 NO_LOGPROB = -9999.0  # vLLM's stand-in where a token's logprob is unknown (-inf, or resumed)
 
@@ -80,6 +81,59 @@ class Logprobs:
         return out, offset
 
 
+def _finite(value: float) -> float:
+    """vLLM's clamp: -inf (a banned or impossible token) becomes NO_LOGPROB in JSON."""
+    return value if value > NO_LOGPROB else NO_LOGPROB
+
+
+def prompt_logprobs_json(plp: PromptLogprobs | None, text: TokenText
+                         ) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs`` field: None for the first token, then per token
+    {"<id>": {"logprob", "rank", "decoded_token"}} for the prompt token and its top-k."""
+    if plp is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for i, token in enumerate(plp.token_ids):
+        if i == 0 or plp.logprobs[i] is None:
+            out.append(None)
+            continue
+        entry = {str(token): {"logprob": _finite(plp.logprobs[i]), "rank": plp.ranks[i],
+                              "decoded_token": text(token)}}
+        for rank, (t, lp) in enumerate((plp.top[i] or {}).items(), start=1):
+            entry.setdefault(str(t), {"logprob": _finite(lp), "rank": rank,
+                                      "decoded_token": text(t)})
+        out.append(entry)
+    return out
+
+
+def echo_logprobs(plp: PromptLogprobs | None, text: TokenText) -> dict[str, Any]:
+    """The completions logprobs of an echoed prompt (OpenAI's shape): its tokens, their
+    logprobs (None for the first), top_logprobs (None, then the top-k and the token itself)
+    and text offsets from 0."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                           "text_offset": []}
+    offset = 0
+    for i, entry in enumerate(plp.as_dicts() if plp is not None else []):
+        token = plp.token_ids[i]
+        out["tokens"].append(text(token))
+        out["text_offset"].append(offset)
+        offset += len(text(token))
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(_finite(entry[token]))
+        top = {text(t): _finite(v) for t, v in list(entry.items())[1:]}
+        top.setdefault(text(token), _finite(entry[token]))
+        out["top_logprobs"].append(top)
+    return out
+
+
+def join_logprobs(head: dict[str, Any], tail: dict[str, Any] | None) -> dict[str, Any]:
+    """Two completions logprobs objects, one after the other."""
+    return {k: head[k] + (tail or {}).get(k, []) for k in head}
+
+
 def _pairs(token_ids: list[int], lps: list[dict[int, float]] | None):
     lps = list(lps or [])
     lps += [{}] * (len(token_ids) - len(lps))
@@ -93,10 +147,16 @@ def response(view: View, request_id: str, results: list[Result],
     choices = []
     for p, res in enumerate(results):
         for out in res.outputs:
-            choices.append(_choice(view, lp, p * view.n + out.index, out, request_id))
+            choice = _choice(view, lp, p * view.n + out.index, out, request_id)
+            if view.kind != CHAT:
+                _prompt_fields(view, choice, res.prompt_logprobs, token_text)
+            choices.append(choice)
     obj = "chat.completion" if view.kind == CHAT else "text_completion"
-    return {"id": request_id, "object": obj, "created": view.created, "model": view.model,
+    body = {"id": request_id, "object": obj, "created": view.created, "model": view.model,
             "choices": choices, "usage": sum_usage(results)}
+    if view.kind == CHAT and view.prompt_logprobs is not None and results:
+        body["prompt_logprobs"] = prompt_logprobs_json(results[0].prompt_logprobs, token_text)
+    return body
 
 
 def _choice(view: View, lp: Logprobs | None, index: int, out: CompletionResult,
@@ -106,7 +166,8 @@ def _choice(view: View, lp: Logprobs | None, index: int, out: CompletionResult,
     if view.kind == CHAT and view.tools:
         return tools.chat_choice(view.tools, request_id, index, out, reason,
                                  lp.chat(out.token_ids, out.logprobs) if lp else None,
-                                 legacy=view.legacy_functions, prefix=echo)
+                                 legacy=view.legacy_functions, prefix=echo,
+                                 reasoning=view.reasoning)
     if view.kind == CHAT:
         return {"index": index, "message": {"role": "assistant", "content": echo + out.text},
                 "logprobs": lp.chat(out.token_ids, out.logprobs) if lp else None,
@@ -114,6 +175,16 @@ def _choice(view: View, lp: Logprobs | None, index: int, out: CompletionResult,
     logprobs = lp.completion(out.token_ids, out.logprobs, len(echo))[0] if lp else None
     return {"index": index, "text": echo + out.text, "logprobs": logprobs,
             "finish_reason": reason}
+
+
+def _prompt_fields(view: View, choice: dict[str, Any], plp: PromptLogprobs | None,
+                   text: TokenText) -> None:
+    """A completions choice's prompt logprobs: the echoed prompt's lead its ``logprobs``
+    (echo + logprobs), and vLLM's ``prompt_logprobs`` field when that was asked."""
+    if view.echo_logprobs:
+        choice["logprobs"] = join_logprobs(echo_logprobs(plp, text), choice["logprobs"])
+    if view.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_json(plp, text)
 
 
 class ChunkRenderer:
@@ -126,8 +197,12 @@ class ChunkRenderer:
         self.finished = [False] * view.n
         self.offsets = [len(view.echo or "")] * view.n
         self.object = "chat.completion.chunk" if view.kind == CHAT else "text_completion"
-        self.tool_deltas = ([tools.ToolDeltas(view.tools, request_id, i, view.legacy_functions)
+        self.tool_deltas = ([tools.ToolDeltas(view.tools, request_id, i, view.legacy_functions,
+                                              view.reasoning)
                              for i in range(view.n)] if view.tools else None)
+        self.token_text = token_text
+        self.prompt_lp: PromptLogprobs | None = None  # from sample 0's first event
+        self.started = [False] * view.n  # whose first tokens chunk went out
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None
               ) -> dict[str, Any]:
@@ -145,14 +220,16 @@ class ChunkRenderer:
             return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": echo},
                                  "logprobs": None, "finish_reason": None}])
                     for i in range(self.view.n)]
-        if self.view.echo:
+        if self.view.echo and not self.view.echo_logprobs:  # else with the first tokens
             return [self.chunk([{"index": i, "text": self.view.echo, "logprobs": None,
                                  "finish_reason": None}]) for i in range(self.view.n)]
         return []
 
     def on_event(self, ev: Event) -> list[dict[str, Any]]:
+        if ev.prompt_logprobs is not None and self.prompt_lp is None:
+            self.prompt_lp = ev.prompt_logprobs
         if ev.type == TOKENS:
-            return self._tokens(ev)
+            return self._first(ev, self._tokens(ev))
         if ev.type == FINISHED:
             return self._finished(ev)
         return []
@@ -184,6 +261,25 @@ class ChunkRenderer:
                                                                self.offsets[i])
             choice = {"index": i, "text": ev.text, "logprobs": logprobs, "finish_reason": reason}
         return [self.chunk([choice])]
+
+    def _first(self, ev: Event, chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A sample's first chunk carries the prompt's logprobs: chat's and completions'
+        ``prompt_logprobs`` field (vLLM's), and for echo + logprobs the echoed prompt with its
+        logprobs ahead of the first tokens."""
+        i = ev.index
+        if not chunks or not 0 <= i < self.view.n or self.started[i]:
+            return chunks
+        self.started[i] = True
+        choice = chunks[0]["choices"][0]
+        if self.view.kind == CHAT:
+            if self.view.prompt_logprobs is not None:
+                chunks[0]["prompt_logprobs"] = prompt_logprobs_json(self.prompt_lp,
+                                                                    self.token_text)
+            return chunks
+        if self.view.echo_logprobs:
+            choice["text"] = self.view.echo + choice["text"]
+        _prompt_fields(self.view, choice, self.prompt_lp, self.token_text)
+        return chunks
 
     def _finished(self, ev: Event) -> list[dict[str, Any]]:
         """Finish reasons no tokens event carried (a job ended by its deadline), then usage."""

@@ -34,11 +34,14 @@ from pagedq.gateway.openai import ChatCompletionRequest, ChatMessage
 from pagedq.tools import (
     AUTO,
     HERMES,
+    ReasoningSplitter,
     ToolCallParser,
     ToolSpec,
     format_for_model,
     get_format,
+    model_thinks,
     parse_tool_calls,
+    split_reasoning,
 )
 
 DEFAULT_FORMAT = HERMES.name
@@ -52,6 +55,13 @@ def model_format(model_path: str | None, override: str = AUTO) -> str:
     architecture, where the directory is readable here; Hermes where it is not), or the
     operator's ``override``."""
     return format_for_model(model_path, override).name
+
+
+@functools.lru_cache(maxsize=256)
+def reasoning_model(model_path: str | None) -> bool:
+    """Whether the model in ``model_path`` thinks in ``<think>`` first (its template says so,
+    where the directory is readable here)."""
+    return model_thinks(model_path)
 
 
 def legacy_functions(req: ChatCompletionRequest) -> bool:
@@ -155,12 +165,16 @@ def _past_call(call: Any, i: int) -> dict[str, Any]:
 
 def chat_choice(fmt_name: str, request_id: str, index: int, out: CompletionResult,
                 reason: str | None, logprobs: Any, *, legacy: bool = False,
-                prefix: str = "") -> dict[str, Any]:
+                prefix: str = "", reasoning: bool = False) -> dict[str, Any]:
     """A non-streamed chat choice whose text may hold calls (``legacy``: the one call as
-    ``function_call``); ``prefix``: echoed text before the content."""
-    content, calls = parse_tool_calls(out.text, get_format(fmt_name), request_id, index)
+    ``function_call``); ``prefix``: echoed text before the content; ``reasoning``: a leading
+    ``<think>`` block is ``reasoning_content``, never read for calls."""
+    thought, text = split_reasoning(out.text) if reasoning else (None, out.text)
+    content, calls = parse_tool_calls(text, get_format(fmt_name), request_id, index)
     content = prefix + content
     message: dict[str, Any] = {"role": "assistant", "content": content or None}
+    if reasoning:  # vLLM's older name and its current one
+        message["reasoning_content"] = message["reasoning"] = thought
     if calls and legacy:
         message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
         reason = LEGACY if reason == "stop" else reason
@@ -176,15 +190,25 @@ class ToolDeltas:
     """One streamed choice's text -> ``delta`` maps with content and/or ``tool_calls``
     (``legacy``: ``function_call``)."""
 
-    def __init__(self, fmt_name: str, request_id: str, index: int, legacy: bool = False):
+    def __init__(self, fmt_name: str, request_id: str, index: int, legacy: bool = False,
+                 reasoning: bool = False):
         self.parser = ToolCallParser(get_format(fmt_name), request_id, index)
         self.legacy = legacy
+        self.thinking = ReasoningSplitter() if reasoning else None
 
     def delta(self, text: str, ending: bool) -> dict[str, Any]:
+        thought = ""
+        if self.thinking is not None:
+            thought, text = self.thinking.feed(text)
+            if ending:
+                more, tail = self.thinking.finish()
+                thought, text = thought + more, text + tail
         content, calls = self.parser.feed(text)
         if ending and self.parser.state == "text":
             content += self.parser.finish()
         out: dict[str, Any] = {}
+        if thought:
+            out["reasoning_content"] = out["reasoning"] = thought
         if content:
             out["content"] = content
         if calls and self.legacy:

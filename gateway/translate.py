@@ -39,7 +39,10 @@ class View:
     logprobs: int | None = None
     echo: str | None = None
     tools: str | None = None  # the tool-call format the output is constrained to (tools.py)
+    prompt_logprobs: int | None = None  # vLLM's field asked: answer it as vLLM does (render.py)
+    echo_logprobs: bool = False  # completions echo + logprobs: the prompt's logprobs lead
     legacy_functions: bool = False  # the request sent the deprecated functions (tools.py)
+    reasoning: bool = False  # tools on a thinking model: <think> is reasoning_content (tools.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -80,13 +83,14 @@ def chat_spec(req: ChatCompletionRequest, request_id: str | None = None,
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
-    params = sampling_params(req, max_tokens, logprobs, constraint)
+    params = sampling_params(req, max_tokens, logprobs, constraint, req.prompt_logprobs)
     bases = [_message(m.role, m.content) for m in req.messages]
     messages = wire_messages(req.messages, bases)
     echo = bases[-1]["content"] if req.echo and req.messages[-1].role == "assistant" else None
     view = View(CHAT, req.model, int(time.time()), req.n, _include_usage(req), logprobs,
                 echo or None, tools=constraint["tools"]["format"] if constraint else None,
-                legacy_functions=legacy and constraint is not None)
+                legacy_functions=legacy and constraint is not None,
+                prompt_logprobs=req.prompt_logprobs)
     return JobSpec(request_id or new_id(CHAT), view, [messages], params,
                    _priority(req.priority, priority_floor), req.stream)
 
@@ -104,35 +108,41 @@ def completion_spec(req: CompletionRequest, request_id: str | None = None,
                           "prompt")
     echo = None
     if req.echo:
-        if req.logprobs is not None or not isinstance(prompts[0], str) or len(prompts) > 1:
-            raise bad_request("echo works with one text prompt and without logprobs", "echo")
+        if not isinstance(prompts[0], str) or len(prompts) > 1:
+            raise bad_request("echo works with one text prompt", "echo")
         echo = prompts[0]
-    params = sampling_params(req, req.max_tokens, req.logprobs)
+    echo_logprobs = echo is not None and req.logprobs is not None
+    # vLLM's: echo with logprobs asks the prompt's logprobs at the same top-k
+    prompt_logprobs = req.prompt_logprobs
+    if echo_logprobs and prompt_logprobs is None:
+        prompt_logprobs = req.logprobs
+    params = sampling_params(req, req.max_tokens, req.logprobs, None, prompt_logprobs)
     view = View(COMPLETION, req.model, int(time.time()), req.n, _include_usage(req),
-                req.logprobs, echo)
+                req.logprobs, echo, prompt_logprobs=req.prompt_logprobs,
+                echo_logprobs=echo_logprobs)
     return JobSpec(request_id or new_id(COMPLETION), view, prompts, params,
                    _priority(req.priority, priority_floor), req.stream)
 
 
-def use_tool_format(spec: JobSpec, fmt: str) -> None:
+def use_tool_format(spec: JobSpec, fmt: str, reasoning: bool = False) -> None:
     """Constrain a spec's tool calls to ``fmt``, the served model's format (tools.py): known
-    once the request's model is resolved to a path, after the spec was built with Hermes."""
+    once the request's model is resolved to a path, after the spec was built with Hermes.
+    ``reasoning``: the model thinks first (``<think>``, free) and its answer reports it as
+    ``reasoning_content`` (pagedq.tools.reasoning)."""
     so = spec.params.structured_outputs
     if spec.view.tools is None or so is None or so.tools is None:
         return
     so.tools["format"] = fmt
     spec.view.tools = fmt
+    if reasoning:
+        so.tools["reasoning"] = spec.view.reasoning = True
 
 
 def sampling_params(req: Sampling, max_tokens: int | None, logprobs: int | None,
-                    tools: dict[str, Any] | None = None) -> SamplingParams:
+                    tools: dict[str, Any] | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams; its own validation message becomes the 400. ``tools``: the
     request's tool constraint (tools.py), which excludes any other."""
-    if req.prompt_logprobs is not None:
-        raise bad_request("prompt_logprobs is not supported by this server: the engine "
-                          "computes logits for the last prompt position only (logprobs of "
-                          "the generated tokens are: logprobs / top_logprobs)",
-                          "prompt_logprobs")
     given: dict[str, Any] = {
         "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
@@ -142,6 +152,7 @@ def sampling_params(req: Sampling, max_tokens: int | None, logprobs: int | None,
         "speculative": req.speculative,
         "stop": [req.stop] if isinstance(req.stop, str) else req.stop,
         "logprobs": logprobs, "logit_bias": req.logit_bias or None,
+        "prompt_logprobs": prompt_logprobs,
     }
     data = {k: v for k, v in given.items() if v is not None}
     data["max_tokens"] = max_tokens  # None: up to the model's length

@@ -224,6 +224,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    # vLLM's: each prompt token's logprob given the tokens before it (the first is None), plus
+    # this many top alternatives; such a request reads nothing from the prefix cache
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before sampling
@@ -303,6 +306,10 @@ class SamplingParams:
         if self.logprobs is not None and (not is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.prompt_logprobs is not None and (
+                not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] (top "
+                      "alternatives per prompt token) or None")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
         if self.logit_bias is not None:
@@ -329,6 +336,8 @@ class SamplingParams:
             out["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
         if self.speculative:  # the default stays off the wire: older workers know no such key
             del out["speculative"]
+        if self.prompt_logprobs is None:  # likewise
+            del out["prompt_logprobs"]
         return out
 
     @classmethod

@@ -553,7 +553,7 @@ class GatewayConfig(QueueConfig):
     """Lines of one batch in the queue at once."""
     batch_lease: float = 10.0
     """Seconds of silence after which another gateway takes over a gateway's batches."""
-    tool_call_format: Literal["auto", "hermes", "llama", "mistral"] = "auto"
+    tool_call_format: Literal["auto", "hermes", "llama", "mistral", "mistral_json"] = "auto"
     """Tool-call format of the served models (pagedq.tools): "auto" reads it from each model's
     chat template, control tokens and architecture where its directory is readable here
     (Hermes where it is not); a name forces that format for every model."""

@@ -16,12 +16,14 @@ from pagedq.tools.detect import ModelSigns, choose_format
 from pagedq.tools.formats import ToolFormat
 from pagedq.tools.hermes import HERMES
 from pagedq.tools.llama_json import LLAMA
-from pagedq.tools.mistral import MISTRAL
+from pagedq.tools.mistral import MISTRAL, MISTRAL_JSON
 from pagedq.tools.parse import ToolCall, ToolCallParser, call_id, parse_tool_calls
+from pagedq.tools.reasoning import ReasoningSplitter, split_reasoning
 from pagedq.tools.spec import FORMAT_NAMES, ToolSpec
 
-# Most specific first: a Mistral v11 template holds no <tool_call>, Qwen's no [ARGS].
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (MISTRAL, HERMES, LLAMA)}
+# Most specific first: a Mistral v11 template holds no <tool_call>, Qwen's no [ARGS]; a v11
+# tokenizer has [TOOL_CALLS] too, so MISTRAL (an [ARGS] token) goes before MISTRAL_JSON.
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (MISTRAL, MISTRAL_JSON, HERMES, LLAMA)}
 if tuple(FORMATS) != FORMAT_NAMES:
     raise ImportError(f"pagedq.tools: spec.FORMAT_NAMES {FORMAT_NAMES} must name the formats "
                       f"{tuple(FORMATS)}")
@@ -49,6 +51,11 @@ def detect_format(chat_template: str | None) -> ToolFormat | None:
     return next((f for f in FORMATS.values() if f.speaks(chat_template)), None)
 
 
+def model_thinks(directory: str | Path | None) -> bool:
+    """Whether the model in ``directory`` writes ``<think>`` reasoning before its answer."""
+    return directory is not None and ModelSigns.read(directory).thinks
+
+
 def format_for_model(directory: str | Path | None, override: str = AUTO) -> ToolFormat:
     """The format a model writes calls in: ``override`` unless it is "auto", else what the
     model directory's template, control tokens and architecture say (Hermes without signs)."""
@@ -59,7 +66,8 @@ def format_for_model(directory: str | Path | None, override: str = AUTO) -> Tool
     return choose_format(ModelSigns.read(directory), list(FORMATS.values()))
 
 
-__all__ = ["AUTO", "FORMATS", "HERMES", "LLAMA", "MISTRAL", "ModelSigns", "ToolCall",
+__all__ = ["AUTO", "FORMATS", "HERMES", "LLAMA", "MISTRAL", "MISTRAL_JSON", "ModelSigns",
+           "ReasoningSplitter", "ToolCall",
            "ToolCallParser", "ToolFormat", "ToolSpec", "UnknownToolFormatError", "call_id",
            "choose_format", "detect_format", "format_for_model", "get_format",
-           "parse_tool_calls"]
+           "model_thinks", "parse_tool_calls", "split_reasoning"]

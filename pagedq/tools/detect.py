@@ -17,6 +17,7 @@ from typing import Any
 
 from pagedq.tools.formats import ToolFormat
 from pagedq.tools.hermes import HERMES
+from pagedq.tools.reasoning import template_thinks
 
 
 @dataclass
@@ -44,6 +45,11 @@ class ModelSigns:
                    _json(d / "tokenizer.json").get("added_tokens") or [] if isinstance(t, dict)}
         model_type = str(_json(d / "config.json").get("model_type") or "")
         return cls(template, tokens, model_type)
+
+    @property
+    def thinks(self) -> bool:
+        """Whether the model writes ``<think>`` reasoning (its template renders it)."""
+        return template_thinks(self.chat_template)
 
 
 def choose_format(signs: ModelSigns, formats: list[ToolFormat]) -> ToolFormat:

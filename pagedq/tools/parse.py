@@ -2,7 +2,9 @@
 
 The output was generated under the format's grammar, so the parser needs no guessing: text
 until the format's trigger is content; then ``BEGIN name MIDDLE``; then the arguments object,
-whose end is where its braces balance (outside strings); then ``END``. Each argument fragment
+whose end is where its braces balance (outside strings); then ``END``. A list format (older
+Mistral's ``[TOOL_CALLS] [{...}, {...}]``) has the list's opening after the trigger and, after
+each call, either the separator and the next call or the list's closing. Each argument fragment
 is passed on as soon as it arrives, so a stream's ``delta.tool_calls[].function.arguments``
 concatenate to exactly the arguments' JSON. Call ids are derived from the request id, the
 choice and the call's position, so a resumed stream renders the same ids again.
@@ -16,7 +18,7 @@ from typing import Any
 
 from pagedq.tools.formats import ToolFormat
 
-TEXT, HEAD, ARGS, END = "text", "head", "args", "end"
+TEXT, OPEN, HEAD, ARGS, END, NEXT = "text", "open", "head", "args", "end", "next"
 
 
 @dataclass
@@ -71,7 +73,7 @@ class ToolCallParser:
     @property
     def finished_calls(self) -> list[ToolCall]:
         """The calls whose text ended (a call still open is not one)."""
-        return self.calls if self.state == TEXT else self.calls[:-1]
+        return self.calls[:-1] if self.state in (ARGS, END) else self.calls
 
     # -- states ------------------------------------------------------------------------
     def _text(self, content: list[str], deltas: list[dict[str, Any]]) -> None:
@@ -84,7 +86,32 @@ class ToolCallParser:
             return
         self._emit_text(self.buf[:at], content)
         self.buf = self.buf[at:]
-        self.state, self._call_start = HEAD, ""
+        self.state, self._call_start = (OPEN if self.fmt.is_list else HEAD), ""
+
+    def _open(self, content: list[str], deltas: list[dict[str, Any]]) -> None:
+        """A list format: the trigger, then the list's opening (its leading space optional)."""
+        trigger, opening = self.fmt.trigger, self.fmt.opening.lstrip()
+        rest = self.buf[len(trigger):].lstrip()
+        if len(rest) < len(opening) and opening.startswith(rest):
+            return
+        if not rest.startswith(opening):
+            content.append(trigger)  # not a list after all (unconstrained text)
+            self.buf = self.buf[len(trigger):]
+            self.state = TEXT
+            return
+        cut = len(self.buf) - len(rest) + len(opening)
+        self._call_start, self.buf, self.state = self.buf[:cut], self.buf[cut:], HEAD
+
+    def _next(self, content: list[str], deltas: list[dict[str, Any]]) -> None:
+        """A list format, after a call: the separator and the next call, or the closing."""
+        rest = self.buf.lstrip()
+        sep, closing = self.fmt.separator.strip(), self.fmt.closing
+        if rest.startswith(sep):
+            self.buf, self.state = rest[len(sep):].lstrip(), HEAD
+        elif rest.startswith(closing):
+            self.buf, self.state = rest[len(closing):], TEXT
+        elif rest:
+            self.state = TEXT  # unconstrained text: whatever follows is content
 
     def _emit_text(self, text: str, content: list[str]) -> None:
         if text and not (self.calls and text.strip() in ("", self.fmt.separator.strip())):
@@ -92,6 +119,11 @@ class ToolCallParser:
 
     def _head(self, content: list[str], deltas: list[dict[str, Any]]) -> None:
         begin, middle = self.fmt.begin, self.fmt.middle
+        if self.fmt.is_list:  # whitespace may follow the separator
+            self.buf = self.buf.lstrip()
+        if not (self.buf.startswith(begin) or begin.startswith(self.buf)) and self.fmt.is_list:
+            self.state = TEXT  # unconstrained text: whatever follows is content
+            return
         if not (self.buf.startswith(begin) or begin.startswith(self.buf)):
             content.append(self.fmt.trigger)  # not a call after all (unconstrained text)
             self.buf = self.buf[len(self.fmt.trigger):]
@@ -126,7 +158,7 @@ class ToolCallParser:
             return
         if self.buf.startswith(end):
             self.buf = self.buf[len(end):]
-        self.state, self._call_start = TEXT, ""
+        self.state, self._call_start = (NEXT if self.fmt.is_list else TEXT), ""
 
 
 def _object_end(p: ToolCallParser, text: str) -> int | None:

@@ -17,7 +17,7 @@ from pagedq.errors import InvalidParamsError
 # The call formats a spec may name: one module each (mistral.py, hermes.py, llama_json.py),
 # gathered in pagedq.tools.FORMATS (most specific first), which checks at import that it holds
 # exactly these. Written here so the spec, which the formats read, need not import them back.
-FORMAT_NAMES = ("mistral", "hermes", "llama")
+FORMAT_NAMES = ("mistral", "mistral_json", "hermes", "llama")
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's function names (plus dots)
 CHOICES = ("auto", "required")
@@ -35,12 +35,15 @@ class ToolSpec:
     "description", "parameters"}}``. ``tool_choice``: "auto" (text or calls), "required" (one
     call or more) or a function's name (exactly one call of it; OpenAI's
     ``{"type": "function", "function": {"name": ...}}`` is accepted too). ``format``: the
-    model family's call syntax ("hermes" or "llama", see ``pagedq.tools.formats``)."""
+    model family's call syntax ("hermes", "llama", "mistral" or "mistral_json", see
+    ``pagedq.tools.formats``). ``reasoning``: the model may write one ``<think>...</think>``
+    block first, free text, before what the tool choice allows (Qwen3; reasoning.py)."""
 
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
     format: str = "hermes"
+    reasoning: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.tool_choice, dict):
@@ -61,6 +64,8 @@ class ToolSpec:
                        f"of a declared function ({names})")
         if not isinstance(self.parallel_tool_calls, bool):
             raise _bad("parallel_tool_calls must be a bool")
+        if not isinstance(self.reasoning, bool):
+            raise _bad("reasoning must be a bool")
         if self.format not in FORMAT_NAMES:
             raise _bad(f"format={self.format!r} must be one of {sorted(FORMAT_NAMES)}")
 
@@ -78,8 +83,11 @@ class ToolSpec:
         return None if self.tool_choice in CHOICES else str(self.tool_choice)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tools": self.tools, "tool_choice": self.tool_choice,
-                "parallel_tool_calls": self.parallel_tool_calls, "format": self.format}
+        out = {"tools": self.tools, "tool_choice": self.tool_choice,
+               "parallel_tool_calls": self.parallel_tool_calls, "format": self.format}
+        if self.reasoning:  # the default stays off the wire: older workers know no such key
+            out["reasoning"] = True
+        return out
 
     @classmethod
     def coerce(cls, value: Any) -> ToolSpec:
@@ -88,7 +96,7 @@ class ToolSpec:
         if not isinstance(value, dict):
             raise _bad(f"must be a map with tools, tool_choice, parallel_tool_calls, format; got "
                        f"{type(value).__name__}")
-        known = {"tools", "tool_choice", "parallel_tool_calls", "format"}
+        known = {"tools", "tool_choice", "parallel_tool_calls", "format", "reasoning"}
         unknown = sorted(str(k) for k in value if k not in known)
         if unknown:
             raise _bad(f"unknown keys {unknown}; valid keys are {sorted(known)}")

@@ -66,7 +66,7 @@ def test_legacy_answers_are_function_calls():
 
 def test_the_served_models_format_reaches_the_engine_and_the_view(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(
-        '{"added_tokens_decoder": {"7": {"content": "[TOOL_CALLS]"}}}')
+        '{"added_tokens_decoder": {"7": {"content": "[TOOL_CALLS]"}, "8": {"content": "[ARGS]"}}}')
     spec = spec_of(tools=TOOLS, tool_choice="required")
     assert spec.view.tools == "hermes"  # built before the model is known
     use_tool_format(spec, model_format(str(tmp_path)))
@@ -89,7 +89,7 @@ def test_chat_echo_keeps_the_last_assistant_text():
     ({"functions": FUNCTIONS, "tools": TOOLS}, "functions"),
     ({"function_call": {"name": "add"}}, "function_call"),
     ({"functions": FUNCTIONS, "function_call": {"nam": "add"}}, "function_call"),
-    ({"prompt_logprobs": 0}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),  # [0, 20] is accepted
 ])
 def test_bad_requests_name_the_field(body, param):
     with pytest.raises(APIError) as err:

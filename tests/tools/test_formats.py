@@ -66,7 +66,8 @@ MISTRAL_TEMPLATE = (  # Mistral Small 3.2's calls and results, ids checked as it
     (ModelSigns(chat_template=QWEN_TEMPLATE, model_type="qwen2"), HERMES),
     (ModelSigns(chat_template=LLAMA_TEMPLATE, model_type="llama"), LLAMA),
     (ModelSigns(chat_template=MISTRAL_TEMPLATE, model_type="mistral"), MISTRAL),
-    (ModelSigns(special_tokens={"[INST]", "[TOOL_CALLS]"}, model_type="mistral"), MISTRAL),
+    (ModelSigns(special_tokens={"[INST]", "[TOOL_CALLS]", "[ARGS]"}, model_type="mistral"),
+     MISTRAL),  # a v11+ tokenizer; without [ARGS] it is older (test_mistral_json.py)
     (ModelSigns(special_tokens={"<|eot_id|>", "<|python_tag|>"}, model_type="llama"), LLAMA),
     (ModelSigns(special_tokens={"<tool_call>", "</tool_call>"}), HERMES),
     (ModelSigns(model_type="qwen3"), HERMES),
@@ -81,10 +82,11 @@ def test_the_format_follows_the_models_signs(signs, expected):
 def test_signs_are_read_from_a_model_directory(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": "{{ messages }}",
-        "added_tokens_decoder": {"5": {"content": "[TOOL_CALLS]", "special": True}}}))
+        "added_tokens_decoder": {"5": {"content": "[TOOL_CALLS]", "special": True},
+                                 "6": {"content": "[ARGS]", "special": True}}}))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral"}))
     signs = ModelSigns.read(tmp_path)
-    assert signs.special_tokens == {"[TOOL_CALLS]"} and signs.model_type == "mistral"
+    assert signs.special_tokens == {"[TOOL_CALLS]", "[ARGS]"} and signs.model_type == "mistral"
     assert format_for_model(tmp_path) is MISTRAL
     (tmp_path / "chat_template.jinja").write_text(QWEN_TEMPLATE)  # newer HF keeps it apart
     assert format_for_model(tmp_path) is HERMES
@@ -98,7 +100,8 @@ def test_the_bundled_model_writes_hermes():
 
 
 def test_an_unknown_format_name_is_a_clear_error():
-    with pytest.raises(UnknownToolFormatError, match=r"'qwen'.*\['hermes', 'llama', 'mistral'\]"):
+    with pytest.raises(UnknownToolFormatError,
+                       match=r"'qwen'.*\['hermes', 'llama', 'mistral', 'mistral_json'\]"):
         get_format("qwen")
     with pytest.raises(UnknownToolFormatError):
         format_for_model(None, "qwen")

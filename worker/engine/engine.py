@@ -34,6 +34,7 @@ from pagedq.worker.engine.model_runner import ModelRunner
 from pagedq.worker.engine.offline import OfflineAPI
 from pagedq.worker.engine.output_processor import OutputProcessor
 from pagedq.worker.engine.outputs import StepOutput
+from pagedq.worker.engine.prompt_logprobs import PromptLogprobCollector
 from pagedq.worker.engine.sampler import Sampler
 from pagedq.worker.engine.scheduler import Scheduler
 from pagedq.worker.engine.sequence import Request, SamplingHook, Sequence
@@ -126,6 +127,8 @@ class Engine(OfflineAPI):
         req = Request(request_id, text, ids, params, priority=priority,
                       arrival=next(self._arrivals), deadline=deadline,
                       eos_token_ids=self.eos_token_ids, hook=hook)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = PromptLogprobCollector(params.prompt_logprobs, list(ids))
         if resume and len(resume) != params.n:
             raise InvalidRequestError(f"resume has {len(resume)} samples, params.n is {params.n}")
         compiling = self._constrain(req)

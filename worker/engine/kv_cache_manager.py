@@ -32,9 +32,12 @@ class KVCacheManager:
     def match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """Longest run of cached full blocks for a fresh sequence: (block ids, their hashes).
 
-        At least one token is left uncached: the step must compute it to produce logits.
+        At least one token is left uncached: the step must compute it to produce logits. A
+        request still collecting prompt logprobs takes no hit: it needs every prompt row.
         """
         if not self.enable_prefix_caching or seq.block_table:
+            return [], []
+        if seq.request.prompt_logprobs is not None and not seq.request.prompt_logprobs.done:
             return [], []
         bs = self.block_size
         chain = self.hash_chain(seq, self.num_matchable_blocks(seq))

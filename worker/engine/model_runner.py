@@ -5,16 +5,19 @@ packs every scheduled sequence's new tokens into one flat batch, derives positio
 slots from the block tables on tensors, and returns the logits of the sequences whose last
 known token was just computed (the ones that sample this step). A sequence with a draft
 (speculative decoding) computes its draft tokens after its last known token and returns
-1 + len(draft) logits rows: one per position the verification may sample.
+1 + len(draft) logits rows: one per position the verification may sample. A request asking
+for prompt logprobs also has the rows of its prompt positions run through the LM head
+(prompt_logprobs.py), into its collector.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pagedq.kernels import plan_attention
+from pagedq.worker.engine.prompt_logprobs import PromptLogprobCollector, compute_chunk_logprobs
 from pagedq.worker.engine.scheduler import SchedulerOutput
 from pagedq.worker.engine.sequence import Sequence
 from pagedq.worker.models.llama import AttentionContext, CausalLM
@@ -32,6 +35,9 @@ class StepBatch:
     cu_seqlens_q: torch.Tensor
     logits_indices: torch.Tensor
     sample_seqs: list[Sequence]
+    # prompt logprobs: (collector, first flat row, end row, position of the first row)
+    prompt_rows: list[tuple[PromptLogprobCollector, int, int, int]] = field(
+        default_factory=list)
 
 
 class ModelRunner:
@@ -90,6 +96,7 @@ class ModelRunner:
             cu_seqlens_q=cu.to(dtype=torch.int32, device=dev),
             logits_indices=torch.tensor(rows, dtype=torch.long, device=dev),
             sample_seqs=[seqs[i] for i in samples],
+            prompt_rows=prompt_rows(seqs, starts_list, q_lens_list, cu[:-1].tolist()),
         )
 
     @torch.inference_mode()
@@ -108,10 +115,43 @@ class ModelRunner:
         self.copy_blocks(sched.copies)
         batch = self.prepare(sched)
         hidden = self.forward(batch)
+        if batch.prompt_rows:
+            self.collect_prompt_logprobs(batch, hidden)
         if not batch.sample_seqs:
             return hidden.new_empty((0, 0)), []
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         return logits.cpu() if logits.device.type != "cpu" else logits, batch.sample_seqs
+
+    def collect_prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> None:
+        """The prompt rows of this step (every asking request at once) -> each collector."""
+        rows = torch.cat([torch.arange(lo, hi) for _, lo, hi, _ in batch.prompt_rows])
+        targets = torch.tensor([t for col, lo, hi, pos in batch.prompt_rows
+                                for t in col.prompt_token_ids[pos + 1:pos + 1 + hi - lo]])
+        k = max(col.k for col, *_ in batch.prompt_rows)
+        dev = hidden.device
+        out = compute_chunk_logprobs(self.model.compute_logits, hidden[rows.to(dev)],
+                                     targets.to(dev), k)
+        first = 0
+        for col, lo, hi, _ in batch.prompt_rows:
+            part = slice(first, first + hi - lo)
+            first += hi - lo
+            col.add(type(out)(out.token_logprobs[part], out.ranks[part],
+                              out.top_logprobs[part, :col.k], out.top_ids[part, :col.k]))
+
+
+def prompt_rows(seqs: list[Sequence], starts: list[int], q_lens: list[int], firsts: list[int]
+                ) -> list[tuple[PromptLogprobCollector, int, int, int]]:
+    """Which flat rows of this step feed prompt logprobs: a request's sample 0 chunk rows
+    for prompt positions not collected yet."""
+    out = []
+    for seq, start, n, first in zip(seqs, starts, q_lens, firsts, strict=True):
+        col = seq.request.prompt_logprobs
+        if col is None or seq.index != 0 or col.done:
+            continue
+        lo, hi = col.rows_wanted(start, n)
+        if lo < hi:
+            out.append((col, first + lo, first + hi, start + lo))
+    return out
 
 
 def reaches_end(seq: Sequence, start: int, n: int) -> bool:

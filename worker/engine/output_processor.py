@@ -9,6 +9,7 @@ later stop string could still remove: a tail that may grow into a stop string is
 
 from __future__ import annotations
 
+from pagedq.logprobs import PromptLogprobs
 from pagedq.worker.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
 from pagedq.worker.engine.outputs import StepOutput
 from pagedq.worker.engine.sequence import SeqStatus, Sequence
@@ -69,7 +70,8 @@ class OutputProcessor:
             usage = {"prompt_tokens": seq.num_prompt_tokens,
                      "completion_tokens": seq.num_generated}
         return StepOutput(seq.request.request_id, seq.index, new_tokens, new_text,
-                          seq.num_generated, seq.is_finished, seq.finish_reason, new_lp, usage)
+                          seq.num_generated, seq.is_finished, seq.finish_reason, new_lp, usage,
+                          take_prompt_logprobs(seq))
 
     # -- internals ------------------------------------------------------------------------
     def _accept(self, seq: Sequence, token: int, complete: bool = False) -> None:
@@ -104,3 +106,12 @@ class OutputProcessor:
         if seq.is_finished or not seq.params.stop:
             return len(seq.text)
         return len(seq.text) - partial_stop_len(seq.text, seq.params.stop)
+
+
+def take_prompt_logprobs(seq: Sequence) -> PromptLogprobs | None:
+    """The request's prompt logprobs for sample 0's first delta once they are complete."""
+    col = seq.request.prompt_logprobs
+    if col is None or seq.index != 0 or col.emitted or not col.done:
+        return None
+    col.emitted = True
+    return col.result()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedq.logprobs import PromptLogprobs
+
 
 @dataclass
 class CompletionOutput:
@@ -27,6 +29,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0
+    # vLLM's shape: None for the first prompt token, then {token: logprob, top-k...} each
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -46,6 +50,7 @@ class StepOutput:
     finish_reason: str | None = None
     new_logprobs: list[dict[int, float]] | None = None
     usage: dict[str, int] = field(default_factory=dict)  # on the finishing delta
+    prompt_logprobs: PromptLogprobs | None = None  # on sample 0's first delta, when asked
 
 
 @dataclass

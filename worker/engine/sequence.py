@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from pagedq.worker.engine.detokenizer import IncrementalDetokenizer
+    from pagedq.worker.engine.prompt_logprobs import PromptLogprobCollector
 
 
 class SeqStatus(enum.Enum):
@@ -69,6 +70,8 @@ class Request:
     forked: bool = False  # n > 1: whether the first sequence has forked into n
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     hook: SamplingHook | None = None  # picks this request's tokens instead of the Sampler
+    # params.prompt_logprobs: filled by the model runner during prefill (prompt_logprobs.py)
+    prompt_logprobs: PromptLogprobCollector | None = None
 
     @property
     def finished(self) -> bool:
@@ -89,8 +92,11 @@ class Request:
             outs = [CompletionOutput(s.index, s.output_token_ids, s.text, s.finish_reason,
                                      s.cum_logprob, s.logprobs)
                     for s in sorted(self.seqs, key=lambda s: s.index)]
+        col = self.prompt_logprobs
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             finished=self.finished, num_cached_tokens=self.num_cached_tokens)
+                             finished=self.finished, num_cached_tokens=self.num_cached_tokens,
+                             prompt_logprobs=col.result().as_dicts() if col and col.done
+                             else None)
 
 
 @dataclass(eq=False)

@@ -62,8 +62,8 @@ def _family_id(call_id: str, length: int) -> str:
 def _folded(message: dict[str, Any], fmt: ToolFormat) -> dict[str, str]:
     role, content = message["role"], message.get("content") or ""
     if message.get("tool_calls"):
-        calls = fmt.separator.join(fmt.call_text(c["function"]["name"], _arguments(c["function"]))
-                                   for c in message["tool_calls"])
+        calls = fmt.calls_text([(c["function"]["name"], _arguments(c["function"]))
+                                for c in message["tool_calls"]])
         content = f"{content}\n{calls}" if content else calls
     elif role == "tool" and fmt is HERMES:
         content = tool_result(content)

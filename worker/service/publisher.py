@@ -129,6 +129,7 @@ def token_events(job: LiveJob, outputs: list[Any], worker: str) -> list[Event]:
             text=o.new_text or "", position=job.generated[i],
             finish_reason=job.finished[i] if o.finished else None,
             logprobs=o.new_logprobs, worker=worker,
+            prompt_logprobs=o.prompt_logprobs,
         ))
     return events
 
