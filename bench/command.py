@@ -6,8 +6,8 @@ import argparse
 from typing import Any
 
 from pagedq.bench.options import ALL_SCENARIOS, SCENARIOS, BenchConfig, full, quick
-from pagedq.worker.cli.flags import add_engine_flags, given
 from pagedq.worker.config import EngineConfig
+from pagedq.worker.config_flags import add_engine_flags, given
 
 SEED_HELP = "Seed of the synthetic traces and of the engines' random draws (default: 0)"
 

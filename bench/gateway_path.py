@@ -35,8 +35,8 @@ from pagedq.bench.context import BenchContext, Unavailable
 from pagedq.bench.queue_path import _wait_ready, check_dependencies, redis_url, worker_process
 from pagedq.bench.workload import BenchRequest
 from pagedq.processes import stop_process
-from pagedq.worker.cli.flags import to_flags
 from pagedq.worker.config import QueueConfig
+from pagedq.worker.config_flags import to_flags
 
 GATEWAY_READY_S = 120.0
 TTFT_PROBES = 12  # single requests per path for the added-TTFT figure

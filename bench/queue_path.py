@@ -60,7 +60,7 @@ def redis_url(configured: str | None) -> Iterator[str]:
 def worker_flags(bench: BenchContext, queue: QueueConfig) -> list[str]:
     """Flags for the worker subprocess: the scenario's queue and exactly the serving engine's
     knobs."""
-    from pagedq.worker.cli.flags import to_flags
+    from pagedq.worker.config_flags import to_flags
 
     engine = bench.config.engine_config(model=str(bench.model_dir),
                                         **bench.serving_engine_kwargs())

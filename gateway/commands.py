@@ -1,6 +1,7 @@
 """CLI: ``pagedq serve`` (the OpenAI HTTP gateway) and ``pagedq batch`` (a batch file offline).
 
-Flags come from ``GatewayConfig`` through cli/flags.py; FastAPI and uvicorn are imported only
+Flags come from ``GatewayConfig`` and ``EngineConfig`` through the config layer's
+pagedq.worker.config_flags (never the worker's CLI); FastAPI and uvicorn are imported only
 when a command runs.
 """
 
@@ -12,15 +13,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pagedq.worker.cli.console import add_log_level_flag
-from pagedq.worker.cli.flags import (
+from pagedq.worker.config import EngineConfig, GatewayConfig, QueueConfig
+from pagedq.worker.config_flags import (
     add_config_flags,
     add_engine_flags,
+    add_log_level_flag,
     engine_knobs,
     given,
     to_flags,
 )
-from pagedq.worker.config import EngineConfig, GatewayConfig, QueueConfig
 
 NOT_FLAGS = ("api_keys", "admin_keys")  # --api-key, --admin-key, repeatable, below
 QUEUE_FIELDS = tuple(f.name for f in dataclasses.fields(QueueConfig))

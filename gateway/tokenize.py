@@ -4,7 +4,7 @@ Pipelines budget prompts with them: how many tokens a text or a conversation is 
 before they send it. The gateway runs no model, so it reads the served model's tokenizer from
 the directory the workers report (one machine, or a shared model volume), as logprobs' token
 texts do (tokens.py); a conversation is rendered by the same code the worker runs
-(``worker/engine/tool_prompt.py``, with its tools), so the count is the worker's count.
+(``pagedq/tools/prompt.py``, with its tools), so the count is the worker's count.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def _chat_ids(tok: Any, req: TokenizeRequest) -> list[int]:
             tools = ToolSpec(tools=req.tools)
         except Exception as exc:
             raise bad_request(str(exc), "tools") from exc
-    from pagedq.worker.engine.tool_prompt import render_chat
+    from pagedq.tools.prompt import render_chat
 
     try:
         text = render_chat(tok, messages, tools) if req.add_generation_prompt else \

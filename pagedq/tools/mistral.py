@@ -4,7 +4,7 @@ The syntax of Mistral's current tokenizers (v11 and later: Mistral Small 3.2, Ma
 Devstral, Ministral), where ``[TOOL_CALLS]`` and ``[ARGS]`` are control tokens. Parallel calls
 follow each other with nothing between them. Older Mistral templates (7B v0.3, Nemo) wrote a
 JSON list after ``[TOOL_CALLS]`` instead; for those the tools and this syntax are folded into
-the system prompt (tool_prompt.py), as for any template that does not speak the format.
+the system prompt (prompt.py), as for any template that does not speak the format.
 """
 
 from pagedq.tools.formats import ToolFormat

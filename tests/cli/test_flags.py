@@ -18,10 +18,10 @@ from pagedq.bench.options import BenchConfig
 from pagedq.client.connection import TLSFiles
 from pagedq.params import SamplingParams
 from pagedq.worker.cli import COMMANDS, build_parser
-from pagedq.worker.cli.flags import engine_knobs, field_docs, to_flags
 from pagedq.worker.cli.generate import sampling_from_args
 from pagedq.worker.cli.worker_command import standalone_parser, worker_config
 from pagedq.worker.config import EngineConfig, QueueConfig, WorkerConfig
+from pagedq.worker.config_flags import engine_knobs, field_docs, to_flags
 
 ENGINE_SAMPLE = {
     "model": "/models/tiny", "dtype": "bfloat16", "kv_cache_dtype": "float16", "device": "cpu",
@@ -202,7 +202,7 @@ def test_every_command_is_registered():
 
 def test_log_level_is_one_flag_everywhere():
     """Every command's --log-level is console.add_log_level_flag's: the same choices, any case."""
-    from pagedq.worker.cli.console import LOG_LEVELS
+    from pagedq.worker.config_flags import LOG_LEVELS
 
     sub = build_parser()._subparsers._group_actions[0]
     having = []

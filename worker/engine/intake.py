@@ -52,7 +52,7 @@ def chat_prompt(tokenizer, model_path: Path, messages: list[dict],
                 params: SamplingParams | None = None) -> list[int]:
     """Token ids of ``messages`` rendered by the model's chat template, ending where the
     assistant's reply begins; with the tools of ``params`` (a ``tools`` constraint), if any."""
-    from pagedq.worker.engine.tool_prompt import render_chat
+    from pagedq.tools.prompt import render_chat
 
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(f"model {model_path} has no chat template")
