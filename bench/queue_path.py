@@ -88,7 +88,7 @@ def _result(handle: Any, timeout: float, proc: Any, log_path: Path) -> Any:
     longer blocking XREAD on a quiet stream would trip; and because each poll checks that the
     worker is still alive, so a crashed worker fails the scenario at once with its log.
     """
-    from pagedq.client.errors import ResultTimeoutError
+    from pagedq.client.request_errors import ResultTimeoutError
 
     end = time.monotonic() + timeout
     while True:

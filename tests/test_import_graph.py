@@ -161,3 +161,14 @@ def test_the_bench_imports_absolutely():
                 for node in ast.walk(ast.parse(path.read_text()))
                 if isinstance(node, ast.ImportFrom) and node.level]
     assert not relative, f"use `from pagedq.bench import x`: {relative}"
+
+
+def test_no_two_modules_share_a_file_name():
+    """Clashing names (two errors.py, two intake.py) sent a reader to the wrong file: each
+    module is named after what it does. A package's __init__.py and __main__.py are the
+    interpreter's names and may repeat."""
+    from collections import Counter
+
+    names = Counter(path.name for path in ig.discover(ROOT).values()
+                    if path.name not in ("__init__.py", "__main__.py"))
+    assert [name for name, n in names.items() if n > 1] == []
