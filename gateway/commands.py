@@ -8,6 +8,7 @@ when a command runs.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import sys
 from pathlib import Path
@@ -73,6 +74,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # measured: the app (FastAPI, the routes) and uvicorn take ~2.6 s to import, structlog ~0.2 s;
+    # `pagedq --help` registers this module, and only `serve` needs them
     import uvicorn
 
     from pagedq.gateway.app import create_app
@@ -101,8 +104,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    import asyncio
-
+    # measured: the batch runner (pydantic's models, prometheus_client, tqdm, structlog) takes
+    # ~1 s to import; only `batch` needs it (queue_stack: structlog and rich, ~0.2 s, as in serve)
     from pagedq.gateway.batch_file import run_batch, summary
     from pagedq.gateway.local import queue_stack
 
@@ -123,7 +126,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 def _loop() -> Any:
     try:
-        import uvloop  # noqa: F401
+        import uvloop  # noqa: F401 - optional: uvloop is not built for Windows
 
         return "uvloop"
     except ImportError:

@@ -97,7 +97,7 @@ def test_no_cycles_but_the_known_ones(graph):
 # Folders whose function-level imports have been gone through: each stays inside its function
 # only for an optional dependency or a measured start-up cost, which a comment on it (or on the
 # block of imports it belongs to) says.
-REASONED = ("client/", "kernels/", "pagedq/", "worker/cli/", "worker/service/")
+REASONED = ("bench/", "client/", "gateway/", "kernels/", "pagedq/", "worker/")
 
 
 def test_each_lazy_import_says_why(graph):

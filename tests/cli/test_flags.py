@@ -201,7 +201,7 @@ def test_every_command_is_registered():
 
 
 def test_log_level_is_one_flag_everywhere():
-    """Every command's --log-level is console.add_log_level_flag's: the same choices, any case."""
+    """Every command's --log-level is config_flags.add_log_level_flag's: the same choices, any case."""
     from pagedq.worker.config_flags import LOG_LEVELS
 
     sub = build_parser()._subparsers._group_actions[0]
