@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 from pagedq.bench.options import ALL_SCENARIOS, SCENARIOS, BenchConfig, full, quick
-from pagedq.worker.cli.flags import add_engine_flags, given
 from pagedq.worker.config import EngineConfig
+from pagedq.worker.config_flags import add_engine_flags, given
 
 SEED_HELP = "Seed of the synthetic traces and of the engines' random draws (default: 0)"
 
@@ -63,9 +65,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
     # imported when the command runs: the bench's modules load torch, transformers and the
     # engine, which `pagedq --help` and every other command's start-up need not pay for
     from pagedq.bench import report

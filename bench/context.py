@@ -56,6 +56,8 @@ class BenchContext:
     # -- set-up -----------------------------------------------------------------------------
     def setup(self) -> None:
         """Resolve the model once (both systems load the same directory) and set threads."""
+        # lazy, measured: the engine side (engine, model layer, gguf, jsonschema) adds ~0.9 s
+        # to importing the bench after torch; `pagedq bench --from-json` renders a report without it
         from pagedq.worker.models.loader import load_config, load_tokenizer, resolve_model
 
         if self.config.num_threads:
@@ -81,6 +83,7 @@ class BenchContext:
 
     def engine(self, **overrides: Any) -> Any:
         """A fresh Engine on the run's model with the run's knobs, overridden per scenario."""
+        # the engine side is lazy in bench/: see context.py's setup
         from pagedq.worker import Engine
 
         engine = Engine(config=self.config.engine_config(
@@ -90,6 +93,7 @@ class BenchContext:
 
     def hf(self) -> hf_baseline.HFModel:
         if self._hf is None:
+            # the engine side is lazy in bench/: see setup
             from pagedq.worker.models.loader import resolve_model
 
             self._hf = hf_baseline.load_hf_model(resolve_model(self.config.model),

@@ -79,6 +79,7 @@ def perplexity(engine, text: str | list[int] = TEXT) -> float:
     """exp(mean negative log-likelihood) of each token of ``text`` given the ones before it,
     from one prefill of the text (its first ``max_model_len`` tokens) through the engine's
     model; its KV cache must hold them."""
+    # the engine side is lazy in bench/: see context.py's setup
     from pagedq.worker.engine.scheduler import SchedulerOutput
     from pagedq.worker.engine.sequence import Request, Sequence
 

@@ -30,13 +30,17 @@ from time import perf_counter
 from typing import Any
 
 import numpy as np
+import redis.asyncio as aredis
 
 from pagedq.bench.context import BenchContext, Unavailable
 from pagedq.bench.queue_path import _wait_ready, check_dependencies, redis_url, worker_process
 from pagedq.bench.workload import BenchRequest
+from pagedq.client import AsyncClient, Client
+from pagedq.embedded_redis import free_port
+from pagedq.params import SamplingParams
 from pagedq.processes import stop_process
-from pagedq.worker.cli.flags import to_flags
 from pagedq.worker.config import QueueConfig
+from pagedq.worker.config_flags import to_flags
 
 GATEWAY_READY_S = 120.0
 TTFT_PROBES = 12  # single requests per path for the added-TTFT figure
@@ -48,18 +52,17 @@ def _unavailable(why: str) -> Exception:
 
 def _http_module() -> Any:
     try:
+        # optional: httpx comes with the openai package (the dev extra)
         import httpx2 as httpx
     except ImportError:
         try:
-            import httpx
+            import httpx  # optional, as above
         except ImportError as exc:
             raise _unavailable("no httpx (install the openai package)") from exc
     return httpx
 
 
 def start_gateway(queue: QueueConfig, log_path: Path) -> tuple[subprocess.Popen, str]:
-    from pagedq.embedded_redis import free_port
-
     port = free_port()
     cmd = [sys.executable, "-m", "pagedq.worker.cli", "serve", *to_flags(queue),
            "--port", str(port), "--log-level", "WARNING"]
@@ -83,12 +86,8 @@ def start_gateway(queue: QueueConfig, log_path: Path) -> tuple[subprocess.Popen,
 
 
 async def run_sdk(queue: QueueConfig, trace: list[BenchRequest]) -> dict[str, Any]:
-    from pagedq.client import AsyncClient
-
     url = str(queue.redis_url)
     async with AsyncClient(url, **queue.client_options()) as client:
-        import redis.asyncio as aredis
-
         tls = queue.tls.kwargs() if queue.tls else {}
         client.redis = aredis.Redis.from_url(url, max_connections=len(trace) + 16, **tls)
         began = perf_counter()
@@ -146,9 +145,6 @@ async def ttft_probe(queue: QueueConfig, base: str, model: str,
     """Each pair's first prompt alone through HTTP, then its second through the SDK: seconds to
     the first token. The two prompts differ, so neither path finds the other's prompt in the
     prefix cache (a repeated prompt would prefill only its last block)."""
-    from pagedq.client import AsyncClient
-    from pagedq.params import SamplingParams
-
     httpx = _http_module()
     out: dict[str, list[float]] = {"http": [], "sdk": []}
     async with AsyncClient(queue.redis_url, **queue.client_options()) as client, \
@@ -189,8 +185,6 @@ def serve_through_gateway(bench: BenchContext, trace: list[BenchRequest]) -> dic
         tmp_path = Path(tmp)
         queue = bench.config.run_queue(url, "gateway")
         with worker_process(bench, queue, tmp_path / "worker.log") as proc:
-            from pagedq.client import Client
-
             with Client(url, **queue.client_options()) as cl:
                 warmup = BenchRequest("warmup", list(range(bench.space.low,
                                                            bench.space.low + 16)), 4)

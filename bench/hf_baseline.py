@@ -51,6 +51,7 @@ class HFModel:
 def load_hf_model(model_dir: str | Path, dtype: str = "float32",
                   device: str | None = None) -> HFModel:
     """Load the same files the engine serves; EOS is switched off in its generation config."""
+    # transformers costs ~3 s to import: only the HF baseline's scenarios load its models
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -95,6 +96,7 @@ def generate_batch(hf: HFModel, requests: list[BenchRequest]) -> tuple[HFBatch, 
     for row, req in enumerate(requests):
         ids[row, width - req.prompt_len :] = torch.tensor(req.prompt_token_ids)
         mask[row, width - req.prompt_len :] = 1
+    # transformers costs ~3 s to import: only the HF baseline's scenarios load its models
     from transformers import LogitsProcessorList
 
     clock = StepClock()

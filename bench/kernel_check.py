@@ -35,6 +35,8 @@ from pagedq.kernels.attention import paged_attention, write_kv
 from pagedq.kernels.cases import PagedCase, empty_cache, make_case
 from pagedq.kernels.plan import plan_attention
 from pagedq.kernels.reference import reference_paged_attention, reference_write_kv
+from pagedq.params import SamplingParams
+from pagedq.worker import Engine
 
 NO_CUDA_EXIT = 2
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -122,6 +124,7 @@ def check_attention(
     device: str = "cuda",
 ) -> bool:
     """Both CUDA backends (triton, sdpa) vs the reference on each case; one line per case."""
+    # triton: optional (CUDA builds of torch bring it; this check runs on a GPU)
     from pagedq.kernels.triton_attention import triton_paged_attention
 
     ok = True
@@ -238,10 +241,7 @@ def check_bandwidth(dtype: torch.dtype, quick: bool, shape: Shape) -> None:
 
 
 def check_engine(args: argparse.Namespace, dtype_name: str) -> None:
-    """Decode steps/s of the engine on ``--engine-batch`` prompts (imports the worker lazily)."""
-    from pagedq.params import SamplingParams
-    from pagedq.worker import Engine
-
+    """Decode steps/s of the engine on ``--engine-batch`` prompts."""
     dtype = {"bf16": "bfloat16", "fp16": "float16"}[dtype_name]
     engine = Engine(model=args.engine_model, dtype=dtype, device="cuda",
                     max_num_seqs=args.engine_batch)  # fmt: skip
@@ -278,6 +278,7 @@ def compile_kernels(capability: int, dtypes: list[str]) -> list[str]:
 
     Returns one line per variant. Raises Triton's compilation error on the first failure.
     """
+    # triton: optional (CUDA builds of torch bring it; this check runs on a GPU)
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -320,6 +321,7 @@ def compile_kernels(capability: int, dtypes: list[str]) -> list[str]:
 def _compile_weight_only(target, ty: str) -> list[str]:
     """The weight-only GEMM (kernels/triton_quant.py) for 4- and 8-bit codes, with offsets
     (int4, Q4_1-like) and without (int8), at the decode and prefill tile heights."""
+    # triton: optional (CUDA builds of torch bring it; this check runs on a GPU)
     import triton
     from triton.compiler import ASTSource
 

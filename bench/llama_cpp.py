@@ -53,6 +53,7 @@ BUILD_HINT = ("build them with scripts/build-llama-cpp.sh (llama.cpp from the ll
 def repacks() -> bool:
     """Whether llama.cpp runs with its default weight repacking here: everywhere but on AMX
     CPUs, where build 11434 crashes in its AMX repack path on every quantized type (``-nr``)."""
+    # pagedq.kernels costs ~0.7 s to import after torch: lazy, as in report.py
     from pagedq.kernels.cpu_features import detect_cpu_features
 
     return not detect_cpu_features().has_amx

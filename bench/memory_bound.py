@@ -45,6 +45,7 @@ COPIED = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
 def synthetic_f16(path: Path, seed: int = 0, shape: dict[str, int] = SHAPE) -> Path:
     """A random model of ``shape`` (default: SmolLM2-1.7B's) as an F16 GGUF, written once
     (3.4 GB at the default shape)."""
+    # the engine side is lazy in bench/: see context.py's setup
     import gguf
 
     from pagedq.worker.models.default_model import default_gguf
@@ -93,6 +94,7 @@ def synthetic_f16(path: Path, seed: int = 0, shape: dict[str, int] = SHAPE) -> P
 
 def _copy_tokenizer(source: Any, writer: Any) -> None:
     """SmolLM2's tokenizer and chat template, field by field, from the bundled GGUF."""
+    # the engine side is lazy in bench/: see context.py's setup
     import gguf
 
     for key in COPIED:
@@ -112,6 +114,7 @@ def _copy_tokenizer(source: Any, writer: Any) -> None:
 
 
 def files(cpp: llama_cpp.LlamaCpp) -> dict[str, Path]:
+    # the engine side is lazy in bench/: see context.py's setup
     from pagedq.worker.models.model_cache import cache_dir
 
     folder = cache_dir() / "memory_bound"

@@ -61,6 +61,7 @@ def requantize(cpp: llama_cpp.LlamaCpp, source: Path, out: Path, type_name: str)
 
 def files(run: Any, cpp: llama_cpp.LlamaCpp | None) -> dict[str, Path]:
     """The GGUF files to serve, by type name."""
+    # the engine side is lazy in bench/: see context.py's setup
     from pagedq.worker.models.default_model import default_gguf
     from pagedq.worker.models.model_cache import cache_dir
 
@@ -85,6 +86,7 @@ def files(run: Any, cpp: llama_cpp.LlamaCpp | None) -> dict[str, Path]:
 
 def mostly_eight_bit(path: Path) -> bool:
     """Whether most of the file's tensor bytes are in an 8-bit type (else 4-bit's target)."""
+    # the engine side is lazy in bench/: see context.py's setup
     from gguf import GGUFReader
 
     by_type: dict[str, int] = {}
@@ -151,6 +153,7 @@ def pagedq_side(run: Any, path: Path,
                 cpp: llama_cpp.LlamaCpp | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Decode sweeps (llama.cpp's alternated with them), mixed trace, resident weights and
     fidelity of pagedq on one file; and llama.cpp's decode figures."""
+    # the engine side is lazy in bench/: see context.py's setup
     from pagedq.worker import Engine
 
     c = run.config

@@ -22,8 +22,12 @@ from typing import Any
 
 from pagedq.bench.context import BenchContext, Unavailable
 from pagedq.bench.workload import BenchRequest
+from pagedq.client import Client
+from pagedq.client.request_errors import ResultTimeoutError
+from pagedq.embedded_redis import EmbeddedRedis
 from pagedq.processes import stop_process
 from pagedq.worker.config import QueueConfig
+from pagedq.worker.config_flags import to_flags
 
 READY_TIMEOUT_S = 600.0
 POLL_S = 1.0
@@ -51,7 +55,6 @@ def redis_url(configured: str | None) -> Iterator[str]:
     if configured:
         yield configured
         return
-    from pagedq.embedded_redis import EmbeddedRedis
 
     with EmbeddedRedis.start() as server:
         yield server.url
@@ -60,8 +63,6 @@ def redis_url(configured: str | None) -> Iterator[str]:
 def worker_flags(bench: BenchContext, queue: QueueConfig) -> list[str]:
     """Flags for the worker subprocess: the scenario's queue and exactly the serving engine's
     knobs."""
-    from pagedq.worker.cli.flags import to_flags
-
     engine = bench.config.engine_config(model=str(bench.model_dir),
                                         **bench.serving_engine_kwargs())
     return [*to_flags(queue), *to_flags(engine)]
@@ -88,8 +89,6 @@ def _result(handle: Any, timeout: float, proc: Any, log_path: Path) -> Any:
     longer blocking XREAD on a quiet stream would trip; and because each poll checks that the
     worker is still alive, so a crashed worker fails the scenario at once with its log.
     """
-    from pagedq.client.errors import ResultTimeoutError
-
     end = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
@@ -113,7 +112,6 @@ def _wait_ready(client: Any, proc: Any, warmup: BenchRequest, log_path: Path) ->
 def serve_through_redis(bench: BenchContext, trace: list[BenchRequest]) -> dict[str, Any]:
     """Run ``trace`` through Redis; tokens/s from first submit to last result."""
     check_dependencies()
-    from pagedq.client import Client
 
     with tempfile.TemporaryDirectory(prefix="pagedq-bench-") as tmp, \
             redis_url(bench.config.redis_url) as url:

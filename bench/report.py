@@ -11,10 +11,13 @@ import json
 import os
 import platform
 import sys
+from dataclasses import asdict
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 
 from pagedq.bench import memory_bound, quant_scenario, shared_cpu, spec_scenario
@@ -81,9 +84,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def machine_info(run: BenchContext) -> dict[str, Any]:
-    import psutil
-    import transformers
-
     device = run.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     info: dict[str, Any] = {
         "cpu_logical_cores": os.cpu_count(),
@@ -97,7 +97,7 @@ def machine_info(run: BenchContext) -> dict[str, Any]:
         "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "transformers": metadata.version("transformers"),  # its version, not its 3 s import
         "platform": platform.platform(),
     }
     if device.startswith("cuda") and torch.cuda.is_available():
@@ -109,6 +109,8 @@ def machine_info(run: BenchContext) -> dict[str, Any]:
 def _cpu_level(run: BenchContext) -> dict[str, Any]:
     """The CPU's vector extensions, the ISA level the engines ran at (``--cpu-isa``) and the
     streaming read bandwidth measured now: a figure without its CPU is not a figure."""
+    # measured: pagedq.kernels takes ~0.7 s to import after torch; `pagedq bench --from-json`
+    # renders a report without selecting kernels
     from pagedq.kernels.backend import process_selector
     from pagedq.kernels.cpu_features import detect_cpu_features
 
@@ -454,8 +456,6 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not np.isfinite(value):
         return None
     if hasattr(value, "__dataclass_fields__"):
-        from dataclasses import asdict
-
         return _jsonable(asdict(value))
     return value
 
@@ -638,10 +638,11 @@ def markdown(doc: dict[str, Any]) -> str:
 # -- plots --------------------------------------------------------------------------------------
 def plot(run: BenchContext, doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """PNG charts for the README; each is skipped when its scenario did not run."""
+    # matplotlib: optional (the bench extra), needed only when charts are drawn
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use(): pyplot takes its backend on import
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,8 @@ from pagedq.bench.context import BenchContext, Unavailable
 from pagedq.bench.options import BenchConfig
 from pagedq.bench.timeline import Timeline
 from pagedq.bench.workload import BenchRequest, fixed_shape, sharegpt_like, trace_summary
+from pagedq.client import SamplingParams
+from pagedq.errors import InvalidRequestError
 from pagedq.logging import get_logger
 
 __all__ = ["Unavailable"]  # re-exported: scenarios raise it, the run catches it
@@ -78,7 +80,7 @@ def serving_scenarios(bench: BenchContext, wanted: set[str]) -> None:
 def sharing(bench: BenchContext, engine: Any) -> None:
     """Peak KV blocks of one n=4 request and one beam-width-4 search on a long prompt, next
     to what four unshared copies of the same sequences would hold."""
-    from pagedq.client import SamplingParams
+    # the engine side is lazy in bench/: see context.py's setup
     from pagedq.worker.engine.beam_search import BeamParams, add_beam_request
 
     c = bench.config
@@ -118,8 +120,6 @@ def decode_pagedq(bench: BenchContext, engine: Any) -> None:
 def decode_pagedq_kv(bench: BenchContext, kv_cache_dtype: str) -> None:
     """The same sweep on an engine whose KV cache is ``kv_cache_dtype``; unavailable (not an
     error) where the engine refuses that cache, e.g. a bfloat16 model or CUDA."""
-    from pagedq.errors import InvalidRequestError
-
     try:
         engine = bench.engine(**bench.serving_engine_kwargs(), kv_cache_dtype=kv_cache_dtype)
     except InvalidRequestError as exc:
@@ -258,6 +258,7 @@ def llama_cpp(bench: BenchContext, wanted: set[str]) -> None:
     """The decode sweep through llama-batched-bench and the throughput trace through
     llama-server, on the GGUF pagedq serves packed (auto quantization), else an F32 GGUF of the
     same weights (see llama_cpp.py)."""
+    # the engine side is lazy in bench/: see context.py's setup
     from pagedq.worker.models.default_model import default_gguf
     from pagedq.worker.models.model_cache import cache_dir, packed_source
 

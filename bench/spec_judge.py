@@ -109,6 +109,7 @@ def next_token_logits(engine: Any, ids: list[int]) -> torch.Tensor:
 
     Runs outside the scheduler on blocks taken from and returned to the engine's pool, never
     registered in its prefix cache; the engine must be idle (between batches)."""
+    # the engine side is lazy in bench/: see context.py's setup
     from pagedq.worker.engine.scheduler import SchedulerOutput
     from pagedq.worker.engine.sequence import Request, Sequence
 

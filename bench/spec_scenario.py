@@ -142,6 +142,7 @@ def serve_batch(engine: Any, method: str, requests: list[SampledRequest]) -> Bat
 
 def measure(bench: BenchContext) -> None:
     """The scenario (``bench.results["spec"]``)."""
+    # the engine side is lazy in bench/: see context.py's setup
     from pagedq.worker.models.loader import load_tokenizer
 
     if load_tokenizer(bench.model_dir) is None:

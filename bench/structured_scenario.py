@@ -73,6 +73,7 @@ def prompts(engine: Any, n: int, seed: int) -> list[list[int]]:
 def structured(bench: BenchContext) -> None:
     """The scenario (``bench.results["structured"]``); unavailable for a model without a
     tokenizer, which no grammar can be built on."""
+    # the engine side is lazy in bench/: see context.py's setup
     from pagedq.worker.models.loader import load_tokenizer
 
     if load_tokenizer(bench.model_dir) is None:
@@ -130,6 +131,7 @@ def cold_and_cached_ttft(run: BenchContext) -> dict[str, float]:
 
 def figures(res: dict[str, Any], out: dict[str, Any]) -> None:
     """The report's ``structured_throughput_ratio`` and its details."""
+    # the engine side is lazy in bench/: see context.py's setup
     import jsonschema
 
     s = res["structured"]

@@ -7,7 +7,8 @@ submit jobs without the inference stack installed.
 from pagedq.client.aio import AsyncClient, AsyncRequestHandle
 from pagedq.client.client import Client, RequestHandle
 from pagedq.client.connection import TLSFiles
-from pagedq.client.errors import (
+from pagedq.client.protocol import PROTOCOL_VERSION, Event, Keys, Limits, Request
+from pagedq.client.request_errors import (
     DeadLetteredError,
     DuplicateRequestError,
     PagedQError,
@@ -18,7 +19,6 @@ from pagedq.client.errors import (
     ResultTimeoutError,
     StreamGapError,
 )
-from pagedq.client.protocol import PROTOCOL_VERSION, Event, Keys, Limits, Request
 from pagedq.client.result import CompletionResult, Result
 from pagedq.client.result_builder import ResultBuilder
 from pagedq.errors import InvalidParamsError

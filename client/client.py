@@ -22,7 +22,6 @@ from pagedq.client.connection import (
     connect,
     no_retry,
 )
-from pagedq.client.errors import DuplicateRequestError, ResultTimeoutError
 from pagedq.client.protocol import (
     DEFAULT_LIMITS,
     DEFAULT_PREFIX,
@@ -38,6 +37,7 @@ from pagedq.client.protocol import (
     request_digest,
 )
 from pagedq.client.queue import parse_entries, queue_stats, stats_query, workers_query
+from pagedq.client.request_errors import DuplicateRequestError, ResultTimeoutError
 from pagedq.client.result import Result
 from pagedq.client.result_builder import ResultBuilder
 from pagedq.client.scripts import (

@@ -1,7 +1,7 @@
 """A request's result: each sample's tokens, text and finish reason, and the usage.
 
 Plain data, importing nothing of the SDK, so the typed errors can carry a partial result
-(pagedq.client.errors) and the builder that folds a stream into one
+(pagedq.client.request_errors) and the builder that folds a stream into one
 (pagedq.client.result_builder) can raise them, with no import cycle.
 """
 

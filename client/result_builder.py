@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedq.client.errors import (
+from pagedq.client.protocol import CANCELLED, E_DEAD_LETTER, ERROR, TOKENS, Event
+from pagedq.client.request_errors import (
     DeadLetteredError,
     RequestCancelledError,
     RequestFailedError,
     ResultTimeoutError,
     StreamGapError,
 )
-from pagedq.client.protocol import CANCELLED, E_DEAD_LETTER, ERROR, TOKENS, Event
 from pagedq.client.result import CompletionResult, Result
 
 

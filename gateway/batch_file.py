@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aredis
+from tqdm import tqdm
 
 from pagedq.client import AsyncClient
 from pagedq.client.connection import TLSFiles
@@ -32,8 +33,6 @@ async def run_batch(in_path: Path, out_path: Path, redis_url: str, queue: str, p
                     window: int, ready_timeout: float, progress: bool = True,
                     tls: TLSFiles | None = None) -> tuple[int, int]:
     """Run every line; returns (succeeded, failed). ``tls``: the files for a rediss:// URL."""
-    from tqdm import tqdm
-
     raws = [ln for ln in in_path.read_bytes().splitlines() if ln.strip()]
     r = aredis.Redis.from_url(redis_url, max_connections=window + 16,
                               **(tls.kwargs() if tls else {}))

@@ -1,26 +1,28 @@
 """CLI: ``pagedq serve`` (the OpenAI HTTP gateway) and ``pagedq batch`` (a batch file offline).
 
-Flags come from ``GatewayConfig`` through cli/flags.py; FastAPI and uvicorn are imported only
+Flags come from ``GatewayConfig`` and ``EngineConfig`` through the config layer's
+pagedq.worker.config_flags (never the worker's CLI); FastAPI and uvicorn are imported only
 when a command runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
 
-from pagedq.worker.cli.console import add_log_level_flag
-from pagedq.worker.cli.flags import (
+from pagedq.worker.config import EngineConfig, GatewayConfig, QueueConfig
+from pagedq.worker.config_flags import (
     add_config_flags,
     add_engine_flags,
+    add_log_level_flag,
     engine_knobs,
     given,
     to_flags,
 )
-from pagedq.worker.config import EngineConfig, GatewayConfig, QueueConfig
 
 NOT_FLAGS = ("api_keys", "admin_keys")  # --api-key, --admin-key, repeatable, below
 QUEUE_FIELDS = tuple(f.name for f in dataclasses.fields(QueueConfig))
@@ -72,6 +74,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # measured: the app (FastAPI, the routes) and uvicorn take ~2.6 s to import, structlog ~0.2 s;
+    # `pagedq --help` registers this module, and only `serve` needs them
     import uvicorn
 
     from pagedq.gateway.app import create_app
@@ -124,8 +128,8 @@ def https_refusal(config: GatewayConfig) -> str | None:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    import asyncio
-
+    # measured: the batch runner (pydantic's models, prometheus_client, tqdm, structlog) takes
+    # ~1 s to import; only `batch` needs it (queue_stack: structlog and rich, ~0.2 s, as in serve)
     from pagedq.gateway.batch_file import run_batch, summary
     from pagedq.gateway.local import queue_stack
 
@@ -146,7 +150,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 def _loop() -> Any:
     try:
-        import uvloop  # noqa: F401
+        import uvloop  # noqa: F401 - optional: uvloop is not built for Windows
 
         return "uvloop"
     except ImportError:

@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from pagedq.client import RequestCancelledError, RequestError, RequestFailedError, Result
-from pagedq.client.errors import ResultTimeoutError, StreamGapError
+from pagedq.client.request_errors import ResultTimeoutError, StreamGapError
 from pagedq.gateway.api_errors import APIError, bad_request, from_job_error
 from pagedq.gateway.openai import ChatCompletionRequest, CompletionRequest
 from pagedq.gateway.render import response

@@ -4,7 +4,7 @@ Pipelines budget prompts with them: how many tokens a text or a conversation is 
 before they send it. The gateway runs no model, so it reads the served model's tokenizer from
 the directory the workers report (one machine, or a shared model volume), as logprobs' token
 texts do (tokens.py); a conversation is rendered by the same code the worker runs
-(``worker/engine/tool_prompt.py``, with its tools), so the count is the worker's count.
+(``pagedq/tools/prompt.py``, with its tools), so the count is the worker's count.
 """
 
 from __future__ import annotations
@@ -19,7 +19,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from pagedq.gateway.api_errors import APIError, bad_request
+from pagedq.gateway.completions import served_path
 from pagedq.gateway.openai import ChatMessage, _Body
+from pagedq.gateway.tools import wire_message
+from pagedq.gateway.translate import _message
+from pagedq.tools import ToolSpec
+from pagedq.tools.prompt import render_chat
 
 router = APIRouter()
 
@@ -64,21 +69,15 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> Response:
 
 
 def _chat_ids(tok: Any, req: TokenizeRequest) -> list[int]:
-    from pagedq.gateway.tools import wire_message
-    from pagedq.gateway.translate import _message
-
     if not getattr(tok, "chat_template", None):
         raise bad_request(f"model {req.model} has no chat template: send a prompt", "messages")
     messages = [wire_message(m, _message(m.role, m.content)) for m in req.messages or []]
     tools = None
     if req.tools:
-        from pagedq.tools import ToolSpec
-
         try:
             tools = ToolSpec(tools=req.tools)
         except Exception as exc:
             raise bad_request(str(exc), "tools") from exc
-    from pagedq.worker.engine.tool_prompt import render_chat
 
     try:
         text = render_chat(tok, messages, tools) if req.add_generation_prompt else \
@@ -93,8 +92,6 @@ _TOKENIZERS: dict[str, tuple[Any, int | None]] = {}
 
 async def _tokenizer(request: Request, model: str) -> tuple[Any, int | None]:
     """(the served model's tokenizer, its max_model_len), loaded once per model directory."""
-    from pagedq.gateway.completions import served_path
-
     gw = request.app.state.gateway
     _, path = await served_path(gw, model)
     if path not in _TOKENIZERS:
@@ -109,6 +106,7 @@ def _load(path: str) -> tuple[Any, int | None]:
         raise APIError(501, f"the tokenizer of {path} is not readable by this gateway (it reads "
                        "the workers' model directory): tokenize on a machine that has it",
                        "server_error", "tokenizer_unavailable")
+    # transformers costs ~3 s to import: the gateway pays it on the first /tokenize, not at start
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(directory)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from pagedq.logging import get_logger
 
 log = get_logger("pagedq.gateway.tokens")
@@ -42,7 +44,6 @@ class TokenTexts:
             log.info("no tokenizer.json readable here; logprobs name tokens by id",
                      model=str(path))
             return token_id_text
-        from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(file))
         cache: dict[int, str] = {}

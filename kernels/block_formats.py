@@ -157,6 +157,28 @@ class QuantWeight:
         return QuantWeight(self.fmt, self.data.to(device), self.shape, scales, self.grouped)
 
 
+def weight_nbytes(weight: QuantWeight | torch.Tensor) -> int:
+    """Bytes a packed weight or a float tensor takes in memory."""
+    if isinstance(weight, QuantWeight):
+        return weight.nbytes
+    return weight.numel() * weight.element_size()
+
+
+def cpu_kernel_inputs(segments: list[QuantWeight | torch.Tensor], grouped: list[bool]
+                      ) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor | None]]:
+    """The C++ QuantLinear's inputs for a projection's segments, read here in one go (data,
+    format code and scales of each): a packed segment is first put in the one-row GEMV's
+    grouped layout where ``grouped`` asks for it and it can be (in place, see set_grouped); a
+    float segment goes as contiguous fp32 with code 0."""
+    for segment, group in zip(segments, grouped, strict=True):
+        if isinstance(segment, QuantWeight):
+            segment.set_grouped(segment.groupable and group)
+    data = [s.data if isinstance(s, QuantWeight) else s.float().contiguous() for s in segments]
+    codes = [s.kernel_code if isinstance(s, QuantWeight) else 0 for s in segments]
+    scales = [s.scales if isinstance(s, QuantWeight) else None for s in segments]
+    return data, codes, scales
+
+
 REGROUP_ROWS = GROUP_ROWS * 16  # rows per step of an in-place regrouping (see _regroup_in_place)
 
 

@@ -97,7 +97,7 @@ def test_no_cycles_but_the_known_ones(graph):
 # Folders whose function-level imports have been gone through: each stays inside its function
 # only for an optional dependency or a measured start-up cost, which a comment on it (or on the
 # block of imports it belongs to) says.
-REASONED = ("client/", "kernels/", "pagedq/", "worker/cli/", "worker/service/")
+REASONED = ("bench/", "client/", "gateway/", "kernels/", "pagedq/", "worker/")
 
 
 def test_each_lazy_import_says_why(graph):
@@ -118,6 +118,31 @@ def test_each_lazy_import_says_why(graph):
         "\n".join(silent)
 
 
+# What the gateway may take from the worker: its config layer (the dataclasses and the flags
+# derived from them, which `serve`/`batch` hand to the embedded worker), nothing of its CLI,
+# engine or service: the gateway is a queue client beside the worker, not a part of it.
+WORKER_CONFIG_LAYER = {"pagedq.worker.config", "pagedq.worker.config_flags"}
+
+
+def test_the_gateway_takes_only_the_workers_config_layer(graph):
+    taken = {e.target for e in graph.edges
+             if ig.folder_of(e.source) == "gateway" and ig.folder_of(e.target) == "worker"}
+    assert "pagedq.worker.config_flags" in taken  # the rule is about edges that exist
+    sideways = [f"{e.where}: {ig.short(e.source)} -> {ig.short(e.target)} ({e.kind})"
+                for e in graph.edges if ig.folder_of(e.source) == "gateway"
+                and ig.folder_of(e.target) == "worker" and e.target not in WORKER_CONFIG_LAYER]
+    assert not sideways, "import it from the config layer or the ground floor:\n" + \
+        "\n".join(sideways)
+
+
+def test_the_config_layer_imports_nothing_of_the_workers_commands(graph):
+    """The config layer is below the CLI: pagedq.worker.cli imports it, never the reverse."""
+    up = [f"{e.where}: {ig.short(e.source)} -> {ig.short(e.target)}" for e in graph.edges
+          if e.source in WORKER_CONFIG_LAYER and e.target.startswith("pagedq.worker.")
+          and e.target not in WORKER_CONFIG_LAYER]
+    assert not up, up
+
+
 def test_the_gateway_runner_imports_only_the_ground_floor(graph):
     """gateway/local.py starts a Redis and a worker as child processes: it needs the ground
     floor (the embedded Redis, processes, the Redis URL) and nothing of the worker's code."""
@@ -136,3 +161,14 @@ def test_the_bench_imports_absolutely():
                 for node in ast.walk(ast.parse(path.read_text()))
                 if isinstance(node, ast.ImportFrom) and node.level]
     assert not relative, f"use `from pagedq.bench import x`: {relative}"
+
+
+def test_no_two_modules_share_a_file_name():
+    """Clashing names (two errors.py, two intake.py) sent a reader to the wrong file: each
+    module is named after what it does. A package's __init__.py and __main__.py are the
+    interpreter's names and may repeat."""
+    from collections import Counter
+
+    names = Counter(path.name for path in ig.discover(ROOT).values()
+                    if path.name not in ("__init__.py", "__main__.py"))
+    assert [name for name, n in names.items() if n > 1] == []

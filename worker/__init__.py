@@ -15,6 +15,7 @@ __all__ = ["Engine"]
 
 def __getattr__(name: str) -> Any:
     if name == "Engine":
+        # the engine imports torch (~5 s): every `pagedq` command imports this package (its CLI lives here)
         from pagedq.worker.engine import Engine
 
         return Engine

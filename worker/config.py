@@ -57,7 +57,7 @@ def parse_bytes(text: str | int) -> int:
     return int(float(number) * (1024 if binary or not b else 1000) ** power)
 
 
-# An int read from text by parse_bytes; flags of this type take "2GiB" (cli/flags.py).
+# An int read from text by parse_bytes; flags of this type take "2GiB" (config_flags.py).
 ByteSize = Annotated[int, parse_bytes]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)

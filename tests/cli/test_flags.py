@@ -18,10 +18,10 @@ from pagedq.bench.options import BenchConfig
 from pagedq.client.connection import TLSFiles
 from pagedq.params import SamplingParams
 from pagedq.worker.cli import COMMANDS, build_parser
-from pagedq.worker.cli.flags import engine_knobs, field_docs, to_flags
 from pagedq.worker.cli.generate import sampling_from_args
 from pagedq.worker.cli.worker_command import standalone_parser, worker_config
 from pagedq.worker.config import EngineConfig, QueueConfig, WorkerConfig
+from pagedq.worker.config_flags import engine_knobs, field_docs, to_flags
 
 ENGINE_SAMPLE = {
     "model": "/models/tiny", "dtype": "bfloat16", "kv_cache_dtype": "float16", "device": "cpu",
@@ -30,7 +30,8 @@ ENGINE_SAMPLE = {
     "max_model_len": 777, "long_prefill_token_threshold": 16, "enable_chunked_prefill": False,
     "enable_prefix_caching": False, "num_threads": 3, "seed": 11, "grammar_cache_size": 5,
     "grammar_compile_threads": 3, "grammar_compile_timeout": 2.5, "quantization": "int4",
-    "packed_gemm_precision": "bf16", "cpu_isa": "avx2", "adaptive_threads": False,
+    "packed_gemm_precision": "bf16", "packed_activations": "int8", "cpu_isa": "avx2",
+    "adaptive_threads": False,
     "cpu_kernels": False, "onednn": False, "fused_layer": False,
     "speculative_config": {"method": "suffix", "num_speculative_tokens": 3,
                            "prompt_lookup_min": 1, "prompt_lookup_max": 4,
@@ -201,8 +202,8 @@ def test_every_command_is_registered():
 
 
 def test_log_level_is_one_flag_everywhere():
-    """Every command's --log-level is console.add_log_level_flag's: the same choices, any case."""
-    from pagedq.worker.cli.console import LOG_LEVELS
+    """Every command's --log-level is config_flags.add_log_level_flag's: the same choices, any case."""
+    from pagedq.worker.config_flags import LOG_LEVELS
 
     sub = build_parser()._subparsers._group_actions[0]
     having = []

@@ -13,8 +13,8 @@ from pagedq.kernel_switches import DEFAULT_PACKED_PRECISION, PACKED_GEMM_PRECISI
 from pagedq.kernels.backend import PACKED_PRECISIONS
 from pagedq.params import SamplingParams
 from pagedq.worker import Engine
-from pagedq.worker.cli.flags import add_engine_flags, engine_knobs, to_flags
 from pagedq.worker.config import EngineConfig
+from pagedq.worker.config_flags import add_engine_flags, engine_knobs, to_flags
 from tests.oracle import assert_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

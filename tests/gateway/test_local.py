@@ -31,7 +31,7 @@ def test_serve_and_batch_hand_every_engine_flag_to_their_worker(tmp_path, monkey
 
     from pagedq.gateway.commands import engine_config
     from pagedq.worker.cli import build_parser
-    from pagedq.worker.cli.flags import to_flags
+    from pagedq.worker.config_flags import to_flags
 
     monkeypatch.setenv("PAGEDQ_CACHE", str(tmp_path))
     monkeypatch.delenv("REDIS_URL", raising=False)

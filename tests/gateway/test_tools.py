@@ -18,7 +18,7 @@ import pytest
 
 from pagedq.gateway.fleet import model_id
 from pagedq.tools import HERMES
-from pagedq.worker.engine.tool_prompt import render_chat
+from pagedq.tools.prompt import render_chat
 from tests.engine.structured_cases import build_random_model, load_bundled_tokenizer
 from tests.gateway.harness import serve
 from tests.gateway.test_batches import jsonl, read_lines, wait_batch

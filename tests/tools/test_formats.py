@@ -29,8 +29,8 @@ from pagedq.tools import (
     get_format,
     parse_tool_calls,
 )
+from pagedq.tools.prompt import render_chat
 from pagedq.worker.config import GatewayConfig
-from pagedq.worker.engine.tool_prompt import render_chat
 from tests.engine.structured_cases import build_random_model, load_bundled_tokenizer
 from tests.engine.test_tool_calls import ASK, tools_params
 from tests.gateway.test_tools import ORDER, SCHEMAS, TOOLS

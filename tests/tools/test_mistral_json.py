@@ -26,8 +26,8 @@ from pagedq.tools import (
     format_for_model,
     parse_tool_calls,
 )
+from pagedq.tools.prompt import render_chat
 from pagedq.worker.engine.grammar_cache import GrammarCache
-from pagedq.worker.engine.tool_prompt import render_chat
 from tests.engine.structured_cases import build_random_model, load_bundled_tokenizer
 from tests.engine.test_tool_calls import ASK, tools_params
 from tests.gateway.test_tools import ORDER, SCHEMAS, TOOLS

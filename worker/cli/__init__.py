@@ -3,7 +3,7 @@
 Each module named in COMMANDS has ``register(subparsers)``, which adds its subcommands and
 sets ``func`` on each to a callable taking the parsed args and returning an exit code. Heavy
 imports (torch, the engine) happen inside those callables, so ``pagedq --help``, ``submit``
-and ``stats`` start fast. Flags come from the config dataclasses through cli/flags.py.
+and ``stats`` start fast. Flags come from the config dataclasses through pagedq.worker.config_flags.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@ files or stdin, logs as readable lines with live progress, and events as sentenc
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -11,15 +10,6 @@ from typing import Any, TextIO
 from pagedq.errors import InvalidRequestError
 
 PROMPT_HELP = "the prompt: text, @FILE to read it from a file, or - for standard input"
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-
-
-def add_log_level_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-                       default: str = "INFO") -> None:
-    """``--log-level``, the one definition every command uses (worker, serve, chat, plan, ...)."""
-    parser.add_argument("--log-level", default=default, choices=LOG_LEVELS, type=str.upper,
-                        help="least severe log lines shown on stderr; INFO shows what each long "
-                        f"wait is doing (default: {default})")
 
 
 def setup_console_logging(level: str = "INFO") -> None:

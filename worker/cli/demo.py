@@ -23,22 +23,11 @@ from pagedq.client import Client
 from pagedq.embedded_redis import EmbeddedRedis, advertised
 from pagedq.errors import PagedQError
 from pagedq.redact import redact_url
-from pagedq.worker.cli.console import (
-    PROMPT_HELP,
-    add_log_level_flag,
-    event_sentence,
-    read_prompts,
-    setup_console_logging,
-)
-from pagedq.worker.cli.flags import (
-    COMMAND_SAMPLING,
-    add_engine_flags,
-    add_sampling_flags,
-    engine_knobs,
-    sampling_params,
-)
+from pagedq.worker.cli.console import PROMPT_HELP, event_sentence, read_prompts, setup_console_logging
+from pagedq.worker.cli.flags import COMMAND_SAMPLING, add_sampling_flags, sampling_params
 from pagedq.worker.cli.queue_commands import redis_error_line, render_stats
 from pagedq.worker.config import EngineConfig, WorkerConfig
+from pagedq.worker.config_flags import add_engine_flags, add_log_level_flag, engine_knobs
 
 DEMO_PROMPTS = [
     "Write one sentence about the sea.",

@@ -16,20 +16,10 @@ from typing import Any
 from pagedq.errors import InvalidParamsError, PagedQError
 from pagedq.params import StructuredOutputsParams
 from pagedq.tools import get_format, parse_tool_calls
-from pagedq.worker.cli.console import (
-    PROMPT_HELP,
-    add_log_level_flag,
-    read_prompts,
-    setup_console_logging,
-)
-from pagedq.worker.cli.flags import (
-    COMMAND_SAMPLING,
-    add_engine_flags,
-    add_sampling_flags,
-    engine_knobs,
-    sampling_params,
-)
+from pagedq.worker.cli.console import PROMPT_HELP, read_prompts, setup_console_logging
+from pagedq.worker.cli.flags import COMMAND_SAMPLING, add_sampling_flags, sampling_params
 from pagedq.worker.config import EngineConfig
+from pagedq.worker.config_flags import add_engine_flags, add_log_level_flag, engine_knobs
 
 # --seed is the engine's field; given, it also seeds each request (see sampling_from_args).
 SEED_HELP = ("Seed of the random draws: the same seed, prompt and flags give the same output "

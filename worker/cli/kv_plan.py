@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from pagedq.errors import PagedQError
-from pagedq.worker.cli.console import add_log_level_flag, setup_console_logging
-from pagedq.worker.cli.flags import add_engine_flags, engine_knobs
+from pagedq.worker.cli.console import setup_console_logging
 from pagedq.worker.config import EngineConfig, default_device
+from pagedq.worker.config_flags import add_engine_flags, add_log_level_flag, engine_knobs
 
 GiB = 1 << 30
 

@@ -18,14 +18,9 @@ from pagedq.client.connection import redact_url
 from pagedq.errors import InvalidParamsError, InvalidRequestError
 from pagedq.redis_url import client_redis_url
 from pagedq.worker.cli.console import PROMPT_HELP, event_sentence, read_prompt
-from pagedq.worker.cli.flags import (
-    COMMAND_SAMPLING,
-    add_config_flags,
-    add_sampling_flags,
-    given,
-    sampling_params,
-)
+from pagedq.worker.cli.flags import COMMAND_SAMPLING, add_sampling_flags, sampling_params
 from pagedq.worker.config import QueueConfig
+from pagedq.worker.config_flags import add_config_flags, given
 
 NO_REDIS_HINT = ("start one (`pagedq worker` with no --redis-url starts an embedded Redis that "
                  "this command finds), or point --redis-url / REDIS_URL at yours")

@@ -7,9 +7,14 @@ import signal
 import sys
 from typing import Any
 
-from pagedq.worker.cli.console import add_log_level_flag
-from pagedq.worker.cli.flags import add_config_flags, add_engine_flags, engine_knobs, given
 from pagedq.worker.config import WorkerConfig
+from pagedq.worker.config_flags import (
+    add_config_flags,
+    add_engine_flags,
+    add_log_level_flag,
+    engine_knobs,
+    given,
+)
 
 DESCRIPTION = ("Run a queue worker: read jobs from a Redis stream, run them on one engine with "
                "continuous batching, and stream their tokens back.")

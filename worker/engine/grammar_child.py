@@ -50,6 +50,7 @@ def compile_one(xgr, compiler, op: str, spec: str, strict: bool):
 
 
 def main() -> None:
+    # xgrammar (~2.5 s) in the child only: the parent imports this module for its path
     import xgrammar as xgr
 
     first = json.loads(sys.stdin.readline())

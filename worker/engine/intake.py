@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pagedq.errors import InvalidRequestError, RequestTooLongError
 from pagedq.params import SamplingParams
+from pagedq.tools.prompt import render_chat
 
 
 def coerce_params(params: SamplingParams | dict | None) -> SamplingParams:
@@ -52,8 +53,6 @@ def chat_prompt(tokenizer, model_path: Path, messages: list[dict],
                 params: SamplingParams | None = None) -> list[int]:
     """Token ids of ``messages`` rendered by the model's chat template, ending where the
     assistant's reply begins; with the tools of ``params`` (a ``tools`` constraint), if any."""
-    from pagedq.worker.engine.tool_prompt import render_chat
-
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(f"model {model_path} has no chat template")
     so = params.structured_outputs if params is not None else None
@@ -140,6 +139,7 @@ def eos_token_ids(model_path: Path, hf_config, tokenizer) -> frozenset[int]:
     for source in (hf_config, getattr(tokenizer, "generation_config", None)):
         add(getattr(source, "eos_token_id", None))
     try:
+        # transformers costs ~3 s to import (see models/loader.py); only this fallback reads it
         from transformers import GenerationConfig
 
         add(GenerationConfig.from_pretrained(model_path).eos_token_id)

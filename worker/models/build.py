@@ -11,9 +11,9 @@ nowhere else. The steps, in order:
 2. :func:`choose_form`: the weights' form (:class:`WeightForm`: a pack mode and the
    activations' dtype) from ``quantization``, whether the weights come from a GGUF, and what
    this CPU's kernels compute.
-3. :func:`build_model`: the weights streamed into :class:`~pagedq.worker.models.llama.CausalLM`
-   in that form (:func:`pack_weights`), then the kernels chosen for it and the weights packed
-   for them.
+3. :func:`build_model`: the weights read in that form (:func:`read_weights`, through
+   :func:`pack_weights`) and handed to :class:`~pagedq.worker.models.llama.CausalLM`, then the
+   kernels chosen for it and the weights packed for them.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 __all__ = ["BuiltModel", "ModelFiles", "WeightForm", "build_model", "choose_form", "open_model",
-           "pack_weights"]
+           "pack_weights", "read_weights"]
 
 log = get_logger("pagedq.models")
 
@@ -123,7 +123,7 @@ def build_model(config: EngineConfig, device: torch.device, kv_dtype: torch.dtyp
     positions = config.max_model_len or files.hf_config.max_position_embeddings
     with waiting(f"loading the weights of {files.path.name}", log):
         model = CausalLM(files.hf_config, form.compute, device, positions)
-        model.load_weights(pack_weights(iter_weights(files.path), form.mode))
+        model.load_weights(read_weights(files.path, form.mode))
         model.eval()
     if form.compute != getattr(torch, config.dtype):
         log.info("weights kept packed; activations in float32 for the CPU kernels",
@@ -171,6 +171,16 @@ def pack_weights(weights: Iterable[tuple[str, Weight]], mode: str) -> Iterator[t
     if requantized:
         log.info("packed checkpoint weights dequantized and quantized again", mode=mode,
                  tensors=requantized)
+
+
+def read_weights(path: Path, mode: str) -> dict[str, Weight]:
+    """Every checkpoint tensor of ``path`` in the form ``mode`` asks for, read here, before the
+    model takes them: the stream (loader, GGUF reader, :func:`pack_weights`) runs out in this
+    room instead of inside ``CausalLM.load_weights``. The peak is a stream's all the same: the
+    model gathers every tensor before it places any (q/k/v and gate/up fuse across names), and
+    it pops each from this dict as it places it, so a fused tensor's parts are freed as it goes.
+    """
+    return dict(pack_weights(iter_weights(path), mode))
 
 
 def _to_form(name: str, weight: torch.Tensor, mode: str) -> Any:

@@ -28,9 +28,9 @@ from torch import nn
 from pagedq.errors import EngineError
 from pagedq.kernels import Backend, LinearChoice, paged_attention, write_kv
 from pagedq.kernels.backend import portable_backend
-from pagedq.kernels.block_formats import QuantWeight, dequantize
+from pagedq.kernels.block_formats import QuantWeight, dequantize, weight_nbytes
 from pagedq.kernels.cpu_attention import kernel_rows, kernel_takes_step
-from pagedq.worker.models.packed import Segment, build_projection, segment_bytes
+from pagedq.worker.models.packed import Segment, build_projection
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 UNSUPPORTED_ROPE = {"dynamic", "longrope"}  # depend on the running length: no static table
@@ -301,7 +301,7 @@ class CausalLM(nn.Module):
         params = sum(p.numel() * p.element_size() for p in self.parameters() if not p.is_meta)
         copies = [*(t for layer in self.layers for t in layer.packed.values()), self.packed_head]
         prepacked = sum(t.numel() * t.element_size() for t in copies if t is not None)
-        packed = sum(segment_bytes(s) for layer in self.layers for segs in layer.segments.values()
+        packed = sum(weight_nbytes(s) for layer in self.layers for segs in layer.segments.values()
                      for s in segs)
         tables = [t for t in (self.embed_packed, self.head_packed) if t is not None]
         return params + prepacked + packed + sum(t.nbytes for t in tables)
@@ -357,18 +357,22 @@ class CausalLM(nn.Module):
         self._fused_weights = None
 
     # -- weights --------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor | QuantWeight]
+                     | Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
         """Take HF-named weights in, fusing q/k/v and gate/up; fail loudly on gaps.
 
-        When any projection arrives packed, every projection is kept as packed segments (a
-        float one, from a GGUF type no kernel reads, as an fp32 segment), so one layer form
-        runs throughout; a packed embedding or LM head stays packed too.
+        ``weights``: a dict (read in full by the models layer, pagedq.worker.models.build),
+        which this empties as it places each tensor, so a fused tensor's parts are freed as it
+        goes; or (name, tensor) pairs. When any projection arrives packed, every projection is
+        kept as packed segments (a float one, from a GGUF type no kernel reads, as an fp32
+        segment), so one layer form runs throughout; a packed embedding or LM head stays packed
+        too.
         """
-        parts: dict[str, torch.Tensor | QuantWeight] = {}
-        for name, tensor in weights:
-            if "rotary_emb" in name:
-                continue
-            parts[name.removeprefix("model.")] = tensor
+        parts = weights if isinstance(weights, dict) else dict(weights)
+        for name in [n for n in parts if "rotary_emb" in n or n.startswith("model.")]:
+            tensor = parts.pop(name)
+            if "rotary_emb" not in name:
+                parts[name.removeprefix("model.")] = tensor
         if self.tied:
             parts.pop("lm_head.weight", None)
         packed = any(isinstance(w, QuantWeight) for n, w in parts.items() if n.startswith("layers."))

@@ -20,7 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from pagedq.kernels import Backend
-from pagedq.kernels.block_formats import QuantWeight, dequantize, to_gpu_layout
+from pagedq.kernels.block_formats import (
+    QuantWeight,
+    cpu_kernel_inputs,
+    dequantize,
+    to_gpu_layout,
+    weight_nbytes,
+)
 from pagedq.kernels.cpu_ops import Isa
 
 Segment = QuantWeight | torch.Tensor
@@ -30,10 +36,7 @@ def segment_format(segment: Segment) -> str:
     return segment.fmt.name if isinstance(segment, QuantWeight) else "float32"
 
 
-def segment_bytes(segment: Segment) -> int:
-    if isinstance(segment, QuantWeight):
-        return segment.nbytes
-    return segment.numel() * segment.element_size()
+segment_bytes = weight_nbytes  # bytes of a segment, packed or float
 
 
 @dataclass
@@ -74,21 +77,17 @@ class TritonProjection:
 def build_projection(segments: list[Segment], bias: torch.Tensor | None, backend: Backend,
                      device: torch.device):
     """The runtime object of one projection on ``backend`` (see the module docstring)."""
+    # what the backend chose, asked first and once; then the weights' side, read in one go
     choices = [backend.packed_for(segment_format(s)) for s in segments]
-    kind = choices[0].kind
-    if kind == "cpp":
-        ops = choices[0].ops
-        for s, choice in zip(segments, choices, strict=True):
-            if isinstance(s, QuantWeight):  # the one-row GEMV's layout where its kernel runs
-                s.set_grouped(s.groupable and choice.isa == int(Isa.AVX512_VNNI))
-        data = [s.data if isinstance(s, QuantWeight) else s.float().contiguous() for s in segments]
-        codes = [s.kernel_code if isinstance(s, QuantWeight) else 0 for s in segments]
-        scales = [s.scales if isinstance(s, QuantWeight) else None for s in segments]
+    first = choices[0]
+    if first.kind == "cpp":
+        precision, rows = first.precision_code, [c.gemv_rows for c in choices]
+        grouped = [c.isa == int(Isa.AVX512_VNNI) for c in choices]  # the one-row GEMV's layout
+        data, codes, scales = cpu_kernel_inputs(segments, grouped)
         bias = None if bias is None else bias.float().contiguous()
-        return ops.quant_linear(data, codes, scales, bias, segments[0].shape[1],
-                                [c.gemv_rows for c in choices], choices[0].isa,
-                                choices[0].precision_code)
-    if kind == "triton":
+        return first.ops.quant_linear(data, codes, scales, bias, segments[0].shape[1], rows,
+                                      first.isa, precision)
+    if first.kind == "triton":
         parts = [to_gpu_layout(s, device) if isinstance(s, QuantWeight) and s.fmt.name != "bf16"
                  else (dequantize(s) if isinstance(s, QuantWeight) else s).to(device)
                  for s in segments]

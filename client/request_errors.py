@@ -1,4 +1,6 @@
-"""Typed errors the SDK raises. Each message says what happened and what to do about it."""
+"""Typed errors a request ends with, as the SDK raises them (re-exported by pagedq.client, the
+path to import them from). Each message says what happened and what to do about it. The base
+classes every side raises (PagedQError, InvalidParamsError, ...) are pagedq.errors."""
 
 from __future__ import annotations
 
