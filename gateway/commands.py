@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import ssl
 import sys
 from pathlib import Path
 from typing import Any
@@ -112,8 +113,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def https_refusal(config: GatewayConfig) -> str | None:
     """Why the HTTPS flags cannot serve (one without the other, an unreadable or mismatched
     pair), checked before any process starts; None when they can (or HTTPS is off)."""
-    import ssl
-
     cert, key = config.ssl_certfile, config.ssl_keyfile
     if not cert and not key:
         return None
