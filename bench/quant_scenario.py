@@ -226,6 +226,7 @@ def figures(results: dict[str, Any] | None) -> dict[str, Any] | None:
             "perplexity": entry.get("perplexity"),
             "prefix_target": prefix_target, "met": met,
             "errors": {k: v for k, v in cpp.items() if k.endswith("_error")} or None,
+            "llama_cpp_repack": cpp.get("repack"),
         }
     return out
 
@@ -288,6 +289,10 @@ def markdown(figs: dict[str, Any] | None) -> str:
                   f"{f['mean_matching_prefix']:.3f}"]
         lines.append(f"| {type_name} | " + " | ".join(cells) + " |")
     lines.append("")
+    repacked = {f.get("llama_cpp_repack") for f in figs["files"].values()} - {None}
+    how = ("with its default weight repacking" if repacked == {True} else
+           "with `-nr` (no weight repacking: build 11434 crashes repacking on AMX)"
+           if repacked == {False} else "")
     lines.append(f"llama.cpp: {figs.get('llama_cpp_version') or figs.get('llama_cpp_unavailable')}"
-                 ", run with `-nr` (no weight repacking).")
+                 + (f", run {how}." if how else "."))
     return "\n".join(lines) + "\n"

@@ -36,31 +36,39 @@ def main() -> None:
                     packed_activations=args.packed_activations, cpu_isa=args.cpu_isa,
                     enable_prefix_caching=False, adaptive_threads=False)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    wall, steps = decode(engine, args, params, profiler=None)  # timed without the profiler
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        decode(engine, args, params, profiler=prof)
+    totals = {e.key: e.cpu_time_total / 1e3 for e in prof.key_averages()}
+    print(f"{steps} decode steps, {args.streams} streams: {wall / steps * 1e3:.2f} ms a step, "
+          f"{args.streams * steps / wall:.0f} tok/s (timed without the profiler)")
+    fused = 0.0
+    for name in SCOPES:
+        ms = totals.get(name, 0.0) / steps
+        fused += ms
+        print(f"  {name:<24} {ms:7.2f} ms a step  {ms / (wall / steps * 1e3):6.1%}")
+    rest = wall / steps * 1e3 - fused
+    print(f"  {'rest of the step':<24} {rest:7.2f} ms a step  {rest / (wall / steps * 1e3):6.1%}"
+          "  (norms, LM head, sampling, Python)")
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20))
+
+
+def decode(engine: Engine, args: argparse.Namespace, params: SamplingParams,
+           profiler: profile | None) -> tuple[float, int]:
+    """Prefill ``args.streams`` prompts, then time their decode steps: (seconds, steps)."""
     prompts = [[10 + (i * 7 + j * 13) % 9000 for j in range(args.prompt_tokens)]
                for i in range(args.streams)]
+    tag = "p" if profiler else "t"
     for i, ids in enumerate(prompts):
-        engine.add_request(f"r{i}", ids, params)
+        engine.add_request(f"{tag}{i}", ids, params)
     started: set[str] = set()
     while len(started) < args.streams:  # the prefill: until every stream has its first token
         started.update(out.request_id for out in engine.step())
-    start = time.perf_counter()
-    steps = 0
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        while engine.has_unfinished_requests():
-            engine.step()
-            steps += 1
-    wall = time.perf_counter() - start
-    totals = {e.key: e.cpu_time_total / 1e3 for e in prof.key_averages()}
-    print(f"{steps} decode steps, {args.streams} streams: {wall / steps * 1e3:.1f} ms a step "
-          f"(profiled), {args.streams * steps / wall:.0f} tok/s")
-    fused = 0.0
-    for name in SCOPES:
-        ms = totals.get(name, 0.0)
-        fused += ms
-        print(f"  {name:<24} {ms / steps:7.2f} ms a step  {ms / (wall * 1e3):6.1%}")
-    print(f"  {'rest of the step':<24} {(wall * 1e3 - fused) / steps:7.2f} ms a step  "
-          f"{1 - fused / (wall * 1e3):6.1%}")
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20))
+    start, steps = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return time.perf_counter() - start, steps
 
 
 if __name__ == "__main__":
