@@ -152,11 +152,12 @@ class SpeculativeConfig:
     """suffix: the longest match looked for in the corpus of earlier requests, in tokens."""
     suffix_decoding_max_cached_requests: int = 1000
     """suffix: earlier requests' prompts and outputs kept (least recently used leave first)."""
-    disable_by_batch_size: int = 48
+    disable_by_batch_size: int = 32
     """No drafts in a step that already runs this many sequences: a large batch is compute
-    bound and verification rows would cost more than they save. 48: on this repository's
-    2-core Zen 4 CPU forced-on ngram still paid at 32 streams and lost at 64 (docs/engine.md);
-    measure it per machine with ``pagedq bench --scenarios spec``."""
+    bound and verification rows would cost more than they save. 32: on this repository's
+    2-core Zen 4 CPU, quiet, forced-on ngram paid at no batch size from 32 to 64 on extraction
+    (0.86-0.98x), and loaded runs found it paying up to 32 (docs/engine.md); measure it per
+    machine with ``pagedq bench --scenarios spec``."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
