@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import typing
 
-import jsonschema
 import pytest
 
 from pagedq.tools import (
@@ -31,9 +30,10 @@ from pagedq.tools import (
 )
 from pagedq.tools.prompt import render_chat
 from pagedq.worker.config import GatewayConfig
-from tests.engine.structured_cases import build_random_model, load_bundled_tokenizer
-from tests.engine.test_tool_calls import ASK, tools_params
-from tests.gateway.test_tools import ORDER, SCHEMAS, TOOLS
+from tests.engine.structured_cases import load_bundled_tokenizer
+from tests.engine.test_tool_calls import ASK
+from tests.gateway.test_tools import TOOLS
+from tests.tools.random_calls import assert_calls_validate, random_engine
 
 QWEN_TEMPLATE = (  # the tool part of Qwen2.5's template
     "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}{{ tool | tojson }}"
@@ -171,29 +171,8 @@ def test_a_template_without_tools_is_told_the_mistral_syntax():
 # -- Mistral: the grammar holds a random model's calls ----------------------------------------------
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from pagedq.worker import Engine
-
-    path = build_random_model(tmp_path_factory.mktemp("random-mistral"))
-    return Engine(str(path), num_kv_blocks=1024, block_size=4)
+    return random_engine(tmp_path_factory.mktemp("random-mistral"))
 
 
 def test_random_model_mistral_calls_validate_over_seeds(engine):
-    plist = [tools_params("required", seed=s, fmt="mistral") for s in range(4)]
-    plist += [tools_params("add", seed=s, fmt="mistral") for s in range(3)]
-    plist += [tools_params("required", seed=s, fmt="mistral", tools=[ORDER],
-                           spec={"parallel_tool_calls": False}) for s in range(3)]
-    ended = 0
-    for out, p in zip(engine.chat([ASK] * len(plist), plist), plist, strict=True):
-        o = out.outputs[0]
-        if o.finish_reason != "stop":
-            continue
-        ended += 1
-        assert o.text.startswith("[TOOL_CALLS]")
-        content, calls = parse_tool_calls(o.text, MISTRAL)
-        assert calls and not content.strip()
-        for call in calls:
-            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
-        spec = p.structured_outputs.tool_spec
-        if spec.forced or not spec.parallel_tool_calls:
-            assert len(calls) == 1
-    assert ended >= 5
+    assert_calls_validate(engine, "mistral", MISTRAL)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
 import pytest
 import xgrammar
 
@@ -28,9 +27,10 @@ from pagedq.tools import (
 )
 from pagedq.tools.prompt import render_chat
 from pagedq.worker.engine.grammar_cache import GrammarCache
-from tests.engine.structured_cases import build_random_model, load_bundled_tokenizer
+from tests.engine.structured_cases import load_bundled_tokenizer
 from tests.engine.test_tool_calls import ASK, tools_params
-from tests.gateway.test_tools import ORDER, SCHEMAS, TOOLS
+from tests.gateway.test_tools import TOOLS
+from tests.tools.random_calls import assert_calls_validate, random_engine
 from tests.tools.test_formats import MISTRAL_TEMPLATE
 
 V3_TEMPLATE = (  # Mistral 7B v0.3's tools, calls and results, ids checked as it does
@@ -186,29 +186,8 @@ def test_named_and_auto(cache):
 # -- the engine: a random model's calls validate ----------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from pagedq.worker import Engine
-
-    path = build_random_model(tmp_path_factory.mktemp("random-mistral-json"))
-    return Engine(str(path), num_kv_blocks=1024, block_size=4)
+    return random_engine(tmp_path_factory.mktemp("random-mistral-json"))
 
 
 def test_random_model_calls_validate_over_seeds(engine):
-    plist = [tools_params("required", seed=s, fmt="mistral_json") for s in range(4)]
-    plist += [tools_params("add", seed=s, fmt="mistral_json") for s in range(3)]
-    plist += [tools_params("required", seed=s, fmt="mistral_json", tools=[ORDER],
-                           spec={"parallel_tool_calls": False}) for s in range(3)]
-    ended = 0
-    for out, p in zip(engine.chat([ASK] * len(plist), plist), plist, strict=True):
-        o = out.outputs[0]
-        if o.finish_reason != "stop":
-            continue
-        ended += 1
-        assert o.text.startswith("[TOOL_CALLS]") and o.text.rstrip().endswith("]")
-        content, calls = parse_tool_calls(o.text, MISTRAL_JSON)
-        assert calls and not content.strip()
-        for call in calls:
-            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
-        spec = p.structured_outputs.tool_spec
-        if spec.forced or not spec.parallel_tool_calls:
-            assert len(calls) == 1
-    assert ended >= 5
+    assert_calls_validate(engine, "mistral_json", MISTRAL_JSON, closes="]")
