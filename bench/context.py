@@ -76,7 +76,8 @@ class BenchContext:
         self.space = TokenSpace.for_model(int(cfg.vocab_size), specials)
         self.results["model"] = {
             "dir": str(self.model_dir),
-            "architecture": (cfg.architectures or ["?"])[0],
+            # a config converted from a GGUF names no architectures: its model_type says it
+            "architecture": (cfg.architectures or [getattr(cfg, "model_type", None) or "?"])[0],
             "vocab_size": int(cfg.vocab_size),
             "max_position_embeddings": int(cfg.max_position_embeddings),
         }
