@@ -128,12 +128,10 @@ class KVCacheManager:
             return
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
+        chain = self.hash_chain(seq, num_full)  # each block hashed once, shared with admission
         for i in range(len(seq.block_hashes), num_full):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            parent = seq.block_hashes[i - 1] if i else None
-            h = hash_block(parent, tokens)
-            self.pool.register(seq.block_table[i], h, tokens)
-            seq.block_hashes.append(h)
+            self.pool.register(seq.block_table[i], chain[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            seq.block_hashes.append(chain[i])
 
     def trim(self, seq: Sequence) -> int:
         """Speculative rollback: release the tail blocks past the sequence's computed tokens

@@ -160,8 +160,8 @@ class Scheduler:
         """Admit waiting sequences in order while budget, slots and blocks last; one held back
         for a shared prefix keeps its place and the next one is considered."""
         bs = self.kv.block_size
-        inflight = (InflightBlocks.of(self.kv, self.running) if self.share_inflight_prefixes
-                    else None)
+        inflight = (InflightBlocks.of(self.kv, self.running)
+                    if self.share_inflight_prefixes and self.waiting else None)
         held = 0  # waiting sequences skipped this step, at the head of the queue
         while (held < len(self.waiting) and budget > 0
                and len(self.running) < self.config.max_num_seqs):
