@@ -45,19 +45,24 @@ CALLS = ('Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"s": "}
          '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>')
 
 
-@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
-def test_streamed_pieces_give_the_whole_texts_calls(step):
-    parser = ToolCallParser(HERMES, "r")
+def stream_pieces(parser: ToolCallParser, text: str, step: int) -> tuple[str, list[str]]:
+    """``text`` fed to ``parser`` ``step`` characters at a time, as a stream arrives: the
+    content it let through and each call's argument fragments joined, in call order."""
     content, args = "", {}
-    for i in range(0, len(CALLS), step):
-        text, deltas = parser.feed(CALLS[i:i + step])
-        content += text
+    for i in range(0, len(text), step):
+        piece, deltas = parser.feed(text[i:i + step])
+        content += piece
         for d in deltas:
             args[d["index"]] = args.get(d["index"], "") + d["function"]["arguments"]
-    content += parser.finish()
+    return content + parser.finish(), [args[i] for i in sorted(args)]
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_streamed_pieces_give_the_whole_texts_calls(step):
+    content, args = stream_pieces(ToolCallParser(HERMES, "r"), CALLS, step)
     whole_content, calls = parse_tool_calls(CALLS, HERMES, "r")
     assert content == whole_content == "Sure. "
-    assert [c.arguments for c in calls] == [args[0], args[1]]
+    assert [c.arguments for c in calls] == args
     assert [c.name for c in calls] == ["add", "get_weather"]
     assert json.loads(calls[0].arguments) == {"a": 1, "b": {"s": '}"<'}}
 

@@ -31,7 +31,7 @@ from pagedq.tools import (
 from pagedq.tools.prompt import render_chat
 from pagedq.worker.config import GatewayConfig
 from tests.engine.structured_cases import load_bundled_tokenizer
-from tests.engine.test_tool_calls import ASK
+from tests.engine.test_tool_calls import ASK, stream_pieces
 from tests.gateway.test_tools import TOOLS
 from tests.tools.random_calls import assert_calls_validate, random_engine
 
@@ -121,15 +121,9 @@ def test_mistral_calls_parse_whole_and_in_pieces(step):
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("add", {"a": 1, "b": {"s": '}"[ARGS]'}}),
         ("get_weather", {"city": "Paris", "unit": "celsius"})]
-    parser = ToolCallParser(MISTRAL, "req", 0)
-    text, args = "", {}
-    for i in range(0, len(MISTRAL_CALLS), step):
-        piece, deltas = parser.feed(MISTRAL_CALLS[i:i + step])
-        text += piece
-        for d in deltas:
-            args[d["index"]] = args.get(d["index"], "") + d["function"]["arguments"]
-    assert text + parser.finish() == content
-    assert [args[i] for i in sorted(args)] == [c.arguments for c in calls]
+    text, args = stream_pieces(ToolCallParser(MISTRAL, "req", 0), MISTRAL_CALLS, step)
+    assert text == content
+    assert args == [c.arguments for c in calls]
 
 
 def test_mistral_call_text_round_trips():

@@ -28,7 +28,7 @@ from pagedq.tools import (
 from pagedq.tools.prompt import render_chat
 from pagedq.worker.engine.grammar_cache import GrammarCache
 from tests.engine.structured_cases import load_bundled_tokenizer
-from tests.engine.test_tool_calls import ASK, tools_params
+from tests.engine.test_tool_calls import ASK, stream_pieces, tools_params
 from tests.gateway.test_tools import TOOLS
 from tests.tools.random_calls import assert_calls_validate, random_engine
 from tests.tools.test_formats import MISTRAL_TEMPLATE
@@ -87,15 +87,9 @@ def test_calls_parse_whole_and_in_pieces(text, step):
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("add", {"a": 1, "b": {"s": '}"]'}}),
         ("get_weather", {"city": "Paris", "unit": "celsius"})]
-    parser = ToolCallParser(MISTRAL_JSON, "req", 0)
-    shown, args = "", {}
-    for i in range(0, len(text), step):
-        piece, deltas = parser.feed(text[i:i + step])
-        shown += piece
-        for d in deltas:
-            args[d["index"]] = args.get(d["index"], "") + d["function"]["arguments"]
-    assert shown + parser.finish() == content
-    assert [args[i] for i in sorted(args)] == [c.arguments for c in calls]
+    shown, args = stream_pieces(ToolCallParser(MISTRAL_JSON, "req", 0), text, step)
+    assert shown == content
+    assert args == [c.arguments for c in calls]
 
 
 def test_call_text_round_trips_and_a_cut_list_keeps_its_finished_calls():
