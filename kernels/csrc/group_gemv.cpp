@@ -321,20 +321,41 @@ void all_rows(const LinearArgs& p, const SplitActs& a, int64_t g0, int64_t g1) {
 
 }  // namespace
 
-void group_gemv(const LinearArgs& p, bool bytes) {
+void group_gemv(const LinearArgs& p, bool bytes) { group_gemv_parts(&p, 1, bytes); }
+
+// Why one call for several weights: a fused projection's segments (q, k and v; gate and up) read
+// the same activations. Split once and run all their groups in one parallel region: at one row
+// a decode step's GEMVs are short enough that each region's fork and join barrier is a visible
+// share of them, and q/k/v as three regions were three of those and three activation splits.
+void group_gemv_parts(const LinearArgs* parts, int64_t count, bool bytes) {
+  const LinearArgs& first = parts[0];
   static thread_local SplitActs acts;
   if (bytes)
-    byte_acts(p.x, p.rows, p.K, acts);
+    byte_acts(first.x, first.rows, first.K, acts);
   else
-    split_acts(p.x, p.rows, p.K, acts);
+    split_acts(first.x, first.rows, first.K, acts);
   const SplitActs& a = acts;
+  std::vector<int64_t> ends(count);  // groups of parts [0, i] together
+  int64_t total = 0, widest = 1;
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(parts[i].x == first.x && parts[i].rows == first.rows && parts[i].K == first.K,
+                "group_gemv_parts: every part reads the same activations");
+    total += parts[i].N / kGroupRows;
+    ends[i] = total;
+    widest = std::max(widest, parts[i].row_bytes);
+  }
   // Groups per task: enough weight bytes (~32 KiB) that a thread's start-up cost stays small.
-  const int64_t grain = std::max<int64_t>(1, 32768 / (kGroupRows * p.row_bytes));
-  at::parallel_for(0, p.N / kGroupRows, grain, [&](int64_t g0, int64_t g1) {
-    if (bytes)
-      all_rows<true>(p, a, g0, g1);
-    else
-      all_rows<false>(p, a, g0, g1);
+  const int64_t grain = std::max<int64_t>(1, 32768 / (kGroupRows * widest));
+  at::parallel_for(0, total, grain, [&](int64_t g0, int64_t g1) {
+    int64_t start = 0;
+    for (int64_t i = 0; i < count && g0 < g1; start = ends[i++]) {
+      const int64_t lo = std::max(g0, start), hi = std::min(g1, ends[i]);
+      if (lo >= hi) continue;
+      if (bytes)
+        all_rows<true>(parts[i], a, lo - start, hi - start);
+      else
+        all_rows<false>(parts[i], a, lo - start, hi - start);
+    }
   });
 }
 

@@ -262,6 +262,9 @@ namespace v512 {
 // x @ W^T over grouped rows (group_gemv.cpp); AVX-512 VNNI CPUs only. bytes: int8 activations
 // (one vpdpbusd per 64 products) instead of int16 (two).
 void group_gemv(const LinearArgs& p, bool bytes);
+// The same for `count` grouped weights that read the same x (a fused projection's segments),
+// the activations split once and every part's groups in one parallel region.
+void group_gemv_parts(const LinearArgs* parts, int64_t count, bool bytes);
 }  // namespace v512
 
 namespace v256 {

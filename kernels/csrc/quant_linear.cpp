@@ -41,7 +41,39 @@ QuantLinear::QuantLinear(std::vector<at::Tensor> data_, std::vector<int64_t> fmt
               "QuantLinear: bias must have one entry per output");
 }
 
+// Whether every segment takes the grouped VNNI GEMV at this many rows: then they run as one
+// (group_gemv_parts: one activation split, one parallel region).
+bool QuantLinear::one_grouped_gemv(int64_t rows) const {
+  if (data.size() < 2 || isa != kAvx512Vnni) return false;
+  for (size_t i = 0; i < data.size(); ++i)
+    if (!(fmts[i] & kGrouped) || rows > gemv_max_rows[i]) return false;
+  return true;
+}
+
+at::Tensor QuantLinear::grouped_forward(const at::Tensor& x) const {
+  check_isa(isa);
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  std::vector<at::Tensor> slices;
+  std::vector<LinearArgs> parts;
+  slices.reserve(data.size());
+  parts.reserve(data.size());
+  int64_t col = 0;
+  for (size_t i = 0; i < data.size(); ++i) {
+    const int64_t n = data[i].size(0);
+    slices.push_back(out.narrow(1, col, n));
+    c10::optional<at::Tensor> b;
+    if (bias.has_value() && bias->defined()) b = bias->narrow(0, col, n);
+    parts.push_back(check_linear("quant_linear", slices.back(), x, data[i], fmts[i],
+                                 scales.get(i), b));
+    col += n;
+  }
+  v512::group_gemv_parts(parts.data(), static_cast<int64_t>(parts.size()),
+                         (precision & kInt8ActsBit) != 0);
+  return out;
+}
+
 at::Tensor QuantLinear::forward(const at::Tensor& x) const {
+  if (one_grouped_gemv(x.size(0))) return grouped_forward(x);
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
   int64_t col = 0;
   for (size_t i = 0; i < data.size(); ++i) {

@@ -35,6 +35,10 @@ struct QuantLinear : torch::CustomClassHolder {
   at::Tensor forward(const at::Tensor& x) const;
   // Resident bytes of the packed weights (and their scales).
   int64_t nbytes() const;
+
+ private:
+  bool one_grouped_gemv(int64_t rows) const;
+  at::Tensor grouped_forward(const at::Tensor& x) const;
 };
 
 }  // namespace pagedq_cpu

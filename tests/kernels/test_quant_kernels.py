@@ -19,7 +19,7 @@ import torch
 
 from pagedq.kernels.backend import process_selector
 from pagedq.kernels.block_formats import FORMATS, GROUPED, QuantWeight, dequantize, quantize_int4
-from pagedq.kernels.cpu_ops import GemmPrecision, Isa
+from pagedq.kernels.cpu_ops import INT8_ACTS_BIT, GemmPrecision, Isa
 from tests.quant_fixtures import ALL, random_weight
 
 CPU = process_selector().cpu  # this CPU, capped at PAGEDQ_CPU_ISA where that is set
@@ -195,6 +195,32 @@ def test_grouped_gemv_matches_dequantized_matmul(cpu_ops, fmt):
             want = split_activations(x).double() @ dense.T + bias.double()
             assert relative_error(out, want) < 1e-5, (fmt, k, rows)
             assert relative_error(out, x.double() @ dense.T + bias.double()) < 1e-4
+
+
+@needs_vnni
+@pytest.mark.parametrize("int8_acts", [False, True], ids=["int16", "int8"])
+def test_grouped_segments_run_as_one_gemv(cpu_ops, int8_acts):
+    """A QuantLinear whose segments are all grouped (q, k and v in Q4_1, Q8_0 and Q4_K) runs them
+    in one region over one activation split: bit for bit each segment's own grouped GEMV."""
+    gen = torch.Generator().manual_seed(13)
+    k = 256
+    parts = [grouped_weight(f, n, k, gen)[1] for f, n in (("q4_1", 48), ("q8_0", 32), ("q4_k", 16))]
+    bias = torch.randn(96, generator=gen)
+    precision = int(GemmPrecision.F32) | (INT8_ACTS_BIT if int8_acts else 0)
+    acts = 8 if int8_acts else 16
+    linear = cpu_ops.quant_linear([p.data for p in parts], [p.kernel_code for p in parts],
+                                  [None] * 3, bias, k, [16, 16, 16], BEST, precision)
+    for rows in (1, 3, 9, 16):
+        x = torch.randn(rows, k, generator=gen)
+        want = torch.empty(rows, 96)
+        col = 0
+        for part in parts:
+            n = part.shape[0]
+            piece = want[:, col:col + n]
+            cpu_ops.quant_gemv(piece, x, part.data, part.kernel_code, None,
+                               bias[col:col + n], BEST, acts)
+            col += n
+        torch.testing.assert_close(linear.forward(x), want, rtol=0, atol=0)
 
 
 @needs_vnni
