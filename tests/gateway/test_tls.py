@@ -64,3 +64,29 @@ def test_https_flags_that_cannot_serve_are_a_usage_error(pki, case):
                           text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "--ssl-certfile" in done.stderr and "--ssl-keyfile" in done.stderr
+
+
+def test_sigterm_closes_an_idle_https_keep_alive_connection_at_once(pki, redis_url, queue,
+                                                                    tmp_path):
+    """A client that keeps its HTTPS connection open between requests (every pooling SDK does)
+    must not hold the gateway's shutdown for the graceful limit: idle, it has nothing to lose.
+    uvicorn closes it, but a TLS close waits for the peer's close_notify, which an idle client
+    never sends; the gateway shuts it at once instead of logging the limit's expiry."""
+    flags = ["--queue", queue, "--ssl-certfile", str(pki.server_cert),
+             "--ssl-keyfile", str(pki.server_key)]
+    log_path = tmp_path / "gateway.log"
+    proc, base = spawn_gateway(redis_url, log_path, *flags, "--log-level", "INFO",
+                               ca=str(pki.ca))
+    try:
+        client = httpx.Client(verify=ssl.create_default_context(cafile=str(pki.ca)))
+        assert client.get(base + "/health").status_code == 200  # the connection stays open
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        client.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(60)
+    log = log_path.read_text()
+    assert proc.returncode == -signal.SIGTERM and "Traceback" not in log, log[-2000:]
+    assert "timeout graceful shutdown exceeded" not in log, log[-2000:]
