@@ -88,7 +88,11 @@ def test_deep_queue_is_429_with_retry_after(redis_url, queue, tiny_worker, tiny_
 
 
 def test_no_live_worker_is_503(redis_url):
+    """Issue 25, Low-6: while a worker loads (or none runs) a request is told to retry: 503
+    with Retry-After, saying one may be starting, not a bare "no worker"."""
     with serve(redis_url, queue="gw-nobody") as gw:
         with pytest.raises(openai.InternalServerError) as err:
             gw.openai().chat.completions.create(model="any", messages=HELLO)
         assert err.value.status_code == 503 and err.value.code == "no_worker"
+        assert err.value.response.headers["retry-after"] == "5"
+        assert "starting" in err.value.message and "retry" in err.value.message
