@@ -35,3 +35,16 @@ def test_the_private_redis_is_a_password_protected_unix_socket_with_noeviction()
 def test_a_configured_redis_is_used_as_given():
     with redis_url("redis://h:1/0") as url:
         assert url == "redis://h:1/0"
+
+
+
+def test_the_worker_flags_kept_in_the_report_hold_no_password():
+    """The queue scenario writes the worker's command line into the bench JSON."""
+    from pagedq.bench.queue_path import recorded_flags
+    from pagedq.worker.config import QueueConfig
+    from pagedq.worker.config_flags import to_flags
+
+    flags = to_flags(QueueConfig(redis_url="redis://u:s3cret@127.0.0.1:9/0", queue="q"))
+    kept = recorded_flags(flags)
+    assert "redis://u:***@127.0.0.1:9/0" in kept and "s3cret" not in " ".join(kept)
+    assert len(kept) == len(flags)
