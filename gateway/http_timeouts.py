@@ -6,6 +6,15 @@ headers (slowloris: a byte every few seconds) holds a socket and a slot of
 ``--limit-concurrency`` for good, and so does a body that stops arriving. This subclass of
 uvicorn's httptools protocol arms a timer for each and closes the connection when one fires.
 A reverse proxy in front (docs/gateway.md) buffers slow clients as well.
+
+The same subclass ends an idle HTTPS keep-alive connection at once on shutdown. uvicorn's
+graceful shutdown closes an idle connection with ``transport.close()``; over TLS that sends the
+server's close_notify and then waits (asyncio's and uvloop's ``ssl_shutdown_timeout``, 30 s) for
+the client's, which a pooling client that is not reading never sends. The connection then stays
+in uvicorn's list and SIGTERM waits out the whole graceful limit. TLS lets the closing side drop
+the connection once its close_notify is sent (RFC 8446 section 6.1), so after
+``TLS_CLOSE_GRACE_S`` an idle connection is aborted. Requests and streams in flight keep
+uvicorn's handling and the graceful limit.
 """
 
 from __future__ import annotations
@@ -19,6 +28,10 @@ from pagedq.logging import get_logger
 
 log = get_logger("pagedq.gateway.http")
 
+# time an idle TLS connection gets at shutdown to flush what it has queued and send close_notify
+# before it is dropped without the client's reply (plain TCP needs none: its close is at once)
+TLS_CLOSE_GRACE_S = 0.2
+
 
 class TimedHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a header deadline and a body idle timeout; the two
@@ -31,6 +44,7 @@ class TimedHttpProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._abort_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -38,7 +52,31 @@ class TimedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
+        if self._abort_timer is not None:
+            self._abort_timer.cancel()
+            self._abort_timer = None
         super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        """uvicorn's graceful shutdown: an idle connection is closed, a busy one closes after
+        its response. Over TLS the idle one's close would wait for the client's close_notify
+        (module docstring), so it is aborted after ``TLS_CLOSE_GRACE_S``."""
+        idle = self.cycle is None or self.cycle.response_complete
+        super().shutdown()
+        if idle and self.transport.get_extra_info("ssl_object") is not None:
+            self._abort_timer = self.loop.call_later(TLS_CLOSE_GRACE_S, self._abort_closing)
+
+    def _abort_closing(self) -> None:
+        """Drop a closing TLS connection whose client has not answered close_notify; one that
+        still has a response's bytes to send (writing paused: the client reads slowly) keeps
+        uvicorn's graceful limit instead, so no answer is cut short."""
+        self._abort_timer = None
+        if self.flow.write_paused:
+            self._abort_timer = self.loop.call_later(TLS_CLOSE_GRACE_S, self._abort_closing)
+            return
+        log.debug("dropping an idle TLS connection at shutdown without the client's close_notify",
+                  client=self.client[0] if self.client else None)
+        self.transport.abort()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()

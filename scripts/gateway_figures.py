@@ -316,7 +316,7 @@ def choice_beside_bombs(base: str, model: str, rounds: int = 3
 def main() -> None:
     env = dict(os.environ, PAGEDQ_CACHE=tempfile.mkdtemp())  # never join another's Redis
     model = sys.argv[1] if len(sys.argv) > 1 else None
-    with EmbeddedRedis.start() as redis:
+    with EmbeddedRedis.start(unix_socket=True) as redis:
         worker, gateway, base = start(redis.url, env, model)
         try:
             with httpx.Client(base_url=base, timeout=600) as http:

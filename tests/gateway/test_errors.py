@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -88,7 +90,34 @@ def test_deep_queue_is_429_with_retry_after(redis_url, queue, tiny_worker, tiny_
 
 
 def test_no_live_worker_is_503(redis_url):
+    """Issue 25, Low-6: while a worker loads (or none runs) a request is told to retry: 503
+    with Retry-After, saying one may be starting, not a bare "no worker"."""
     with serve(redis_url, queue="gw-nobody") as gw:
         with pytest.raises(openai.InternalServerError) as err:
             gw.openai().chat.completions.create(model="any", messages=HELLO)
         assert err.value.status_code == 503 and err.value.code == "no_worker"
+        assert err.value.response.headers["retry-after"] == "5"
+        assert "starting" in err.value.message and "retry" in err.value.message
+
+
+def test_an_unexpected_error_echoes_nothing_and_redis_refusals_are_503():
+    """Issue 25, Low-1: a gateway bug's 500 quotes no exception text (paths, Redis commands);
+    Redis's OOM, however redis-py words it (inside a Lua script too), is 503 storage_full."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import OutOfMemoryError, ResponseError
+
+    from pagedq.gateway.api_errors import unexpected
+
+    bug = unexpected(KeyError("/srv/pagedq/files/secret.json"))
+    assert (bug.status, bug.code) == (500, "internal")
+    assert "secret" not in json.dumps(bug.body()) and "internal error" in bug.message
+    for oom in (OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),
+                ResponseError("OOM command not allowed when used memory > 'maxmemory'."),
+                ResponseError("Error running script (call to f_91f1): @user_script:11: "
+                              "@user_script: 11: -OOM command not allowed when used memory > "
+                              "'maxmemory'.")):
+        err = unexpected(oom)
+        assert (err.status, err.code) == (503, "storage_full"), oom
+        assert "script" not in err.message and err.headers["Retry-After"]
+    down = unexpected(RedisConnectionError("Error 111 connecting to 10.0.0.5:6379."))
+    assert (down.status, down.code) == (503, "redis_unavailable") and "10.0.0.5" not in down.message

@@ -130,6 +130,20 @@ def test_bad_bodies_are_400_not_500(redis_url, queue, tiny_worker, tiny_id, name
         assert len(resp.text) < 1000 and "Traceback" not in resp.text
 
 
+def test_an_error_quotes_a_huge_body_briefly_and_a_listing_is_capped(redis_url, queue,
+                                                                   tiny_worker, tiny_id):
+    """Low-5 and Medium-3: 100k stop strings once echoed a 989 KB error (now cut at 400
+    characters of what the client sent), and a batch listing may not ask past 100."""
+    body = {"model": tiny_id, "messages": [{"role": "user", "content": "Hi"}],
+            "stop": [f"stop-{i}" for i in range(100_000)]}
+    with serve(redis_url, queue=queue) as gw, gw.http() as http:
+        resp = http.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 400 and len(resp.content) < 1000, resp.text[:300]
+        assert resp.json()["error"]["code"] == "invalid_params"
+        assert http.get("/v1/batches", params={"limit": 101}).status_code == 400
+        assert http.get("/v1/batches", params={"limit": 100}).status_code == 200
+
+
 def test_a_bad_last_event_id_is_400(redis_url, queue, tiny_worker, tiny_id):
     body = {"model": tiny_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
             "stream": True}

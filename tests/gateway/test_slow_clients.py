@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.gateway.harness import httpx, spawn_gateway
+from tests.gateway.harness import httpx, spawn_gateway, wait_until
 
 GIVE_UP_S = 60.0  # far past the 1 s timeouts: only a gateway that never closes reaches it
 
@@ -101,3 +101,26 @@ def test_ordinary_clients_are_served_while_slow_ones_hold_connections(gateway):
     finally:
         for sock in slow:
             sock.close()
+
+
+def test_limit_concurrency_answers_503_past_it_and_serves_again_below(redis_url, tmp_path):
+    """--limit-concurrency reaches uvicorn: with that many connections open (here: silent ones,
+    within --timeout-header), the next request is refused with a 503 instead of queueing on an
+    overloaded gateway; once they go, requests are served again."""
+    proc, base = spawn_gateway(redis_url, tmp_path / "gateway.log", "--queue", "slow-limit",
+                               "--limit-concurrency", "3", "--timeout-header", "30")
+    try:
+        held = [connect(base) for _ in range(3)]
+        try:
+            for sock in held:  # each is accepted and counted before the next request comes
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            wait_until(lambda: httpx.get(base + "/health", timeout=30).status_code == 503, 30,
+                       "a 503 past --limit-concurrency")
+        finally:
+            for sock in held:
+                sock.close()
+        wait_until(lambda: httpx.get(base + "/health", timeout=30).status_code == 200, 30,
+                   "requests served again")
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -126,3 +126,31 @@ def test_a_stream_resumed_within_the_grace_is_not_cancelled(redis_url, queue, wo
                      "nothing: give it more tokens")
     assert rest[-1][1] == "[DONE]"
     assert json.loads(rest[-2][1])["usage"]["completion_tokens"] == 900
+
+
+def test_a_reader_leaving_after_the_record_expired_leaves_no_key_without_a_ttl(redis_url,
+                                                                               queue):
+    """Issue 25, Low-5: ``Readers.detach`` on a stream whose record expired meanwhile recreates
+    the hash (HINCRBY); it must come back with the TTL, never as a key kept for good."""
+    import asyncio
+
+    import redis.asyncio as aredis
+
+    from pagedq.gateway.sse import Readers
+
+    async def run() -> tuple[int, int]:
+        r = aredis.Redis.from_url(redis_url)
+        readers = Readers(r, Keys(queue), ttl=60)
+        key = readers.key("chatcmpl-expired")
+        await r.delete(key)  # as if its TTL ran out while the client was reading
+        await readers.detach("chatcmpl-expired", dropped=True)
+        after_drop = await r.ttl(key)
+        await readers.attach("chatcmpl-expired")
+        await readers.detach("chatcmpl-expired", dropped=False)
+        after_leave = await r.ttl(key)
+        await r.delete(key)
+        await r.aclose()
+        return after_drop, after_leave
+
+    after_drop, after_leave = asyncio.run(run())
+    assert 0 < after_drop <= 60 and 0 < after_leave <= 60

@@ -171,3 +171,40 @@ def test_malformed_forms_are_400(redis_url):
         assert not [f for f in http.get("/v1/files").json()["data"]
                     if f["filename"] == "cut.jsonl"]  # no truncated file kept
         assert 'status="500"' not in http.get("/metrics").text
+
+
+def fill(r: redis.Redis) -> list[str]:
+    """Fill a noeviction Redis until even a small write is refused (a refused big value leaves
+    room: its own query buffer counted); the keys written."""
+    keys: list[str] = []
+    for size in (1 << 20, 1 << 14, 1 << 8):
+        try:
+            while True:
+                r.set(f"junk:{len(keys)}", b"x" * size)
+                keys.append(f"junk:{len(keys)}")
+        except redis.exceptions.OutOfMemoryError:
+            pass
+    return keys
+
+
+def test_a_chat_request_at_a_full_redis_is_a_503_that_quotes_no_command(tiny_model, tiny_id):
+    """Medium-3 and Low-1: at maxmemory a chat request once got a 500 whose body began the
+    refused Redis command; now 503 storage_full with Retry-After, and once room is made the
+    same request is answered."""
+    from tests.service.harness import running_worker
+
+    body = {"model": tiny_id, "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 2}
+    with EmbeddedRedis.start(unix_socket=True, maxmemory=32 << 20) as server, \
+            running_worker(server.url, tiny_model, "oom-w", queue="oom"), \
+            serve(server.url, queue="oom") as gw, gw.http() as http:
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+        r = redis.Redis.from_url(server.url)
+        junk = fill(r)
+        resp = http.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 503, resp.text[:300]
+        assert resp.json()["error"]["code"] == "storage_full" and resp.headers["retry-after"]
+        assert "OOM" not in resp.text and "XADD" not in resp.text.upper()
+        r.delete(*junk)
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+        r.close()
