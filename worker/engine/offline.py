@@ -48,10 +48,12 @@ class OfflineAPI:
 
     def beam_search(self: StepAPI, prompts: Seq[str] | Seq[list[int]], beam_width: int = 4,
                     max_tokens: int = 16, length_penalty: float = 1.0,
-                    ignore_eos: bool = False) -> list[BeamSearchOutput]:
-        """Beam search per prompt (beam_search.py); each result's ``beams`` are best first."""
-        return beam_search(self, prompts,
-                           BeamParams(beam_width, max_tokens, length_penalty, ignore_eos))
+                    ignore_eos: bool = False, prompt_logprobs: int | None = None
+                    ) -> list[BeamSearchOutput]:
+        """Beam search per prompt (beam_search.py); each result's ``beams`` are best first
+        (and its ``prompt_logprobs``, when asked)."""
+        return beam_search(self, prompts, BeamParams(beam_width, max_tokens, length_penalty,
+                                                     ignore_eos, prompt_logprobs))
 
     def apply_chat_template(self: StepAPI, messages: list[dict],
                             params: SamplingParams | None = None) -> list[int]:
