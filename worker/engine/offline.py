@@ -38,12 +38,14 @@ class OfflineAPI:
         return [r.output() for r in reqs]
 
     def chat(self: StepAPI, conversations: list[dict] | list[list[dict]],
-             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then ``generate``."""
+             params: SamplingParams | Seq[SamplingParams] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation (with
+        ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``), then ``generate``."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         plist = (list(params) if isinstance(params, Seq) else [params] * len(conversations))
-        return self.generate([self.apply_chat_template(c, p)
+        return self.generate([self.apply_chat_template(c, p, chat_template_kwargs)
                               for c, p in zip(conversations, plist, strict=True)], params)
 
     def beam_search(self: StepAPI, prompts: Seq[str] | Seq[list[int]], beam_width: int = 4,
@@ -56,10 +58,12 @@ class OfflineAPI:
                                                      ignore_eos, prompt_logprobs))
 
     def apply_chat_template(self: StepAPI, messages: list[dict],
-                            params: SamplingParams | None = None) -> list[int]:
+                            params: SamplingParams | None = None,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
         """The prompt token ids of a conversation, ready for the assistant's turn (with the
         tools of ``params``' ``tools`` constraint listed, if it has one)."""
-        return chat_prompt(self.tokenizer, self.model_path, messages, params)
+        return chat_prompt(self.tokenizer, self.model_path, messages, params,
+                           chat_template_kwargs)
 
     def run_to_completion(self: StepAPI, kind: str, adders: list[Callable[[str], Request]]
                           ) -> list[Request]:
