@@ -16,6 +16,7 @@ from typing import Any
 from pagedq.errors import InvalidParamsError, InvalidRequestError, PagedQError
 from pagedq.params import StructuredOutputsParams
 from pagedq.tools import get_format, parse_tool_calls
+from pagedq.tools.prompt import check_template_kwargs
 from pagedq.worker.cli.console import PROMPT_HELP, read_prompts, setup_console_logging
 from pagedq.worker.cli.flags import COMMAND_SAMPLING, add_sampling_flags, sampling_params
 from pagedq.worker.config import EngineConfig
@@ -126,9 +127,9 @@ def prepare(config: Any, texts: list[str], params: Any, args: argparse.Namespace
     from pagedq.worker.engine.sizing import fit_cache
     from pagedq.worker.models.build import open_model
 
+    kwargs = check_template_kwargs(template_kwargs(getattr(args, "chat_template_kwargs", None)))
     files = open_model(config)  # the engine's rule: the bundled GGUF stays packed
     if args.chat:
-        kwargs = template_kwargs(getattr(args, "chat_template_kwargs", None))
         prompts = [chat_prompt(files.tokenizer, files.path, conversation(args, t), params,
                                kwargs) for t in texts]
     else:
