@@ -57,11 +57,16 @@ def model_dir(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(scope="module")
-def client(redis_url, model_dir):
+def gw(redis_url, model_dir):
     with running_worker(redis_url, str(model_dir), "kwargs-w", queue=QUEUE,
                         engine={"max_model_len": 1024, "num_kv_blocks": 1024}):
         with serve(redis_url, queue=QUEUE) as gateway:
-            yield gateway.openai()
+            yield gateway
+
+
+@pytest.fixture(scope="module")
+def client(gw):
+    return gw.openai()
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +140,13 @@ def test_a_batch_line_takes_them_too(client, model, tokenizer):
     assert lines["k0"]["choices"][0]["message"]["reasoning_content"]
     assert lines["k1"]["usage"]["prompt_tokens"] == prompt_tokens(tokenizer, OFF)
     assert "reasoning_content" not in lines["k1"]["choices"][0]["message"]
+
+
+def test_tokenize_renders_with_them(gw, model, tokenizer):
+    body = {"model": model, "messages": ASK, "tools": TOOLS}
+    with gw.http() as http:
+        assert http.post("/tokenize", json=body).json()["count"] == prompt_tokens(tokenizer)
+        off = http.post("/tokenize", json={**body, "chat_template_kwargs": OFF}).json()
+        assert off["count"] == prompt_tokens(tokenizer, OFF)
+        bad = http.post("/tokenize", json={**body, "chat_template_kwargs": {"tools": 1}})
+        assert bad.status_code == 400 and "may not set" in bad.text
