@@ -177,10 +177,12 @@ class AsyncClient:
     async def submit(self, prompt: Any, params: SamplingParams | None = None, *,
                      deadline: Any = None, priority: int = 0,
                      metadata: dict[str, Any] | None = None,
-                     request_id: str | None = None) -> AsyncRequestHandle:
+                     request_id: str | None = None,
+                     chat_template_kwargs: dict[str, Any] | None = None) -> AsyncRequestHandle:
         """Enqueue one job (idempotent by ``request_id``, as ``Client.submit``)."""
         req = build_request(prompt, params, request_id=request_id, deadline=to_deadline(deadline),
-                            priority=priority, metadata=metadata, limits=self.limits)
+                            priority=priority, metadata=metadata, limits=self.limits,
+                            chat_template_kwargs=chat_template_kwargs)
         return (await self._submit([req]))[0]
 
     async def submit_many(self, prompts: Sequence[Any], params: SamplingParams | None = None,

@@ -134,10 +134,12 @@ class HandleBase:
 def build_requests(prompts: Sequence[Any], params: SamplingParams | None, *,
                    deadline: Any = None, priority: int = 0,
                    metadata: dict[str, Any] | None = None,
-                   limits: Limits | None = None) -> list[Request]:
+                   limits: Limits | None = None,
+                   chat_template_kwargs: dict[str, Any] | None = None) -> list[Request]:
     """``submit_many``'s requests: one per prompt, all with the same params and options."""
     return [build_request(p, params, deadline=to_deadline(deadline), priority=priority,
-                          metadata=metadata, limits=limits) for p in prompts]
+                          metadata=metadata, limits=limits,
+                          chat_template_kwargs=chat_template_kwargs) for p in prompts]
 
 
 def end_time(timeout: float | None) -> float | None:
@@ -317,15 +319,19 @@ class Client:
     def submit(self, prompt: str | list[int] | list[dict[str, str]],
                params: SamplingParams | None = None, *, deadline: Any = None,
                priority: int = 0, metadata: dict[str, Any] | None = None,
-               request_id: str | None = None) -> RequestHandle:
-        """Enqueue one job; returns at once with its handle.
+               request_id: str | None = None,
+               chat_template_kwargs: dict[str, Any] | None = None) -> RequestHandle:
+        """Enqueue one job; returns at once with its handle. ``chat_template_kwargs``: extra
+        variables for the worker's chat template (chat messages only; vLLM's field, e.g.
+        ``{"enable_thinking": False}`` for Qwen3).
 
         Idempotent by ``request_id``: submitting an id again with the same prompt and params
         joins the first job (or returns its result, once it ended); with another prompt or
         params it raises DuplicateRequestError and leaves the first job untouched.
         """
         req = build_request(prompt, params, request_id=request_id, deadline=to_deadline(deadline),
-                            priority=priority, metadata=metadata, limits=self.limits)
+                            priority=priority, metadata=metadata, limits=self.limits,
+                            chat_template_kwargs=chat_template_kwargs)
         return self._submit([req])[0]
 
     def submit_many(self, prompts: Sequence[Any], params: SamplingParams | None = None,

@@ -41,6 +41,7 @@ import msgpack
 from pagedq.errors import InvalidParamsError
 from pagedq.logprobs import PromptLogprobs
 from pagedq.params import SamplingParams
+from pagedq.tools.prompt import check_template_kwargs
 
 PROTOCOL_VERSION = 1
 DEFAULT_PREFIX = "pagedq"
@@ -215,7 +216,8 @@ class Request:
     """One generation job as it travels on the job stream.
 
     Exactly one of ``prompt`` (text), ``messages`` (chat, rendered by the worker's chat
-    template) and ``prompt_token_ids`` is set.
+    template) and ``prompt_token_ids`` is set. ``chat_template_kwargs``: extra variables for
+    that template (vLLM's field, e.g. ``{"enable_thinking": False}``); only with messages.
     """
 
     id: str
@@ -227,6 +229,7 @@ class Request:
     priority: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
     created: float = 0.0
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def level(self) -> str:
@@ -242,9 +245,11 @@ def build_request(
     priority: int = 0,
     metadata: dict[str, Any] | None = None,
     limits: Limits | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> Request:
     """Classify ``prompt`` (str | chat messages | token ids) into a validated Request that
-    fits ``limits`` (default: ``DEFAULT_LIMITS``, what a worker accepts unless told more)."""
+    fits ``limits`` (default: ``DEFAULT_LIMITS``, what a worker accepts unless told more);
+    ``chat_template_kwargs``: extra variables for the worker's chat template (messages only)."""
     req = Request(
         id=check_request_id(request_id or new_request_id()),
         params=params if params is not None else SamplingParams(),
@@ -252,6 +257,7 @@ def build_request(
         priority=priority,
         metadata=dict(metadata or {}),
         created=time.time(),
+        chat_template_kwargs=chat_template_kwargs,
     )
     if isinstance(prompt, str):
         req.prompt = prompt
@@ -302,6 +308,8 @@ def encode_request(req: Request) -> bytes:
         body["messages"] = req.messages
     if req.prompt_token_ids is not None:
         body["prompt_token_ids"] = req.prompt_token_ids
+    if req.chat_template_kwargs is not None:  # absent when unset: older workers know no key
+        body["chat_template_kwargs"] = req.chat_template_kwargs
     return msgpack.packb(body, use_bin_type=True)
 
 
@@ -351,8 +359,10 @@ def request_digest(req: Request) -> str:
     submit (a new ``created``, a deadline recomputed from a timedelta) joins its first attempt.
     """
     params = sorted(req.params.to_dict().items())
-    body = msgpack.packb([PROTOCOL_VERSION, req.prompt, req.messages, req.prompt_token_ids,
-                          params], use_bin_type=True)
+    fields = [PROTOCOL_VERSION, req.prompt, req.messages, req.prompt_token_ids, params]
+    if req.chat_template_kwargs is not None:  # unset: the digest of jobs sent before it existed
+        fields.append(sorted(req.chat_template_kwargs.items()))
+    body = msgpack.packb(fields, use_bin_type=True)
     return hashlib.sha256(body).hexdigest()
 
 
@@ -419,6 +429,7 @@ def decode_request(data: Any, entry_id_hint: str | None = None,
         priority=obj.get("priority", 0),
         metadata=obj.get("metadata") or {},
         created=obj.get("created") or 0.0,
+        chat_template_kwargs=obj.get("chat_template_kwargs"),
     )
     try:
         _validate_request(req)
@@ -451,6 +462,13 @@ def _validate_request(req: Request) -> None:
             if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                     and isinstance(m.get("content"), str)):
                 raise bad("each chat message must be a map with string 'role' and 'content'")
+    if req.chat_template_kwargs is not None:
+        if req.messages is None:
+            raise bad("chat_template_kwargs works with chat messages only")
+        try:
+            check_template_kwargs(req.chat_template_kwargs)
+        except ValueError as exc:
+            raise bad(str(exc)) from None
     if req.prompt_token_ids is not None:
         ids = req.prompt_token_ids
         if not isinstance(ids, list) or not ids:

@@ -41,9 +41,9 @@ from pagedq.gateway.files import FileStore
 from pagedq.gateway.fleet import Fleet, FleetView
 from pagedq.gateway.http_metrics import GatewayMetrics
 from pagedq.gateway.lines import Line, dumps, error_line, parse_line, result_line
+from pagedq.gateway.thinking import fit_tool_format
 from pagedq.gateway.tokens import TokenTexts
-from pagedq.gateway.tools import model_format, reasoning_model
-from pagedq.gateway.translate import submit, use_tool_format
+from pagedq.gateway.translate import submit
 from pagedq.logging import get_logger
 from pagedq.worker.config import GatewayConfig
 
@@ -198,13 +198,12 @@ class BatchDriver:
         await self.store.save_obj(state.obj)
         await self.r.expire(self.store.keys.batch(state.obj["id"]), self.config.files_ttl)
 
-    def _line(self, state: BatchState, lines: list[bytes], n: int,
-              fleet: FleetView | None = None) -> Line:
+    async def _line(self, state: BatchState, lines: list[bytes], n: int,
+                    fleet: FleetView | None = None) -> Line:
         line = parse_line(lines[n], n, state.obj["endpoint"], f"{state.obj['id']}-{n}")
         if line.spec is not None and fleet is not None:  # tool calls in the served model's format (tools.py)
-            path = fleet.path_of(line.spec.view.model)
-            use_tool_format(line.spec, model_format(path, self.config.tool_call_format),
-                            reasoning_model(path))
+            await fit_tool_format(line.spec, fleet.path_of(line.spec.view.model),
+                                  self.config.tool_call_format)
         return line
 
     async def _submit(self, bid: str, state: BatchState, lines: list[bytes]) -> None:
@@ -213,7 +212,7 @@ class BatchDriver:
         if last <= state.next:
             return
         fleet = await self.fleet.view()
-        parsed = [self._line(state, lines, n, fleet) for n in range(state.next, last)]
+        parsed = [await self._line(state, lines, n, fleet) for n in range(state.next, last)]
         keys = self.store.keys
         pipe = self.r.pipeline(transaction=True)
         for line in parsed:
@@ -263,7 +262,7 @@ class BatchDriver:
         unconfirmed = [n for n, rec in state.inflight.items() if not rec["ok"]]
         fleet = await self.fleet.view()
         if unconfirmed and not state.cancel:  # a driver died between recording and submitting
-            await self._send(bid, state, [self._line(state, lines, n, fleet)
+            await self._send(bid, state, [await self._line(state, lines, n, fleet)
                                           for n in unconfirmed])
         jobs = [(n, jid) for n, rec in state.inflight.items() for jid in rec["jobs"]]
         if not jobs:
@@ -276,7 +275,7 @@ class BatchDriver:
         expiring = time.time() >= state.obj["expires_at"] and not state.cancel
         keys = self.store.keys
         for n in [n for n in state.inflight if n not in pending]:
-            line = self._line(state, lines, n, fleet)
+            line = await self._line(state, lines, n, fleet)
             rid = line_rid(bid, line)
             outcome = await outcome_of(self.client, line.spec.job_ids)
             text = self.tokens.lookup(fleet.path_of(line.spec.view.model))
@@ -308,7 +307,7 @@ class BatchDriver:
         if status == "expired":
             pipe = self.r.pipeline(transaction=False)
             for n in range(state.next, state.total):
-                line = self._line(state, lines, n)
+                line = await self._line(state, lines, n)
                 pipe.hsetnx(keys.part(bid, "err"), n,
                             dumps(error_line(line, line_rid(bid, line), batch_expired(), False)))
             await pipe.execute()

@@ -31,8 +31,8 @@ from pagedq.gateway.openai import ChatCompletionRequest, CompletionRequest
 from pagedq.gateway.render import ChunkRenderer, response
 from pagedq.gateway.sse import SSEResponse, StreamSession
 from pagedq.gateway.state import Gateway, gateway, tenant
-from pagedq.gateway.tools import model_format, reasoning_model
-from pagedq.gateway.translate import JobSpec, chat_spec, completion_spec, submit, use_tool_format
+from pagedq.gateway.thinking import fit_tool_format
+from pagedq.gateway.translate import JobSpec, chat_spec, completion_spec, submit
 
 router = APIRouter()
 T = TypeVar("T")
@@ -93,8 +93,7 @@ async def resume_stream(request_id: str, request: Request,
 async def answer(gw: Gateway, request: Request, spec: JobSpec) -> Response:
     began = time.perf_counter()
     model_path = await admit(gw, spec)
-    use_tool_format(spec, model_format(model_path, gw.config.tool_call_format),
-                    reasoning_model(model_path))
+    await fit_tool_format(spec, model_path, gw.config.tool_call_format)
     text = gw.tokens.lookup(model_path)
     handles = await submit(gw.client, spec)
     if not spec.stream:

@@ -94,6 +94,9 @@ class ChatCompletionRequest(Sampling):
     functions: list[dict[str, Any]] | None = None  # deprecated: tools with one call
     function_call: str | dict[str, Any] | None = None  # deprecated: tool_choice for functions
     echo: bool = False  # vLLM's: prepend the last message's text when it is the assistant's
+    # vLLM's and SGLang's: extra variables for the chat template ({"enable_thinking": false});
+    # any JSON here, checked in translate.py so a bad one is a 400 that names the field
+    chat_template_kwargs: Any = None
 
 
 class CompletionRequest(Sampling):

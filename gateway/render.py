@@ -167,7 +167,7 @@ def _choice(view: View, lp: Logprobs | None, index: int, out: CompletionResult,
         return tools.chat_choice(view.tools, request_id, index, out, reason,
                                  lp.chat(out.token_ids, out.logprobs) if lp else None,
                                  legacy=view.legacy_functions, prefix=echo,
-                                 reasoning=view.reasoning)
+                                 reasoning=view.reasoning, opened=view.reasoning_open)
     if view.kind == CHAT:
         return {"index": index, "message": {"role": "assistant", "content": echo + out.text},
                 "logprobs": lp.chat(out.token_ids, out.logprobs) if lp else None,
@@ -198,7 +198,7 @@ class ChunkRenderer:
         self.offsets = [len(view.echo or "")] * view.n
         self.object = "chat.completion.chunk" if view.kind == CHAT else "text_completion"
         self.tool_deltas = ([tools.ToolDeltas(view.tools, request_id, i, view.legacy_functions,
-                                              view.reasoning)
+                                              view.reasoning, view.reasoning_open)
                              for i in range(view.n)] if view.tools else None)
         self.token_text = token_text
         self.prompt_lp: PromptLogprobs | None = None  # from sample 0's first event

@@ -24,7 +24,7 @@ from pagedq.gateway.openai import ChatMessage, _Body
 from pagedq.gateway.tools import wire_message
 from pagedq.gateway.translate import _message
 from pagedq.tools import ToolSpec
-from pagedq.tools.prompt import render_chat
+from pagedq.tools.prompt import check_template_kwargs, render_chat
 
 router = APIRouter()
 
@@ -37,6 +37,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
     return_token_strs: bool = False
     tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: Any = None  # as chat completions' (translate.py checks it)
 
 
 class DetokenizeRequest(_Body):
@@ -80,8 +81,12 @@ def _chat_ids(tok: Any, req: TokenizeRequest) -> list[int]:
             raise bad_request(str(exc), "tools") from exc
 
     try:
-        text = render_chat(tok, messages, tools) if req.add_generation_prompt else \
-            tok.apply_chat_template(messages, tokenize=False)
+        kwargs = check_template_kwargs(req.chat_template_kwargs)
+    except ValueError as exc:
+        raise bad_request(str(exc), "chat_template_kwargs") from exc
+    try:
+        text = render_chat(tok, messages, tools, kwargs) if req.add_generation_prompt else \
+            tok.apply_chat_template(messages, tokenize=False, **(kwargs or {}))
     except Exception as exc:  # the template refused these messages
         raise bad_request(f"the chat template refused these messages: {exc}", "messages") from exc
     return tok(text, add_special_tokens=bool(req.add_special_tokens)).input_ids

@@ -165,11 +165,13 @@ def _past_call(call: Any, i: int) -> dict[str, Any]:
 
 def chat_choice(fmt_name: str, request_id: str, index: int, out: CompletionResult,
                 reason: str | None, logprobs: Any, *, legacy: bool = False,
-                prefix: str = "", reasoning: bool = False) -> dict[str, Any]:
+                prefix: str = "", reasoning: bool = False, opened: bool = False
+                ) -> dict[str, Any]:
     """A non-streamed chat choice whose text may hold calls (``legacy``: the one call as
     ``function_call``); ``prefix``: echoed text before the content; ``reasoning``: a leading
-    ``<think>`` block is ``reasoning_content``, never read for calls."""
-    thought, text = split_reasoning(out.text) if reasoning else (None, out.text)
+    ``<think>`` block is ``reasoning_content``, never read for calls (``opened``: the prompt
+    opened it, the text starts inside it)."""
+    thought, text = split_reasoning(out.text, opened) if reasoning else (None, out.text)
     content, calls = parse_tool_calls(text, get_format(fmt_name), request_id, index)
     content = prefix + content
     message: dict[str, Any] = {"role": "assistant", "content": content or None}
@@ -191,10 +193,10 @@ class ToolDeltas:
     (``legacy``: ``function_call``)."""
 
     def __init__(self, fmt_name: str, request_id: str, index: int, legacy: bool = False,
-                 reasoning: bool = False):
+                 reasoning: bool = False, opened: bool = False):
         self.parser = ToolCallParser(get_format(fmt_name), request_id, index)
         self.legacy = legacy
-        self.thinking = ReasoningSplitter() if reasoning else None
+        self.thinking = ReasoningSplitter.after(opened) if reasoning else None
 
     def delta(self, text: str, ending: bool) -> dict[str, Any]:
         thought = ""

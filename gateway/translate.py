@@ -20,6 +20,8 @@ from pagedq.gateway.api_errors import bad_request, invalid_params
 from pagedq.gateway.openai import ChatCompletionRequest, CompletionRequest, Sampling
 from pagedq.gateway.tools import legacy_functions, tool_constraint, wire_messages
 from pagedq.params import SamplingParams
+from pagedq.tools.prompt import check_template_kwargs
+from pagedq.tools.reasoning import CLOSED, FREE, OPEN
 
 CHAT = "chat"
 COMPLETION = "completion"
@@ -43,6 +45,7 @@ class View:
     echo_logprobs: bool = False  # completions echo + logprobs: the prompt's logprobs lead
     legacy_functions: bool = False  # the request sent the deprecated functions (tools.py)
     reasoning: bool = False  # tools on a thinking model: <think> is reasoning_content (tools.py)
+    reasoning_open: bool = False  # ... and the prompt opened <think>: the output starts in it
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -63,6 +66,7 @@ class JobSpec:
     priority: int
     stream: bool = False
     job_ids: list[str] = field(default_factory=list)
+    chat_template_kwargs: dict[str, Any] | None = None  # chat: for the worker's template
 
     def __post_init__(self) -> None:
         if not self.job_ids:
@@ -77,6 +81,10 @@ def new_id(kind: str) -> str:
 def chat_spec(req: ChatCompletionRequest, request_id: str | None = None,
               priority_floor: int | None = None) -> JobSpec:
     legacy = legacy_functions(req)
+    try:
+        template_kwargs = check_template_kwargs(req.chat_template_kwargs)
+    except ValueError as exc:
+        raise bad_request(str(exc), "chat_template_kwargs") from exc
     constraint = tool_constraint(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -92,7 +100,8 @@ def chat_spec(req: ChatCompletionRequest, request_id: str | None = None,
                 legacy_functions=legacy and constraint is not None,
                 prompt_logprobs=req.prompt_logprobs)
     return JobSpec(request_id or new_id(CHAT), view, [messages], params,
-                   _priority(req.priority, priority_floor), req.stream)
+                   _priority(req.priority, priority_floor), req.stream,
+                   chat_template_kwargs=template_kwargs)
 
 
 def completion_spec(req: CompletionRequest, request_id: str | None = None,
@@ -124,18 +133,26 @@ def completion_spec(req: CompletionRequest, request_id: str | None = None,
                    _priority(req.priority, priority_floor), req.stream)
 
 
-def use_tool_format(spec: JobSpec, fmt: str, reasoning: bool = False) -> None:
+def use_tool_format(spec: JobSpec, fmt: str, reasoning: bool = False,
+                    thinking: str = FREE) -> None:
     """Constrain a spec's tool calls to ``fmt``, the served model's format (tools.py): known
     once the request's model is resolved to a path, after the spec was built with Hermes.
-    ``reasoning``: the model thinks first (``<think>``, free) and its answer reports it as
-    ``reasoning_content`` (pagedq.tools.reasoning)."""
+    ``reasoning``: the model thinks first (``<think>``) and its answer reports it as
+    ``reasoning_content`` (pagedq.tools.reasoning); ``thinking``: where the rendered prompt
+    leaves the reasoning (thinking.py): ``OPEN``, the output starts inside the block;
+    ``CLOSED`` (thinking off), no reasoning to expect; ``FREE``, the model may open one."""
     so = spec.params.structured_outputs
     if spec.view.tools is None or so is None or so.tools is None:
         return
     so.tools["format"] = fmt
     spec.view.tools = fmt
-    if reasoning:
+    so.tools.pop("reasoning", None)
+    so.tools.pop("reasoning_open", None)
+    spec.view.reasoning = spec.view.reasoning_open = False
+    if reasoning and thinking != CLOSED:
         so.tools["reasoning"] = spec.view.reasoning = True
+        if thinking == OPEN:
+            so.tools["reasoning_open"] = spec.view.reasoning_open = True
 
 
 def sampling_params(req: Sampling, max_tokens: int | None, logprobs: int | None,
@@ -231,11 +248,13 @@ async def submit(client: AsyncClient, spec: JobSpec) -> list[AsyncRequestHandle]
     """Enqueue the spec's jobs; a prompt the protocol refuses is a 400 before any is sent."""
     for job_id, prompt in zip(spec.job_ids, spec.prompts, strict=True):
         try:
-            build_request(prompt, spec.params, request_id=job_id, priority=spec.priority)
+            build_request(prompt, spec.params, request_id=job_id, priority=spec.priority,
+                          chat_template_kwargs=spec.chat_template_kwargs)
         except ProtocolError as exc:
             raise bad_request(str(exc), "messages" if spec.view.kind == CHAT else "prompt",
                               exc.code) from exc
         except InvalidParamsError as exc:  # over the queue's limits (n, stop, ...)
             raise invalid_params(exc) from exc
-    return [await client.submit(prompt, spec.params, priority=spec.priority, request_id=job_id)
+    return [await client.submit(prompt, spec.params, priority=spec.priority, request_id=job_id,
+                                chat_template_kwargs=spec.chat_template_kwargs)
             for job_id, prompt in zip(spec.job_ids, spec.prompts, strict=True)]

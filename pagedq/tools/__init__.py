@@ -18,7 +18,7 @@ from pagedq.tools.hermes import HERMES
 from pagedq.tools.llama_json import LLAMA
 from pagedq.tools.mistral import MISTRAL, MISTRAL_JSON
 from pagedq.tools.parse import ToolCall, ToolCallParser, call_id, parse_tool_calls
-from pagedq.tools.reasoning import ReasoningSplitter, split_reasoning
+from pagedq.tools.reasoning import ReasoningSplitter, prompt_thinking, split_reasoning
 from pagedq.tools.spec import FORMAT_NAMES, ToolSpec
 
 # Most specific first: a Mistral v11 template holds no <tool_call>, Qwen's no [ARGS]; a v11
@@ -70,4 +70,4 @@ __all__ = ["AUTO", "FORMATS", "HERMES", "LLAMA", "MISTRAL", "MISTRAL_JSON", "Mod
            "ReasoningSplitter", "ToolCall",
            "ToolCallParser", "ToolFormat", "ToolSpec", "UnknownToolFormatError", "call_id",
            "choose_format", "detect_format", "format_for_model", "get_format",
-           "model_thinks", "parse_tool_calls", "split_reasoning"]
+           "model_thinks", "parse_tool_calls", "prompt_thinking", "split_reasoning"]

@@ -57,10 +57,12 @@ class ToolFormat:
     def structural_tag(self, spec: ToolSpec, contents: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """xgrammar's structural tag for ``spec``; ``contents[name]`` constrains that
         function's arguments object (an xgrammar format, e.g. ``{"type": "grammar", ...}``).
-        With ``spec.reasoning`` an optional free ``<think>`` block comes first."""
+        With ``spec.reasoning`` an optional free ``<think>`` block comes first (with
+        ``spec.reasoning_open`` the output starts inside it, and must close it)."""
         tag = self._calls_tag(spec, contents)
         if spec.reasoning:
-            tag = {"type": "structural_tag", "format": think_tag(tag["format"])}
+            tag = {"type": "structural_tag",
+                   "format": think_tag(tag["format"], spec.reasoning_open)}
         return tag
 
     def _calls_tag(self, spec: ToolSpec, contents: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -8,6 +8,14 @@ the reasoning ends). The gateway returns the block as ``message.reasoning_conten
 ``reasoning``, vLLM's newer name), not as content, and never reads a call marker inside it as
 a call.
 
+Where the reasoning starts is read from the rendered prompt's tail (``prompt_thinking``), not
+from the model's name: some templates (Qwen3 thinking-2507, QwQ) end the generation prompt with
+``<think>\n`` themselves, so the output starts inside the reasoning with no opening tag
+(``OPEN``: the grammar and the splitter start in the thinking state, and the block is not
+optional); Qwen3's ``enable_thinking=False`` ends it with an empty ``<think>\n\n</think>\n\n``
+(``CLOSED``: no reasoning to expect, the output is the answer); otherwise the model may open a
+block itself (``FREE``).
+
 Nothing here imports torch or a grammar library (the SDK uses it too).
 """
 
@@ -19,6 +27,19 @@ from typing import Any
 THINK_BEGIN = "<think>"
 THINK_END = "</think>"
 THINK_TAIL = "\n\n"  # Qwen3 writes a blank line between the reasoning and the answer
+FREE, OPEN, CLOSED = "free", "open", "closed"  # prompt_thinking's answers
+
+
+def prompt_thinking(prompt: str) -> str:
+    """How a rendered prompt leaves the reasoning: ``OPEN`` (it ends inside ``<think>``: the
+    output starts in the reasoning), ``CLOSED`` (it ends with a closed block: thinking is off)
+    or ``FREE`` (the model may open a block itself)."""
+    tail = prompt.rstrip()
+    if tail.endswith(THINK_BEGIN):
+        return OPEN
+    if tail.endswith(THINK_END):
+        return CLOSED
+    return FREE
 
 
 def template_thinks(chat_template: str | None) -> bool:
@@ -26,16 +47,20 @@ def template_thinks(chat_template: str | None) -> bool:
     return bool(chat_template) and THINK_END in chat_template
 
 
-def think_tag(inner: dict[str, Any]) -> dict[str, Any]:
-    """xgrammar's structural-tag format: an optional reasoning block, then ``inner``."""
-    block = {"type": "tag", "begin": THINK_BEGIN, "content": {"type": "any_text"},
-             "end": THINK_END + THINK_TAIL}
-    return {"type": "sequence", "elements": [{"type": "optional", "content": block}, inner]}
+def think_tag(inner: dict[str, Any], opened: bool = False) -> dict[str, Any]:
+    """xgrammar's structural-tag format: an optional reasoning block, then ``inner``;
+    ``opened``: the prompt opened the block, so the output starts inside it (free text up to
+    ``</think>``, which it must write before ``inner``)."""
+    block = {"type": "tag", "begin": "" if opened else THINK_BEGIN,
+             "content": {"type": "any_text"}, "end": THINK_END + THINK_TAIL}
+    first = block if opened else {"type": "optional", "content": block}
+    return {"type": "sequence", "elements": [first, inner]}
 
 
-def split_reasoning(text: str) -> tuple[str | None, str]:
-    """(reasoning or None, the rest) of a whole output; an unclosed block is all reasoning."""
-    splitter = ReasoningSplitter()
+def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
+    """(reasoning or None, the rest) of a whole output; an unclosed block is all reasoning.
+    ``opened``: the prompt opened the block (``OPEN``), the text starts inside it."""
+    splitter = ReasoningSplitter.after(opened)
     reasoning, rest = splitter.feed(text)
     more, tail = splitter.finish()
     reasoning += more
@@ -50,6 +75,11 @@ class ReasoningSplitter:
     state: str = "start"  # start -> think -> gap -> answer, or start -> answer
     buf: str = ""
     thought: bool = False  # a reasoning block was seen
+
+    @classmethod
+    def after(cls, opened: bool) -> ReasoningSplitter:
+        """A splitter for an output whose prompt opened the block (``opened``) or did not."""
+        return cls(state="think", thought=True) if opened else cls()
 
     def feed(self, text: str) -> tuple[str, str]:
         self.buf += text

@@ -37,13 +37,16 @@ class ToolSpec:
     ``{"type": "function", "function": {"name": ...}}`` is accepted too). ``format``: the
     model family's call syntax ("hermes", "llama", "mistral" or "mistral_json", see
     ``pagedq.tools.formats``). ``reasoning``: the model may write one ``<think>...</think>``
-    block first, free text, before what the tool choice allows (Qwen3; reasoning.py)."""
+    block first, free text, before what the tool choice allows (Qwen3; reasoning.py).
+    ``reasoning_open``: the prompt opened that block itself (its tail is ``<think>``,
+    ``reasoning.prompt_thinking``), so the output starts inside it and must close it."""
 
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
     format: str = "hermes"
     reasoning: bool = False
+    reasoning_open: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.tool_choice, dict):
@@ -66,6 +69,10 @@ class ToolSpec:
             raise _bad("parallel_tool_calls must be a bool")
         if not isinstance(self.reasoning, bool):
             raise _bad("reasoning must be a bool")
+        if not isinstance(self.reasoning_open, bool):
+            raise _bad("reasoning_open must be a bool")
+        if self.reasoning_open and not self.reasoning:
+            raise _bad("reasoning_open needs reasoning: true")
         if self.format not in FORMAT_NAMES:
             raise _bad(f"format={self.format!r} must be one of {sorted(FORMAT_NAMES)}")
 
@@ -87,6 +94,8 @@ class ToolSpec:
                "parallel_tool_calls": self.parallel_tool_calls, "format": self.format}
         if self.reasoning:  # the default stays off the wire: older workers know no such key
             out["reasoning"] = True
+        if self.reasoning_open:
+            out["reasoning_open"] = True
         return out
 
     @classmethod
@@ -96,7 +105,8 @@ class ToolSpec:
         if not isinstance(value, dict):
             raise _bad(f"must be a map with tools, tool_choice, parallel_tool_calls, format; got "
                        f"{type(value).__name__}")
-        known = {"tools", "tool_choice", "parallel_tool_calls", "format", "reasoning"}
+        known = {"tools", "tool_choice", "parallel_tool_calls", "format", "reasoning",
+                 "reasoning_open"}
         unknown = sorted(str(k) for k in value if k not in known)
         if unknown:
             raise _bad(f"unknown keys {unknown}; valid keys are {sorted(known)}")

@@ -36,3 +36,11 @@ def test_bad_tools_fail_before_the_model_loads(tmp_path, capsys):
     assert "tool_choice" in capsys.readouterr().err
     assert main(["chat", "hi", "--tools", str(tmp_path / "missing.json")]) == 2
     assert "--tools" in capsys.readouterr().err
+
+
+def test_bad_chat_template_kwargs_fail_before_the_model_loads(tmp_path, capsys):
+    for bad, says in (("{nope", "JSON object"), ("[1]", "JSON object"),
+                      ('{"tools": 1}', "may not set")):
+        assert main(["chat", "hi", "--model", str(tmp_path / "absent"),
+                     "--chat-template-kwargs", bad]) == 2
+        assert says in capsys.readouterr().err

@@ -226,3 +226,20 @@ def test_lock_key_and_engine_ids():
     assert engine_id("abc-1", 3) == "abc-1#3"
     with pytest.raises(ProtocolError):  # "#" never appears in a request id: the split is safe
         check_request_id("a#1")
+
+
+def test_chat_template_kwargs_travel_with_messages_only_and_are_checked():
+    msgs = [{"role": "user", "content": "hi"}]
+    req = build_request(msgs, request_id="r1", chat_template_kwargs={"enable_thinking": False})
+    back = decode_request(encode_request(req))
+    assert back.chat_template_kwargs == {"enable_thinking": False} and back.messages == msgs
+    plain = build_request(msgs, request_id="r1")
+    assert "chat_template_kwargs" not in msgpack.unpackb(encode_request(plain))  # older workers
+    assert decode_request(encode_request(plain)).chat_template_kwargs is None
+    assert request_digest(req) != request_digest(plain)  # another job, not a retry
+    for bad, says in (({"tools": []}, "may not set"), ("off", "must be a map"),
+                      ({"1": 1}, "identifiers")):
+        with pytest.raises(ProtocolError, match=says):
+            build_request(msgs, chat_template_kwargs=bad)
+    with pytest.raises(ProtocolError, match="chat messages only"):
+        build_request("text", chat_template_kwargs={"enable_thinking": False})

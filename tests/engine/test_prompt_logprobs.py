@@ -134,6 +134,35 @@ def test_preempted_prefill_collects_each_position_once(path):
         assert_matches_hf(path, p, got[f"r{i}"][0], 2)
 
 
+def test_beam_search_carries_them_once_on_its_first_delta(engine, path):
+    """Beams stream nothing until the search ends; that first delta (the best beam's) carries
+    the prompt's logprobs once, as sample 0's first delta does for sampling."""
+    from pagedq.worker.engine.beam_search import BeamParams, add_beam_request
+
+    prompts = _prompts([45, 7], seed=13)  # 45 tokens: several chunks of the 24-token budget
+    for i, p in enumerate(prompts):
+        add_beam_request(engine, f"b{i}", p, BeamParams(beam_width=3, max_tokens=4,
+                                                        prompt_logprobs=3))
+    deltas: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.setdefault(out.request_id, []).append(out)
+    for i, p in enumerate(prompts):
+        carrying = [d for d in deltas[f"b{i}"] if d.prompt_logprobs is not None]
+        assert len(carrying) == 1 and carrying[0] is deltas[f"b{i}"][0]
+        assert carrying[0].index == 0 and len(deltas[f"b{i}"]) == 3
+        assert_matches_hf(path, p, carrying[0].prompt_logprobs, 3)
+    (out,) = engine.beam_search([prompts[1]], beam_width=2, max_tokens=3, prompt_logprobs=1)
+    ref = torch.log_softmax(hf_logits(path, prompts[1]), dim=-1)
+    assert out.prompt_logprobs[0] is None
+    for i in range(1, len(prompts[1])):
+        assert out.prompt_logprobs[i][prompts[1][i]] == pytest.approx(
+            float(ref[i - 1, prompts[1][i]]), abs=TOL)
+    plain = engine.beam_search([prompts[1]], beam_width=2, max_tokens=3)[0]
+    assert plain.prompt_logprobs is None
+    assert [b.token_ids for b in plain] == [b.token_ids for b in out]  # asking changes no beam
+
+
 @pytest.mark.parametrize("bad", [-1, 21, 1.5, True, "3"])
 def test_bad_values_name_the_field(bad):
     with pytest.raises(InvalidParamsError, match="prompt_logprobs"):

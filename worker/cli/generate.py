@@ -13,9 +13,10 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from pagedq.errors import InvalidParamsError, PagedQError
+from pagedq.errors import InvalidParamsError, InvalidRequestError, PagedQError
 from pagedq.params import StructuredOutputsParams
 from pagedq.tools import get_format, parse_tool_calls
+from pagedq.tools.prompt import check_template_kwargs
 from pagedq.worker.cli.console import PROMPT_HELP, read_prompts, setup_console_logging
 from pagedq.worker.cli.flags import COMMAND_SAMPLING, add_sampling_flags, sampling_params
 from pagedq.worker.config import EngineConfig
@@ -46,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                       "the reply may call them, every call valid against its schema")
     chat.add_argument("--tool-choice", default="auto", metavar="CHOICE",
                       help="with --tools: auto (text or calls), required, or a function's name")
+    chat.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                      help="extra chat template variables, a JSON object (vLLM's field), e.g. "
+                      "'{\"enable_thinking\": false}' for Qwen3")
     chat.set_defaults(func=run, chat=True)
     for command, p in (("generate", gen), ("chat", chat)):
         p.add_argument("--json", action="store_true", help="print results as JSON lines")
@@ -123,15 +127,31 @@ def prepare(config: Any, texts: list[str], params: Any, args: argparse.Namespace
     from pagedq.worker.engine.sizing import fit_cache
     from pagedq.worker.models.build import open_model
 
+    kwargs = check_template_kwargs(template_kwargs(getattr(args, "chat_template_kwargs", None)))
     files = open_model(config)  # the engine's rule: the bundled GGUF stays packed
     if args.chat:
-        prompts = [chat_prompt(files.tokenizer, files.path, conversation(args, t), params)
-                   for t in texts]
+        prompts = [chat_prompt(files.tokenizer, files.path, conversation(args, t), params,
+                               kwargs) for t in texts]
     else:
         prompts = [tokenize(files.tokenizer, files.hf_config.vocab_size, files.path, t, None)[1]
                    for t in texts]
     config = fit_cache(replace(config, model=str(files.path)), files.hf_config, prompts, params)
     return prompts, config, files
+
+
+def template_kwargs(text: str | None) -> dict[str, Any] | None:
+    """``--chat-template-kwargs``: a JSON object (chat_prompt checks its names and size)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequestError(f"--chat-template-kwargs must be a JSON object, e.g. "
+                                  f"'{{\"enable_thinking\": false}}': {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError("--chat-template-kwargs must be a JSON object, e.g. "
+                                  "'{\"enable_thinking\": false}'")
+    return value
 
 
 def calls(params: Any, text: str) -> dict[str, Any]:

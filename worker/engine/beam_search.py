@@ -10,6 +10,10 @@ preemption), so the hook keeps each beam's logprobs until every live beam has re
 
 Hypotheses are ranked by ``cum_logprob / generated_len ** length_penalty``, where the length
 counts generated tokens without a final EOS.
+
+``prompt_logprobs`` works as for sampling (prompt_logprobs.py): the beams' shared prefill
+collects them, and they ride once on the request's first delta, which for a beam search is the
+best beam's (all beams come out together at the end).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class BeamParams:
     max_tokens: int = 16
     length_penalty: float = 1.0
     ignore_eos: bool = False
+    prompt_logprobs: int | None = None  # top-k per prompt position, as SamplingParams'
 
     def __post_init__(self) -> None:
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
@@ -156,6 +161,8 @@ class BeamSearch:
             usage = {"prompt_tokens": len(req.prompt_token_ids), "completion_tokens": len(c.token_ids)}
             outs.append(StepOutput(req.request_id, rank, c.token_ids, c.text, len(c.token_ids),
                                    True, c.finish_reason, None, usage))
+        if outs and req.prompt_logprobs is not None:
+            outs[0].prompt_logprobs = req.prompt_logprobs.take()
         return outs
 
 
@@ -163,7 +170,8 @@ def add_beam_request(engine: StepAPI, request_id: str, prompt: str | list[int],
                      beam: BeamParams, *, priority: int = 0,
                      deadline: float | None = None) -> Request:
     """Queue a beam search on ``engine``; its beams come out together when it finishes."""
-    params = SamplingParams(temperature=0.0, max_tokens=beam.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=beam.max_tokens, ignore_eos=True,
+                            prompt_logprobs=beam.prompt_logprobs)
     return engine.add_request(request_id, prompt, params, priority=priority, deadline=deadline,
                               hook=BeamSearch(engine, beam))
 
@@ -175,4 +183,5 @@ def beam_search(engine: StepAPI, prompts: Seq[str] | Seq[list[int]], beam: BeamP
         lambda rid, prompt=prompt: add_beam_request(engine, rid, prompt, beam)
         for prompt in prompts])
     return [BeamSearchOutput(r.request_id, r.prompt, r.prompt_token_ids,
-                             r.hook.completions() if r.hook else []) for r in reqs]
+                             r.hook.completions() if r.hook else [],
+                             r.output().prompt_logprobs) for r in reqs]

@@ -26,6 +26,7 @@ from pagedq.worker.engine.intake import (
     coerce_params,
     eos_token_ids,
     fit_lengths,
+    settle_reasoning,
     tokenize,
 )
 from pagedq.worker.engine.kv_cache_manager import KVCacheManager
@@ -122,7 +123,8 @@ class Engine(OfflineAPI):
         params = coerce_params(params)
         text, ids = tokenize(self.tokenizer, self.hf_config.vocab_size, self.model_path, prompt,
                              prompt_token_ids)
-        params = fit_lengths(ids, params, self.max_model_len)
+        params = settle_reasoning(fit_lengths(ids, params, self.max_model_len), self.tokenizer,
+                                  ids)
         check_logit_bias(params, self.hf_config.vocab_size)
         req = Request(request_id, text, ids, params, priority=priority,
                       arrival=next(self._arrivals), deadline=deadline,

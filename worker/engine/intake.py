@@ -13,7 +13,9 @@ from pathlib import Path
 
 from pagedq.errors import InvalidRequestError, RequestTooLongError
 from pagedq.params import SamplingParams
-from pagedq.tools.prompt import render_chat
+from pagedq.tools import prompt_thinking
+from pagedq.tools.prompt import check_template_kwargs, render_chat
+from pagedq.tools.reasoning import CLOSED, OPEN
 
 
 def coerce_params(params: SamplingParams | dict | None) -> SamplingParams:
@@ -50,17 +52,20 @@ def tokenize(tokenizer, vocab_size: int, model_path: Path, prompt: str | list[in
 
 
 def chat_prompt(tokenizer, model_path: Path, messages: list[dict],
-                params: SamplingParams | None = None) -> list[int]:
+                params: SamplingParams | None = None,
+                template_kwargs: dict | None = None) -> list[int]:
     """Token ids of ``messages`` rendered by the model's chat template, ending where the
-    assistant's reply begins; with the tools of ``params`` (a ``tools`` constraint), if any."""
+    assistant's reply begins; with the tools of ``params`` (a ``tools`` constraint), if any,
+    and the request's ``chat_template_kwargs`` (``template_kwargs``)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(f"model {model_path} has no chat template")
+    check_template_kwargs(template_kwargs)
     so = params.structured_outputs if params is not None else None
     tools = so.tool_spec if so is not None and so.kind == "tools" else None
 
     def render(msgs: list[dict]) -> str:
         try:
-            return render_chat(tokenizer, msgs, tools)
+            return render_chat(tokenizer, msgs, tools, template_kwargs)
         except Exception as exc:  # jinja: a role or message shape this template refuses
             raise InvalidRequestError(f"the chat template of {model_path} refused these "
                                       f"messages: {exc}") from exc
@@ -101,6 +106,22 @@ def _contents_as_text(tokenizer, messages: list[dict], controls: list[str],
         elif piece:
             ids += tokenizer(piece, add_special_tokens=False).input_ids
     return ids
+
+
+def settle_reasoning(params: SamplingParams, tokenizer, ids: list[int]) -> SamplingParams:
+    """``params`` whose tools constraint expects reasoning (``ToolSpec.reasoning``) fitted to
+    where the prompt leaves it (pagedq.tools.reasoning): a prompt ending inside ``<think>``
+    starts the grammar inside the block, one ending with a closed block (thinking off) drops
+    it. Read from the prompt's last tokens, so it holds however the prompt was rendered."""
+    so = params.structured_outputs
+    spec = so.tool_spec if so is not None and so.kind == "tools" else None
+    if spec is None or not spec.reasoning or tokenizer is None:
+        return params
+    state = prompt_thinking(tokenizer.decode(ids[-8:]))
+    fitted = replace(spec, reasoning=state != CLOSED, reasoning_open=state == OPEN)
+    if fitted == spec:
+        return params
+    return replace(params, structured_outputs=replace(so, tools=fitted.to_dict()))
 
 
 def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:

@@ -38,26 +38,32 @@ class OfflineAPI:
         return [r.output() for r in reqs]
 
     def chat(self: StepAPI, conversations: list[dict] | list[list[dict]],
-             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then ``generate``."""
+             params: SamplingParams | Seq[SamplingParams] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation (with
+        ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``), then ``generate``."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         plist = (list(params) if isinstance(params, Seq) else [params] * len(conversations))
-        return self.generate([self.apply_chat_template(c, p)
+        return self.generate([self.apply_chat_template(c, p, chat_template_kwargs)
                               for c, p in zip(conversations, plist, strict=True)], params)
 
     def beam_search(self: StepAPI, prompts: Seq[str] | Seq[list[int]], beam_width: int = 4,
                     max_tokens: int = 16, length_penalty: float = 1.0,
-                    ignore_eos: bool = False) -> list[BeamSearchOutput]:
-        """Beam search per prompt (beam_search.py); each result's ``beams`` are best first."""
-        return beam_search(self, prompts,
-                           BeamParams(beam_width, max_tokens, length_penalty, ignore_eos))
+                    ignore_eos: bool = False, prompt_logprobs: int | None = None
+                    ) -> list[BeamSearchOutput]:
+        """Beam search per prompt (beam_search.py); each result's ``beams`` are best first
+        (and its ``prompt_logprobs``, when asked)."""
+        return beam_search(self, prompts, BeamParams(beam_width, max_tokens, length_penalty,
+                                                     ignore_eos, prompt_logprobs))
 
     def apply_chat_template(self: StepAPI, messages: list[dict],
-                            params: SamplingParams | None = None) -> list[int]:
+                            params: SamplingParams | None = None,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
         """The prompt token ids of a conversation, ready for the assistant's turn (with the
         tools of ``params``' ``tools`` constraint listed, if it has one)."""
-        return chat_prompt(self.tokenizer, self.model_path, messages, params)
+        return chat_prompt(self.tokenizer, self.model_path, messages, params,
+                           chat_template_kwargs)
 
     def run_to_completion(self: StepAPI, kind: str, adders: list[Callable[[str], Request]]
                           ) -> list[Request]:

@@ -111,7 +111,4 @@ class OutputProcessor:
 def take_prompt_logprobs(seq: Sequence) -> PromptLogprobs | None:
     """The request's prompt logprobs for sample 0's first delta once they are complete."""
     col = seq.request.prompt_logprobs
-    if col is None or seq.index != 0 or col.emitted or not col.done:
-        return None
-    col.emitted = True
-    return col.result()
+    return col.take() if col is not None and seq.index == 0 else None

@@ -61,6 +61,8 @@ class BeamSearchOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     beams: list[CompletionOutput]
+    # asked with BeamParams.prompt_logprobs: RequestOutput.prompt_logprobs' shape
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __getitem__(self, i: int) -> CompletionOutput:
         return self.beams[i]

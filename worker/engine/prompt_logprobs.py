@@ -62,6 +62,15 @@ class PromptLogprobCollector:
         first = max(start, self.covered)
         return (first - start, end - start) if first < end else (0, 0)
 
+    def take(self) -> PromptLogprobs | None:
+        """The result for the request's first delta: once, when ``done`` (else None). A plain
+        request hands it to sample 0's first delta (output_processor.py), a beam search to
+        its best beam's (beam_search.py): vLLM's "the prompt's logprobs once, first"."""
+        if self.emitted or not self.done:
+            return None
+        self.emitted = True
+        return self.result()
+
     def add(self, chunk: ChunkLogprobs) -> None:
         self.chunks.append(chunk)
         self.covered += len(chunk.token_logprobs)

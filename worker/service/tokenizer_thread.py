@@ -53,7 +53,8 @@ class Intake:
             raise InvalidRequestError(
                 f"model {self.model_path} has no tokenizer: send token ids instead of text")
         if req.messages is not None:
-            return chat_prompt(self.tokenizer, self.model_path, req.messages, req.params)
+            return chat_prompt(self.tokenizer, self.model_path, req.messages, req.params,
+                               req.chat_template_kwargs)
         return self.tokenizer(req.prompt).input_ids
 
     def close(self) -> None:
