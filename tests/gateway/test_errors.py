@@ -121,3 +121,45 @@ def test_an_unexpected_error_echoes_nothing_and_redis_refusals_are_503():
         assert "script" not in err.message and err.headers["Retry-After"]
     down = unexpected(RedisConnectionError("Error 111 connecting to 10.0.0.5:6379."))
     assert (down.status, down.code) == (503, "redis_unavailable") and "10.0.0.5" not in down.message
+
+
+def test_an_expected_503_logs_one_line_and_a_500_its_traceback():
+    """Issue 25: at a full Redis every request once logged a whole traceback. An expected 503
+    (Redis full or down: the client retries) is one warning line now, naming its code with the
+    URL's password masked; a gateway bug's 500 still logs its traceback."""
+    import asyncio
+
+    import httpx
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import OutOfMemoryError
+    from structlog.testing import capture_logs
+
+    from pagedq.gateway.app import GatewayMiddleware
+    from pagedq.gateway.http_metrics import GatewayMetrics
+    from pagedq.worker.config import GatewayConfig
+
+    metrics = GatewayMetrics()
+
+    async def answer(exc: Exception) -> tuple[int, list[dict]]:
+        async def route(scope, receive, send):
+            raise exc
+
+        app = GatewayMiddleware(route, GatewayConfig(api_keys=()), metrics)
+        with capture_logs() as logs:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://localhost") as http:
+                resp = await http.post("/v1/chat/completions", json={})
+        return resp.status_code, logs
+
+    for exc, code in ((OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),
+                       "storage_full"),
+                      (RedisConnectionError("Error connecting to redis://gw:hunter2@db:6379"),
+                       "redis_unavailable")):
+        status, logs = asyncio.run(answer(exc))
+        assert status == 503
+        assert len(logs) == 1 and logs[0]["log_level"] == "warning", logs
+        assert logs[0]["code"] == code and "exc_info" not in logs[0], logs
+        assert "hunter2" not in json.dumps(logs, default=str)
+    status, logs = asyncio.run(answer(KeyError("a gateway bug")))
+    assert status == 500
+    assert len(logs) == 1 and logs[0]["log_level"] == "error" and logs[0]["exc_info"], logs
