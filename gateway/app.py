@@ -44,6 +44,7 @@ def create_app(config: GatewayConfig, redis_url: str) -> FastAPI:
         gw = Gateway.build(config, redis_url, metrics)
         app.state.gateway = gw
         gw.spawn(gw.driver.run())
+        gw.spawn(gw.fleet.watch())  # logs "the gateway is ready" once a worker serves
         try:
             yield
         finally:

@@ -100,6 +100,27 @@ def test_no_live_worker_is_503(redis_url):
         assert "starting" in err.value.message and "retry" in err.value.message
 
 
+def test_the_gateway_logs_ready_once_a_worker_serves(redis_url, tiny_model, tiny_id):
+    """Issue 25, Low-6: `serve`'s own worker loads after the gateway is up. The gateway logs
+    "the gateway is ready" once that worker serves, with no request to prompt it, and not
+    before (while the worker loads, requests get the 503 above)."""
+    from structlog.testing import capture_logs
+
+    from tests.gateway.harness import wait_until
+    from tests.service.harness import running_worker
+
+    def ready(logs: list[dict]) -> list[dict]:
+        return [e for e in logs if e["event"] == "workers serving: the gateway is ready"]
+
+    with capture_logs() as logs, serve(redis_url, queue="gw-ready") as gw, gw.http() as http:
+        assert http.get("/health").json()["workers"] == 0  # the fleet was read: nobody yet
+        assert ready(logs) == []
+        with running_worker(redis_url, tiny_model, "gw-ready-w", queue="gw-ready"):
+            wait_until(lambda: ready(logs), 60, 'the "gateway is ready" line')
+            assert [(e["log_level"], e["workers"], e["models"]) for e in ready(logs)] == [
+                ("info", 1, [tiny_id])]
+
+
 def test_an_unexpected_error_echoes_nothing_and_redis_refusals_are_503():
     """Issue 25, Low-1: a gateway bug's 500 quotes no exception text (paths, Redis commands);
     Redis's OOM, however redis-py words it (inside a Lua script too), is 503 storage_full."""
