@@ -24,8 +24,10 @@ from pagedq.bench import memory_bound, quant_scenario, shared_cpu, spec_scenario
 from pagedq.bench.bandwidth import stream_read_gbps
 from pagedq.bench.context import BenchContext
 from pagedq.bench.contiguous import same_running_set_utilization
+from pagedq.bench.options import BenchConfig
 from pagedq.bench.structured_scenario import figures as _structured
 from pagedq.bench.timeline import p99_over_p50, summarize
+from pagedq.redact import redact_url
 
 FIGURE_KEYS = (
     "kv_utilization",
@@ -426,10 +428,17 @@ def assemble(run: BenchContext) -> dict[str, Any]:
         out["unavailable"]["spec"] = f"unavailable: {why or 'no measurement was produced'}"
     out["shared"] = shared_cpu.figures(res.get("shared"))
     out["memory"] = memory_bound.figures(res.get("memory"))
-    out["config"] = _jsonable(run.config.to_dict())
+    out["config"] = config_record(run.config)
     out["elapsed_s"] = run.elapsed_s
     out["errors"] = run.errors
     return _jsonable(out)
+
+
+def config_record(config: BenchConfig) -> dict[str, Any]:
+    """The run's config as the bench JSON keeps it: the Redis URL's password masked
+    (``redact_url``), since the JSON is shared and committed; the user name stays."""
+    return {k: redact_url(v) if isinstance(v, str) else v
+            for k, v in _jsonable(config.to_dict()).items()}
 
 
 def _why_missing(run: BenchContext, key: str) -> str:

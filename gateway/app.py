@@ -27,6 +27,7 @@ from pagedq.gateway.api_errors import APIError, too_large, unexpected
 from pagedq.gateway.http_metrics import CONTENT_TYPE, GatewayMetrics
 from pagedq.gateway.state import TENANT, Gateway, Tenant, gateway, key_owner
 from pagedq.logging import get_logger
+from pagedq.redact import redact_url
 from pagedq.worker.config import GatewayConfig
 
 log = get_logger("pagedq.gateway")
@@ -43,6 +44,7 @@ def create_app(config: GatewayConfig, redis_url: str) -> FastAPI:
         gw = Gateway.build(config, redis_url, metrics)
         app.state.gateway = gw
         gw.spawn(gw.driver.run())
+        gw.spawn(gw.fleet.watch())  # logs "the gateway is ready" once a worker serves
         try:
             yield
         finally:
@@ -126,8 +128,7 @@ class GatewayMiddleware:
             state["code"] = 499
         except Exception as exc:  # here, not in an app handler: Starlette re-raises those
             err = unexpected(exc)
-            if err.status >= 500:
-                log.exception("request failed", path=scope["path"])
+            log_failure(err, exc, scope["path"])
             if state["started"]:
                 raise
             await _send_error(send_counted, err)
@@ -155,6 +156,17 @@ class GatewayMiddleware:
         if length is not None and length.isdigit() and int(length) > limit:
             return too_large(limit)
         return None
+
+
+def log_failure(err: APIError, exc: Exception, path: str) -> None:
+    """A 500 (a gateway bug) is logged with its traceback. An expected 503 (Redis full or
+    down: the client is told to retry) is one warning line: at a full Redis every request
+    gets one, and a traceback each would bury the log. A 4xx is the client's, not logged."""
+    if err.status == 503:
+        log.warning("request refused: retry later", path=path, code=err.code,
+                    error=redact_url(f"{type(exc).__name__}: {exc}")[:200])
+    elif err.status >= 500:
+        log.exception("request failed", path=path)
 
 
 class HostCheck:

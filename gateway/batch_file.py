@@ -3,8 +3,8 @@
 
 Each line becomes a low-priority job; at most ``window`` are in the queue at once. OUT gets
 one line per input line, in input order, in the Batch API's output format; lines that failed
-carry their error there too (``response.status_code`` >= 400, or ``error`` for a line that
-never became a request), so one file tells the whole story.
+carry their error there too (``response.status_code`` >= 400: the answer the HTTP route would
+give, or ``error`` for a line that never became a request), so one file tells the whole story.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pagedq.client.connection import TLSFiles
 from pagedq.gateway.api_errors import unexpected
 from pagedq.gateway.batches import model_not_found, outcome_of
 from pagedq.gateway.fleet import Fleet
-from pagedq.gateway.lines import Line, dumps, error_line, parse_line, result_line
+from pagedq.gateway.lines import Line, dumps, parse_line, refused_line, result_line
 from pagedq.gateway.tokens import TokenTexts
 from pagedq.gateway.translate import submit
 
@@ -68,13 +68,13 @@ async def _run_line(line: Line, client: AsyncClient, fleet: Fleet, tokens: Token
             and (await fleet.view()).path_of(line.spec.view.model) is None:
         line.error = model_not_found(line.spec.view.model)  # refused, never answered by another
     if line.error is not None:
-        return False, error_line(line, rid, line.error, False)
+        return False, refused_line(line, rid, line.error)
     assert line.spec is not None
     async with gate:
         try:
             await submit(client, line.spec)
         except Exception as exc:  # the line fails alone, whatever it raised
-            return False, error_line(line, rid, unexpected(exc), False)
+            return False, refused_line(line, rid, unexpected(exc))
         outcome = await outcome_of(client, line.spec.job_ids, timeout=None)
     path = (await fleet.view()).path_of(line.spec.view.model)
     ok, record = result_line(line, rid, outcome, tokens.lookup(path))

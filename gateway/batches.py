@@ -40,7 +40,14 @@ from pagedq.gateway.batch_store import TERMINAL, BatchState, BatchStore
 from pagedq.gateway.files import FileStore
 from pagedq.gateway.fleet import Fleet, FleetView
 from pagedq.gateway.http_metrics import GatewayMetrics
-from pagedq.gateway.lines import Line, dumps, error_line, parse_line, result_line
+from pagedq.gateway.lines import (
+    Line,
+    dumps,
+    error_line,
+    parse_line,
+    refused_line,
+    result_line,
+)
 from pagedq.gateway.thinking import fit_tool_format
 from pagedq.gateway.tokens import TokenTexts
 from pagedq.gateway.translate import submit
@@ -223,7 +230,7 @@ class BatchDriver:
                 line.error = model_not_found(line.spec.view.model)
             if line.error is not None:
                 pipe.hsetnx(keys.part(bid, "err"), line.number,
-                            dumps(error_line(line, line_rid(bid, line), line.error, False)))
+                            dumps(refused_line(line, line_rid(bid, line), line.error)))
                 self.metrics.batch_lines.labels("failed").inc()
             else:
                 pipe.hset(keys.part(bid, "inflight"), line.number,
@@ -247,7 +254,7 @@ class BatchDriver:
                 if err.status >= 500:
                     log.exception("a batch line could not be sent", batch=bid, line=line.number)
                 pipe.hsetnx(keys.part(bid, "err"), line.number,
-                            dumps(error_line(line, line_rid(bid, line), err, False)))
+                            dumps(refused_line(line, line_rid(bid, line), err)))
                 pipe.hdel(keys.part(bid, "inflight"), line.number)
                 state.inflight.pop(line.number, None)
                 self.metrics.batch_lines.labels("failed").inc()

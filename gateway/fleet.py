@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from pagedq.client import AsyncClient
 from pagedq.logging import get_logger
 
@@ -71,6 +73,17 @@ class Fleet:
         if self._refresh is None or self._refresh.done():
             self._refresh = asyncio.ensure_future(self._read())
         return await asyncio.shield(self._refresh)
+
+    async def watch(self, interval: float = 1.0) -> None:
+        """Read the fleet until a worker serves, then end: the "ready" line is logged when
+        ``serve``'s own worker has loaded its model, not at the first request after."""
+        while True:
+            try:
+                if (await self.view()).alive:
+                    return
+            except RedisError as exc:  # Redis not up yet (or gone): the routes say so
+                log.debug("reading the fleet failed; retrying", error=type(exc).__name__)
+            await asyncio.sleep(interval)
 
     async def _read(self) -> FleetView:
         before, self._view = self._view, fleet_view(await self.client.stats())

@@ -7,8 +7,11 @@ neighbours run.
 Input:  {"custom_id": "...", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
 Output: {"id": "batch_req_...", "custom_id": "...", "response": {"status_code": 200,
          "request_id": "...", "body": {...}}, "error": null}
-Error:  the same with the error body and its status code in "response", or, for a line that
-        never became a request, "response": null and "error": {"code", "message"}.
+Error:  the same with the error body and its status code in "response" (a line the gateway
+        refuses gets the status its HTTP route would answer: 400, 404 for an unserved model),
+        or, for a line that never became a request (not JSON, no custom_id, another method or
+        endpoint) and for a line the batch expired under, "response": null and
+        "error": {"code", "message"}, as OpenAI writes them.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from pagedq.gateway.translate import (
 )
 
 BATCH_PRIORITY = -1  # pagedq's low level: interactive traffic on the same workers goes first
+# Codes of a line that never became a request: no route would have answered it.
+UNREQUESTED = frozenset({"invalid_json_line", "missing_custom_id", "invalid_method",
+                         "mismatched_url"})
 
 
 @dataclass
@@ -117,6 +123,13 @@ def error_line(line: Line, request_id: str, err: APIError, requested: bool) -> d
         return output_line(line, request_id, err.body(), err.status)
     return {"id": line_id(request_id), "custom_id": line.custom_id, "response": None,
             "error": {"code": err.code or err.type, "message": err.message}}
+
+
+def refused_line(line: Line, request_id: str, err: APIError) -> dict[str, Any]:
+    """The error line of a line refused before it became a job: the answer its HTTP route
+    would give (``response.status_code`` 400, 404, ...), as OpenAI writes a line's bad
+    params; ``"response": null`` only for a line that never was a request."""
+    return error_line(line, request_id, err, err.code not in UNREQUESTED)
 
 
 def result_line(line: Line, request_id: str, outcome: list[Result] | Exception,

@@ -100,6 +100,27 @@ def test_no_live_worker_is_503(redis_url):
         assert "starting" in err.value.message and "retry" in err.value.message
 
 
+def test_the_gateway_logs_ready_once_a_worker_serves(redis_url, tiny_model, tiny_id):
+    """Issue 25, Low-6: `serve`'s own worker loads after the gateway is up. The gateway logs
+    "the gateway is ready" once that worker serves, with no request to prompt it, and not
+    before (while the worker loads, requests get the 503 above)."""
+    from structlog.testing import capture_logs
+
+    from tests.gateway.harness import wait_until
+    from tests.service.harness import running_worker
+
+    def ready(logs: list[dict]) -> list[dict]:
+        return [e for e in logs if e["event"] == "workers serving: the gateway is ready"]
+
+    with capture_logs() as logs, serve(redis_url, queue="gw-ready") as gw, gw.http() as http:
+        assert http.get("/health").json()["workers"] == 0  # the fleet was read: nobody yet
+        assert ready(logs) == []
+        with running_worker(redis_url, tiny_model, "gw-ready-w", queue="gw-ready"):
+            wait_until(lambda: ready(logs), 60, 'the "gateway is ready" line')
+            assert [(e["log_level"], e["workers"], e["models"]) for e in ready(logs)] == [
+                ("info", 1, [tiny_id])]
+
+
 def test_an_unexpected_error_echoes_nothing_and_redis_refusals_are_503():
     """Issue 25, Low-1: a gateway bug's 500 quotes no exception text (paths, Redis commands);
     Redis's OOM, however redis-py words it (inside a Lua script too), is 503 storage_full."""
@@ -121,3 +142,45 @@ def test_an_unexpected_error_echoes_nothing_and_redis_refusals_are_503():
         assert "script" not in err.message and err.headers["Retry-After"]
     down = unexpected(RedisConnectionError("Error 111 connecting to 10.0.0.5:6379."))
     assert (down.status, down.code) == (503, "redis_unavailable") and "10.0.0.5" not in down.message
+
+
+def test_an_expected_503_logs_one_line_and_a_500_its_traceback():
+    """Issue 25: at a full Redis every request once logged a whole traceback. An expected 503
+    (Redis full or down: the client retries) is one warning line now, naming its code with the
+    URL's password masked; a gateway bug's 500 still logs its traceback."""
+    import asyncio
+
+    import httpx
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import OutOfMemoryError
+    from structlog.testing import capture_logs
+
+    from pagedq.gateway.app import GatewayMiddleware
+    from pagedq.gateway.http_metrics import GatewayMetrics
+    from pagedq.worker.config import GatewayConfig
+
+    metrics = GatewayMetrics()
+
+    async def answer(exc: Exception) -> tuple[int, list[dict]]:
+        async def route(scope, receive, send):
+            raise exc
+
+        app = GatewayMiddleware(route, GatewayConfig(api_keys=()), metrics)
+        with capture_logs() as logs:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://localhost") as http:
+                resp = await http.post("/v1/chat/completions", json={})
+        return resp.status_code, logs
+
+    for exc, code in ((OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),
+                       "storage_full"),
+                      (RedisConnectionError("Error connecting to redis://gw:hunter2@db:6379"),
+                       "redis_unavailable")):
+        status, logs = asyncio.run(answer(exc))
+        assert status == 503
+        assert len(logs) == 1 and logs[0]["log_level"] == "warning", logs
+        assert logs[0]["code"] == code and "exc_info" not in logs[0], logs
+        assert "hunter2" not in json.dumps(logs, default=str)
+    status, logs = asyncio.run(answer(KeyError("a gateway bug")))
+    assert status == 500
+    assert len(logs) == 1 and logs[0]["log_level"] == "error" and logs[0]["exc_info"], logs

@@ -11,7 +11,14 @@ import redis
 
 from pagedq.gateway.batch_store import BatchKeys
 from tests.gateway.harness import serve, wait_until
-from tests.gateway.test_batches import MODEL, chat_line, jsonl, read_lines, wait_batch
+from tests.gateway.test_batches import (
+    MODEL,
+    chat_line,
+    jsonl,
+    line_error,
+    read_lines,
+    wait_batch,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -86,14 +93,15 @@ def test_bad_lines_fail_alone_and_never_stall_a_batch(redis_url, queue, tiny_wor
             err = read_lines(client, batch.error_file_id)
             assert sorted(o["custom_id"] for o in out) == ["ok-0", "ok-1"]
             assert sorted(e["custom_id"] for e in err) == sorted([*bad, "unserved"])
-            for e in err:
-                assert e["response"] is None and e["error"]["code"], e
-                assert len(e["error"]["message"]) < 600, e
-            codes = {e["custom_id"]: e["error"]["code"] for e in err}
-            assert codes["unserved"] == "model_not_found"
-            assert codes["surrogate"] == "invalid_request"
-            assert {codes[k] for k in ("n17", "stop17", "stop300", "nested300", "nested450",
-                                       "patterns450")} == {"invalid_params"}
+            for e in err:  # each the answer its HTTP route gives (test_bad_bodies_are_400...)
+                assert e["response"]["request_id"], e
+                assert len(e["response"]["body"]["error"]["message"]) < 600, e
+            codes = {e["custom_id"]: line_error(e) for e in err}
+            assert codes == {"unserved": (404, "model_not_found"),
+                             "surrogate": (400, "invalid_request"),
+                             **{k: (400, "invalid_params") for k in (
+                                 "n17", "stop17", "stop300", "nested300", "nested450",
+                                 "patterns450")}}
 
 
 def test_a_batch_whose_driving_raises_does_not_hold_the_others(redis_url, queue, tiny_worker):

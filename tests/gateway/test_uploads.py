@@ -10,6 +10,7 @@ import socket
 import openai
 import pytest
 import redis
+from structlog.testing import capture_logs
 
 from pagedq.embedded_redis import EmbeddedRedis
 from tests.gateway.harness import serve, wait_until
@@ -129,13 +130,19 @@ def test_the_gateways_quota_counts_every_key(redis_url):
 
 def test_a_full_redis_is_a_503_and_the_partial_upload_goes(tmp_path):
     """A Redis at maxmemory (noeviction) refuses the upload's next piece: the client gets 503
-    storage_full with Retry-After, not a 500, and the queue's Redis keeps nothing of it."""
+    storage_full with Retry-After, not a 500, and the queue's Redis keeps nothing of it. The
+    gateway logs it as one warning line, no traceback (one per refused request adds up)."""
     with EmbeddedRedis.start(unix_socket=True, maxmemory=24 << 20) as server, \
             serve(server.url, queue="uploads", max_file_bytes=64 << 20) as gw, \
             gw.http() as http:
-        resp = http.post("/v1/files", files={"file": ("big.jsonl", b"x" * (40 << 20))},
-                         data={"purpose": "batch"})
+        with capture_logs() as logs:
+            resp = http.post("/v1/files", files={"file": ("big.jsonl", b"x" * (40 << 20))},
+                             data={"purpose": "batch"})
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "storage_full"
+        refused = [e for e in logs if e.get("path") == "/v1/files"]
+        assert [(e["log_level"], e.get("code")) for e in refused] == [
+            ("warning", "storage_full")], logs
+        assert not [e for e in logs if e.get("exc_info")], logs
         assert resp.headers["retry-after"]
         wait_until(lambda: not part_keys(server.url), 30, "the partial upload's removal")
         small = http.post("/v1/files", files={"file": ("s.jsonl", b"{}\n")},
