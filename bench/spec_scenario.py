@@ -523,10 +523,10 @@ def threshold_markdown(rows: list[dict[str, Any]], governors: dict[str, Any] | N
     if state:
         buckets = "; ".join(
             f"{name}: {'spec' if b['speculate'] else 'plain' if b['speculate'] is False else '?'}"
-            f" ({_f(b['tok_s_spec'])} / {_f(b['tok_s_plain'])} tok/s)"
+            f" ({_f(b['seq_tok_s_spec'])} / {_f(b['seq_tok_s_plain'])})"
             for name, b in state["buckets"].items())
         lines += ["", f"Governor after the sweep (running sequences: choice, measured tok/s "
-                  f"with / without drafts): {buckets or 'no bucket measured'}."]
+                  f"per sequence with / without drafts): {buckets or 'no bucket measured'}."]
     return "\n".join(lines)
 
 

@@ -91,7 +91,7 @@ def test_settles_on_the_faster_choice_with_a_doubling_back_off():
     assert max(gaps) <= EXPLORE_AT_MOST + TRY_STEPS
     assert gov.snapshot()["speculating"] == ["1"]
     bucket = gov.snapshot()["buckets"]["1"]
-    assert (bucket["tok_s_spec"], bucket["tok_s_plain"]) == (round(4 / 1.2, 2), 1.0)
+    assert (bucket["seq_tok_s_spec"], bucket["seq_tok_s_plain"]) == (round(4 / 1.2, 3), 1.0)
 
 
 def test_turns_speculation_off_where_it_loses_per_bucket():
@@ -136,8 +136,25 @@ def test_follows_load_that_slows_both_choices_without_switching():
 
     decisions = run(gov, clock, 2, busy, 300)
     assert decisions.count(False) <= 3 * TRY_STEPS
-    plain = gov.snapshot()["buckets"]["2-3"]["tok_s_plain"]
-    assert plain == round(1 / 3, 2)
+    plain = gov.snapshot()["buckets"]["2-3"]["seq_tok_s_plain"]
+    assert plain == round(1 / 3 / 2, 3)  # per running sequence
+
+
+def test_batch_sizes_within_a_bucket_compare_per_sequence():
+    """Weight-bandwidth-bound steps (1 s at any batch): speculation makes 1.2 tokens per
+    sequence in 1.1 s. The batch drains from 7 to 4 and refills; the tries of plain decoding
+    land on the large batches, yet speculation stays chosen."""
+    clock = FakeClock()
+    gov = SpecGovernor(max_batch=128, clock=clock)
+    decisions = []
+    for i in range(600):
+        batch = 4 if i % 64 < 40 else 7
+        speculate = gov.decide(batch)
+        clock.now += 1.1 if speculate else 1.0
+        gov.record(round(1.2 * batch) if speculate else batch)
+        decisions.append(speculate)
+    assert gov.snapshot()["speculating"] == ["4-7"]
+    assert decisions[2 * TRY_STEPS:].count(False) <= 4 * TRY_STEPS
 
 
 def test_cap_and_adaptive_off():
@@ -162,7 +179,7 @@ def test_steps_with_prefill_or_no_record_are_not_measured():
         gov.decide(4)  # a step that scheduled nothing: no record follows
         clock.now += 100.0
     assert gov.by_size[3].steps == 0
-    assert gov.snapshot()["buckets"]["4-7"]["tok_s_spec"] is None
+    assert gov.snapshot()["buckets"]["4-7"]["seq_tok_s_spec"] is None
 
 
 # -- through the engine: the governor flipping mid-request changes no token -------------------

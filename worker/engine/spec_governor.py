@@ -10,12 +10,17 @@ an extraction job, accepting ~0.15 extra tokens a step, already loses (forced-on
 constant serves all three. So the :class:`SpecGovernor` keeps, per batch-size bucket (1, 2-3,
 4-7, ... running sequences, like the ThreadGovernor's step sizes in threads.py), the decode
 throughput of steps that speculated and of steps that did not (tokens produced, accepted drafts
-included, per second of the whole step: drafting, the forward pass and verification), runs the
+included, per running sequence and second of the whole step: drafting, the forward pass and
+verification), runs the
 better one, and tries the other again after EXPLORE_EVERY steps, doubling the wait after each
 try it lost (up to EXPLORE_AT_MOST), so it follows the workload and the machine's load.
 
 Only decode-only steps are measured: a prefill chunk in the step costs the same either way and
-would blur the comparison. A try lasts TRY_STEPS steps (one step's acceptance is too noisy to
+would blur the comparison. Tokens count per running sequence because a bucket spans batch
+sizes up to 2x apart: while the weights' bandwidth bounds the step (where speculation is
+decided) its time barely grows with the batch, so tokens per step grow with it and a try at 7
+sequences would beat the running mean of steps at 4 for that reason alone; per sequence, the
+two compare like for like. A try lasts TRY_STEPS steps (one step's acceptance is too noisy to
 judge by). Per step the governor does a few float operations: no per-token work.
 
 ``disable_by_batch_size`` stays a hard cap above which no step speculates, and ``adaptive=False``
@@ -46,7 +51,7 @@ def bucket_name(size: int) -> str:
 
 @dataclass
 class _Rate:
-    """Running means of one choice's steps: tokens produced and seconds taken."""
+    """Running means of one choice's steps: tokens produced per running sequence, seconds."""
 
     tokens: float = 0.0
     seconds: float = 0.0
@@ -65,7 +70,7 @@ class _Bucket:
     interval: int = EXPLORE_EVERY  # steps between two tries of the other choice
     next_try: int = EXPLORE_EVERY
     trying: bool | None = None  # the choice a try in progress runs
-    try_tokens: int = 0
+    try_tokens: float = 0.0
     try_seconds: float = 0.0
     try_steps: int = 0
 
@@ -87,7 +92,7 @@ class SpecGovernor:
         self.try_steps = try_steps
         self.clock = clock
         self.by_size: dict[int, _Bucket] = {}
-        self.pending: tuple[_Bucket, bool, float] | None = None  # the step under way
+        self.pending: tuple[_Bucket, bool, int, float] | None = None  # the step under way
 
     def decide(self, batch: int) -> bool:
         """Whether a step running ``batch`` sequences speculates; starts timing the step (a
@@ -102,7 +107,7 @@ class SpecGovernor:
             bucket = self.by_size[size_class(batch)] = _Bucket(
                 interval=self.explore_every, next_try=self.explore_every)
         speculate = self.pick(bucket)
-        self.pending = (bucket, speculate, self.clock())
+        self.pending = (bucket, speculate, batch, self.clock())
         return speculate
 
     def record(self, tokens: int, decode_only: bool = True) -> None:
@@ -110,10 +115,10 @@ class SpecGovernor:
         with a prefill chunk in it (``decode_only`` false) is not measured."""
         if self.pending is None:
             return
-        bucket, speculate, start = self.pending
+        bucket, speculate, batch, start = self.pending
         self.pending = None
         if decode_only and tokens > 0:
-            self.observe(bucket, speculate, tokens, self.clock() - start)
+            self.observe(bucket, speculate, tokens / batch, self.clock() - start)
 
     def pick(self, bucket: _Bucket) -> bool:
         """A try in progress goes on; an unmeasured choice is tried (speculation first); then
@@ -129,10 +134,11 @@ class SpecGovernor:
             return bucket.trying
         return bool(bucket.chosen)
 
-    def observe(self, bucket: _Bucket, speculate: bool, tokens: int, seconds: float) -> None:
-        """A measured step. A try sums its steps and, once done, replaces its choice's (stale)
-        means: it measures the machine and the workload as they are now; the other choice takes
-        over if it is now faster, else its next try waits twice as long. The chosen choice's
+    def observe(self, bucket: _Bucket, speculate: bool, tokens: float, seconds: float) -> None:
+        """A measured step (``tokens``: per running sequence). A try sums its steps and, once
+        done, replaces its choice's (stale) means: it measures the machine and the workload as
+        they are now; the other choice takes over if it is now faster, else its next try waits
+        twice as long. The chosen choice's
         means follow its steps smoothly, and when they fall REACT times below the other
         choice's last rate (the load or the workload changed) the other is tried at once."""
         bucket.steps += 1
@@ -154,7 +160,7 @@ class SpecGovernor:
         rate.tokens = bucket.try_tokens / bucket.try_steps
         rate.seconds = bucket.try_seconds / bucket.try_steps
         rate.measured = True
-        bucket.trying, bucket.try_tokens, bucket.try_seconds, bucket.try_steps = None, 0, 0.0, 0
+        bucket.trying, bucket.try_tokens, bucket.try_seconds, bucket.try_steps = None, 0.0, 0.0, 0
         on, off = bucket.rates[True], bucket.rates[False]
         if not (on.measured and off.measured):
             return
@@ -169,13 +175,14 @@ class SpecGovernor:
 
     def snapshot(self) -> dict[str, Any]:
         """The governor's state for stats(): which buckets speculate now, and per bucket the
-        measured tokens per second with and without speculation."""
+        measured tokens per second and running sequence with and without speculation."""
+        def figure(rate: _Rate) -> float | None:
+            return round(rate.per_second, 3) if rate.measured else None
+
         buckets = {bucket_name(size): {
-            "speculate": b.chosen,
-            "tok_s_spec": round(b.rates[True].per_second, 2) if b.rates[True].measured else None,
-            "tok_s_plain": round(b.rates[False].per_second, 2) if b.rates[False].measured
-            else None,
-            "steps": b.steps} for size, b in sorted(self.by_size.items())}
+            "speculate": b.chosen, "seq_tok_s_spec": figure(b.rates[True]),
+            "seq_tok_s_plain": figure(b.rates[False]), "steps": b.steps}
+            for size, b in sorted(self.by_size.items())}
         return {"adaptive": self.adaptive, "max_batch": self.max_batch,
                 "speculating": [name for name, b in buckets.items() if b["speculate"]],
                 "buckets": buckets}
