@@ -154,7 +154,7 @@ def test_batch_sizes_within_a_bucket_compare_per_sequence():
         gov.record(round(1.2 * batch) if speculate else batch)
         decisions.append(speculate)
     assert gov.snapshot()["speculating"] == ["4-7"]
-    assert decisions[2 * TRY_STEPS:].count(False) <= 4 * TRY_STEPS
+    assert decisions[2 * TRY_STEPS:].count(False) <= 6 * TRY_STEPS  # the back-off's tries
 
 
 def test_cap_and_adaptive_off():

@@ -36,7 +36,11 @@ from typing import Any
 
 from pagedq.worker.engine.threads import size_class
 
-EXPLORE_EVERY = 32  # measured steps of one bucket before the other choice is tried again
+# measured steps of one bucket before the other choice is tried again. Short, because the
+# first figures are the least reliable: a new engine's first steps with drafts meet row counts
+# its kernels have not run yet (measured: a smoke run's first edit batch chose plain decoding
+# at 1 stream, where drafts make 3.75 tokens a step); the back-off makes later tries rare.
+EXPLORE_EVERY = 8
 EXPLORE_AT_MOST = 512  # ... doubling after each try it lost, up to this many
 TRY_STEPS = 4  # steps one try of the other choice runs before it is judged
 SMOOTHING = 0.2  # weight of the newest step in the chosen choice's running means
