@@ -112,9 +112,13 @@ class BenchConfig(EngineConfig, QueueConfig):
     spec_prompt_tokens_max: int = 256  # KV sizing per stream (the chat prompts are shorter)
     spec_num_speculative_tokens: int = 4
     spec_disable_by_batch_size: int | None = None  # None: SpeculativeConfig's default
-    # ngram forced on at every batch size vs off (where verification stops paying)
+    spec_adaptive: bool = True  # grid ngram/suffix: the governor (False: always below the cap)
+    # ngram forced on at every batch size vs off (where verification stops paying), and beside
+    # them ngram with the governor deciding (no cap), on each of spec_threshold_workloads
     spec_threshold_streams: tuple[int, ...] = (4, 16, 32)
-    spec_threshold_rounds: int = 1  # alternated off / forced-on rounds per stream count
+    spec_threshold_rounds: int = 1  # alternated off / forced-on / governed rounds per count
+    spec_threshold_workloads: tuple[str, ...] = ("extraction",)
+    spec_threshold_governed: bool = True
     # a differing greedy output is a near-tie flip only within this many logits, in the packed
     # model and its fp32 twin alike (bench/spec_judge.py: NEAR_TIE_MARGIN, why this value)
     spec_tie_margin: float = 0.025

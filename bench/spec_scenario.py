@@ -25,8 +25,14 @@ the suffix engine, which drafts from earlier requests' outputs too, has seen 50 
 before the last rounds: its tokens per step on jobs 50 and later are compared with ngram's.
 
 ``spec_threshold_streams``: ngram with speculation forced on at every batch size against off,
-on the extraction workload, ``spec_threshold_rounds`` alternated rounds each, to find where
-verification rows stop paying (the measured ``disable_by_batch_size``). ``spec_streams`` takes
+on each of ``spec_threshold_workloads`` (extraction by default), ``spec_threshold_rounds``
+alternated rounds each, to find where verification rows stop paying; with
+``spec_threshold_governed`` (default on) a third engine runs ngram with the governor deciding
+per batch size and no cap (worker/engine/spec_governor.py), one engine for the whole sweep, so
+it shows whether the governor finds each workload's crossover: it should run near the better of
+off and forced-on at every stream count. The grid's ngram and suffix engines run the shipped
+default (the governor under ``disable_by_batch_size``; ``spec_adaptive=false`` forces them on
+below the cap). ``spec_streams`` takes
 any list of stream counts (``spec_rounds`` pairs with it, its last value repeating), and
 ``spec_workloads`` a subset of the workloads, so a sweep such as ``--set
 spec_streams=32,40,48,56,64 --set spec_workloads=extraction`` fits in one run.
@@ -49,6 +55,7 @@ log = get_logger("pagedq.bench.spec")
 METHODS = ("off", "ngram", "suffix")
 WORKLOADS = ("extraction", "edit", "chat")
 NEVER_OFF = 1 << 30  # disable_by_batch_size for the threshold sweep: speculation at any batch
+THRESHOLD_METHODS = ("ngram", "governed")  # forced-on ngram, ngram under the governor
 TARGETS = {"1": 2.0, "8": 1.5, "64": 0.97, "chat": 0.97}
 LEARNED_AFTER = 50  # suffix >= ngram on extraction from this job on
 
@@ -148,9 +155,10 @@ def measure(bench: BenchContext) -> None:
     if load_tokenizer(bench.model_dir) is None:
         raise Unavailable("the spec workloads are chat prompts: this model has no tokenizer")
     c = bench.config
-    unknown = sorted(set(c.spec_workloads) - set(WORKLOADS))
-    if unknown:
-        raise ValueError(f"spec_workloads: unknown {unknown}; choose from {list(WORKLOADS)}")
+    for name in ("spec_workloads", "spec_threshold_workloads"):
+        unknown = sorted(set(getattr(c, name) or ()) - set(WORKLOADS))
+        if unknown:
+            raise ValueError(f"{name}: unknown {unknown}; choose from {list(WORKLOADS)}")
     engines = build_engines(bench)
     grid: dict[str, dict[str, list[list[Batch]]]] = {}
     for workload in (w for w in WORKLOADS if w in c.spec_workloads):
@@ -160,14 +168,16 @@ def measure(bench: BenchContext) -> None:
             if workload == "extraction" and streams == c.spec_learning_streams:
                 rounds = max(rounds, c.spec_learning_rounds)
             grid[workload][str(streams)] = run_rounds(bench, engines, workload, streams, rounds)
-    threshold, threshold_rounds = sweep_threshold(bench, engines["off"])
+    threshold, threshold_rounds, governor = sweep_threshold(bench, engines["off"])
     verdicts = judge_differences(bench, engines["off"], differences(grid, threshold_rounds))
     bench.results["spec"] = {"grid": grid, "threshold": threshold,
                              "judged": [v.as_dict() for v in verdicts],
                              "tie_margin": c.spec_tie_margin,
                              "suffix_stats": engines["suffix"].stats(),
                              "disable_by_batch_size": engines["ngram"].drafter.config
-                             .disable_by_batch_size}
+                             .disable_by_batch_size,
+                             "governors": {"grid_ngram": engines["ngram"].drafter.governor
+                                           .snapshot(), "threshold_governed": governor}}
 
 
 def rounds_for(streams_list: tuple[int, ...], rounds_list: tuple[int, ...], streams: int) -> int:
@@ -179,12 +189,19 @@ def rounds_for(streams_list: tuple[int, ...], rounds_list: tuple[int, ...], stre
     return rounds_list[min(i, len(rounds_list) - 1)]
 
 
+def threshold_name(workload: str) -> str:
+    """The judge's workload name for a threshold-sweep batch (``threshold`` on extraction)."""
+    return "threshold" if workload == "extraction" else f"threshold-{workload}"
+
+
 def differences(grid: dict[str, dict[str, list[list[Batch]]]],
-                threshold_rounds: dict[str, list[list[Batch]]]) -> list[spec_judge.Difference]:
+                threshold_rounds: dict[str, dict[str, list[list[Batch]]]]
+                ) -> list[spec_judge.Difference]:
     """Every greedy job whose output differs from off's in the same round: the grid's cells
-    and the threshold sweep's (as workload ``threshold``)."""
+    and the threshold sweep's (as workload ``threshold_name(workload)``)."""
     cells = [(w, s, rounds) for w, per in grid.items() for s, rounds in per.items()]
-    cells += [("threshold", s, rounds) for s, rounds in threshold_rounds.items()]
+    cells += [(threshold_name(w), s, rounds) for w, per in threshold_rounds.items()
+              for s, rounds in per.items()]
     out = []
     for workload, streams, rounds in cells:
         for batches in rounds:
@@ -211,9 +228,10 @@ def judge_differences(bench: BenchContext, off: Any,
 
 def build_engines(bench: BenchContext) -> dict[str, Any]:
     """Off, ngram and suffix engines on the same knobs (speculation's defaults but for
-    ``num_speculative_tokens`` and, when set, ``disable_by_batch_size``)."""
-    extra = ({"disable_by_batch_size": bench.config.spec_disable_by_batch_size}
-             if bench.config.spec_disable_by_batch_size else {})
+    ``num_speculative_tokens``, ``adaptive`` and, when set, ``disable_by_batch_size``)."""
+    extra: dict[str, Any] = {"adaptive": bench.config.spec_adaptive}
+    if bench.config.spec_disable_by_batch_size:
+        extra["disable_by_batch_size"] = bench.config.spec_disable_by_batch_size
     return {"off": spec_engine(bench, None), **{m: spec_engine(bench, m, **extra)
                                                 for m in ("ngram", "suffix")}}
 
@@ -244,33 +262,64 @@ def run_rounds(bench: BenchContext, engines: dict[str, Any], workload: str, stre
     return out
 
 
-def sweep_threshold(bench: BenchContext,
-                    off: Any) -> tuple[list[dict[str, Any]], dict[str, list[list[Batch]]]]:
-    """Off against ngram with speculation at every batch size, on extraction batches,
-    ``spec_threshold_rounds`` rounds alternated per stream count: the rows and the batches
-    (whose differing outputs the judge sees)."""
+def sweep_threshold(bench: BenchContext, off: Any) -> tuple[
+        list[dict[str, Any]], dict[str, dict[str, list[list[Batch]]]], dict[str, Any] | None]:
+    """Off against ngram with speculation at every batch size (and, with
+    ``spec_threshold_governed``, ngram under the governor with no cap), on batches of each
+    ``spec_threshold_workloads``, ``spec_threshold_rounds`` rounds alternated per stream count:
+    the rows, the batches (whose differing outputs the judge sees) and the governor's state at
+    the end."""
     c = bench.config
     if not c.spec_threshold_streams:
-        return [], {}
-    forced = spec_engine(bench, "ngram", disable_by_batch_size=NEVER_OFF)
+        return [], {}, None
+    engines = {"off": off,
+               "ngram": spec_engine(bench, "ngram", disable_by_batch_size=NEVER_OFF,
+                                    adaptive=False)}
+    if c.spec_threshold_governed:
+        engines["governed"] = spec_engine(bench, "ngram", disable_by_batch_size=NEVER_OFF,
+                                          adaptive=True)
     rows, batches = [], {}
-    for streams in c.spec_threshold_streams:
-        rounds = []
-        for r in range(max(1, c.spec_threshold_rounds)):
-            reqs = jobs(off, "extraction", streams, c.seed + 7 + streams + 1000 * r,
-                        c.spec_max_tokens, f"spec-threshold-{streams}-{r}")
-            rounds.append([serve_batch(off, "off", reqs), serve_batch(forced, "ngram", reqs)])
-        batches[str(streams)] = rounds
-        m = by_method(rounds)
-        rows.append({"streams": streams, "rounds": len(rounds), "off_tok_s": rate(m["off"]),
-                     "ngram_tok_s": rate(m["ngram"]), "ratio": rate(m["ngram"]) / rate(m["off"]),
-                     "round_ratios": [rate([b]) / rate([a]) for a, b in rounds],
-                     "acceptance_rate": acceptance(m["ngram"]),
-                     "tokens_per_step": tokens_per_step(m["ngram"]),
-                     "identical": all(a.outputs == b.outputs for a, b in rounds),
-                     "differing": flips(rounds).get("ngram", 0)})
-        log.info("spec threshold", streams=streams, ratio=round(rows[-1]["ratio"], 3))
-    return rows, batches
+    for workload in c.spec_threshold_workloads or ("extraction",):
+        batches[workload] = {}
+        for streams in c.spec_threshold_streams:
+            rounds = []
+            for r in range(max(1, c.spec_threshold_rounds)):
+                reqs = jobs(off, workload, streams, c.seed + 7 + streams + 1000 * r,
+                            c.spec_max_tokens, f"spec-threshold-{workload}-{streams}-{r}")
+                rounds.append([serve_batch(e, m, reqs) for m, e in engines.items()])
+            batches[workload][str(streams)] = rounds
+            rows.append(threshold_row(workload, streams, rounds))
+            log.info("spec threshold", workload=workload, streams=streams,
+                     **{f"{m}_ratio": round(rows[-1][f"{m}_ratio"], 3)
+                        for m in THRESHOLD_METHODS if f"{m}_ratio" in rows[-1]})
+    governed = engines.get("governed")
+    return rows, batches, governed.drafter.governor.snapshot() if governed else None
+
+
+def threshold_row(workload: str, streams: int, rounds: list[list[Batch]]) -> dict[str, Any]:
+    """One threshold row: off's rate, and per speculating engine its rate, ratio to off (over
+    all rounds and per round), acceptance and tokens per step (``ngram``: forced on; the
+    governed engine's as ``governed_*``)."""
+    m = by_method(rounds)
+    off = rate(m["off"])
+    row: dict[str, Any] = {"workload": workload, "streams": streams, "rounds": len(rounds),
+                           "off_tok_s": off,
+                           "identical": all(b.outputs == r[0].outputs for r in rounds for b in r),
+                           "differing": flips(rounds).get("ngram", 0)}
+    for method in THRESHOLD_METHODS:
+        if method not in m:
+            continue
+        i = [b.method for b in rounds[0]].index(method)
+        row.update({f"{method}_tok_s": rate(m[method]), f"{method}_ratio": rate(m[method]) / off,
+                    f"{method}_round_ratios": [rate([r[i]]) / rate([r[0]]) for r in rounds],
+                    f"{method}_acceptance_rate": acceptance(m[method]),
+                    f"{method}_tokens_per_step": tokens_per_step(m[method]),
+                    f"{method}_differing": flips(rounds).get(method, 0)})
+    # the names the rows had before the governed engine joined them (forced-on ngram)
+    row.update({"ratio": row["ngram_ratio"], "round_ratios": row["ngram_round_ratios"],
+                "acceptance_rate": row["ngram_acceptance_rate"],
+                "tokens_per_step": row["ngram_tokens_per_step"]})
+    return row
 
 
 # -- figures ------------------------------------------------------------------------------------
@@ -347,22 +396,31 @@ def figures(results: dict[str, Any] | None) -> dict[str, Any] | None:
                 "tokens_per_step": {k: tokens_per_step(v) for k, v in m.items()},
                 "outputs_differ": flips(rounds),
                 "outputs": judged_outputs(rounds, verdicts, workload, streams)}
-    threshold = [{**row, "outputs": threshold_outputs(row, verdicts)}
+    threshold = [{**row, "outputs": threshold_outputs(row, verdicts),
+                  **({"governed_outputs": threshold_outputs(row, verdicts, "governed")}
+                     if "governed_ratio" in row else {})}
                  for row in results["threshold"]]
     return {"cells": cells, "learning": learning(results), "threshold": threshold,
             "disable_by_batch_size": results.get("disable_by_batch_size"),
+            "governors": results.get("governors"),
             "suffix_stats": {k: v for k, v in (results.get("suffix_stats") or {}).items()
                              if k.startswith("spec_")},
             **judgement(cells, threshold, verdicts, results.get("tie_margin")),
             "targets": TARGETS, "met": verdicts_met(cells, learning(results))}
 
 
-def threshold_outputs(row: dict[str, Any], verdicts: list[dict[str, Any]]) -> dict[str, int]:
-    """The threshold row's differences (ngram forced on against off), judged."""
-    mine = [v for v in verdicts if (v["workload"], v["streams"]) == ("threshold",
-                                                                      str(row["streams"]))]
+def threshold_outputs(row: dict[str, Any], verdicts: list[dict[str, Any]],
+                      method: str = "ngram") -> dict[str, int]:
+    """The threshold row's differences (``method``: ngram forced on, or governed, against
+    off), judged."""
+    where = (threshold_name(row.get("workload", "extraction")), str(row["streams"]), method)
+    mine = [v for v in verdicts if (v["workload"], v["streams"], v["method"]) == where]
     requests = row["streams"] * row.get("rounds", 1)
-    return spec_judge.tally(mine, requests, row.get("differing", len(mine)))
+    if f"{method}_differing" in row:
+        differing = row[f"{method}_differing"]
+    else:  # a row from before the governed engine: only forced-on ngram's count
+        differing = row.get("differing", len(mine)) if method == "ngram" else len(mine)
+    return spec_judge.tally(mine, requests, differing)
 
 
 def judgement(cells: dict[str, Any], threshold: list[dict[str, Any]],
@@ -372,6 +430,7 @@ def judgement(cells: dict[str, Any], threshold: list[dict[str, Any]],
     every judged difference listed."""
     tallies = [t for per in cells.values() for cell in per.values()
                for t in cell["outputs"].values()] + [row["outputs"] for row in threshold]
+    tallies += [row["governed_outputs"] for row in threshold if "governed_outputs" in row]
     return {"compared_requests": sum(t["requests"] for t in tallies),
             "near_tie_flips": sum(t["near_tie_flips"] for t in tallies),
             "unexplained_differences": sum(t["unexplained"] for t in tallies),
@@ -441,6 +500,36 @@ def _f(v: Any, digits: int = 3) -> str:
     return "-" if v is None else (f"{v:.{digits}g}" if isinstance(v, float) else str(v))
 
 
+def threshold_markdown(rows: list[dict[str, Any]], governors: dict[str, Any] | None) -> str:
+    """The threshold sweep's table: per workload and stream count, off, ngram forced on and
+    (when run) ngram under the governor, then the buckets the governor speculates in."""
+    lines = ["| workload | streams | tok/s off | forced-on ngram (x off) | ratio per round | "
+             "governed ngram (x off) | ratio per round | acceptance forced / governed | "
+             "tokens/step forced / governed | outputs vs off, forced; governed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        governed = "governed_ratio" in r
+        lines.append(
+            f"| {r.get('workload', 'extraction')} | {r['streams']} | {_f(r['off_tok_s'])} | "
+            f"{_f(r['ngram_tok_s'])} ({_f(r['ratio'])}x) | "
+            f"{', '.join(_f(x) for x in r.get('round_ratios', []))} | "
+            + (f"{_f(r['governed_tok_s'])} ({_f(r['governed_ratio'])}x) | "
+               f"{', '.join(_f(x) for x in r['governed_round_ratios'])} | " if governed
+               else "- | - | ")
+            + f"{_f(r['acceptance_rate'], 2)} / {_f(r.get('governed_acceptance_rate'), 2)} | "
+            f"{_f(r.get('tokens_per_step'))} / {_f(r.get('governed_tokens_per_step'))} | "
+            f"{_outputs(r.get('outputs'))}; {_outputs(r.get('governed_outputs'))} |")
+    state = (governors or {}).get("threshold_governed")
+    if state:
+        buckets = "; ".join(
+            f"{name}: {'spec' if b['speculate'] else 'plain' if b['speculate'] is False else '?'}"
+            f" ({_f(b['seq_tok_s_spec'])} / {_f(b['seq_tok_s_plain'])})"
+            for name, b in state["buckets"].items())
+        lines += ["", f"Governor after the sweep (running sequences: choice, measured tok/s "
+                  f"per sequence with / without drafts): {buckets or 'no bucket measured'}."]
+    return "\n".join(lines)
+
+
 def markdown(figs: dict[str, Any] | None) -> str:
     """docs' table: per workload and streams, tok/s off / ngram / suffix, ratios, acceptance,
     tokens per step, target and verdicts."""
@@ -470,13 +559,7 @@ def markdown(figs: dict[str, Any] | None) -> str:
                   f"{_f(learned['ngram_tokens_per_step'])}, suffix "
                   f"{_f(learned['suffix_tokens_per_step'])}."]
     if figs.get("threshold"):
-        lines += ["", "| streams (ngram forced on) | tok/s off | tok/s ngram | ratio | "
-                  "ratio per round | acceptance | tokens/step | outputs vs off |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['streams']} | {_f(r['off_tok_s'])} | {_f(r['ngram_tok_s'])} | "
-                  f"{_f(r['ratio'])} | {', '.join(_f(x) for x in r.get('round_ratios', []))} | "
-                  f"{_f(r['acceptance_rate'], 2)} | {_f(r.get('tokens_per_step'))} | "
-                  f"{_outputs(r.get('outputs'))} |" for r in figs["threshold"]]
+        lines += ["", threshold_markdown(figs["threshold"], figs.get("governors"))]
     lines += ["", judgement_line(figs)]
     met = figs.get("met") or {}
     lines += ["", "Targets: " + "; ".join(

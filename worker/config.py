@@ -152,12 +152,17 @@ class SpeculativeConfig:
     """suffix: the longest match looked for in the corpus of earlier requests, in tokens."""
     suffix_decoding_max_cached_requests: int = 1000
     """suffix: earlier requests' prompts and outputs kept (least recently used leave first)."""
-    disable_by_batch_size: int = 32
-    """No drafts in a step that already runs this many sequences: a large batch is compute
-    bound and verification rows would cost more than they save. 32: on this repository's
-    2-core Zen 4 CPU, quiet, forced-on ngram paid at no batch size from 32 to 64 on extraction
-    (0.86-0.98x), and loaded runs found it paying up to 32 (docs/engine.md); measure it per
-    machine with ``pagedq bench --scenarios spec``."""
+    disable_by_batch_size: int = 128
+    """A hard cap: no drafts in a step that already runs this many sequences. Below it the
+    governor (``adaptive``) decides per batch size from measured throughput; with
+    ``adaptive=False`` every step below it speculates. A quiet sweep on a 2-core CPU found
+    forced-on ngram losing from 32 to 64 streams on extraction (0.86-0.98x) while edit jobs
+    accept 4+ tokens a step, so no single threshold fits: the cap only bounds the governor's
+    tries (docs/engine.md, "Speculative decoding")."""
+    adaptive: bool = True
+    """Measure, per batch-size bucket, tokens per second of steps with and without speculation
+    and run the better, re-trying the other now and then (worker/engine/spec_governor.py).
+    False: speculate in every step below ``disable_by_batch_size``."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
@@ -175,7 +180,10 @@ class SpeculativeConfig:
              "suffix_decoding_max_tree_depth must be >= prompt_lookup_min")
         need(self.suffix_decoding_max_cached_requests >= 1,
              "suffix_decoding_max_cached_requests must be >= 1")
-        need(self.disable_by_batch_size >= 1, "disable_by_batch_size must be >= 1")
+        need(isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size >= 1,
+             f"disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}")
+        need(isinstance(self.adaptive, bool),
+             f"adaptive must be true or false, got {self.adaptive!r}")
 
     @classmethod
     def coerce(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:

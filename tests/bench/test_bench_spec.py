@@ -46,16 +46,25 @@ def test_spec_figures(doc):
             assert cell["rounds"] == expected and cell["jobs"] == jobs
     assert spec["learning"] == {"jobs": 7, "note": "fewer than 51 extraction jobs"}
     (row,) = spec["threshold"]
+    assert row["workload"] == "extraction"
     assert row["streams"] == 2 and row["identical"] and row["ratio"] > 0
     assert row["rounds"] == 2 and len(row["round_ratios"]) == 2
     assert row["outputs"]["identical"] == 4 and row["outputs"]["unexplained"] == 0
+    # the governed engine beside forced-on ngram: its outputs are off's too
+    assert row["governed_ratio"] > 0 and len(row["governed_round_ratios"]) == 2
+    assert row["governed_outputs"]["identical"] == 4
+    governed = spec["governors"]["threshold_governed"]
+    assert governed["adaptive"] is True and governed["buckets"]
+    assert spec["governors"]["grid_ngram"]["adaptive"] is True
     # 3 workloads x (1 + 3 jobs) + 3 more extraction jobs, twice (ngram, suffix); 4 threshold
-    assert spec["compared_requests"] == 2 * (3 * 4 + 3) + 4
+    # jobs twice (forced-on and governed ngram)
+    assert spec["compared_requests"] == 2 * (3 * 4 + 3) + 2 * 4
     assert spec["unexplained_differences"] == 0 and spec["near_tie_flips"] == 0
     assert spec["differences"] == [] and spec["tie_margin"] == NEAR_TIE_MARGIN
     assert spec["disable_by_batch_size"] >= 1
     assert spec["suffix_stats"]["spec_suffix_requests"] > 0
     assert "tok/s off" in markdown(doc) and "tok/s off" in table(doc)
+    assert "governed ngram" in markdown(doc) and "Governor after the sweep" in markdown(doc)
     assert "0 unexplained differences" in markdown(doc)
 
 

@@ -37,7 +37,7 @@ ENGINE_SAMPLE = {
                            "prompt_lookup_min": 1, "prompt_lookup_max": 4,
                            "suffix_decoding_max_tree_depth": 8,
                            "suffix_decoding_max_cached_requests": 50,
-                           "disable_by_batch_size": 4},
+                           "disable_by_batch_size": 4, "adaptive": False},
 }
 WORKER_SAMPLE = {
     "redis_url": "redis://h:1/2", "queue": "q2", "prefix": "px", "consumer_name": "c1",

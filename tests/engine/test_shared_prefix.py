@@ -277,7 +277,7 @@ def test_engine_n_forks_and_drafts_share_the_prefix(path):
               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
                              repetition_penalty=0.6),
               SamplingParams(temperature=0.8, seed=9, max_tokens=10, ignore_eos=True)]
-    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}  # every step
     results = {}
     for share in (True, False):
         eng = engine(path, speculative_config=spec)

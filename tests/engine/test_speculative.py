@@ -26,8 +26,10 @@ from pagedq.worker.engine.suffix_tree import SuffixCorpus
 from tests.engine.test_block_accounting import check_invariants, request_st, run_arrivals
 from tests.oracle import assert_greedy
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
-SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
+# adaptive off: these tests need drafts verified in every step, whatever the real clock says
+# (the governor's own tests drive it with a fake clock: test_spec_governor.py)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False}
 LOOPY = dict(ignore_eos=True, repetition_penalty=0.6)  # greedy that repeats itself
 STUCK = dict(ignore_eos=True, frequency_penalty=-2.0)  # greedy that soon repeats one token
 

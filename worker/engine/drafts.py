@@ -27,6 +27,7 @@ from typing import Any
 
 from pagedq.worker.config import SpeculativeConfig
 from pagedq.worker.engine.sequence import Sequence
+from pagedq.worker.engine.spec_governor import SpecGovernor
 from pagedq.worker.engine.suffix_tree import SuffixCorpus
 
 _WIDTH = 4  # bytes per token id in the packed search buffer
@@ -124,10 +125,14 @@ class Drafter:
                                     config.suffix_decoding_max_tree_depth)
                        if config.method == "suffix" else None)
         self.counters = SpecCounters()
+        # whether a step speculates: measured per batch size, capped (spec_governor.py)
+        self.governor = SpecGovernor(config.disable_by_batch_size, config.adaptive)
 
     def enabled_for(self, num_running: int) -> bool:
-        """Whether this step may speculate at all (the batch is not already large)."""
-        return num_running < self.config.disable_by_batch_size
+        """Whether this step may speculate at all: below ``disable_by_batch_size`` and, with
+        ``adaptive``, where speculation has measured faster for batches of this size (the
+        engine reports the step's tokens and time back to ``self.governor``)."""
+        return self.governor.decide(num_running)
 
     def propose(self, seq: Sequence, budget: int) -> list[int]:
         """The draft of a sequence about to decode (at most ``budget`` tokens); [] for none."""

@@ -189,11 +189,14 @@ class Engine(OfflineAPI):
         outputs = self.live.take_pending()
         self.live.expire(outputs)
         self._admit_compiled()
+        generated = self.num_generated_tokens
         sched = self.scheduler.schedule()
         if not sched:
             if self.structured.num_compiling:  # only compiles to wait for: don't spin
                 self.structured.wait_compiling(timeout=0.01)
             return outputs
+        decode_only = self.drafter is not None and all(
+            n == 1 + len(seq.draft_token_ids) for seq, n in sched.scheduled)
         logits, sample_seqs = self.governor.run(sched.num_batched_tokens,
                                                 lambda: self.runner.execute(sched))
         for seq, n in sched.scheduled:
@@ -203,6 +206,8 @@ class Engine(OfflineAPI):
         self.num_steps += 1
         if sample_seqs:
             outputs.extend(self._sample(logits, sample_seqs))
+        if self.drafter is not None:  # the speculation governor times the whole step
+            self.drafter.governor.record(self.num_generated_tokens - generated, decode_only)
         return outputs
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[StepOutput]:
@@ -350,7 +355,9 @@ class Engine(OfflineAPI):
                 "num_computed_tokens": self.num_computed_tokens,
                 "max_model_len": self.max_model_len, "max_num_seqs": self.config.max_num_seqs,
                 "threads": self.governor.chosen, **self.structured.stats(),
-                **(self.drafter.stats() if self.drafter is not None else {})}
+                **(self.drafter.stats() if self.drafter is not None else {}),
+                **({"spec_governor": self.drafter.governor.snapshot()}
+                   if self.drafter is not None else {})}
 
 
 def thread_governor(config: EngineConfig, device: torch.device) -> ThreadGovernor:

@@ -1,0 +1,192 @@
+"""Whether a step speculates, chosen by measuring, per batch size.
+
+Why: a draft's verification rows are nearly free while a step is bound by reading the weights
+(a few sequences: one pass over the weights serves 1 + k rows each) and cost their full compute
+once the batch is large enough to be compute bound. Where that crossover lies depends on the
+machine (its bandwidth against its FLOPs, like the GEMV/GEMM crossover), on the load beside the
+worker, and on the workload: an edit job accepts ~4 tokens a step and pays at batch sizes where
+an extraction job, accepting ~0.15 extra tokens a step, already loses (forced-on n-gram ran
+0.86-0.98x of off from 32 to 64 streams on extraction, measured on a quiet 2-core machine). No
+constant serves all three. So the :class:`SpecGovernor` keeps, per batch-size bucket (1, 2-3,
+4-7, ... running sequences, like the ThreadGovernor's step sizes in threads.py), the decode
+throughput of steps that speculated and of steps that did not (tokens produced, accepted drafts
+included, per running sequence and second of the whole step: drafting, the forward pass and
+verification), runs the
+better one, and tries the other again after EXPLORE_EVERY steps, doubling the wait after each
+try it lost (up to EXPLORE_AT_MOST), so it follows the workload and the machine's load.
+
+Only decode-only steps are measured: a prefill chunk in the step costs the same either way and
+would blur the comparison. Tokens count per running sequence because a bucket spans batch
+sizes up to 2x apart: while the weights' bandwidth bounds the step (where speculation is
+decided) its time barely grows with the batch, so tokens per step grow with it and a try at 7
+sequences would beat the running mean of steps at 4 for that reason alone; per sequence, the
+two compare like for like. A try lasts TRY_STEPS steps (one step's acceptance is too noisy to
+judge by). Per step the governor does a few float operations: no per-token work.
+
+``disable_by_batch_size`` stays a hard cap above which no step speculates, and ``adaptive=False``
+(``speculative_config``) turns the governor off: every step below the cap speculates.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedq.worker.engine.threads import size_class
+
+# measured steps of one bucket before the other choice is tried again. Short, because the
+# first figures are the least reliable: a new engine's first steps with drafts meet row counts
+# its kernels have not run yet (measured: a smoke run's first edit batch chose plain decoding
+# at 1 stream, where drafts make 3.75 tokens a step); the back-off makes later tries rare.
+EXPLORE_EVERY = 8
+EXPLORE_AT_MOST = 512  # ... doubling after each try it lost, up to this many
+TRY_STEPS = 4  # steps one try of the other choice runs before it is judged
+SMOOTHING = 0.2  # weight of the newest step in the chosen choice's running means
+REACT = 1.1  # the other choice's last rate this many times the chosen's: try it at once
+
+
+def bucket_name(size: int) -> str:
+    """A size class's batch sizes as text: 1 -> "1", 2 -> "2-3", 3 -> "4-7", ..."""
+    low, high = 1 << (size - 1), (1 << size) - 1
+    return str(low) if low == high else f"{low}-{high}"
+
+
+@dataclass
+class _Rate:
+    """Running means of one choice's steps: tokens produced per running sequence, seconds."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    measured: bool = False
+
+    @property
+    def per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Bucket:
+    rates: dict[bool, _Rate] = field(default_factory=lambda: {True: _Rate(), False: _Rate()})
+    chosen: bool | None = None  # the better choice so far (None: not both measured yet)
+    steps: int = 0  # measured steps
+    interval: int = EXPLORE_EVERY  # steps between two tries of the other choice
+    next_try: int = EXPLORE_EVERY
+    trying: bool | None = None  # the choice a try in progress runs
+    try_tokens: float = 0.0
+    try_seconds: float = 0.0
+    try_steps: int = 0
+
+
+class SpecGovernor:
+    """Lets a step speculate when speculation has produced more tokens per second than plain
+    decoding for batches of its size, and never at ``max_batch`` running sequences or more.
+
+    ``adaptive=False``: no measuring, every step below ``max_batch`` speculates. ``clock`` is
+    injectable so tests drive the decisions with a fake one.
+    """
+
+    def __init__(self, max_batch: int, adaptive: bool = True, explore_every: int = EXPLORE_EVERY,
+                 try_steps: int = TRY_STEPS, clock: Callable[[], float] = time.perf_counter
+                 ) -> None:
+        self.max_batch = max_batch
+        self.adaptive = adaptive
+        self.explore_every = explore_every
+        self.try_steps = try_steps
+        self.clock = clock
+        self.by_size: dict[int, _Bucket] = {}
+        self.pending: tuple[_Bucket, bool, int, float] | None = None  # the step under way
+
+    def decide(self, batch: int) -> bool:
+        """Whether a step running ``batch`` sequences speculates; starts timing the step (a
+        step :meth:`record` does not follow is simply not measured)."""
+        self.pending = None
+        if batch < 1 or batch >= self.max_batch:  # none decoding yet (a first prefill), or capped
+            return False
+        if not self.adaptive:
+            return True
+        bucket = self.by_size.get(size_class(batch))
+        if bucket is None:
+            bucket = self.by_size[size_class(batch)] = _Bucket(
+                interval=self.explore_every, next_try=self.explore_every)
+        speculate = self.pick(bucket)
+        self.pending = (bucket, speculate, batch, self.clock())
+        return speculate
+
+    def record(self, tokens: int, decode_only: bool = True) -> None:
+        """The step :meth:`decide` began has ended having produced ``tokens`` tokens; a step
+        with a prefill chunk in it (``decode_only`` false) is not measured."""
+        if self.pending is None:
+            return
+        bucket, speculate, batch, start = self.pending
+        self.pending = None
+        if decode_only and tokens > 0:
+            self.observe(bucket, speculate, tokens / batch, self.clock() - start)
+
+    def pick(self, bucket: _Bucket) -> bool:
+        """A try in progress goes on; an unmeasured choice is tried (speculation first); then
+        the better choice, and the other one once ``next_try`` is reached."""
+        if bucket.trying is not None:
+            return bucket.trying
+        for choice in (True, False):
+            if not bucket.rates[choice].measured:
+                bucket.trying = choice
+                return choice
+        if bucket.steps >= bucket.next_try:
+            bucket.trying = not bucket.chosen
+            return bucket.trying
+        return bool(bucket.chosen)
+
+    def observe(self, bucket: _Bucket, speculate: bool, tokens: float, seconds: float) -> None:
+        """A measured step (``tokens``: per running sequence). A try sums its steps and, once
+        done, replaces its choice's (stale) means: it measures the machine and the workload as
+        they are now; the other choice takes over if it is now faster, else its next try waits
+        twice as long. The chosen choice's
+        means follow its steps smoothly, and when they fall REACT times below the other
+        choice's last rate (the load or the workload changed) the other is tried at once."""
+        bucket.steps += 1
+        if speculate == bucket.trying:
+            bucket.try_tokens += tokens
+            bucket.try_seconds += seconds
+            bucket.try_steps += 1
+            if bucket.try_steps >= self.try_steps:
+                self._end_try(bucket, speculate)
+            return
+        rate, other = bucket.rates[speculate], bucket.rates[not speculate]
+        rate.tokens += SMOOTHING * (tokens - rate.tokens)
+        rate.seconds += SMOOTHING * (seconds - rate.seconds)
+        if other.per_second > REACT * rate.per_second:
+            bucket.next_try = min(bucket.next_try, bucket.steps)
+
+    def _end_try(self, bucket: _Bucket, tried: bool) -> None:
+        rate = bucket.rates[tried]
+        rate.tokens = bucket.try_tokens / bucket.try_steps
+        rate.seconds = bucket.try_seconds / bucket.try_steps
+        rate.measured = True
+        bucket.trying, bucket.try_tokens, bucket.try_seconds, bucket.try_steps = None, 0.0, 0.0, 0
+        on, off = bucket.rates[True], bucket.rates[False]
+        if not (on.measured and off.measured):
+            return
+        if bucket.chosen is None:  # both measured for the first time
+            bucket.chosen = on.per_second >= off.per_second
+        elif tried != bucket.chosen:
+            if rate.per_second > bucket.rates[bucket.chosen].per_second:
+                bucket.chosen, bucket.interval = tried, self.explore_every
+            else:
+                bucket.interval = min(2 * bucket.interval, EXPLORE_AT_MOST)
+        bucket.next_try = bucket.steps + bucket.interval
+
+    def snapshot(self) -> dict[str, Any]:
+        """The governor's state for stats(): which buckets speculate now, and per bucket the
+        measured tokens per second and running sequence with and without speculation."""
+        def figure(rate: _Rate) -> float | None:
+            return round(rate.per_second, 3) if rate.measured else None
+
+        buckets = {bucket_name(size): {
+            "speculate": b.chosen, "seq_tok_s_spec": figure(b.rates[True]),
+            "seq_tok_s_plain": figure(b.rates[False]), "steps": b.steps}
+            for size, b in sorted(self.by_size.items())}
+        return {"adaptive": self.adaptive, "max_batch": self.max_batch,
+                "speculating": [name for name, b in buckets.items() if b["speculate"]],
+                "buckets": buckets}
