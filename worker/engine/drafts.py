@@ -13,8 +13,20 @@ many tokens a step yields, never which tokens.
   queue) in a depth-bounded suffix tree with occurrence counts, least recently used request
   out first. A sequence drafts from whichever of its own tokens (n-gram) and the tree matches
   its suffix longer; the tree's draft follows the most frequent continuation of the match.
+- **Grammar drafts** (structured outputs): a json_schema answer is mostly text the grammar
+  forces (``{"``, key names, ``": "``, ``", "``, closing brackets, the stop token once it is
+  complete). ``StructuredOutputs.forced_tokens`` walks the sequence's matcher forward over
+  xgrammar's jump-forward tokens, and over any position whose mask allows exactly one token,
+  stopping at the first choice, then rolls it back. These drafts are guesses like the others:
+  the grammar forces the text, not its tokenization (the model may write ``{`` ``"`` where
+  xgrammar drafts ``{"``), and verification keeps a token only if the sampler draws it.
 - ``Drafter``: decides each sequence's draft (its adaptive length, the step's size, the
-  request's switch, its grammar) and keeps the acceptance counters.
+  request's switch, its grammar) and keeps the acceptance counters. The rule for a sequence
+  with a grammar: the forced tokens first (up to ``num_speculative_tokens``, whatever the
+  adaptive length: they are nearly always accepted), then the n-gram / suffix lookup over its
+  tokens followed by the forced ones, for at most the adaptive length and the remaining room,
+  then the whole draft trimmed to the prefix the grammar allows (the first forbidden token
+  ends it).
 """
 
 from __future__ import annotations
@@ -112,8 +124,12 @@ class Drafter:
     """Each decoding sequence's draft for this step, and what verification made of it.
 
     ``allowed(seq, draft)`` trims a draft to the prefix its grammar accepts (structured
-    outputs); ``max_model_len`` bounds a draft so its rows stay inside the context.
+    outputs); ``forced(seq, k)``, when set (the engine sets StructuredOutputs.forced_tokens),
+    gives up to k tokens the grammar forces next; ``max_model_len`` bounds a draft so its rows
+    stay inside the context.
     """
+
+    forced: Callable[[Sequence, int], list[int]] | None = None
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
                  allowed: Callable[[Sequence, list[int]], list[int]] | None = None) -> None:
@@ -135,22 +151,29 @@ class Drafter:
         return self.governor.decide(num_running)
 
     def propose(self, seq: Sequence, budget: int) -> list[int]:
-        """The draft of a sequence about to decode (at most ``budget`` tokens); [] for none."""
+        """The draft of a sequence about to decode (at most ``budget`` tokens); [] for none:
+        the tokens its grammar forces, then a lookup continuing them, trimmed to what the
+        grammar allows (the module docstring's rule)."""
         req = seq.request
         if req.hook is not None or not getattr(req.params, "speculative", True):
             return []
-        k = min(seq.spec_len or self.config.num_speculative_tokens, budget,
-                self.max_model_len - seq.num_tokens - 1)
+        top = min(self.config.num_speculative_tokens, budget,
+                  self.max_model_len - seq.num_tokens - 1)
         if req.params.max_tokens is not None:  # the last sampled token needs no draft behind it
-            k = min(k, req.params.max_tokens - seq.num_generated - 1)
-        if k <= 0:
+            top = min(top, req.params.max_tokens - seq.num_generated - 1)
+        if top <= 0:
             return []
-        draft = self._lookup(seq.token_ids, k)
-        if draft and self.allowed is not None:
+        forced = self.forced(seq, top) if self.forced is not None else []
+        guessed = min(seq.spec_len or top, top - len(forced))  # the adaptive part
+        tokens = seq.token_ids + forced if forced else seq.token_ids
+        draft = forced + (self._lookup(tokens, guessed) if guessed > 0 else [])
+        if len(draft) > len(forced) and self.allowed is not None:
             draft = self.allowed(seq, draft)
         return draft
 
     def _lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens continuing ``tokens``: the longer of the n-gram and the suffix
+        corpus matches (n-gram alone for method "ngram")."""
         c = self.config
         n, start = ngram_match(tokens, c.prompt_lookup_min, c.prompt_lookup_max)
         if self.corpus is not None:

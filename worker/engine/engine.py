@@ -88,6 +88,8 @@ class Engine(OfflineAPI):
         self.drafter = (Drafter(config.speculative_config, self.max_model_len,
                                 self.structured.allowed_draft)
                         if config.speculative_config else None)
+        if self.drafter is not None:  # grammar drafts: the tokens a constraint forces
+            self.drafter.forced = self.structured.forced_tokens
         self.scheduler = Scheduler(config, self.kv, self.drafter)
         self.sampler = Sampler(config.seed, constrain=self.structured.apply)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)

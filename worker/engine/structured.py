@@ -53,8 +53,11 @@ class StructuredOutputs:
         self._states: weakref.WeakKeyDictionary[Sequence, SequenceGrammar] = weakref.WeakKeyDictionary()
         self._compiling: list[Request] = []  # added, grammar not compiled yet
         self._bitmask: torch.Tensor | None = None
+        self._draft_row: torch.Tensor | None = None
         self.mask_seconds = 0.0  # time spent filling and applying masks (for bench and stats)
         self.mask_steps = 0
+        self.draft_seconds = 0.0  # time spent finding forced tokens for drafts (forced_tokens)
+        self.draft_tokens = 0
 
     @property
     def cache(self) -> GrammarCache:
@@ -158,6 +161,58 @@ class StructuredOutputs:
             matcher.rollback(n)
         return draft[:n]
 
+    def forced_tokens(self, seq: Sequence, k: int) -> list[int]:
+        """Up to ``k`` tokens ``seq``'s grammar forces after its current output: a draft that
+        verification keeps wherever the model tokenizes the forced text as xgrammar does.
+
+        Each round takes xgrammar's jump-forward tokens (the forced text, longest vocabulary
+        tokens first, its last token left out when a longer token could extend it); when
+        there are none, one bitmask shows whether exactly one token is allowed (a ``}`` that
+        a longer token would extend only outside the grammar, the stop token of a complete
+        output). The first position with a choice ends the draft. The matcher is advanced
+        over the draft and rolled back, so it is left where it was."""
+        if k <= 0 or seq.request not in self._compiled:
+            return []
+        started = time.perf_counter()
+        try:
+            matcher = self._sync(seq).matcher
+        except InvalidRequestError:  # tokens its grammar refuses: sampling rejects the request
+            return []
+        draft: list[int] = []
+        try:
+            while len(draft) < k and not matcher.is_terminated():
+                step = matcher.find_jump_forward_tokens()[: k - len(draft)] or self._only(matcher)
+                taken = 0
+                for token in step:
+                    if not matcher.accept_token(token):
+                        break
+                    taken += 1
+                draft += step[:taken]
+                if taken < len(step) or not step:
+                    break
+        finally:
+            if draft:
+                matcher.rollback(len(draft))
+            self.draft_seconds += time.perf_counter() - started
+            self.draft_tokens += len(draft)
+        return draft
+
+    def _only(self, matcher: Any) -> list[int]:
+        """[the one token the grammar allows next], or [] when it allows several."""
+        if self._draft_row is None:  # its own row: the step's bitmask may be in use
+            self._draft_row = self.cache.bitmask_backend.allocate_token_bitmask(1, self.vocab_size)
+        row = self._draft_row
+        matcher.fill_next_token_bitmask(row, 0)
+        words = torch.nonzero(row[0])
+        if words.numel() != 1:
+            return []
+        index = int(words[0, 0])
+        bits = int(row[0, index]) & 0xFFFFFFFF
+        if bits & (bits - 1):
+            return []
+        token = 32 * index + bits.bit_length() - 1
+        return [token] if token < self.vocab_size else []
+
     def _sync(self, seq: Sequence) -> SequenceGrammar:
         """Bring ``seq``'s matcher to its current output: create it, roll back tokens taken
         back, replay tokens it has not seen (resumed from another worker, or forked)."""
@@ -189,7 +244,9 @@ class StructuredOutputs:
 
     def stats(self) -> dict[str, Any]:
         return {"grammar_compiling": len(self._compiling),
-                "grammar_mask_s": round(self.mask_seconds, 6), "grammar_mask_steps": self.mask_steps}
+                "grammar_mask_s": round(self.mask_seconds, 6), "grammar_mask_steps": self.mask_steps,
+                "grammar_draft_s": round(self.draft_seconds, 6),
+                "grammar_draft_tokens": self.draft_tokens}
 
     def close(self) -> None:
         if self._cache is not None:
