@@ -180,9 +180,11 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {**_COMMON_DEFAULTS, "intermediate_size": 14336, "num_key_value_heads": 8,
                 "max_position_embeddings": 131072, "sliding_window": 4096},
     "qwen2": {**_COMMON_DEFAULTS, "vocab_size": 151936, "intermediate_size": 22016,
+              "num_key_value_heads": 32,
               "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
               "use_sliding_window": False, "sliding_window": None},
     "qwen3": {**_COMMON_DEFAULTS, "vocab_size": 151936, "intermediate_size": 22016,
+              "num_key_value_heads": 32,
               "head_dim": 128, "max_position_embeddings": 32768, "bos_token_id": None,
               "eos_token_id": None, "use_sliding_window": False, "sliding_window": None},
 }
@@ -209,7 +211,10 @@ def load_config(path: Path) -> PretrainedConfig:
         from transformers import AutoConfig  # a family pagedq does not run: the full class
 
         return AutoConfig.from_pretrained(Path(path))
-    config = PretrainedConfig.from_dict({**defaults, **data})
+    rope_keys = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")
+    # RoPE keys are standardized below, once every other field (max_position_embeddings) is set
+    config = PretrainedConfig.from_dict({k: v for k, v in {**defaults, **data}.items()
+                                         if k not in rope_keys})
     config.model_type = data["model_type"]  # the base class's is "" (a class attribute)
     config._name_or_path = str(path)  # as from_pretrained sets it (AutoTokenizer reads it)
     if config.head_dim is None:
@@ -217,8 +222,7 @@ def load_config(path: Path) -> PretrainedConfig:
     if config.num_key_value_heads is None:
         config.num_key_value_heads = config.num_attention_heads
     config.rope_parameters = data.get("rope_parameters")
-    extra = {k: data[k] for k in ("rope_scaling", "rope_theta", "partial_rotary_factor")
-             if k in data}
+    extra = {k: data[k] for k in rope_keys[1:] if k in data}
     config.convert_rope_params_to_dict(**extra)  # legacy rope_theta / rope_scaling, as 5.x does
     return config
 
