@@ -92,7 +92,8 @@ def open_model(config: EngineConfig) -> ModelFiles:
     Quantization ``auto`` serves a GGUF's blocks as stored, so a GGUF resolves to a directory
     of config and tokenizer reading the GGUF (the bundled model too), not to an fp32 copy."""
     path = resolve_model(config.model, packed=config.quantization == "auto")
-    return ModelFiles(path, load_config(path), load_tokenizer(path), packed_source(path))
+    hf_config = load_config(path)
+    return ModelFiles(path, hf_config, load_tokenizer(path, hf_config), packed_source(path))
 
 
 def choose_form(config: EngineConfig, files: ModelFiles, device: torch.device,

@@ -13,7 +13,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -163,13 +163,68 @@ def _not_found_message(model: str, tried: list[str]) -> str:
 # --------------------------------------------------------------------------- reading
 
 
-def load_config(path: Path) -> PretrainedConfig:
-    """The model's transformers config (architecture flags the forward pass reads)."""
-    # transformers costs ~2-3 s to import (and its config classes ~70 MB): the engine package
-    # and the worker's service import this module without needing it until a model loads.
-    from transformers import AutoConfig
+# Each supported family's defaults for the fields the engine reads, where config.json leaves
+# them out: the values of transformers' own LlamaConfig, MistralConfig, Qwen2Config and
+# Qwen3Config (tests/models/test_loader.py checks them against those classes). ``head_dim``
+# None means hidden_size // num_attention_heads; ``num_key_value_heads`` None means one KV head
+# per attention head.
+_COMMON_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
+    "head_dim": None, "hidden_act": "silu", "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None,
+}
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": _COMMON_DEFAULTS,
+    "mistral": {**_COMMON_DEFAULTS, "intermediate_size": 14336, "num_key_value_heads": 8,
+                "max_position_embeddings": 131072, "sliding_window": 4096},
+    "qwen2": {**_COMMON_DEFAULTS, "vocab_size": 151936, "intermediate_size": 22016,
+              "num_key_value_heads": 32,
+              "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
+              "use_sliding_window": False, "sliding_window": None},
+    "qwen3": {**_COMMON_DEFAULTS, "vocab_size": 151936, "intermediate_size": 22016,
+              "num_key_value_heads": 32,
+              "head_dim": 128, "max_position_embeddings": 32768, "bos_token_id": None,
+              "eos_token_id": None, "use_sliding_window": False, "sliding_window": None},
+}
 
-    return AutoConfig.from_pretrained(Path(path))
+
+def load_config(path: Path) -> PretrainedConfig:
+    """The model's transformers config (architecture flags the forward pass reads).
+
+    For the families the forward pass runs, config.json is read into transformers' base
+    ``PretrainedConfig`` with the family's defaults (:data:`FAMILY_DEFAULTS`) and its RoPE
+    parameters standardized as the family's class does: importing any of transformers 5's
+    family config classes (or AutoConfig, which imports them) loads its type validators, which
+    import torch.distributed.tensor, sympy and accelerate: ~70 MB resident, a seventh of
+    ``pagedq chat``'s peak, for a dozen integers. Other model types go through AutoConfig (the
+    engine then names them unsupported).
+    """
+    # transformers costs ~2-3 s to import: the engine package and the worker's service import
+    # this module without needing it until a model loads.
+    from transformers import PretrainedConfig
+
+    data = json.loads((Path(path) / "config.json").read_text())
+    defaults = FAMILY_DEFAULTS.get(data.get("model_type", ""))
+    if defaults is None:
+        from transformers import AutoConfig  # a family pagedq does not run: the full class
+
+        return AutoConfig.from_pretrained(Path(path))
+    rope_keys = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")
+    # RoPE keys are standardized below, once every other field (max_position_embeddings) is set
+    config = PretrainedConfig.from_dict({k: v for k, v in {**defaults, **data}.items()
+                                         if k not in rope_keys})
+    config.model_type = data["model_type"]  # the base class's is "" (a class attribute)
+    config._name_or_path = str(path)  # as from_pretrained sets it (AutoTokenizer reads it)
+    if config.head_dim is None:
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    if config.num_key_value_heads is None:
+        config.num_key_value_heads = config.num_attention_heads
+    config.rope_parameters = data.get("rope_parameters")
+    extra = {k: data[k] for k in rope_keys[1:] if k in data}
+    config.convert_rope_params_to_dict(**extra)  # legacy rope_theta / rope_scaling, as 5.x does
+    return config
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -219,12 +274,18 @@ def iter_weights(path: Path) -> Iterator[tuple[str, Weight]]:
             del state
 
 
-def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
-    """The model's tokenizer, or None for a token-id-only model directory."""
+def load_tokenizer(path: Path, config: PretrainedConfig | None = None
+                   ) -> PreTrainedTokenizerBase | None:
+    """The model's tokenizer, or None for a token-id-only model directory (``config``: the
+    model's, from :func:`load_config`, when the caller has it)."""
     path = Path(path)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         log.info("no tokenizer files; token ids only", model=str(path))
         return None
     from transformers import AutoTokenizer  # start-up cost: see load_config
 
-    return AutoTokenizer.from_pretrained(path)
+    if config is None and (path / "config.json").is_file():
+        config = load_config(path)
+    # given the config, AutoTokenizer does not build its own through AutoConfig (see load_config)
+    extra = {} if config is None else {"config": config}
+    return AutoTokenizer.from_pretrained(path, **extra)
