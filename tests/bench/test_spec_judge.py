@@ -153,7 +153,7 @@ def test_bench_wiring_judges_a_forged_difference(llama):
                      outputs=jobs, prompts={f"j{i}": p for i, p in enumerate(ids)})
 
     grid = {"edit": {"2": [[batch("off", plain), batch("ngram", forged)]]}}
-    diffs = differences(grid, {"2": [[batch("off", plain), batch("ngram", plain)]]})
+    diffs = differences(grid, {"extraction": {"2": [[batch("off", plain), batch("ngram", plain)]]}})
     assert [(d.workload, d.streams, d.method, d.job) for d in diffs] == [("edit", "2", "ngram",
                                                                            "j1")]
     (verdict,) = judge_differences(bench, off, diffs)

@@ -26,7 +26,7 @@ from tests.gateway.harness import serve
 from tests.gateway.test_batches import jsonl, read_lines, wait_batch
 from tests.gateway.test_tools import ASK, SCHEMAS, TOOLS
 from tests.service.harness import running_worker
-from tests.tools.test_thinking_prompt import OPENING_TEMPLATE
+from tests.tools.test_thinking_prompt import OPENING_TEMPLATE, opening_qwen3
 
 QUEUE = "gw-template-kwargs"
 OFF = {"enable_thinking": False}
@@ -41,17 +41,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tokenizer):
-    from pagedq.worker.models.loader import resolve_model
-    from tests.tiny_models import build_tiny_model
-
-    path = build_tiny_model("qwen3", tmp_path_factory.mktemp("random-qwen3-gw"),
-                            vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                            bos_token_id=tokenizer.bos_token_id,
-                            pad_token_id=tokenizer.pad_token_id)
-    shutil.copy(resolve_model(None) / "tokenizer.json", path / "tokenizer.json")
-    config = json.loads((resolve_model(None) / "tokenizer_config.json").read_text())
-    config["chat_template"] = OPENING_TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    path = opening_qwen3(tmp_path_factory.mktemp("random-qwen3-gw"), tokenizer)
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

@@ -149,20 +149,27 @@ def test_an_opened_grammar_thinks_first_then_the_choice_holds(cache, tokenizer, 
 
 
 # -- the engine: a random Qwen3 with the opening template --------------------------------------
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory, tokenizer):
-    from pagedq.worker import Engine
+def opening_qwen3(folder, tokenizer):
+    """A random Qwen3 in ``folder`` with the bundled tokenizer and OPENING_TEMPLATE."""
     from pagedq.worker.models.loader import resolve_model
     from tests.tiny_models import build_tiny_model
 
-    path = build_tiny_model("qwen3", tmp_path_factory.mktemp("random-qwen3-open"),
-                            vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+    path = build_tiny_model("qwen3", folder, vocab_size=len(tokenizer),
+                            eos_token_id=tokenizer.eos_token_id,
                             bos_token_id=tokenizer.bos_token_id,
                             pad_token_id=tokenizer.pad_token_id)
     shutil.copy(resolve_model(None) / "tokenizer.json", path / "tokenizer.json")
     config = json.loads((resolve_model(None) / "tokenizer_config.json").read_text())
     config["chat_template"] = OPENING_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, tokenizer):
+    from pagedq.worker import Engine
+
+    path = opening_qwen3(tmp_path_factory.mktemp("random-qwen3-open"), tokenizer)
     yield Engine(str(path), num_kv_blocks=1024, block_size=4)
     shutil.rmtree(path, ignore_errors=True)
 
