@@ -22,6 +22,7 @@ import uvicorn
 from pagedq.embedded_redis import free_port
 from pagedq.gateway.app import create_app
 from pagedq.worker.config import GatewayConfig
+from tests.service.harness import running_worker
 
 try:  # the HTTP library the installed openai package is built on
     import httpx2 as httpx
@@ -92,3 +93,12 @@ def wait_until(cond, timeout: float = 60.0, what: str = "condition") -> None:
     while not cond():
         assert time.monotonic() < end, f"{what} not reached within {timeout}s"
         time.sleep(0.05)
+
+
+@contextmanager
+def serve_worker(redis_url: str, model: str, worker: str, queue: str) -> Iterator[Gateway]:
+    """A gateway in front of one worker serving ``model`` on ``queue`` (1k tokens, 1k blocks)."""
+    with running_worker(redis_url, model, worker, queue=queue,
+                        engine={"max_model_len": 1024, "num_kv_blocks": 1024}):
+        with serve(redis_url, queue=queue) as gateway:
+            yield gateway

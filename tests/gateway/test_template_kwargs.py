@@ -22,10 +22,9 @@ from pagedq.gateway.fleet import model_id
 from pagedq.tools import ToolSpec
 from pagedq.tools.prompt import render_chat
 from tests.engine.structured_cases import load_bundled_tokenizer
-from tests.gateway.harness import serve
+from tests.gateway.harness import serve_worker
 from tests.gateway.test_batches import jsonl, read_lines, wait_batch
 from tests.gateway.test_tools import ASK, SCHEMAS, TOOLS
-from tests.service.harness import running_worker
 from tests.tools.test_thinking_prompt import OPENING_TEMPLATE, opening_qwen3
 
 QUEUE = "gw-template-kwargs"
@@ -48,10 +47,8 @@ def model_dir(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module")
 def gw(redis_url, model_dir):
-    with running_worker(redis_url, str(model_dir), "kwargs-w", queue=QUEUE,
-                        engine={"max_model_len": 1024, "num_kv_blocks": 1024}):
-        with serve(redis_url, queue=QUEUE) as gateway:
-            yield gateway
+    with serve_worker(redis_url, str(model_dir), "kwargs-w", QUEUE) as gateway:
+        yield gateway
 
 
 @pytest.fixture(scope="module")

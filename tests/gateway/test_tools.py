@@ -20,9 +20,8 @@ from pagedq.gateway.fleet import model_id
 from pagedq.tools import HERMES
 from pagedq.tools.prompt import render_chat
 from tests.engine.structured_cases import build_random_model, load_bundled_tokenizer
-from tests.gateway.harness import serve
+from tests.gateway.harness import serve, serve_worker
 from tests.gateway.test_batches import jsonl, read_lines, wait_batch
-from tests.service.harness import running_worker
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -74,10 +73,8 @@ def random_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gw(redis_url, random_model):
-    with running_worker(redis_url, str(random_model), "tools-w", queue=QUEUE,
-                        engine={"max_model_len": 1024, "num_kv_blocks": 1024}):
-        with serve(redis_url, queue=QUEUE) as gateway:
-            yield gateway
+    with serve_worker(redis_url, str(random_model), "tools-w", QUEUE) as gateway:
+        yield gateway
 
 
 @pytest.fixture(scope="module")
