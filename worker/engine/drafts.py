@@ -129,13 +129,13 @@ class Drafter:
     stay inside the context.
     """
 
-    forced: Callable[[Sequence, int], list[int]] | None = None
-
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
-                 allowed: Callable[[Sequence, list[int]], list[int]] | None = None) -> None:
+                 allowed: Callable[[Sequence, list[int]], list[int]] | None = None,
+                 forced: Callable[[Sequence, int], list[int]] | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.allowed = allowed
+        self.forced = forced
         self.corpus = (SuffixCorpus(config.suffix_decoding_max_cached_requests,
                                     config.prompt_lookup_min,
                                     config.suffix_decoding_max_tree_depth)
@@ -195,7 +195,8 @@ class Drafter:
             self.corpus.add(list(seq.token_ids))
 
     def stats(self) -> dict[str, Any]:
-        out = {"spec_method": self.config.method, **self.counters.stats()}
+        out = {"spec_method": self.config.method, **self.counters.stats(),
+               "spec_governor": self.governor.snapshot()}
         if self.corpus is not None:
             out.update(self.corpus.stats())
         return out

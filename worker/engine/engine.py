@@ -86,10 +86,8 @@ class Engine(OfflineAPI):
             cache_size=config.grammar_cache_size, compile_threads=config.grammar_compile_threads,
             compile_timeout_s=config.grammar_compile_timeout)
         self.drafter = (Drafter(config.speculative_config, self.max_model_len,
-                                self.structured.allowed_draft)
+                                self.structured.allowed_draft, self.structured.forced_tokens)
                         if config.speculative_config else None)
-        if self.drafter is not None:  # grammar drafts: the tokens a constraint forces
-            self.drafter.forced = self.structured.forced_tokens
         self.scheduler = Scheduler(config, self.kv, self.drafter)
         self.sampler = Sampler(config.seed, constrain=self.structured.apply)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
@@ -357,9 +355,7 @@ class Engine(OfflineAPI):
                 "num_computed_tokens": self.num_computed_tokens,
                 "max_model_len": self.max_model_len, "max_num_seqs": self.config.max_num_seqs,
                 "threads": self.governor.chosen, **self.structured.stats(),
-                **(self.drafter.stats() if self.drafter is not None else {}),
-                **({"spec_governor": self.drafter.governor.snapshot()}
-                   if self.drafter is not None else {})}
+                **(self.drafter.stats() if self.drafter is not None else {})}
 
 
 def thread_governor(config: EngineConfig, device: torch.device) -> ThreadGovernor:
