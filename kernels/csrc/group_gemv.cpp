@@ -343,6 +343,9 @@ inline void q6k_quarter(const __m512i ql[4], const __m512i qh[4], const uint8_t*
   const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + kGroupRows * (192 + s))))));
   const int64_t blocks = a.blocks;
+  // Unrolled, the G rows' accumulators stay in registers (measured: 1.1-1.25x at 16-64 rows;
+  // the other kernels' wider code sets leave no room for it).
+#pragma GCC unroll 8
   for (int g = 0; g < G; ++g) {
     const int64_t i = (b0 + g) * blocks + sb * 8 + s / 2;  // the activation block
     const int64_t at_x = i * 32 + 16 * (s % 2);
