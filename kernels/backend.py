@@ -167,8 +167,9 @@ BF16X3_GEMV_ROWS = 16
 # of AVX2 and AVX-512-without-VNNI CPUs. Grouped Q6_K and Q5_K were measured on an Intel Xeon
 # (Emerald Rapids, no AMX; 1 thread, loaded, --shapes down) whose fp32 tiles are faster: Q6_K
 # ahead at 48 rows (27.2 against 30.1 ms), level at 64 (36.0 / 35.3), behind at 96 (57.6 / 48.0);
-# Q5_K level at 64 (36.1 / 37.0), behind at 96 (58.9 / 53.7). Their row-at-a-time kernel is gone from VNNI CPUs (it
-# remains for a matrix whose rows are not a whole number of groups, under the grouped limit).
+# Q5_K level at 64 (36.1 / 37.0), behind at 96 (58.9 / 53.7). Their row-at-a-time kernel is gone
+# from VNNI CPUs (it remains for a matrix whose rows are not a whole number of groups, under the
+# grouped limit).
 ALL_ROWS = 1 << 20
 F32_GEMV_ROWS = {
     "grouped": {**dict.fromkeys(("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k"), ALL_ROWS),
