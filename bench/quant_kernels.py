@@ -9,7 +9,7 @@ pagedq's packed-weight kernels (``gemv-<format>`` reading the blocks with intege
 grouped 16 rows at a time where the engine groups them, ``rowgemv-<format>`` one row at a time,
 ``i8gemv-<format>`` / ``i8rowgemv-<format>`` the same on int8 activations (quant_gemv's ``acts``
 8: maddubs on AVX2, one vpdpbusd per product grouped on VNNI; Q8_0, Q4_0, Q4_1, Q4_K, and
-grouped Q5_0/Q5_1),
+grouped Q5_0/Q5_1/Q5_K/Q6_K),
 ``gemm-<format>`` dequantizing bf16 tiles for oneDNN's micro-kernel in precision bf16x3,
 ``x2gemm-<format>`` in precision bf16x2, ``bf16gemm-<format>`` in precision bf16, all three AMX
 only, ``f32gemm-<format>`` dequantizing fp32 tiles for ATen's GEMM, every CPU). The ISA level is

@@ -164,11 +164,17 @@ BF16X3_GEMV_ROWS = 16
 # "grouped": the VNNI GEMV over rows grouped 16 at a time beat the fp32 GEMM at every row count
 # measured (Q4_1 at 256 rows: 166 against 433 ms a pass: vpdpbusd does 4x the products of an fp32
 # FMA), so it takes every step; "vnni": the row-at-a-time VNNI GEMV; "avx2": the int16-code GEMV
-# of AVX2 and AVX-512-without-VNNI CPUs.
+# of AVX2 and AVX-512-without-VNNI CPUs. Grouped Q6_K and Q5_K were measured on an Intel Xeon
+# (Emerald Rapids, no AMX; 1 thread, loaded, --shapes down) whose fp32 tiles are faster: Q6_K
+# ahead at 48 rows (27.2 against 30.1 ms), level at 64 (36.0 / 35.3), behind at 96 (57.6 / 48.0);
+# Q5_K level at 64 (36.1 / 37.0), behind at 96 (58.9 / 53.7). Their row-at-a-time kernel is gone
+# from VNNI CPUs (it remains for a matrix whose rows are not a whole number of groups, under the
+# grouped limit).
 ALL_ROWS = 1 << 20
 F32_GEMV_ROWS = {
-    "grouped": dict.fromkeys(("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k"), ALL_ROWS),
-    "vnni": {"q5_k": 32, "q6_k": 32, "int8": ALL_ROWS, "bf16": 16},
+    "grouped": {**dict.fromkeys(("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k"), ALL_ROWS),
+                "q5_k": 64, "q6_k": 64},
+    "vnni": {"int8": ALL_ROWS, "bf16": 16},
     "avx2": {"q4_0": 24, "q4_1": 24, "q5_0": 24, "q5_1": 24, "q8_0": 64, "q4_k": 20, "q5_k": 20,
              "q6_k": 20, "int8": 64, "bf16": 16},
 }
@@ -177,19 +183,23 @@ F32_GEMV_ROWS = {
 # default), measured the same way (1 thread, loaded, --shapes down and the model's shapes):
 # the grouped byte mode beats fp32 tiles at every row count (1.45x the int16 grouped GEMV at 64
 # rows); on AVX2 the maddubs GEMV beats them up to 64 rows for Q8_0/Q4_0 (39.9 and 35.7 against
-# 45.5 and 49.5 ms at 64), to ~48 for Q4_K (22.9 against 24.7 at 32, 47.6 against 44.7 at 64).
+# 45.5 and 49.5 ms at 64), to ~48 for Q4_K (22.9 against 24.7 at 32, 47.6 against 44.7 at 64);
+# grouped Q6_K and Q5_K (the Intel Xeon above) to the 128 rows measured (Q6_K 56.5 against 58.3
+# ms, Q5_K 57.2 against 67.5).
 # Formats without an int8 kernel keep their F32_GEMV_ROWS entry.
 F32_GEMV_ROWS_INT8 = {
-    "grouped": dict.fromkeys(("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k"), ALL_ROWS),
+    "grouped": {**dict.fromkeys(("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k"), ALL_ROWS),
+                "q5_k": 128, "q6_k": 128},
     "avx2": {"q4_0": 64, "q4_1": 64, "q8_0": 64, "q4_k": 48},
 }
-# The 32-element block formats' and Q4_K's GEMV on AVX-512 VNNI reads rows grouped 16 at a time
+# The 32-element block formats' and the K-quants' GEMV on AVX-512 VNNI reads rows grouped 16 at a time
 # (csrc/group_gemv.cpp): it shares each weight load among 8 activation rows at ~1/3 of the
 # row-at-a-time kernel's cost per row, and beats the GEMM up to these many rows (quant_bench, ms
 # per pass at 16/24/32 rows, Q4_1: grouped GEMV 28.7/41.7/53.2, GEMM bf16 38.3/46.9/46.5, bf16x2
 # 45.9/64.1/63.4, bf16x3 59.6/82.4/82.0). A matrix whose rows are not a whole number of groups
-# keeps the row-at-a-time GEMV under the same limit (no model we know has one).
-GROUPED_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k")
+# keeps the row-at-a-time GEMV under the same limit (no model we know has one). Q6_K and Q5_K take
+# the same limits (their grouped kernels cost ~1.1-1.35x Q4_K's per pass; not measured on AMX).
+GROUPED_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 # The formats whose GEMV has an int8-activation kernel, per GEMV kind (csrc/byte_gemv.cpp for
 # AVX2, csrc/group_gemv.cpp's byte mode for VNNI); the others keep int16 activations.
 INT8_FORMATS = {"grouped": GROUPED_FORMATS, "avx2": ("q4_0", "q4_1", "q8_0", "q4_k")}

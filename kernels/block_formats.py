@@ -74,13 +74,18 @@ GROUP_FIELDS: dict[str, tuple[tuple[int, bool], ...]] = {
     "q8_0": ((2, False), (32, True)),
     # d, dmin, the 12 bytes of packed 6-bit scales one by one, the four 32-byte runs of nibbles
     "q4_k": ((2, False), (2, False), *((1, False),) * 12, *((32, True),) * 4),
+    # the same with the 32 bytes of fifth bits (qh) between the scales and the nibbles
+    "q5_k": ((2, False), (2, False), *((1, False),) * 12, (32, True), *((32, True),) * 4),
+    # ql and qh in runs of 16 bytes (each 16 codes of one sub-block's row), the 16 int8 scales one
+    # by one, d
+    "q6_k": (*((16, True),) * 12, *((1, False),) * 16, (2, False)),
 }
 
 
 def group_slots(name: str) -> torch.Tensor:
     """Slot of each of a group's 16 rows in the code fields (group_slot in quant_formats.h)."""
     r = torch.arange(GROUP_ROWS)
-    if name in ("q8_0", "q4_k"):  # 2 rows per vector
+    if name in ("q8_0", "q4_k", "q5_k"):  # 2 rows per vector
         return 8 * (r // 8) + 2 * (r % 4) + (r // 4) % 2
     return 4 * (r % 4) + r // 4
 

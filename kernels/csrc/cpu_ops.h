@@ -77,7 +77,7 @@ bool bf16_tiles();
 // quant_gemv's `acts`: the width its activations are rounded to per 32 values. 16 (the default)
 // keeps the product to ~2^-15 of the dequantized model's; 8 is llama.cpp's rounding (~2^-8),
 // opt-in: one byte product per weight (maddubs on AVX2, one vpdpbusd on VNNI) for Q8_0, Q4_0,
-// Q4_1, Q4_K (and, grouped, Q5_0/Q5_1); the other formats keep int16.
+// Q4_1, Q4_K (and, grouped, Q5_0/Q5_1/Q5_K/Q6_K); the other formats keep int16.
 constexpr int64_t kInt16Acts = 16, kInt8Acts = 8;
 // A QuantLinear precision with this bit set runs its GEMV on int8 activations (kInt8Acts); the
 // low bits are the GEMM's GemmPrecision.

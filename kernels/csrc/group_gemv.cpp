@@ -1,18 +1,22 @@
 // The GEMV over grouped rows (format code | kGrouped): the one-stream decode's kernel for the
-// 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and Q4_K.
+// 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and the K-quants (Q4_K, Q5_K, Q6_K).
 //
 // Why: the row-at-a-time GEMV (quant_gemv.cpp) spends most of each 64-code chunk expanding that
 // row's two fp16 scales into lanes and widening its codes to 16 bits: shuffles, which this CPU
 // runs on one port. Measured, it ran compute-bound at about half the memory's speed. Here 16 rows
-// are read together: each 512-bit load holds 4 rows' codes of one block (2 rows for Q8_0), one
-// broadcast activation vector serves every row, and the 16 rows' scales are one vector load.
-// Per 16 rows x 32 codes that is ~45 vector ops instead of ~120.
+// are read together: each 512-bit load holds 4 rows' codes of one block (2 rows for Q8_0, Q4_K
+// and Q5_K), one broadcast activation vector serves every row, and the 16 rows' scales are one
+// vector load. Per 16 rows x 32 codes that is ~45 vector ops instead of ~120 (Q6_K, a scale per
+// 16 codes: ~55).
 //
 // Layout (QuantWeight.grouped in pagedq/worker/models/quant.py writes it): the rows of a group of
 // 16 share each block position; block b of the group holds the format's fields one after
 // another, each field for all 16 rows: [d x16][m x16][qh x16][qs x16] (the fields the format
-// has, in GGUF's order; Q4_K: d, dmin, each of its 12 scale bytes and each 32-byte run of qs). Scales are in row order; the code fields are in group_slot order, the
-// order in which the reduction below leaves the rows' sums, so the sums come out in row order.
+// has, in GGUF's order; Q4_K: d, dmin, each of its 12 scale bytes and each 32-byte run of qs;
+// Q5_K the same with its 32 bytes of qh after the scales; Q6_K: each 16-byte run of ql and qh,
+// each of its 16 scale bytes, d). Scales are in row order; the code fields are in group_slot
+// order, the order in which the reduction below leaves the rows' sums, so the sums come out in
+// row order.
 // The same bytes as the GGUF rows: the layout is a permutation of them.
 //
 // Precision: the activations are int16 per 32 values as in quant_gemv.cpp (scale amax / 32512),
@@ -49,6 +53,7 @@ struct SplitActs {
   int64_t blocks = 0;
   std::vector<int8_t> hi, lo;  // [rows, blocks * 32]
   std::vector<float> da, sx;   // [rows, blocks]
+  std::vector<int32_t> s32;    // [rows, blocks * 2]: 32 x each 16 codes' sum (Q6_K only, sub_sums)
 };
 
 void split_acts(const float* x, int64_t rows, int64_t K, SplitActs& a) {
@@ -87,6 +92,21 @@ void byte_acts(const float* x, int64_t rows, int64_t K, SplitActs& a) {
   a.lo.swap(bytes.q);
   a.da.swap(bytes.da);
   a.sx.swap(bytes.sx);
+}
+
+// 32 x the code sum of each 16 activations, for Q6_K: its codes are stored +32 with a scale per
+// 16, so each 16-code sub-block's product needs that taken off (in integers, exactly).
+void sub_sums(int64_t rows, bool bytes, SplitActs& a) {
+  a.s32.resize(rows * a.blocks * 2);
+  for (int64_t i = 0; i < rows * a.blocks * 2; ++i) {
+    const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.lo.data() + 16 * i)));
+    __m512i code = lo;
+    if (!bytes) {
+      const __m512i hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.hi.data() + 16 * i)));
+      code = _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo);
+    }
+    a.s32[i] = 32 * _mm512_reduce_add_epi32(code);
+  }
 }
 
 inline __m512i l_unused() { return _mm512_setzero_si512(); }  // byte mode's hi operand
@@ -251,19 +271,22 @@ inline void k_scale_vectors(const uint8_t* at, __m512 sc[8], __m512 mn[8]) {
   }
 }
 
-// Q4_K: per super-block of 256, four 32-byte runs of nibbles (low: sub-block 2c, high: 2c + 1),
-// each a field of 16 rows read 2 rows per vector as Q8_0's codes are.
-template <int G, bool B>
-void q4k_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int64_t g1) {
+// Q4_K / Q5_K: per super-block of 256, four 32-byte runs of nibbles (low: sub-block 2c, high:
+// 2c + 1), each a field of 16 rows read 2 rows per vector as Q8_0's codes are; Q5_K's qh (bit j
+// of byte t: sub-block j's code t's fifth bit) is one more such field, read beside each run.
+template <int64_t Fmt, int G, bool B>
+void kquant_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int64_t g1) {
+  constexpr bool five = Fmt == kQ5_K;
+  constexpr int64_t bytes = five ? 176 : 144, qs_at = five ? 48 : 16;
   const int64_t supers = p.K / 256, blocks = p.K / 32;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   each_group<G>(p, b0, g0, g1, [&](const uint8_t* base, __m512* acc, __m512* mins) {
     for (int64_t sb = 0; sb < supers; ++sb) {
-      const uint8_t* at = base + sb * kGroupRows * 144;
+      const uint8_t* at = base + sb * kGroupRows * bytes;
       __m512 sc[8], mn[8];
       k_scale_vectors(at, sc, mn);
       for (int c = 0; c < 4; ++c) {
-        const uint8_t* q = at + kGroupRows * (16 + 32 * c);
+        const uint8_t* q = at + kGroupRows * (qs_at + 32 * c);
         for (int64_t off = 0; off < 512; off += 64)
           _mm_prefetch(reinterpret_cast<const char*>(q + 4096 + off), _MM_HINT_T0);
         __m512i lo[8], hi[8];
@@ -271,6 +294,13 @@ void q4k_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0,
           const __m512i v = _mm512_loadu_si512(q + 64 * k);
           lo[k] = _mm512_and_si512(v, low4);
           hi[k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          if constexpr (five) {  // qh: 16 rows x 32 bytes after the scales, the same slots
+            const __m512i qh = _mm512_loadu_si512(at + kGroupRows * 16 + 64 * k);
+            const __mmask64 mlo = _mm512_test_epi8_mask(qh, _mm512_set1_epi8(static_cast<char>(1 << (2 * c))));
+            const __mmask64 mhi = _mm512_test_epi8_mask(qh, _mm512_set1_epi8(static_cast<char>(2 << (2 * c))));
+            lo[k] = _mm512_mask_add_epi8(lo[k], mlo, lo[k], sixteen);
+            hi[k] = _mm512_mask_add_epi8(hi[k], mhi, hi[k], sixteen);
+          }
         }
         for (int g = 0; g < G; ++g) {
           for (int half = 0; half < 2; ++half) {  // sub-block 2c + half
@@ -290,6 +320,77 @@ void q4k_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0,
   });
 }
 
+// v's bits shifted left by N (right by -N) within 16-bit lanes.
+template <int N>
+inline __m512i shift16(__m512i v) {
+  if constexpr (N > 0) return _mm512_slli_epi16(v, N);
+  else if constexpr (N < 0) return _mm512_srli_epi16(v, -N);
+  else return v;
+}
+
+// Q6_K's quarter Q (codes 32 Q + 16 t .. + 16 of a 128-code half) of 16 rows against G
+// activation rows: the 6-bit codes from ql's nibbles (low: quarters 0, 1; high: 2, 3) and qh's
+// bit pair Q, 4 rows per vector as the nibble formats' codes are; each 16-code sub-block s has
+// a scale of its own, so its sums are reduced and scaled alone, less 32 x the activations' sum.
+template <int Q, int G, bool B>
+inline void q6k_quarter(const __m512i ql[4], const __m512i qh[4], const uint8_t* at, __m512 d,
+                        int s, const SplitActs& a, int64_t b0, int64_t sb, __m512* acc) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x30);
+  __m512i codes[4];
+  for (int k = 0; k < 4; ++k)
+    codes[k] = _mm512_or_si512(_mm512_and_si512(Q >= 2 ? _mm512_srli_epi16(ql[k], 4) : ql[k], low4),
+                               _mm512_and_si512(shift16<4 - 2 * Q>(qh[k]), two));
+  const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + kGroupRows * (192 + s))))));
+  const int64_t blocks = a.blocks;
+  // Unrolled, the G rows' accumulators stay in registers (measured: 1.1-1.25x at 16-64 rows;
+  // the other kernels' wider code sets leave no room for it).
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) {
+    const int64_t i = (b0 + g) * blocks + sb * 8 + s / 2;  // the activation block
+    const int64_t at_x = i * 32 + 16 * (s % 2);
+    const __m512i h = B ? l_unused() : _mm512_broadcast_i32x4(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.hi.data() + at_x)));
+    const __m512i l = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.lo.data() + at_x)));
+    __m512i sums[4];
+    for (int k = 0; k < 4; ++k) sums[k] = dot<B>(codes[k], h, l);
+    const __m512i isum = _mm512_sub_epi32(reduce4(sums),
+                                          _mm512_set1_epi32(a.s32[(b0 + g) * blocks * 2 + sb * 16 + s]));
+    acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scale, _mm512_set1_ps(a.da[i])), acc[g]);
+  }
+}
+
+// Q6_K: per super-block of 256 (16 rows: 3360 bytes), each 16-byte run of qh serves four
+// sub-blocks and each of ql two; both are fields of 16 rows read 4 rows per vector.
+template <int G, bool B>
+void q6k_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int64_t g1) {
+  const int64_t supers = p.K / 256;
+  each_group<G>(p, b0, g0, g1, [&](const uint8_t* base, __m512* acc, __m512*) {
+    for (int64_t sb = 0; sb < supers; ++sb) {
+      const uint8_t* at = base + sb * kGroupRows * 210;
+      for (int64_t off = 0; off < kGroupRows * 210; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(at + 4096 + off), _MM_HINT_T0);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + kGroupRows * 208)));
+      for (int half = 0; half < 2; ++half) {
+        for (int t = 0; t < 2; ++t) {  // codes 16 t .. 16 t + 15 of each quarter of the half
+          __m512i qh[4], ql[4];
+          for (int k = 0; k < 4; ++k)
+            qh[k] = _mm512_loadu_si512(at + kGroupRows * (128 + 32 * half + 16 * t) + 64 * k);
+          const int s = 8 * half + t;  // sub-block of quarter 0
+          for (int k = 0; k < 4; ++k)
+            ql[k] = _mm512_loadu_si512(at + kGroupRows * (64 * half + 16 * t) + 64 * k);
+          q6k_quarter<0, G, B>(ql, qh, at, d, s, a, b0, sb, acc);
+          q6k_quarter<2, G, B>(ql, qh, at, d, s + 4, a, b0, sb, acc);
+          for (int k = 0; k < 4; ++k)
+            ql[k] = _mm512_loadu_si512(at + kGroupRows * (64 * half + 32 + 16 * t) + 64 * k);
+          q6k_quarter<1, G, B>(ql, qh, at, d, s + 2, a, b0, sb, acc);
+          q6k_quarter<3, G, B>(ql, qh, at, d, s + 6, a, b0, sb, acc);
+        }
+      }
+    }
+  });
+}
+
 template <int G, bool B>
 void groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int64_t g1) {
   switch (p.fmt) {
@@ -297,7 +398,9 @@ void groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int
     case kQ4_1: nibble_groups<kQ4_1, G, B>(p, a, b0, g0, g1); break;
     case kQ5_0: nibble_groups<kQ5_0, G, B>(p, a, b0, g0, g1); break;
     case kQ5_1: nibble_groups<kQ5_1, G, B>(p, a, b0, g0, g1); break;
-    case kQ4_K: q4k_groups<G, B>(p, a, b0, g0, g1); break;
+    case kQ4_K: kquant_groups<kQ4_K, G, B>(p, a, b0, g0, g1); break;
+    case kQ5_K: kquant_groups<kQ5_K, G, B>(p, a, b0, g0, g1); break;
+    case kQ6_K: q6k_groups<G, B>(p, a, b0, g0, g1); break;
     default: q8_groups<G, B>(p, a, b0, g0, g1); break;
   }
 }
@@ -334,6 +437,9 @@ void group_gemv_parts(const LinearArgs* parts, int64_t count, bool bytes) {
     byte_acts(first.x, first.rows, first.K, acts);
   else
     split_acts(first.x, first.rows, first.K, acts);
+  bool six = false;
+  for (int64_t i = 0; i < count; ++i) six = six || parts[i].fmt == kQ6_K;
+  if (six) sub_sums(first.rows, bytes, acts);
   const SplitActs& a = acts;
   std::vector<int64_t> ends(count);  // groups of parts [0, i] together
   int64_t total = 0, widest = 1;

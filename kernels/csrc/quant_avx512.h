@@ -159,7 +159,6 @@ struct KQuant45 {  // Q4_K, Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins
   static inline void walk(const RowRef& row, int64_t K, float, F&& f) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     for (int64_t sb = 0; sb < K / 256; ++sb) {
-      const uint8_t* blk = row.at(sb, 0, 1, false);  // Q5_K's qh below (Q5_K is never grouped)
       uint8_t packed[12], sc[8], mn[8];
       for (int i = 0; i < 12; ++i) packed[i] = *row.at(sb, 4 + i, 1, false);
       k_scales(packed, sc, mn);
@@ -180,9 +179,10 @@ struct KQuant45 {  // Q4_K, Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins
       const __m512 table = _mm512_insertf32x8(_mm512_castps256_ps512(scales),
                                               _mm256_sub_ps(_mm256_setzero_ps(), mins), 1);
       const int64_t qs = Fmt == kQ4_K ? 16 : 48;
-      const __m256i qh = Fmt == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16))
+      const __m256i qh = Fmt == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                            row.at(sb, 16, 32, true)))
                                       : _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {  // Q4_K grouped: each 32-byte run of qs is a field of its own
+      for (int j = 0; j < 4; ++j) {  // grouped: qh and each 32-byte run of qs are fields of their own
         const __m256i q = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(row.at(sb, qs + 32 * j, 32, true)));
         __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
@@ -199,20 +199,41 @@ struct KQuant45 {  // Q4_K, Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins
   }
 };
 
-struct Q6_K {
+// 16 * n bytes of a run of code fields from byte `off` of block b: one load for a plain row; a
+// grouped row's run is n fields of 16 bytes (Q6_K's), each in its own place.
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m512i code_run64(const RowRef& row, int64_t b, int64_t off) {
+  if (row.r < 0) return _mm512_loadu_si512(row.at(b, off, 64, true));
+  __m512i v = _mm512_castsi128_si512(load16(row.at(b, off, 16, true)));
+  v = _mm512_inserti32x4(v, load16(row.at(b, off + 16, 16, true)), 1);
+  v = _mm512_inserti32x4(v, load16(row.at(b, off + 32, 16, true)), 2);
+  return _mm512_inserti32x4(v, load16(row.at(b, off + 48, 16, true)), 3);
+}
+inline __m256i code_run32(const RowRef& row, int64_t b, int64_t off) {
+  if (row.r < 0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.at(b, off, 32, true)));
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(load16(row.at(b, off, 16, true))),
+                                 load16(row.at(b, off + 16, 16, true)), 1);
+}
+
+struct Q6_K {  // grouped: ql and qh in fields of 16 bytes, each scale byte a field (block_formats)
   template <class F>
-  static inline void walk(const RowRef& ref, int64_t K, float, F&& f) {
-    const uint8_t* row = ref.row;  // Q6_K is never grouped
+  static inline void walk(const RowRef& row, int64_t K, float, F&& f) {
     const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);
     for (int64_t sb = 0; sb < K / 256; ++sb) {
-      const uint8_t* blk = row + sb * 210;
-      const __m512 d = _mm512_set1_ps(fp16(blk + 208));
-      const __m512 table = _mm512_mul_ps(
-          d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))));
+      const __m512 d = _mm512_set1_ps(fp16(row.at(sb, 208, 2, false)));
+      __m128i sc;
+      if (row.r < 0) {
+        sc = load16(row.at(sb, 192, 16, false));
+      } else {
+        alignas(16) uint8_t bytes[16];
+        for (int i = 0; i < 16; ++i) bytes[i] = *row.at(sb, 192 + i, 1, false);
+        sc = _mm_load_si128(reinterpret_cast<const __m128i*>(bytes));
+      }
+      const __m512 table = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
       for (int c = 0; c < 4; ++c) {
         const int half = c / 2, hi = c % 2;
-        const __m512i ql = _mm512_loadu_si512(blk + 64 * half);
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * half));
+        const __m512i ql = code_run64(row, sb, 64 * half);
+        const __m256i qh = code_run32(row, sb, 128 + 32 * half);
         __m512i w = hi ? _mm512_and_si512(_mm512_srli_epi16(ql, 4), low4) : _mm512_and_si512(ql, low4);
         const __m256i h0 = _mm256_srli_epi16(qh, 4 * hi), h1 = _mm256_srli_epi16(qh, 4 * hi + 2);
         __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1);
@@ -233,7 +254,7 @@ inline __m512 dequant16(__m512i w, __m512 ws, __m512 wm) {
 }
 
 // Walks one row of format fmt; f(chunk, codes, ws, wm) as above. Only the groupable formats
-// (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K) take a grouped row.
+// (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and the K-quants) take a grouped row.
 template <class F>
 inline void walk_row(int64_t fmt, const RowRef& ref, int64_t K, float scale, F&& f) {
   visit_walker<Nibble32, Q8_0, Int8, KQuant45, Q6_K>(

@@ -31,17 +31,19 @@ enum Format : int64_t {
 constexpr int64_t kGrouped = 1 << 10;
 constexpr int64_t kGroupRows = 16;
 
-// Formats that can be regrouped: the 32-element blocks of one fp16 scale (and min), and Q4_K.
+// Formats that can be regrouped: the 32-element blocks of one fp16 scale (and min) and the
+// K-quants.
 inline bool groupable(int64_t fmt) {
   return fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ5_0 || fmt == kQ5_1 || fmt == kQ8_0 ||
-         fmt == kQ4_K;
+         fmt == kQ4_K || fmt == kQ5_K || fmt == kQ6_K;
 }
 
 // Slot of row r within its group for the code fields (scales keep row order): the order in which
 // group_gemv's reduction leaves the rows' sums, so its output lanes come out in row order.
 inline int64_t group_slot(int64_t fmt, int64_t r) {
-  if (fmt == kQ8_0 || fmt == kQ4_K) return 8 * (r / 8) + 2 * (r % 4) + (r / 4) % 2;  // 2 rows per vector
-  return 4 * (r % 4) + r / 4;  // nibble formats: 4 rows per vector
+  if (fmt == kQ8_0 || fmt == kQ4_K || fmt == kQ5_K)  // 2 rows per vector
+    return 8 * (r / 8) + 2 * (r % 4) + (r / 4) % 2;
+  return 4 * (r % 4) + r / 4;  // nibble formats and Q6_K: 4 rows per vector
 }
 
 constexpr int64_t kChunk = 64;  // codes per chunk
@@ -230,7 +232,7 @@ inline LinearArgs check_linear(const char* op, at::Tensor& out, const at::Tensor
   int64_t block = 0, bytes = 0;
   TORCH_CHECK(format_size(fmt, block, bytes), op, ": unknown format ", fmt);
   TORCH_CHECK(!grouped || (groupable(fmt) && w.size(0) % kGroupRows == 0), op,
-              ": only Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K rows can be grouped, 16 rows at a time");
+              ": only Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K rows can be grouped, 16 rows at a time");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               op, ": x must be contiguous CPU fp32 [rows, K]");
   const int64_t rows = x.size(0), K = x.size(1);

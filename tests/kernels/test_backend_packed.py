@@ -53,8 +53,10 @@ def test_block_formats_take_the_vnni_gemv_then_the_bf16_gemm(cpu_ops, fmt):
                                                              + ["cpp-gemm-bf16x2"] * 2)
 
 
-@pytest.mark.parametrize(("level", "grouped"), [("avx512_vnni", True), ("avx2", False)])
-def test_projections_group_their_rows_where_the_vnni_gemv_runs(cpu_ops, level, grouped):
+@pytest.mark.parametrize("fmt", ["q4_1", "q6_k"])
+@pytest.mark.parametrize(("level", "grouped"), [("avx512_vnni", True), ("avx512", False),
+                                                ("avx2", False)])
+def test_projections_group_their_rows_where_the_vnni_gemv_runs(cpu_ops, level, grouped, fmt):
     """build_projection regroups a groupable weight in place for the VNNI GEMV (the embedding
     and a tied head share the object) and leaves GGUF's rows for the AVX2 kernels; the output is
     the dequantized matmul either way, through the GEMV and the GEMM. This machine's CPU, capped
@@ -65,13 +67,15 @@ def test_projections_group_their_rows_where_the_vnni_gemv_runs(cpu_ops, level, g
     if level not in process_selector().cpu.levels:
         pytest.skip(f"this CPU (or PAGEDQ_CPU_ISA) does not run level {level}")
     gen = torch.Generator().manual_seed(3)
-    weight = random_weight("q4_1", 32, 64, gen)
+    k = 256 if fmt == "q6_k" else 64
+    weight = random_weight(fmt, 32, k, gen)
     dense = dequantize(weight).double()
     backend = Selector(Switches(), cpu_isa=level).select("cpu", F32, None, 64)
     projection = build_projection([weight], None, backend, torch.device("cpu"))
     assert weight.grouped is grouped
+    assert backend.packed_for(fmt).kernel(1) == ("cpp-gemv-vnni" if grouped else "cpp-gemv-avx2")
     for rows in (2, 100):  # the GEMV, then the GEMM
-        x = torch.randn(rows, 64, generator=gen)
+        x = torch.randn(rows, k, generator=gen)
         want = x.double() @ dense.T
         # the int16 activations' rounding, relative to the output's scale (as the kernel tests)
         err = (projection.forward(x).double() - want).abs().max() / want.abs().max()
@@ -94,8 +98,9 @@ def test_without_amx_the_gemm_multiplies_fp32_tiles(cpu_ops):
     whatever precision was asked, and says why in the start-up line."""
     for cpu in (VNNI_NO_BF16, ZEN4):  # the grouped GEMV beats fp32 tiles at every row count
         assert kernels(cpu, "q4_1", [1, 64, 4096]) == ["cpp-gemv-vnni"] * 3
-        limit = F32_GEMV_ROWS["vnni"]["q6_k"]
-        assert kernels(cpu, "q6_k", [1, limit, limit + 1]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-fp32"]
+        for fmt, kind in (("q6_k", "grouped"), ("bf16", "vnni")):  # measured crossovers
+            limit = F32_GEMV_ROWS[kind][fmt]
+            assert kernels(cpu, fmt, [1, limit, limit + 1]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-fp32"]
     limit = F32_GEMV_ROWS["avx2"]["q8_0"]
     assert kernels(AVX2, "q8_0", [1, limit, limit + 1]) == ["cpp-gemv-avx2"] * 2 + ["cpp-gemm-fp32"]
     assert F32_GEMV_ROWS["avx2"].keys() == set(GEMV_ROWS) - {"float32"}

@@ -12,15 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedq.kernels.backend import process_selector
-from pagedq.kernels.block_formats import QuantWeight, dequantize
+from pagedq.kernels.backend import GROUPED_FORMATS, process_selector
+from pagedq.kernels.block_formats import FORMATS, QuantWeight, dequantize
 from pagedq.kernels.cpu_ops import INT8_ACTS_BIT, ActWidth, GemmPrecision, Isa
 from tests.quant_fixtures import ALL, random_weight
 
 CPU = process_selector().cpu  # this CPU, capped at PAGEDQ_CPU_ISA where that is set
 BEST = int(Isa.AVX512_VNNI if CPU.has_avx512_vnni else Isa.AVX2)
 BYTE_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k")  # byte_gemv.cpp's
-GROUPABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k")
+GROUPABLE = GROUPED_FORMATS  # grouped by the engine on AVX-512 VNNI
 INT8 = int(ActWidth.INT8)
 needs_vnni = pytest.mark.skipif(not CPU.has_avx512_vnni,
                                 reason=f"grouped rows run on AVX-512 VNNI only (level here: {CPU.level})")
@@ -85,7 +85,7 @@ def test_int8_gemv_takes_extreme_codes(cpu_ops, isa):
 def test_grouped_int8_gemv_matches_dequantized_matmul(cpu_ops, fmt):
     """Grouped rows in byte mode: one vpdpbusd per product."""
     gen = torch.Generator().manual_seed(33)
-    for k in (256, 1536) if fmt == "q4_k" else (32, 96, 576):
+    for k in (256, 1536) if FORMATS[fmt].block == 256 else (32, 96, 576):
         w = random_weight(fmt, 48, k, gen)
         g = QuantWeight(w.fmt, w.data.clone(), w.shape)
         g.set_grouped(True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedq.kernels.backend import process_selector
+from pagedq.kernels.backend import GROUPED_FORMATS, process_selector
 from pagedq.kernels.block_formats import FORMATS, GROUPED, QuantWeight, dequantize, quantize_int4
 from pagedq.kernels.cpu_ops import INT8_ACTS_BIT, GemmPrecision, Isa
 from tests.quant_fixtures import ALL, random_weight
@@ -157,7 +157,7 @@ def test_bf16x2_gemm_matches_rounded_weights_times_exact_activations(cpu_ops, is
         assert relative_error(out, x.double() @ rounded(dense).T + bias) < 2e-5, (fmt, k, rows)
 
 
-GROUPABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k")
+GROUPABLE = GROUPED_FORMATS  # grouped by the engine on AVX-512 VNNI
 needs_vnni = pytest.mark.skipif(not CPU.has_avx512_vnni,
                                 reason=f"grouped rows run on AVX-512 VNNI only (level here: {CPU.level})")
 
@@ -182,9 +182,10 @@ def split_activations(x: torch.Tensor) -> torch.Tensor:
 @needs_vnni
 @pytest.mark.parametrize("fmt", GROUPABLE)
 def test_grouped_gemv_matches_dequantized_matmul(cpu_ops, fmt):
-    """Grouped rows: 4 (Q8_0: 2) rows per vector, activations split into two signed bytes."""
+    """Grouped rows: 4 (Q8_0, Q4_K, Q5_K: 2) rows per vector, activations split into two signed
+    bytes."""
     gen = torch.Generator().manual_seed(11)
-    for k in (256, 1536) if fmt == "q4_k" else (32, 96, 576):
+    for k in (256, 1536) if FORMATS[fmt].block == 256 else (32, 96, 576):
         w, g = grouped_weight(fmt, 48, k, gen)
         dense = dequantize(w).double()
         bias = torch.randn(48, generator=gen)
@@ -200,19 +201,21 @@ def test_grouped_gemv_matches_dequantized_matmul(cpu_ops, fmt):
 @needs_vnni
 @pytest.mark.parametrize("int8_acts", [False, True], ids=["int16", "int8"])
 def test_grouped_segments_run_as_one_gemv(cpu_ops, int8_acts):
-    """A QuantLinear whose segments are all grouped (q, k and v in Q4_1, Q8_0 and Q4_K) runs them
-    in one region over one activation split: bit for bit each segment's own grouped GEMV."""
+    """A QuantLinear whose segments are all grouped (q, k and v in Q4_1, Q8_0 and Q4_K; Q6_K's
+    activation sums beside) runs them in one region over one activation split: bit for bit each
+    segment's own grouped GEMV."""
     gen = torch.Generator().manual_seed(13)
     k = 256
-    parts = [grouped_weight(f, n, k, gen)[1] for f, n in (("q4_1", 48), ("q8_0", 32), ("q4_k", 16))]
-    bias = torch.randn(96, generator=gen)
+    parts = [grouped_weight(f, n, k, gen)[1]
+             for f, n in (("q4_1", 48), ("q8_0", 32), ("q4_k", 16), ("q6_k", 16))]
+    bias = torch.randn(112, generator=gen)
     precision = int(GemmPrecision.F32) | (INT8_ACTS_BIT if int8_acts else 0)
     acts = 8 if int8_acts else 16
     linear = cpu_ops.quant_linear([p.data for p in parts], [p.kernel_code for p in parts],
-                                  [None] * 3, bias, k, [16, 16, 16], BEST, precision)
+                                  [None] * 4, bias, k, [16] * 4, BEST, precision)
     for rows in (1, 3, 9, 16):
         x = torch.randn(rows, k, generator=gen)
-        want = torch.empty(rows, 96)
+        want = torch.empty(rows, 112)
         col = 0
         for part in parts:
             n = part.shape[0]
@@ -230,7 +233,7 @@ def test_grouped_gemm_equals_plain_rows(cpu_ops, fmt, precision):
     """The GEMM's tile decoder reads a grouped row's blocks where they are: same bits out."""
     need_tiles(cpu_ops, precision)
     gen = torch.Generator().manual_seed(12)
-    k = 256 if fmt == "q4_k" else 96
+    k = 256 if FORMATS[fmt].block == 256 else 96
     w, g = grouped_weight(fmt, 64, k, gen)
     x = torch.randn(70, k, generator=gen)
     plain, grouped = torch.empty(70, 64), torch.empty(70, 64)
@@ -241,7 +244,7 @@ def test_grouped_gemm_equals_plain_rows(cpu_ops, fmt, precision):
 
 def test_grouping_is_checked(cpu_ops):
     gen = torch.Generator().manual_seed(13)
-    w = random_weight("q6_k", 16, 256, gen)
+    w = random_weight("int8", 16, 256, gen)
     with pytest.raises(RuntimeError, match="can be grouped"):
         cpu_ops.quant_gemv(torch.empty(1, 16), torch.randn(1, 256), w.data,
                            w.fmt.code | GROUPED, None, None, BEST)

@@ -18,6 +18,7 @@ import pytest
 
 from pagedq.bench import fidelity
 from pagedq.bench.fidelity import PROMPTS, greedy, mean_matching_prefix, perplexity
+from pagedq.kernels.backend import process_selector
 from pagedq.kernels.block_formats import QuantWeight, dequantize
 from pagedq.worker import Engine
 from pagedq.worker.models.build import pack_weights
@@ -65,6 +66,24 @@ def test_every_gguf_type_follows_its_dequantized_twin(tmp_path, wide, type_name)
     if type_name == "Q4_K":  # the twin is transformers' own dequantization of the file
         out = greedy(twin, IDS[:1], 8)[0]
         assert_greedy(twin.model_path, IDS[0], out)
+
+
+def test_a_q4_k_m_mix_with_a_tied_q6_k_head_follows_its_twin(tmp_path):
+    """llama.cpp's Q4_K_M: Q4_K, with the tied embedding / LM head, attn_v and ffn_down in Q6_K.
+    On AVX-512 VNNI the Q6_K table is regrouped in place for the head's GEMV, and the
+    embedding's row lookups read the same grouped bytes."""
+    model = build_tiny_model("llama", tmp_path / "tied", hidden_size=256, intermediate_size=512,
+                             tie_word_embeddings=True)
+    q6 = {"token_embd": "Q6_K", "attn_v": "Q6_K", "ffn_down": "Q6_K"}
+    path = write_gguf(model, tmp_path / "m.Q4_K_M.gguf", "Q4_K", types=q6)
+    packed = Engine(str(path), num_kv_blocks=256)
+    twin = Engine(str(path), num_kv_blocks=256, quantization="none")
+    table = packed.model.embed_packed
+    assert table.fmt.name == "q6_k" and table.grouped == process_selector().cpu.has_avx512_vnni
+    batched, one = agreement(packed, twin, IDS)
+    assert min(batched, one) >= PREFIX_BAR[4], (batched, one)
+    ppl, ref = perplexity(packed, TEXT), perplexity(twin, TEXT)
+    assert abs(ppl / ref - 1) <= PPL_BAR[4], (ppl, ref)
 
 
 def dequantized_checkpoint(model_dir, out_dir, mode: str) -> None:
