@@ -9,6 +9,7 @@ converter writes them, q/k rows permuted for the ``llama`` architecture included
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -136,13 +137,53 @@ def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+@dataclass
+class BpeVocab:
+    """A byte-level BPE tokenizer's metadata as llama.cpp writes it ("gpt2" model): the
+    vocabulary and merges of ``tokenizer_dir``'s tokenizer.json, its added tokens as CONTROL,
+    ``extra`` tokens appended (``"<think>": 4`` a USER_DEFINED one), the special ids stated and
+    the flags set (None: the key left out)."""
+
+    tokenizer_dir: Path
+    pre: str = "default"
+    extra: dict[str, int] = field(default_factory=dict)
+    ids: dict[str, int] = field(default_factory=dict)  # "unknown", "padding" (bos, eos: config)
+    add_bos: bool | None = None
+    add_eos: bool | None = None
+    chat_template: str | None = None
+
+    def write(self, writer) -> None:
+        from gguf import TokenType
+
+        data = json.loads((Path(self.tokenizer_dir) / "tokenizer.json").read_text())
+        vocab = data["model"]["vocab"]
+        tokens = sorted(vocab, key=vocab.get) + list(self.extra)
+        added = {t["content"] for t in data["added_tokens"]}
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(self.pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types([self.extra.get(t, TokenType.CONTROL if t in added
+                                               else TokenType.NORMAL) for t in tokens])
+        writer.add_token_merges([" ".join(m) if isinstance(m, list) else m
+                                 for m in data["model"]["merges"]])
+        for name, token_id in self.ids.items():
+            writer.add_uint32(f"tokenizer.ggml.{name}_token_id", token_id)
+        if self.add_bos is not None:
+            writer.add_add_bos_token(self.add_bos)
+        if self.add_eos is not None:
+            writer.add_add_eos_token(self.add_eos)
+        if self.chat_template is not None:
+            writer.add_chat_template(self.chat_template)
+
+
 def write_gguf(model_dir: Path, out: Path, weight_type: str = "Q8_0",
-               types: dict[str, str] | None = None) -> Path:
+               types: dict[str, str] | None = None, vocab: BpeVocab | None = None,
+               name: str | None = None) -> Path:
     """Write the safetensors model in ``model_dir`` as a GGUF at ``out``.
 
     Every 2-D weight gets ``weight_type`` unless ``types`` maps a part of its GGUF name
-    (``"ffn_down"``, ``"token_embd"``) to another; 1-D tensors stay F32. Token ids only: no
-    tokenizer metadata.
+    (``"ffn_down"``, ``"token_embd"``) to another; 1-D tensors stay F32. Token ids only unless a
+    ``vocab`` is given; ``name`` is general.name.
     """
     from gguf import GGMLQuantizationType, GGUFWriter
     from safetensors.torch import load_file
@@ -152,6 +193,8 @@ def write_gguf(model_dir: Path, out: Path, weight_type: str = "Q8_0",
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer = GGUFWriter(str(out), arch)
+    if name is not None:
+        writer.add_name(name)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
@@ -167,6 +210,8 @@ def write_gguf(model_dir: Path, out: Path, weight_type: str = "Q8_0",
     writer.add_vocab_size(config["vocab_size"])
     writer.add_bos_token_id(config.get("bos_token_id") or 1)
     writer.add_eos_token_id(config.get("eos_token_id") or 2)
+    if vocab is not None:
+        vocab.write(writer)
     state = load_file(str(Path(model_dir) / "model.safetensors"))
     for hf, tensor in state.items():
         name = gguf_name(hf)

@@ -64,6 +64,13 @@ def test_metadata_of_every_kind_is_read_or_skipped(tmp_path):
     index = read_index(path)
     assert index.metadata["test.name"] == "tiny ✓" and index.metadata["test.bool"] is True
     assert index.tensors[1].shape == (3, 32) and index.tensors[0].offset % 32 == 0
+    arrays = ("tokenizer.ggml.tokens", "test.ints", "test.nested")
+    named = read_index(path, arrays)  # asked-for arrays come back as lists, the rest as before
+    reader = GGUFReader(str(path))
+    assert {k: named.metadata[k] for k in arrays[:2]} == \
+        {k: reader.fields[k].contents() for k in arrays[:2]}
+    assert named.metadata["test.nested"] == [[1, 2], [3]]  # GGUFReader flattens nested arrays
+    assert {k: v for k, v in named.metadata.items() if k not in arrays} == index.metadata
 
 
 def test_the_bundled_gguf_reads_as_gguf_does():

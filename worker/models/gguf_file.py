@@ -27,6 +27,7 @@ DEFAULT_ALIGNMENT = 32
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
            11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
+Value = int | float | bool | str | list
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,11 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class GGUFIndex:
-    """The scalar metadata (arrays, such as the vocabulary, are left out) and the tensors."""
+    """The scalar metadata (arrays, such as the vocabulary, are left out unless asked for:
+    then they are lists) and the tensors."""
 
     path: Path
-    metadata: dict[str, int | float | bool | str]
+    metadata: dict[str, Value]
     tensors: list[TensorInfo]
 
     @property
@@ -87,14 +89,25 @@ class _Cursor:
     def skip_string(self) -> None:
         self.fh.seek(int(self.unpack("<Q")), 1)
 
-    def value(self, kind: int) -> int | float | bool | str | None:
-        """A metadata value: scalars and strings are returned, arrays skipped (None)."""
+    def value(self, kind: int, keep_array: bool = False) -> Value | None:
+        """A metadata value: scalars and strings are returned, arrays skipped (None) unless
+        ``keep_array``."""
         if kind == STRING:
             return self.string()
         if kind == ARRAY:
+            if keep_array:
+                return self.array()
             self.skip_array()
             return None
         return self.unpack(SCALARS[kind])
+
+    def array(self) -> list:
+        kind, count = int(self.unpack("<I")), int(self.unpack("<Q"))
+        if kind in SCALARS:
+            fmt = SCALARS[kind]
+            data = self.fh.read(count * struct.calcsize(fmt))
+            return list(struct.unpack(f"<{count}{fmt[1:]}", data))
+        return [self.value(kind, keep_array=True) for _ in range(count)]
 
     def skip_array(self) -> None:
         kind, count = int(self.unpack("<I")), int(self.unpack("<Q"))
@@ -108,9 +121,10 @@ class _Cursor:
                 self.value(kind)
 
 
-def read_index(path: Path) -> GGUFIndex:
-    """The index of the GGUF at ``path``; raises ModelNotFoundError for a file that is not
-    GGUF v2/v3."""
+def read_index(path: Path, arrays: tuple[str, ...] = ()) -> GGUFIndex:
+    """The index of the GGUF at ``path``, with the metadata arrays named in ``arrays`` read as
+    lists (the others are skipped); raises ModelNotFoundError for a file that is not GGUF
+    v2/v3."""
     path = Path(path)
     with open(path, "rb") as fh:
         cur = _Cursor(fh)
@@ -124,7 +138,7 @@ def read_index(path: Path) -> GGUFIndex:
             metadata = {}
             for _ in range(n_fields):
                 key = cur.string()
-                value = cur.value(int(cur.unpack("<I")))
+                value = cur.value(int(cur.unpack("<I")), keep_array=key in arrays)
                 if value is not None:
                     metadata[key] = value
             raw = [_tensor_entry(cur) for _ in range(n_tensors)]

@@ -68,11 +68,6 @@ def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
 Weight = torch.Tensor | QuantWeight
 
 
-def gguf_head_dim(path: Path) -> int | None:
-    """The attention head size a GGUF states (``<arch>.attention.key_length``), if it does."""
-    return read_index(path).arch_int("attention.key_length")
-
-
 def iter_gguf_weights(path: Path, keep_packed: bool = True) -> Iterator[tuple[str, Weight]]:
     """Yield (HF name, weight) for every tensor of the forward pass, one at a time, each read
     from the file into the tensor that keeps it (gguf_file.py says why not GGUFReader)."""

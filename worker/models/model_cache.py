@@ -28,7 +28,9 @@ from pagedq.errors import ModelNotFoundError
 from pagedq.logging import get_logger
 from pagedq.progress import waiting
 from pagedq.worker.config import settings
-from pagedq.worker.models.gguf_weights import gguf_head_dim
+from pagedq.worker.models.gguf_config import TOKENS, gguf_config
+from pagedq.worker.models.gguf_file import GGUFIndex, read_index
+from pagedq.worker.models.gguf_tokenizer import TOKENIZER_ARRAYS, bpe_tokenizer
 
 __all__ = [
     "cache_dir",
@@ -196,24 +198,40 @@ def _quiet_progress_bars() -> Iterator[None]:
 
 
 def _write_converted(gguf_file: Path, out: Path, weights: bool = True) -> None:
-    """Save ``gguf_file``'s config, tokenizer and (``weights``) fp32 tensors in HF layout."""
-    from transformers import AutoTokenizer  # start-up cost: see _quiet_progress_bars
+    """Save ``gguf_file``'s config, tokenizer and (``weights``) fp32 tensors in HF layout.
 
-    src, name = gguf_file.parent, gguf_file.name
+    The metadata is read once, by pagedq's own reader: the config of the families the engine
+    runs (gguf_config.py) and a byte-level BPE tokenizer (gguf_tokenizer.py) are built from it
+    directly; transformers' GGUF readers (~+170 MB at peak for the bundled model's vocabulary)
+    only build what those modules do not cover."""
+    index = read_index(gguf_file, TOKENIZER_ARRAYS)
     if weights:
         _write_fp32(gguf_file, out)
     else:
-        _write_config(gguf_file, out)
+        _write_config(index, out)
+    with waiting("building the tokenizer from the GGUF's vocabulary", log):
+        tokenizer = bpe_tokenizer(index)
+        del index  # the vocabulary's lists, before the save
+        if tokenizer is not None:
+            tokenizer.save(out)
+        else:
+            _write_hf_tokenizer(gguf_file, out)
+    (out / _DONE_MARKER).write_text(json.dumps(
+        {"source": str(gguf_file), "size": gguf_file.stat().st_size, "packed": not weights}) + "\n")
+
+
+def _write_hf_tokenizer(gguf_file: Path, out: Path) -> None:
+    """transformers' tokenizer from the GGUF, for the vocabularies gguf_tokenizer.py does not
+    build (sentencepiece, unigram)."""
+    from transformers import AutoTokenizer  # start-up cost: see _quiet_progress_bars
+
     try:
-        with waiting("building the tokenizer from the GGUF's vocabulary", log):
-            tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     except (ValueError, KeyError) as exc:  # a GGUF without tokenizer metadata is legal
         log.warning("gguf has no usable tokenizer; the model will take token ids only",
                     gguf=str(gguf_file), error=str(exc))
     else:
         tokenizer.save_pretrained(out)
-    (out / _DONE_MARKER).write_text(json.dumps(
-        {"source": str(gguf_file), "size": gguf_file.stat().st_size, "packed": not weights}) + "\n")
 
 
 def _write_fp32(gguf_file: Path, out: Path) -> None:
@@ -243,17 +261,25 @@ def _write_fp32(gguf_file: Path, out: Path) -> None:
     del model
 
 
-def _write_config(gguf_file: Path, out: Path) -> None:
-    """The model's config (and a generation config from it) read from the GGUF's metadata alone."""
-    from transformers import AutoConfig, GenerationConfig  # see _quiet_progress_bars
+def _write_config(index: GGUFIndex, out: Path) -> None:
+    """The model's config (and a generation config from it) read from the GGUF's metadata alone:
+    built by gguf_config.py for the families it maps, by transformers' reader otherwise."""
+    from transformers import GenerationConfig, PretrainedConfig  # see _quiet_progress_bars
 
-    config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    head_dim = gguf_head_dim(gguf_file)
-    if head_dim and head_dim != config.hidden_size // config.num_attention_heads:
-        config.head_dim = head_dim  # transformers' Qwen3 GGUF reader leaves its default
-    config.save_pretrained(out)
+    data = gguf_config(index, len(index.metadata.get(TOKENS) or []) or None)
+    if data is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(index.path.parent, gguf_file=index.path.name)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        head_dim = index.arch_int("attention.key_length")
+        if head_dim and head_dim != config.hidden_size // config.num_attention_heads:
+            config.head_dim = head_dim
+        config.save_pretrained(out)
+    else:
+        (out / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        config = PretrainedConfig.from_dict({**data, "use_cache": True})  # the families' default
     GenerationConfig.from_model_config(config).save_pretrained(out)
 
 
