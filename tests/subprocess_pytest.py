@@ -11,23 +11,54 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
 
 
-def run_pytest(args: list[str], env: dict[str, str], timeout: float = 1200) -> dict[str, int]:
-    """``pytest -q args`` under ``env`` (added to this process's); returns the summary's counts
-    ({"passed": N, "skipped": M, ...}) after asserting it passed and ran at least one test."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "-o", "addopts=", *args],
-                          env={**os.environ, **env}, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
-    tail = (proc.stdout + proc.stderr)[-4000:]
-    assert proc.returncode == 0, f"inner pytest failed under {env}:\n{tail}"
-    counts = summary_counts(proc.stdout)
-    assert counts.get("passed", 0) > 0, f"inner pytest ran no test under {env}:\n{tail}"
+@dataclass
+class InnerRun:
+    """A started inner pytest: its process, the environment it changed and its time limit."""
+
+    proc: subprocess.Popen
+    env: dict[str, str]
+    timeout: float
+
+
+def start_pytest(args: list[str], env: dict[str, str], timeout: float = 1200) -> InnerRun:
+    """Start ``pytest -q args`` under ``env`` (added to this process's) without waiting, so
+    several inner runs (each ~1 core, mostly single-threaded tests) can share the machine."""
+    # The inner session shares this session's pagedq cache (kept: this session removes it), so
+    # the bundled model's conversions (~25 s for the fp32 twin) are made once, not once a run.
+    shared = {"PAGEDQ_TEST_CACHE": os.environ["PAGEDQ_CACHE"]} if "PAGEDQ_CACHE" in os.environ else {}
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "-o", "addopts=", *args],
+                            env={**os.environ, **shared, **env}, cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return InnerRun(proc, env, timeout)
+
+
+def finish_pytest(run: InnerRun) -> dict[str, int]:
+    """Wait for an inner run; returns the summary's counts ({"passed": N, "skipped": M, ...})
+    after asserting it passed and ran at least one test."""
+    try:
+        stdout, stderr = run.proc.communicate(timeout=run.timeout)
+    except subprocess.TimeoutExpired:
+        run.proc.kill()
+        stdout, stderr = run.proc.communicate()
+        raise AssertionError(f"inner pytest under {run.env} ran past {run.timeout} s:\n"
+                             f"{(stdout + stderr)[-4000:]}") from None
+    tail = (stdout + stderr)[-4000:]
+    assert run.proc.returncode == 0, f"inner pytest failed under {run.env}:\n{tail}"
+    counts = summary_counts(stdout)
+    assert counts.get("passed", 0) > 0, f"inner pytest ran no test under {run.env}:\n{tail}"
     return counts
+
+
+def run_pytest(args: list[str], env: dict[str, str], timeout: float = 1200) -> dict[str, int]:
+    """:func:`start_pytest` and wait for it (:func:`finish_pytest`)."""
+    return finish_pytest(start_pytest(args, env, timeout))
 
 
 def summary_counts(output: str) -> dict[str, int]:

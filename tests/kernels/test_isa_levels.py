@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from pagedq.kernels.cpu_features import ISA_LEVELS, detect_cpu_features, isa_environment
-from tests.subprocess_pytest import run_pytest
+from tests.subprocess_pytest import finish_pytest, start_pytest
 
 MACHINE = detect_cpu_features()
 SUITES = [
@@ -34,12 +34,29 @@ SUITES = [
 DESELECT = "not bundled_perplexity and not gguf_of_the_bundled"
 
 
+def lower_levels() -> list[str]:
+    """The levels this machine runs below its own (the rest of the suite runs its own)."""
+    return [lv for lv in ISA_LEVELS if lv in MACHINE.levels and lv != MACHINE.level]
+
+
+@pytest.fixture(scope="module")
+def inner_runs():
+    """Every lower level's run, started at once: each is mostly single-threaded kernel and
+    fidelity tests, so two levels side by side take about the time of one on 2 cores."""
+    runs = {lv: start_pytest([*SUITES, "-k", DESELECT], isa_environment(lv)) for lv in lower_levels()}
+    yield runs
+    for run in runs.values():
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.communicate()
+
+
 @pytest.mark.parametrize("level", ISA_LEVELS)
-def test_every_level_this_machine_runs(level):
+def test_every_level_this_machine_runs(level, inner_runs):
     if level not in MACHINE.levels:
         pytest.skip(f"this CPU ({MACHINE.summary()}) cannot run level {level}; it runs "
                     f"{', '.join(MACHINE.levels) or 'none'}")
     if level == MACHINE.level:
         pytest.skip(f"{level} is this machine's own level: the rest of the suite runs it")
-    counts = run_pytest([*SUITES, "-k", DESELECT], isa_environment(level))
+    counts = finish_pytest(inner_runs[level])
     assert counts.get("failed", 0) == 0 and counts.get("error", 0) == 0, counts
