@@ -58,6 +58,9 @@ def _session_cache() -> tuple[Path, bool]:
 
 SESSION_CACHE, _REMOVE_CACHE = _session_cache()
 os.environ["PAGEDQ_CACHE"] = str(SESSION_CACHE)
+# Processes started from here on (pytest-xdist's workers, inner pytest runs) share this cache,
+# so the bundled model is converted once a run; only the process that made it removes it.
+os.environ["PAGEDQ_TEST_CACHE"] = str(SESSION_CACHE)
 settings.cache_clear()
 
 

@@ -29,12 +29,11 @@ class InnerRun:
 def start_pytest(args: list[str], env: dict[str, str], timeout: float = 1200) -> InnerRun:
     """Start ``pytest -q args`` under ``env`` (added to this process's) without waiting, so
     several inner runs (each ~1 core, mostly single-threaded tests) can share the machine."""
-    # The inner session shares this session's pagedq cache (kept: this session removes it), so
-    # the bundled model's conversions (~25 s for the fp32 twin) are made once, not once a run.
-    shared = {"PAGEDQ_TEST_CACHE": os.environ["PAGEDQ_CACHE"]} if "PAGEDQ_CACHE" in os.environ else {}
+    # The inner session shares this session's pagedq cache through $PAGEDQ_TEST_CACHE
+    # (tests/conftest.py), so the bundled model's conversions are made once, not once a run.
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              "-o", "addopts=", *args],
-                            env={**os.environ, **shared, **env}, cwd=ROOT, text=True,
+                            env={**os.environ, **env}, cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     return InnerRun(proc, env, timeout)
 

@@ -18,7 +18,8 @@ FENCE = re.compile(r"```(\w*)\n(.*?)```", re.S)
 
 def slug(heading: str) -> str:
     """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to dashes."""
-    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    # an underscore inside a word (Q6_K) is text, kept; one at a word's edge is emphasis
+    text = re.sub(r"[`*]|(?<!\w)_|_(?!\w)", "", heading.strip().lower())
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import BPE
+
 from pagedq.worker.models.gguf_file import GGUFIndex
 
 __all__ = ["TOKENIZER_ARRAYS", "GGUFTokenizer", "bpe_tokenizer"]
@@ -68,9 +71,6 @@ def bpe_tokenizer(index: GGUFIndex) -> GGUFTokenizer | None:
     if meta.get("tokenizer.ggml.model") != "gpt2" or TOKENS not in meta or MERGES not in meta \
             or splits is None:
         return None
-    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-
     tokens: list[str] = meta[TOKENS]
     vocab = _byte_level_vocab(tokens)
     backend = Tokenizer(BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in meta[MERGES]],
@@ -103,8 +103,6 @@ def bpe_tokenizer(index: GGUFIndex) -> GGUFTokenizer | None:
 
 
 def _special(content: str):
-    from tokenizers import AddedToken
-
     return AddedToken(content, normalized=False, special=True)
 
 
@@ -121,8 +119,6 @@ def _tokenizer_config(meta: dict[str, Any], named: dict[str, str | None]) -> dic
 def _set_post_processor(backend, config: dict[str, Any], named: dict[str, str | None]) -> None:
     """TokenizersBackend's template: BOS before and EOS after each sequence when the file asks
     for them (and names them)."""
-    from tokenizers import processors
-
     bos = named["bos_token"] if config.get("add_bos_token") else None
     eos = named["eos_token"] if config.get("add_eos_token") else None
     single = f"{f'{bos}:0 ' if bos else ''}$A:0{f' {eos}:0' if eos else ''}"
@@ -156,6 +152,7 @@ def _pre_tokenizer_splits() -> dict[str, str] | None:
     """transformers' table of split regexes per ``tokenizer.ggml.pre`` (the regexes are data the
     two converters must share); None if this transformers has none, and its converter runs."""
     try:
+        # transformers costs ~2-3 s to import (model_cache.py): only a conversion needs it
         from transformers.integrations.gguf.gguf_tokenizer_mapping import (
             GGUF_PRE_TOKENIZER_SPLITS,
         )

@@ -268,7 +268,7 @@ def _write_config(index: GGUFIndex, out: Path) -> None:
 
     data = gguf_config(index, len(index.metadata.get(TOKENS) or []) or None)
     if data is None:
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # as above
 
         config = AutoConfig.from_pretrained(index.path.parent, gguf_file=index.path.name)
         if hasattr(config, "quantization_config"):
