@@ -23,12 +23,14 @@ third of its steps), and a periodic try of plain decoding is skipped while that 
 fresh. Tries are what exploring costs: at one stream on extraction the tries of plain decoding
 took 0.4 of the 2.2 tokens a step that forced-on speculation makes (bench, 2 jobs). The
 comparison is still the right one: speculating mode mixes drafted steps and draftless (plain)
-ones, so it beats plain decoding exactly when its drafted steps do. Tokens count per running sequence because a bucket spans batch
-sizes up to 2x apart: while the weights' bandwidth bounds the step (where speculation is
-decided) its time barely grows with the batch, so tokens per step grow with it and a try at 7
-sequences would beat the running mean of steps at 4 for that reason alone; per sequence, the
-two compare like for like. A try lasts TRY_STEPS steps (one step's acceptance is too noisy to
-judge by). Per step the governor does a few float operations: no per-token work.
+ones, so it beats plain decoding exactly when its drafted steps do.
+
+Tokens count per running sequence because a bucket spans batch sizes up to 2x apart: while the
+weights' bandwidth bounds the step (where speculation is decided) its time barely grows with the
+batch, so tokens per step grow with it and a try at 7 sequences would beat the running mean of
+steps at 4 for that reason alone; per sequence, the two compare like for like. A try lasts
+TRY_STEPS steps (one step's acceptance is too noisy to judge by). Per step the governor does a
+few float operations: no per-token work.
 
 ``disable_by_batch_size`` stays a hard cap above which no step speculates, and ``adaptive=False``
 (``speculative_config``) turns the governor off: every step below the cap speculates.
