@@ -211,7 +211,7 @@ class Drafter:
         "fat" after the opening quote), so the longest match is no match at all and a
         one-token match on the value's first token is the one that continues it. The grammar
         tells which candidates are possible at all (measured on the bench's extraction jobs,
-        suffix, one stream: 2.36 -> 2.6 tokens a step)."""
+        one stream, forced on: ngram 1.99 -> 2.26, suffix 2.36 -> 2.65 tokens a step)."""
         assert self.allowed is not None
         best = forced
         seen: set[tuple[int, ...]] = set()
