@@ -18,8 +18,9 @@ import pytest
 
 from pagedq.bench.spec_scenario import TEXTS
 from pagedq.bench.structured_scenario import SCHEMA
-from pagedq.params import SamplingParams
+from pagedq.params import SamplingParams, StructuredOutputsParams
 from pagedq.worker import Engine
+from pagedq.worker.engine.drafts import CANDIDATES, PER_LENGTH, ngram_draft, ngram_occurrences
 from tests.engine.structured_cases import CONSTRAINTS, PERSON, build_random_model, is_valid
 from tests.engine.test_speculative_bundled import judge, max_flips, tolerance
 
@@ -81,9 +82,10 @@ def test_forced_tokens_are_the_forced_text_and_leave_the_matcher(random_model):
     engine.abort_request("done")
 
 
-def compiled_seq(engine: Engine, rid: str, params: SamplingParams, resume=None):
+def compiled_seq(engine: Engine, rid: str, params: SamplingParams, resume=None,
+                 prompt: str = PROMPTS[0]):
     """A queued request's sequence once its grammar has compiled (not yet stepped)."""
-    req = engine.add_request(rid, PROMPTS[0], params, resume=resume)
+    req = engine.add_request(rid, prompt, params, resume=resume)
     while req not in engine.structured._compiled:
         engine.structured.take_compiled()
         engine.structured.wait_compiling(0.05)
@@ -117,8 +119,9 @@ def test_greedy_and_seeded_equal_off_and_grammar_drafts_are_accepted(random_mode
     assert on.stats()["grammar_draft_tokens"] > 0
     if plain is not None:
         # the random model picks any tokenization of the forced text ('{' '"' or '{"'), so
-        # only part of a forced draft survives; plain lookup on its noise accepts little
-        assert accepted(on) > 3 * accepted(plain) + 30, (accepted(on), accepted(plain))
+        # only part of a forced draft survives; plain lookup on its noise accepts little (its
+        # grammar-checked one-token matches included: measured 115 accepted against 35)
+        assert accepted(on) > 2 * accepted(plain) + 30, (accepted(on), accepted(plain))
     assert on.kv.pool.num_free == on.kv.pool.num_blocks
 
 
@@ -178,3 +181,49 @@ def test_bundled_extraction_equals_off_up_to_near_ties(record_property):
         record_property("flip_report", judged)
         assert not [j for j in judged if j.startswith("MISMATCH")], judged
         assert len(judged) <= max_flips(sum(len(w) for _, _, w in verdicts)), judged
+
+
+# -- grammar-checked lookup candidates ----------------------------------------------------------
+def test_ngram_occurrences_match_a_brute_force_scan():
+    """Every (length, next index) of ngram_occurrences is a real earlier occurrence of the
+    suffix of that length; lengths come longest first, each length's latest first, and no
+    occurrence within the limits is skipped."""
+    rng = random.Random(3)
+    for _ in range(200):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+        got = ngram_occurrences(tokens, 1, 4, CANDIDATES)
+        want = []
+        for n in range(min(4, len(tokens) - 1), 0, -1):
+            ends = [i for i in range(len(tokens) - 1, n - 1, -1)
+                    if tokens[i - n:i] == tokens[-n:]][:PER_LENGTH]
+            want += [(n, i) for i in ends]
+        assert got == want[:CANDIDATES], tokens
+
+
+def test_constrained_draft_is_an_allowed_candidate_no_shorter_than_the_longest_match(
+        random_model):
+    """A digits-and-dashes constraint over a prompt whose latest matches go on with letters:
+    the draft is a continuation of an earlier occurrence of the sequence's last tokens, the
+    grammar allows all of it, and it is never shorter than the longest match's draft cut by
+    the grammar (the rule before candidates: here nothing); the output equals off's."""
+    prompt = "12-34-56 ab 12-34-56 cd 12-34-5 ef 12-34"
+    so = StructuredOutputsParams(regex="[0-9]{2}(-[0-9]{2}){9}")
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, frequency_penalty=-2.0,
+                            structured_outputs=so)
+    engine = make_engine(random_model, {**NGRAM, "prompt_lookup_min": 2}, num_kv_blocks=512)
+    # the output so far is "12-34": its latest match (the prompt's end) goes on with "12",
+    # which the constraint forbids there; earlier ones go on with "-56" and "-5"
+    resumed = engine.tokenizer.encode("12-34", add_special_tokens=False)
+    seq = compiled_seq(engine, "c2", params, resume=[resumed], prompt=prompt)
+    tokens = seq.token_ids
+    draft = engine.drafter.propose(seq, 8)
+    assert draft and engine.structured.allowed_draft(seq, draft) == draft
+    assert any(tokens[i - n:i] == tokens[-n:] and
+               [tokens[(i + j) if i + j < len(tokens) else 0] for j in range(len(draft))] == draft
+               for n in range(1, 6) for i in range(n, len(tokens)))
+    longest = engine.structured.allowed_draft(seq, ngram_draft(tokens, 2, 5, 4))
+    assert len(draft) >= len(longest)
+    engine.abort_request("c2")
+    off = make_engine(random_model, num_kv_blocks=512).generate([prompt], params)[0].outputs[0]
+    on = make_engine(random_model, NGRAM, num_kv_blocks=512).generate([prompt], params)[0]
+    assert on.outputs[0].token_ids == off.token_ids

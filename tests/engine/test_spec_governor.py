@@ -182,6 +182,50 @@ def test_steps_with_prefill_or_no_record_are_not_measured():
     assert gov.snapshot()["buckets"]["4-7"]["seq_tok_s_spec"] is None
 
 
+def run_mixed(gov: SpecGovernor, clock: FakeClock, drafted_cost: Cost, steps: int,
+              every: int = 3) -> list[bool]:
+    """``steps`` one-sequence steps where every ``every``-th speculating step finds no draft
+    (it runs, and is recorded as, a plain step: 1 token in 1 s); the decisions taken."""
+    out = []
+    for i in range(steps):
+        speculate = gov.decide(1)
+        drafted = speculate and i % every != 0
+        tokens, seconds = drafted_cost(True) if drafted else drafted_cost(False)
+        clock.now += seconds
+        gov.record(tokens, drafted=drafted)
+        out.append(speculate)
+    return out
+
+
+def test_draftless_steps_measure_plain_decoding_without_tries():
+    """Where speculating steps regularly find no draft (one stream on extraction), those steps
+    are plain steps: they give plain decoding its figure, so the governor never spends a step
+    on a try of plain decoding while speculation pays, and the figures are the modes' own."""
+    clock = FakeClock()
+    gov = SpecGovernor(max_batch=128, clock=clock)
+    decisions = run_mixed(gov, clock, pays, 600)
+    assert all(decisions)
+    bucket = gov.snapshot()["buckets"]["1"]
+    assert bucket["speculate"] is True
+    assert (bucket["seq_tok_s_spec"], bucket["seq_tok_s_plain"]) == (round(4 / 1.2, 3), 1.0)
+
+
+def test_draftless_steps_turn_speculation_off_where_drafted_steps_lose():
+    """Drafted steps that lose (1.15 tokens for 1.3 s against plain's 1 for 1 s), measured
+    against the free plain figure: speculation is dropped, and re-tried only with the
+    doubling back-off."""
+    clock = FakeClock()
+    gov = SpecGovernor(max_batch=128, clock=clock)
+
+    def loses_one(speculate: bool) -> tuple[int, float]:
+        tokens, seconds = loses(speculate)
+        return tokens // 100, seconds / 100  # one sequence: 1 token (1.15 rounds down) in 1.3 s
+
+    late = run_mixed(gov, clock, loses_one, 1000)[4 * TRY_STEPS:]
+    assert gov.snapshot()["buckets"]["1"]["speculate"] is False
+    assert sum(late) < len(late) // 10
+
+
 # -- through the engine: the governor flipping mid-request changes no token -------------------
 @pytest.fixture(scope="module")
 def llama(tiny_model_dir):

@@ -43,6 +43,10 @@ from pagedq.worker.engine.spec_governor import SpecGovernor
 from pagedq.worker.engine.suffix_tree import SuffixCorpus
 
 _WIDTH = 4  # bytes per token id in the packed search buffer
+# Grammar-checked lookup (constrained sequences): how many candidate continuations are tried
+# against the grammar, and how many occurrences of one suffix length among them.
+CANDIDATES = 8
+PER_LENGTH = 3
 
 
 def _packed(tokens: Tokens[int]) -> bytes:
@@ -80,6 +84,29 @@ def ngram_match(tokens: Tokens[int], min_n: int, max_n: int) -> tuple[int, int]:
         if i >= 0:
             return n, i // _WIDTH + n
     return 0, -1
+
+
+def ngram_occurrences(tokens: Tokens[int], min_n: int, max_n: int,
+                      limit: int) -> list[tuple[int, int]]:
+    """Up to ``limit`` earlier occurrences of the suffixes of ``tokens`` of max_n down to min_n
+    tokens, as (length, index of the token that followed): longer suffixes first, and for each
+    length the latest occurrence first (at most ``PER_LENGTH`` of them)."""
+    length = len(tokens)
+    if length <= min_n:
+        return []
+    buf = _packed(tokens)
+    out: list[tuple[int, int]] = []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        end = len(buf) - _WIDTH
+        for _ in range(PER_LENGTH):
+            i = _find_aligned(buf, buf[-n * _WIDTH:], end)
+            if i < 0:
+                break
+            out.append((n, i // _WIDTH + n))
+            if len(out) >= limit:
+                return out
+            end = i + n * _WIDTH - 1
+    return out
 
 
 def ngram_draft(tokens: Tokens[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -165,11 +192,53 @@ class Drafter:
             return []
         forced = self.forced(seq, top) if self.forced is not None else []
         guessed = min(seq.spec_len or top, top - len(forced))  # the adaptive part
+        if guessed <= 0:
+            return forced
         tokens = seq.token_ids + forced if forced else seq.token_ids
-        draft = forced + (self._lookup(tokens, guessed) if guessed > 0 else [])
-        if len(draft) > len(forced) and self.allowed is not None:
-            draft = self.allowed(seq, draft)
-        return draft
+        if self.allowed is not None and getattr(req.params, "structured_outputs", None):
+            return self._checked(seq, tokens, forced, guessed)
+        return forced + self._lookup(tokens, guessed)
+
+    def _checked(self, seq: Sequence, tokens: list[int], forced: list[int],
+                 k: int) -> list[int]:
+        """A constrained sequence's draft: the forced tokens, then the first lookup candidate
+        (longest match first, latest occurrence first, matches down to one token) that its
+        grammar allows whole, else the one it allows longest.
+
+        Why not just the longest match: the grammar cuts many of them short. A JSON value is
+        copied from the prompt, where a number goes on with " and", an e-mail with ". Skills",
+        and the first token of a value is often spelt differently there (" fat" in the prompt,
+        "fat" after the opening quote), so the longest match is no match at all and a
+        one-token match on the value's first token is the one that continues it. The grammar
+        tells which candidates are possible at all (measured on the bench's extraction jobs,
+        one stream, forced on: ngram 1.99 -> 2.26, suffix 2.36 -> 2.65 tokens a step)."""
+        assert self.allowed is not None
+        best = forced
+        seen: set[tuple[int, ...]] = set()
+        for guess in self._candidates(tokens, k):
+            if tuple(guess) in seen:
+                continue
+            seen.add(tuple(guess))
+            draft = self.allowed(seq, forced + guess)
+            if len(draft) == len(forced) + len(guess):
+                return draft
+            if len(draft) > len(best):
+                best = draft
+        return best
+
+    def _candidates(self, tokens: list[int], k: int) -> list[list[int]]:
+        """Continuations of ``tokens`` (up to ``k`` tokens each) in order of preference: the
+        n-gram occurrences (longest suffix, then latest, first) and the suffix corpus's draft
+        placed by its match length; matches of one token count."""
+        found = [(n, extend(tokens, start, k))
+                 for n, start in ngram_occurrences(tokens, 1, self.config.prompt_lookup_max,
+                                                   CANDIDATES)]
+        if self.corpus is not None:
+            depth, draft = self.corpus.propose(tokens, k, min_n=1)
+            if draft:
+                found.append((depth, draft))
+                found.sort(key=lambda f: -f[0])  # stable: the n-gram first on equal lengths
+        return [draft for _, draft in found]
 
     def _lookup(self, tokens: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens continuing ``tokens``: the longer of the n-gram and the suffix

@@ -197,6 +197,7 @@ class Engine(OfflineAPI):
             return outputs
         decode_only = self.drafter is not None and all(
             n == 1 + len(seq.draft_token_ids) for seq, n in sched.scheduled)
+        drafted = decode_only and any(seq.draft_token_ids for seq, _ in sched.scheduled)
         logits, sample_seqs = self.governor.run(sched.num_batched_tokens,
                                                 lambda: self.runner.execute(sched))
         for seq, n in sched.scheduled:
@@ -207,7 +208,8 @@ class Engine(OfflineAPI):
         if sample_seqs:
             outputs.extend(self._sample(logits, sample_seqs))
         if self.drafter is not None:  # the speculation governor times the whole step
-            self.drafter.governor.record(self.num_generated_tokens - generated, decode_only)
+            self.drafter.governor.record(self.num_generated_tokens - generated, decode_only,
+                                         drafted)
         return outputs
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[StepOutput]:

@@ -16,12 +16,21 @@ better one, and tries the other again after EXPLORE_EVERY steps, doubling the wa
 try it lost (up to EXPLORE_AT_MOST), so it follows the workload and the machine's load.
 
 Only decode-only steps are measured: a prefill chunk in the step costs the same either way and
-would blur the comparison. Tokens count per running sequence because a bucket spans batch
-sizes up to 2x apart: while the weights' bandwidth bounds the step (where speculation is
-decided) its time barely grows with the batch, so tokens per step grow with it and a try at 7
-sequences would beat the running mean of steps at 4 for that reason alone; per sequence, the
-two compare like for like. A try lasts TRY_STEPS steps (one step's acceptance is too noisy to
-judge by). Per step the governor does a few float operations: no per-token work.
+would blur the comparison. A step that was allowed to speculate but verified no draft (no
+sequence's lookup matched) ran exactly a plain step's rows, so it is measured as a plain step:
+plain decoding's figure comes for free wherever such steps occur (one stream on extraction: a
+third of its steps), and a periodic try of plain decoding is skipped while that figure is
+fresh. Tries are what exploring costs: at one stream on extraction the tries of plain decoding
+took 0.4 of the 2.2 tokens a step that forced-on speculation makes (bench, 2 jobs). The
+comparison is still the right one: speculating mode mixes drafted steps and draftless (plain)
+ones, so it beats plain decoding exactly when its drafted steps do.
+
+Tokens count per running sequence because a bucket spans batch sizes up to 2x apart: while the
+weights' bandwidth bounds the step (where speculation is decided) its time barely grows with the
+batch, so tokens per step grow with it and a try at 7 sequences would beat the running mean of
+steps at 4 for that reason alone; per sequence, the two compare like for like. A try lasts
+TRY_STEPS steps (one step's acceptance is too noisy to judge by). Per step the governor does a
+few float operations: no per-token work.
 
 ``disable_by_batch_size`` stays a hard cap above which no step speculates, and ``adaptive=False``
 (``speculative_config``) turns the governor off: every step below the cap speculates.
@@ -77,6 +86,8 @@ class _Bucket:
     try_tokens: float = 0.0
     try_seconds: float = 0.0
     try_steps: int = 0
+    free_steps: int = 0  # draftless speculating steps summed while plain is not yet measured
+    last_free: int = -1  # ``steps`` at the latest draftless speculating step
 
 
 class SpecGovernor:
@@ -114,14 +125,19 @@ class SpecGovernor:
         self.pending = (bucket, speculate, batch, self.clock())
         return speculate
 
-    def record(self, tokens: int, decode_only: bool = True) -> None:
+    def record(self, tokens: int, decode_only: bool = True, drafted: bool = True) -> None:
         """The step :meth:`decide` began has ended having produced ``tokens`` tokens; a step
-        with a prefill chunk in it (``decode_only`` false) is not measured."""
+        with a prefill chunk in it (``decode_only`` false) is not measured; a speculating step
+        that verified no draft (``drafted`` false) is measured as the plain step it was."""
         if self.pending is None:
             return
         bucket, speculate, batch, start = self.pending
         self.pending = None
-        if decode_only and tokens > 0:
+        if not (decode_only and tokens > 0):
+            return
+        if speculate and not drafted:
+            self.observe_free(bucket, tokens / batch, self.clock() - start)
+        else:
             self.observe(bucket, speculate, tokens / batch, self.clock() - start)
 
     def pick(self, bucket: _Bucket) -> bool:
@@ -129,14 +145,29 @@ class SpecGovernor:
         the better choice, and the other one once ``next_try`` is reached."""
         if bucket.trying is not None:
             return bucket.trying
-        for choice in (True, False):
-            if not bucket.rates[choice].measured:
-                bucket.trying = choice
-                return choice
+        on, off = bucket.rates[True], bucket.rates[False]
+        if not on.measured:
+            bucket.trying = True
+            return True
+        if not off.measured:
+            if self._fresh_plain(bucket):  # draftless steps are measuring plain decoding
+                return True
+            bucket.trying = False
+            return False
         if bucket.steps >= bucket.next_try:
+            if bucket.chosen and self._fresh_plain(bucket):  # no plain try needed
+                if off.per_second > on.per_second:
+                    bucket.chosen, bucket.interval = False, self.explore_every
+                bucket.next_try = bucket.steps + bucket.interval
+                return bool(bucket.chosen)
             bucket.trying = not bucket.chosen
             return bucket.trying
         return bool(bucket.chosen)
+
+    def _fresh_plain(self, bucket: _Bucket) -> bool:
+        """Whether a draftless speculating step measured plain decoding within the bucket's
+        current try interval."""
+        return bucket.last_free >= 0 and bucket.steps - bucket.last_free < bucket.interval
 
     def observe(self, bucket: _Bucket, speculate: bool, tokens: float, seconds: float) -> None:
         """A measured step (``tokens``: per running sequence). A try sums its steps and, once
@@ -157,6 +188,32 @@ class SpecGovernor:
         rate.tokens += SMOOTHING * (tokens - rate.tokens)
         rate.seconds += SMOOTHING * (seconds - rate.seconds)
         if other.per_second > REACT * rate.per_second:
+            bucket.next_try = min(bucket.next_try, bucket.steps)
+
+    def observe_free(self, bucket: _Bucket, tokens: float, seconds: float) -> None:
+        """A speculating step that verified no draft: a plain step's rows, measured as one.
+        Until plain decoding has a figure, TRY_STEPS of them make it (as a try would); then
+        they keep it current, and plain decoding faster than speculation by REACT makes the
+        next :meth:`pick` compare the two at once."""
+        bucket.steps += 1
+        bucket.last_free = bucket.steps
+        plain = bucket.rates[False]
+        if not plain.measured:
+            bucket.free_steps += 1
+            plain.tokens += tokens
+            plain.seconds += seconds
+            if bucket.free_steps >= self.try_steps:
+                plain.tokens /= bucket.free_steps
+                plain.seconds /= bucket.free_steps
+                plain.measured = True
+                on = bucket.rates[True]
+                if on.measured and bucket.chosen is None:
+                    bucket.chosen = on.per_second >= plain.per_second
+                    bucket.next_try = bucket.steps + bucket.interval
+            return
+        plain.tokens += SMOOTHING * (tokens - plain.tokens)
+        plain.seconds += SMOOTHING * (seconds - plain.seconds)
+        if bucket.chosen and plain.per_second > REACT * bucket.rates[True].per_second:
             bucket.next_try = min(bucket.next_try, bucket.steps)
 
     def _end_try(self, bucket: _Bucket, tried: bool) -> None:
