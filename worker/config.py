@@ -152,13 +152,13 @@ class SpeculativeConfig:
     """suffix: the longest match looked for in the corpus of earlier requests, in tokens."""
     suffix_decoding_max_cached_requests: int = 1000
     """suffix: earlier requests' prompts and outputs kept (least recently used leave first)."""
-    disable_by_batch_size: int = 128
+    disable_by_batch_size: int = 32
     """A hard cap: no drafts in a step that already runs this many sequences. Below it the
     governor (``adaptive``) decides per batch size from measured throughput; with
-    ``adaptive=False`` every step below it speculates. A quiet sweep on a 2-core CPU found
-    forced-on ngram losing from 32 to 64 streams on extraction (0.86-0.98x) while edit jobs
-    accept 4+ tokens a step, so no single threshold fits: the cap only bounds the governor's
-    tries (docs/engine.md, "Speculative decoding")."""
+    ``adaptive=False`` every step below it speculates. Measured on two 2-core CPUs (AMD EPYC,
+    Intel Xeon): from 32 sequences up, steps are compute bound and the governor's own tries
+    of speculation left it at 0.88-0.93x of plain decoding on extraction, so the cap keeps
+    speculation out of them (docs/engine.md, "Speculative decoding")."""
     adaptive: bool = True
     """Measure, per batch-size bucket, tokens per second of steps with and without speculation
     and run the better, re-trying the other now and then (worker/engine/spec_governor.py).
