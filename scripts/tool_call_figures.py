@@ -33,17 +33,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import jsonschema
 
-from pagedq.params import SamplingParams
-from pagedq.tools import HERMES, parse_tool_calls
-from pagedq.worker import Engine
-from tests.engine.structured_cases import build_random_model
-from tests.gateway.test_tools import ADD, ORDER, SCHEMAS, WEATHER
+# the tools and the random model are the tests' own (tests/): run from a checkout, as documented
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagedq.params import SamplingParams  # noqa: E402
+from pagedq.tools import HERMES, parse_tool_calls  # noqa: E402
+from pagedq.worker import Engine  # noqa: E402
+from tests.engine.structured_cases import build_random_model  # noqa: E402
+from tests.gateway.test_tools import ADD, ORDER, SCHEMAS, WEATHER  # noqa: E402
 
 QUESTIONS = ["What is the weather in Paris in celsius?", "What is 12.5 plus 7?",
              "Order two units of ABC for Ann, gold tier, express.",
