@@ -75,15 +75,8 @@ def extend(source: Tokens[int], start: int, k: int) -> list[int]:
 def ngram_match(tokens: Tokens[int], min_n: int, max_n: int) -> tuple[int, int]:
     """(length of the longest suffix of ``tokens`` of min_n..max_n tokens that occurred earlier,
     index of the token that followed its latest earlier occurrence); (0, -1) when none did."""
-    length = len(tokens)
-    if length <= min_n:
-        return 0, -1
-    buf = _packed(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        i = _find_aligned(buf, buf[-n * _WIDTH:], len(buf) - _WIDTH)
-        if i >= 0:
-            return n, i // _WIDTH + n
-    return 0, -1
+    found = ngram_occurrences(tokens, min_n, max_n, limit=1)
+    return found[0] if found else (0, -1)
 
 
 def ngram_occurrences(tokens: Tokens[int], min_n: int, max_n: int,
