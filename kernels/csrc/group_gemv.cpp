@@ -441,27 +441,11 @@ void group_gemv_parts(const LinearArgs* parts, int64_t count, bool bytes) {
   for (int64_t i = 0; i < count; ++i) six = six || parts[i].fmt == kQ6_K;
   if (six) sub_sums(first.rows, bytes, acts);
   const SplitActs& a = acts;
-  std::vector<int64_t> ends(count);  // groups of parts [0, i] together
-  int64_t total = 0, widest = 1;
-  for (int64_t i = 0; i < count; ++i) {
-    TORCH_CHECK(parts[i].x == first.x && parts[i].rows == first.rows && parts[i].K == first.K,
-                "group_gemv_parts: every part reads the same activations");
-    total += parts[i].N / kGroupRows;
-    ends[i] = total;
-    widest = std::max(widest, parts[i].row_bytes);
-  }
-  // Groups per task: enough weight bytes (~32 KiB) that a thread's start-up cost stays small.
-  const int64_t grain = std::max<int64_t>(1, 32768 / (kGroupRows * widest));
-  at::parallel_for(0, total, grain, [&](int64_t g0, int64_t g1) {
-    int64_t start = 0;
-    for (int64_t i = 0; i < count && g0 < g1; start = ends[i++]) {
-      const int64_t lo = std::max(g0, start), hi = std::min(g1, ends[i]);
-      if (lo >= hi) continue;
-      if (bytes)
-        all_rows<true>(parts[i], a, lo - start, hi - start);
-      else
-        all_rows<false>(parts[i], a, lo - start, hi - start);
-    }
+  parallel_parts(parts, count, kGroupRows, [&](int64_t i, int64_t g0, int64_t g1) {
+    if (bytes)
+      all_rows<true>(parts[i], a, g0, g1);
+    else
+      all_rows<false>(parts[i], a, g0, g1);
   });
 }
 

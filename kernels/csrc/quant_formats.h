@@ -11,11 +11,14 @@
 
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace pagedq_cpu {
 
@@ -260,6 +263,32 @@ inline LinearArgs check_linear(const char* op, at::Tensor& out, const at::Tensor
           static_cast<const uint8_t*>(w.data_ptr()), sp, bp, out.data_ptr<float>()};
 }
 
+// The rows of `count` weights that read the same x (a fused projection's segments) as one index
+// space in units of `unit` rows, split over the threads in one parallel region:
+// body(part, first unit, end unit) for each task's share of each part.
+template <class F>
+inline void parallel_parts(const LinearArgs* parts, int64_t count, int64_t unit, F&& body) {
+  const LinearArgs& first = parts[0];
+  std::vector<int64_t> ends(count);  // units of parts [0, i] together
+  int64_t total = 0, widest = 1;
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(parts[i].x == first.x && parts[i].rows == first.rows && parts[i].K == first.K,
+                "quant_linear: every part of a fused projection reads the same activations");
+    total += (parts[i].N + unit - 1) / unit;
+    ends[i] = total;
+    widest = std::max(widest, parts[i].row_bytes);
+  }
+  // Units per task: enough weight bytes (~32 KiB) that a thread's start-up cost stays small.
+  const int64_t grain = std::max<int64_t>(1, 32768 / (unit * widest));
+  at::parallel_for(0, total, grain, [&](int64_t u0, int64_t u1) {
+    int64_t start = 0;
+    for (int64_t i = 0; i < count && u0 < u1; start = ends[i++]) {
+      const int64_t lo = std::max(u0, start), hi = std::min(u1, ends[i]);
+      if (lo < hi) body(i, lo - start, hi - start);
+    }
+  });
+}
+
 namespace v512 {
 // x @ W^T over grouped rows (group_gemv.cpp); AVX-512 VNNI CPUs only. bytes: int8 activations
 // (one vpdpbusd per 64 products) instead of int16 (two).
@@ -270,6 +299,9 @@ void group_gemv_parts(const LinearArgs* parts, int64_t count, bool bytes);
 }  // namespace v512
 
 namespace v256 {
+// The same on the AVX2 GEMV over GGUF rows (quant_gemv.cpp), int16 activations: quantized once
+// for every part.
+void gemv_parts(const LinearArgs* parts, int64_t count);
 // The formats byte_gemv takes (Q8_0, Q4_0, Q4_1, Q4_K), plain rows.
 bool byte_format(int64_t fmt);
 // x @ W^T on int8 activations with AVX2 (byte_gemv.cpp); any CPU the library runs on.

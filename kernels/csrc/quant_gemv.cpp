@@ -371,6 +371,17 @@ void gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
     });
 }
 
+// Why one call for several weights: at one row the segments of a fused projection (q, k and v;
+// gate and up) are GEMVs short enough that quantizing the same activations for each and each
+// one's fork and join barrier were a visible share of them (the VNNI path's group_gemv_parts
+// does the same for grouped rows).
+void gemv_parts(const LinearArgs* parts, int64_t count) {
+  static thread_local Acts codes;
+  quantize_acts(parts[0].x, parts[0].rows, parts[0].K, codes);
+  const Acts& a = codes;
+  parallel_parts(parts, count, 1, [&](int64_t i, int64_t n0, int64_t n1) { gemv(parts[i], a, n0, n1); });
+}
+
 }  // namespace v256
 
 // ================================================================ entry point

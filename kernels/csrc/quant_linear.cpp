@@ -41,16 +41,21 @@ QuantLinear::QuantLinear(std::vector<at::Tensor> data_, std::vector<int64_t> fmt
               "QuantLinear: bias must have one entry per output");
 }
 
-// Whether every segment takes the grouped VNNI GEMV at this many rows: then they run as one
-// (group_gemv_parts: one activation split, one parallel region).
-bool QuantLinear::one_grouped_gemv(int64_t rows) const {
-  if (data.size() < 2 || isa != kAvx512Vnni) return false;
-  for (size_t i = 0; i < data.size(); ++i)
-    if (!(fmts[i] & kGrouped) || rows > gemv_max_rows[i]) return false;
+// Whether every segment takes one GEMV kernel at this many rows, which then runs them as one
+// call (the activations split or quantized once, one parallel region): the grouped VNNI GEMV,
+// or below VNNI the AVX2 GEMV on int16 activations over GGUF rows.
+bool QuantLinear::one_gemv(int64_t rows) const {
+  if (data.size() < 2) return false;
+  const bool vnni = isa == kAvx512Vnni;
+  if (!vnni && (precision & kInt8ActsBit)) return false;  // byte_gemv runs its formats alone
+  for (size_t i = 0; i < data.size(); ++i) {
+    if (rows > gemv_max_rows[i]) return false;
+    if (vnni ? !(fmts[i] & kGrouped) : (fmts[i] == kF32 || fmts[i] == kBF16)) return false;
+  }
   return true;
 }
 
-at::Tensor QuantLinear::grouped_forward(const at::Tensor& x) const {
+at::Tensor QuantLinear::parts_forward(const at::Tensor& x) const {
   check_isa(isa);
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
   std::vector<at::Tensor> slices;
@@ -67,13 +72,16 @@ at::Tensor QuantLinear::grouped_forward(const at::Tensor& x) const {
                                  scales.get(i), b));
     col += n;
   }
-  v512::group_gemv_parts(parts.data(), static_cast<int64_t>(parts.size()),
-                         (precision & kInt8ActsBit) != 0);
+  const int64_t count = static_cast<int64_t>(parts.size());
+  if (isa == kAvx512Vnni)
+    v512::group_gemv_parts(parts.data(), count, (precision & kInt8ActsBit) != 0);
+  else
+    v256::gemv_parts(parts.data(), count);
   return out;
 }
 
 at::Tensor QuantLinear::forward(const at::Tensor& x) const {
-  if (one_grouped_gemv(x.size(0))) return grouped_forward(x);
+  if (one_gemv(x.size(0))) return parts_forward(x);
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
   int64_t col = 0;
   for (size_t i = 0; i < data.size(); ++i) {

@@ -37,8 +37,8 @@ struct QuantLinear : torch::CustomClassHolder {
   int64_t nbytes() const;
 
  private:
-  bool one_grouped_gemv(int64_t rows) const;
-  at::Tensor grouped_forward(const at::Tensor& x) const;
+  bool one_gemv(int64_t rows) const;
+  at::Tensor parts_forward(const at::Tensor& x) const;
 };
 
 }  // namespace pagedq_cpu

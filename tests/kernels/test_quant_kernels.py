@@ -226,6 +226,39 @@ def test_grouped_segments_run_as_one_gemv(cpu_ops, int8_acts):
         torch.testing.assert_close(linear.forward(x), want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("isa", [Isa.AVX2, Isa.AVX512], ids=lambda i: i.name)
+def test_segments_run_as_one_avx2_gemv(cpu_ops, isa):
+    """Below VNNI a QuantLinear whose segments all take the GEMV (GGUF rows of several formats,
+    int8 rows with their scales) runs them in one region over one activation quantization: bit
+    for bit each segment's own GEMV, and the GEMM above a segment's limit as before."""
+    if isa == Isa.AVX512 and not CPU.has_avx512:
+        pytest.skip(f"no AVX-512 at this process's level ({CPU.level})")
+    gen = torch.Generator().manual_seed(14)
+    k = 256
+    parts = [random_weight(f, n, k, gen)
+             for f, n in (("q4_1", 37), ("q8_0", 19), ("q4_k", 8), ("q6_k", 5), ("int8", 11))]
+    total = sum(p.shape[0] for p in parts)
+    bias = torch.randn(total, generator=gen)
+    linear = cpu_ops.quant_linear([p.data for p in parts], [p.fmt.code for p in parts],
+                                  [p.scales for p in parts], bias, k, [16] * len(parts), int(isa),
+                                  int(GemmPrecision.F32))
+    for rows in (1, 3, 9, 16, 17):
+        x = torch.randn(rows, k, generator=gen)
+        want = torch.empty(rows, total)
+        col = 0
+        for part in parts:
+            n = part.shape[0]
+            piece = want[:, col:col + n]
+            if rows <= 16:
+                cpu_ops.quant_gemv(piece, x, part.data, part.fmt.code, part.scales,
+                                   bias[col:col + n], int(isa))
+            else:
+                cpu_ops.quant_gemm(piece, x, part.data, part.fmt.code, part.scales,
+                                   bias[col:col + n], int(isa), int(GemmPrecision.F32))
+            col += n
+        torch.testing.assert_close(linear.forward(x), want, rtol=0, atol=0)
+
+
 @needs_vnni
 @pytest.mark.parametrize("fmt", GROUPABLE)
 @pytest.mark.parametrize("precision", list(GemmPrecision), ids=lambda p: p.name)
