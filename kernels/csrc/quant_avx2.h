@@ -3,11 +3,19 @@
 //
 // Why: dequantizing each weight row to fp32 before multiplying made the AVX2 GEMV compute-bound
 // at half of llama.cpp's speed. Here each 32-element block becomes two vectors of 16 int16 codes
-// (elements 0-15 and 16-31, in natural order), which meet the activations' int16 codes in
-// _mm256_madd_epi16 (16 x 16 -> 32 bits, pairs summed): the same int16 activation rounding as the
-// VNNI path (its precision argument in quant_gemv.cpp holds here too), no float per weight.
+// which meet the activations' int16 codes in _mm256_madd_epi16 (16 x 16 -> 32 bits, pairs
+// summed): the same int16 activation rounding as the VNNI path (its precision argument in
+// quant_gemv.cpp holds here too), no float per weight.
 //
-// Each walker calls f(b, lo, hi, s_lo, s_hi, m) for 32-block b of one row: the block's value is
+// The codes come out split by parity, not in natural order: e holds the even elements and o the
+// odd ones, each [8 of elements 0-15 | 8 of elements 16-31] (e: 0, 2, .., 14 | 16, .., 30). Why:
+// widening bytes to int16 in natural order takes a cross-lane shuffle per 16 codes
+// (vpmovzxbw), and Intel runs shuffles on one port, which bounded the one-row GEMV; an int16
+// lane's low and high byte are an AND and a shift apart, on any ALU port. The activations are
+// stored in the same order (quant_gemv.cpp: quantize_acts), so madd(e, x_e) + madd(o, x_o) is
+// the block's dot product, lanes 0-3 from elements 0-15 and lanes 4-7 from 16-31.
+//
+// Each walker calls f(b, e, o, s_lo, s_hi, m) for 32-block b of one row: the block's value is
 // s * code + m, with s_lo for elements 0-15 and s_hi for 16-31 (equal except Q6_K, whose scales
 // cover 16 elements). Symmetric formats fold their offset into the codes (Q4_0: code - 8), so m
 // is 0 for them and the caller skips that term at compile time (kHasMin).
@@ -24,10 +32,18 @@
 
 namespace pagedq_cpu::v256 {
 
-// 16 bytes -> 16 int16 lanes (unsigned, then minus `offset`).
-inline __m256i widen(__m128i bytes, int16_t offset) {
-  const __m256i w = _mm256_cvtepu8_epi16(bytes);
-  return offset ? _mm256_sub_epi16(w, _mm256_set1_epi16(offset)) : w;
+// 32 byte codes in natural order (byte t: element t) -> their even and odd elements as int16.
+inline void split_unsigned(__m256i c, __m256i& e, __m256i& o) {
+  e = _mm256_and_si256(c, _mm256_set1_epi16(0x00FF));
+  o = _mm256_srli_epi16(c, 8);
+}
+inline void split_signed(__m256i c, __m256i& e, __m256i& o) {
+  e = _mm256_srai_epi16(_mm256_slli_epi16(c, 8), 8);
+  o = _mm256_srai_epi16(c, 8);
+}
+
+inline __m256i minus(__m256i v, int16_t offset) {
+  return offset ? _mm256_sub_epi16(v, _mm256_set1_epi16(offset)) : v;
 }
 
 // Bit i of `bits` (i < 16, from byte `first_byte` on) as 0x10 in byte i, else 0: the fifth bit
@@ -52,37 +68,52 @@ struct Nibble32 {  // Q4_0, Q4_1, Q5_0, Q5_1
   static constexpr bool kTwoScales = false;
   static constexpr int16_t kOffset = kHasMin ? 0 : (kFive ? 16 : 8);
 
+  // One block's codes (the fp16 scale d at blk, the minimum m after it where the format has one).
+  static inline void codes(const uint8_t* blk, __m256i& e, __m256i& o) {
+    const __m128i qs = _mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(blk + (kHasMin ? 4 : 2) + (kFive ? 4 : 0)));
+    if constexpr (kFive) {
+      uint32_t qh;
+      std::memcpy(&qh, blk + (kHasMin ? 4 : 2), 4);
+      const __m128i low = _mm_set1_epi8(0x0F);
+      const __m128i lo = _mm_or_si128(_mm_and_si128(qs, low), fifth_bits(qh, 0));
+      const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), low), fifth_bits(qh, 2));
+      split_unsigned(_mm256_set_m128i(hi, lo), e, o);
+    } else {  // byte t's low nibble is element t, its high one t + 16: one copy per lane
+      const __m256i nibble = _mm256_set1_epi16(0x000F);
+      const __m256i u = _mm256_srlv_epi32(_mm256_broadcastsi128_si256(qs),
+                                          _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+      e = _mm256_and_si256(u, nibble);
+      o = _mm256_and_si256(_mm256_srli_epi16(u, 8), nibble);
+    }
+    e = minus(e, kOffset);
+    o = minus(o, kOffset);
+  }
+
   template <class F>
   static inline void walk(const uint8_t* row, int64_t K, float, F&& f) {
-    const __m128i low = _mm_set1_epi8(0x0F);
     for (int64_t b = 0; b < K / 32; ++b) {
       const uint8_t* blk = row + b * kBytes;
-      const float d = fp16(blk);
-      const float m = kHasMin ? fp16(blk + 2) : 0.f;
-      const __m128i qs = _mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(blk + (kHasMin ? 4 : 2) + (kFive ? 4 : 0)));
-      __m128i lo = _mm_and_si128(qs, low), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low);
-      if constexpr (kFive) {
-        uint32_t qh;
-        std::memcpy(&qh, blk + (kHasMin ? 4 : 2), 4);
-        lo = _mm_or_si128(lo, fifth_bits(qh, 0));
-        hi = _mm_or_si128(hi, fifth_bits(qh, 2));
-      }
-      f(b, widen(lo, kOffset), widen(hi, kOffset), d, d, m);
+      __m256i e, o;
+      codes(blk, e, o);
+      f(b, e, o, fp16(blk), fp16(blk), kHasMin ? fp16(blk + 2) : 0.f);
     }
   }
 };
 
 struct Q8_0 {
   static constexpr bool kHasMin = false, kTwoScales = false;
+  static constexpr int64_t kBytes = 34;
+  static inline void codes(const uint8_t* blk, __m256i& e, __m256i& o) {
+    split_signed(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), e, o);
+  }
   template <class F>
   static inline void walk(const uint8_t* row, int64_t K, float, F&& f) {
     for (int64_t b = 0; b < K / 32; ++b) {
-      const uint8_t* blk = row + b * 34;
-      const float d = fp16(blk);
-      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
-      const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));
-      f(b, _mm256_cvtepi8_epi16(q0), _mm256_cvtepi8_epi16(q1), d, d, 0.f);
+      const uint8_t* blk = row + b * kBytes;
+      __m256i e, o;
+      codes(blk, e, o);
+      f(b, e, o, fp16(blk), fp16(blk), 0.f);
     }
   }
 };
@@ -92,9 +123,9 @@ struct Int8 {  // per-channel int8: the row's scale for every block
   template <class F>
   static inline void walk(const uint8_t* row, int64_t K, float scale, F&& f) {
     for (int64_t b = 0; b < K / 32; ++b) {
-      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 32));
-      const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 32 + 16));
-      f(b, _mm256_cvtepi8_epi16(q0), _mm256_cvtepi8_epi16(q1), scale, scale, 0.f);
+      __m256i e, o;
+      split_signed(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32)), e, o);
+      f(b, e, o, scale, scale, 0.f);
     }
   }
 };
@@ -121,9 +152,10 @@ struct KQuant45 {  // Q4_K, Q5_K: 8 sub-blocks of 32 per 256, six-bit scales and
         if constexpr (Fmt == kQ5_K)  // bit j of qh[t], moved to bit 4 (no carry across bytes)
           codes = _mm256_or_si256(
               codes, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), one), 4));
+        __m256i e, o;
+        split_unsigned(codes, e, o);
         const float s = d * sc[j];
-        f(sb * 8 + j, _mm256_cvtepu8_epi16(_mm256_castsi256_si128(codes)),
-          _mm256_cvtepu8_epi16(_mm256_extracti128_si256(codes, 1)), s, s, -dmin * mn[j]);
+        f(sb * 8 + j, e, o, s, s, -dmin * mn[j]);
       }
     }
   }
@@ -135,7 +167,6 @@ struct Q6_K {  // 6-bit codes minus 32, one int8 scale per 16 elements
   template <class F>
   static inline void walk(const uint8_t* row, int64_t K, float, F&& f) {
     const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
-    const __m256i offset = _mm256_set1_epi16(32);
     for (int64_t sb = 0; sb < K / 256; ++sb) {
       const uint8_t* blk = row + sb * 210;
       const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
@@ -147,12 +178,10 @@ struct Q6_K {  // 6-bit codes minus 32, one int8 scale per 16 elements
               reinterpret_cast<const __m256i*>(blk + half * 64 + (quarter % 2) * 32));
           const __m256i lo4 = _mm256_and_si256(quarter < 2 ? ql : _mm256_srli_epi16(ql, 4), low);
           const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * quarter), three);
-          const __m256i codes = _mm256_or_si256(lo4, _mm256_slli_epi16(hi2, 4));
+          __m256i e, o;
+          split_unsigned(_mm256_or_si256(lo4, _mm256_slli_epi16(hi2, 4)), e, o);
           const int s = half * 8 + quarter * 2;
-          f(sb * 8 + half * 4 + quarter,
-            _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(codes)), offset),
-            _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(codes, 1)), offset),
-            d * sc[s], d * sc[s + 1], 0.f);
+          f(sb * 8 + half * 4 + quarter, minus(e, 32), minus(o, 32), d * sc[s], d * sc[s + 1], 0.f);
         }
       }
     }
@@ -171,6 +200,34 @@ inline __m256i sum_rows8(const __m256i d[8]) {
                           _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
+// The fp16 pairs at p + j * stride for j = 0..7 (eight blocks' scale d and, in the formats with
+// one, their minimum m right after it) as fp32 vectors, lane j for block j.
+inline void half_pairs8(const uint8_t* p, int64_t stride, __m256& d, __m256& m) {
+  // Each pair broadcast from memory and blended into its lane: loads and blends run on any
+  // port, where building the vector through inserts (or the stack) took shuffles or stalled
+  // on store forwarding.
+  const auto at = [&](int j) {
+    int32_t v;
+    std::memcpy(&v, p + j * stride, 4);
+    return _mm256_set1_epi32(v);
+  };
+  __m256i raw = at(0);
+  raw = _mm256_blend_epi32(raw, at(1), 0x02);
+  raw = _mm256_blend_epi32(raw, at(2), 0x04);
+  raw = _mm256_blend_epi32(raw, at(3), 0x08);
+  raw = _mm256_blend_epi32(raw, at(4), 0x10);
+  raw = _mm256_blend_epi32(raw, at(5), 0x20);
+  raw = _mm256_blend_epi32(raw, at(6), 0x40);
+  raw = _mm256_blend_epi32(raw, at(7), 0x80);
+  // per 128-bit lane: the four d halves to bytes 0-7, the four m halves to bytes 8-15
+  const __m256i split = _mm256_shuffle_epi8(
+      raw, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+  const __m256i ordered = _mm256_permute4x64_epi64(split, 0xD8);  // [d 0-7 | m 0-7]
+  d = _mm256_cvtph_ps(_mm256_castsi256_si128(ordered));
+  m = _mm256_cvtph_ps(_mm256_extracti128_si256(ordered, 1));
+}
+
 // src [rows, steps] -> dst [steps, stride] (stride = rows + 8, zero-padded): one block's values
 // of 8 consecutive rows are then one load (sum_rows8's lanes).
 inline int64_t transpose_steps(const float* src, int64_t rows, int64_t steps, std::vector<float>& dst) {
@@ -181,22 +238,27 @@ inline int64_t transpose_steps(const float* src, int64_t rows, int64_t steps, st
   return stride;
 }
 
-// 16 int16 codes -> 16 floats s * code + m, at out[0..15].
-inline void store_scaled(__m256i codes, float s, float m, float* out) {
-  const __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
-  const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(codes)));
-  const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(codes, 1)));
-  _mm256_storeu_ps(out, _mm256_fmadd_ps(a, vs, vm));
-  _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(b, vs, vm));
+// One block's codes (split by parity, as the walkers give them) -> 32 floats s * code + m at
+// out[0..31] in natural order: s_lo for elements 0-15, s_hi for 16-31.
+inline void store_scaled(__m256i e, __m256i o, float s_lo, float s_hi, float m, float* out) {
+  const __m256i a = _mm256_unpacklo_epi16(e, o);  // elements 0-7 | 16-23
+  const __m256i b = _mm256_unpackhi_epi16(e, o);  // elements 8-15 | 24-31
+  const __m256 lo = _mm256_set1_ps(s_lo), hi = _mm256_set1_ps(s_hi), vm = _mm256_set1_ps(m);
+  const auto put = [&](__m128i codes, __m256 s, float* at) {
+    _mm256_storeu_ps(at, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(codes)), s, vm));
+  };
+  put(_mm256_castsi256_si128(a), lo, out);
+  put(_mm256_castsi256_si128(b), lo, out + 8);
+  put(_mm256_extracti128_si256(a, 1), hi, out + 16);
+  put(_mm256_extracti128_si256(b, 1), hi, out + 24);
 }
 
 // One row of a block format dequantized to fp32 in natural order with the decoders above (the
 // fp32-tile GEMM's AVX2 path; the scalar decoder of quant_formats.h took 10x as long for Q6_K).
 // Returns false for a format they do not decode (bf16 rows).
 inline bool dequant_row_f32(int64_t fmt, const uint8_t* row, int64_t K, float scale, float* out) {
-  const auto store = [&](int64_t b, __m256i lo, __m256i hi, float s_lo, float s_hi, float m) {
-    store_scaled(lo, s_lo, m, out + b * 32);
-    store_scaled(hi, s_hi, m, out + b * 32 + 16);
+  const auto store = [&](int64_t b, __m256i e, __m256i o, float s_lo, float s_hi, float m) {
+    store_scaled(e, o, s_lo, s_hi, m, out + b * 32);
   };
   return visit_walker<Nibble32, Q8_0, Int8, KQuant45, Q6_K>(
       fmt, [&](auto w) { decltype(w)::walk(row, K, scale, store); });

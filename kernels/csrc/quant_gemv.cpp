@@ -13,8 +13,9 @@
 //     out += sum_lanes ws * da * isum(lane) + wm * da * sum(qa in lane)
 //   The unpack pairs bytes 2m, 2m+1 with 8 + 2m, 9 + 2m of each 16-code group into lane m of
 //   that group, so the activations are stored in that order (act_position).
-// - AVX2: the same int16 activations per 32 values, in natural order; each 32-code block is
-//   decoded to int16 codes (quant_avx2.h) and meets them in _mm256_madd_epi16, the block's
+// - AVX2: the same int16 activations per 32 values, each block's even elements before its odd
+//   ones; each 32-code block is decoded to int16 codes in that order (quant_avx2.h: no
+//   cross-lane shuffle) and meets them in _mm256_madd_epi16, the block's
 //   scales applied to the int32 sums. (It dequantized each row to fp32 before: compute-bound,
 //   half of llama.cpp's speed on an AVX2 machine.)
 // - acts = 8 (opt-in): int8 activations per 32 values, llama.cpp's rounding, one byte product per
@@ -46,8 +47,8 @@ constexpr int kMaxGroup = 8;  // activation rows per pass over a weight row (acc
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the current weight row to prefetch
 
 // Activation rows prepared for one call as int16 codes. VNNI path: in the chunk order of the
-// weight format (act_position), padded to whole chunks, da/ab per 4-code lane. AVX2 path: in
-// natural order (padded = K), da/ab per 32-value block.
+// weight format (act_position), padded to whole chunks, da/ab per 4-code lane. AVX2 path: each
+// block's even elements before its odd ones (padded = K), da/ab per 32-value block.
 struct Acts {
   int64_t rows = 0, padded = 0, steps = 0;  // steps: da / ab entries per row
   std::vector<int16_t> q;  // [rows, padded]
@@ -225,6 +226,14 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+// One block's int32 dot products of the codes (split by parity, quant_avx2.h) with the
+// activations stored in the same order at q: lanes 0-3 from elements 0-15, 4-7 from 16-31.
+inline __m256i block_dot(__m256i e, __m256i o, const int16_t* q) {
+  return _mm256_add_epi32(
+      _mm256_madd_epi16(e, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
+      _mm256_madd_epi16(o, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16))));
+}
+
 // 4-8 activation rows from b0 against weight row n, as int_group below, but each block's sums of
 // all rows reduced into one vector (sum_rows8): one convert and FMA per block for the group.
 template <class W, int G>
@@ -232,17 +241,18 @@ void int_group_wide(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n) {
   __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
   const float scale = p.scales ? p.scales[n] : 0.f;
   W::walk(p.w + n * p.row_bytes, p.K, scale,
-          [&](int64_t b, __m256i lo, __m256i hi, float s_lo, float s_hi, float m) {
+          [&](int64_t b, __m256i e, __m256i o, float s_lo, float s_hi, float m) {
     __m256i d_lo[8], d_hi[8];
     for (int g = 0; g < 8; ++g) {
       if (g >= G) {
         d_lo[g] = d_hi[g] = _mm256_setzero_si256();
         continue;
       }
-      const int16_t* q = a.qrow(b0 + g) + b * kActBlock;
-      d_lo[g] = _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-      d_hi[g] = _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16)));
-      if constexpr (!W::kTwoScales) d_lo[g] = _mm256_add_epi32(d_lo[g], d_hi[g]);
+      d_lo[g] = block_dot(e, o, a.qrow(b0 + g) + b * kActBlock);
+      if constexpr (W::kTwoScales) {  // lanes 0-3: elements 0-15; lanes 4-7: 16-31
+        d_hi[g] = _mm256_blend_epi32(_mm256_setzero_si256(), d_lo[g], 0xF0);
+        d_lo[g] = _mm256_blend_epi32(d_lo[g], _mm256_setzero_si256(), 0xF0);
+      }
     }
     const __m256 da = _mm256_loadu_ps(a.dat.data() + b * a.tstride + b0);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_rows8(d_lo)), _mm256_mul_ps(_mm256_set1_ps(s_lo), da), acc);
@@ -266,19 +276,15 @@ void int_group_narrow(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n)
   for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps(), mins[g] = 0.f;
   const float scale = p.scales ? p.scales[n] : 0.f;
   W::walk(p.w + n * p.row_bytes, p.K, scale,
-          [&](int64_t b, __m256i lo, __m256i hi, float s_lo, float s_hi, float m) {
+          [&](int64_t b, __m256i e, __m256i o, float s_lo, float s_hi, float m) {
     for (int g = 0; g < G; ++g) {
-      const int16_t* q = a.qrow(b0 + g) + b * kActBlock;
       const float da = a.darow(b0 + g)[b];
-      const __m256i p_lo = _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-      const __m256i p_hi = _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16)));
-      if constexpr (W::kTwoScales) {
-        acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_lo), _mm256_set1_ps(s_lo * da), acc[g]);
-        acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_hi), _mm256_set1_ps(s_hi * da), acc[g]);
-      } else {
-        acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p_lo, p_hi)),
-                                 _mm256_set1_ps(s_lo * da), acc[g]);
-      }
+      const __m256 isum = _mm256_cvtepi32_ps(block_dot(e, o, a.qrow(b0 + g) + b * kActBlock));
+      if constexpr (W::kTwoScales)  // lanes 0-3: elements 0-15; lanes 4-7: 16-31
+        acc[g] = _mm256_fmadd_ps(isum, _mm256_set_m128(_mm_set1_ps(s_hi * da), _mm_set1_ps(s_lo * da)),
+                                 acc[g]);
+      else
+        acc[g] = _mm256_fmadd_ps(isum, _mm256_set1_ps(s_lo * da), acc[g]);
       if constexpr (W::kHasMin) mins[g] += m * a.abrow(b0 + g)[b];
     }
   });
@@ -286,9 +292,60 @@ void int_group_narrow(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n)
   for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = hsum(acc[g]) + mins[g] + bias;
 }
 
+// The 32-element block formats, whose fp16 scales sit at a fixed stride along a row.
+template <class W>
+constexpr bool kBlock32 = std::is_same_v<W, Q8_0> || std::is_same_v<W, Nibble32<kQ4_0>> ||
+                          std::is_same_v<W, Nibble32<kQ4_1>> || std::is_same_v<W, Nibble32<kQ5_0>> ||
+                          std::is_same_v<W, Nibble32<kQ5_1>>;
+
+// Activation row r against weight row n of a 32-element block format, eight blocks at a time:
+// the eight blocks' int32 sums are reduced into one vector (as sum_rows8: lane j for block j), so
+// their scales, loaded as one vector (half_pairs8), apply in one convert and one FMA. Why: a
+// block at a time (int_group_narrow at G = 1) spent as many instructions on its two fp16
+// scales (inserted, converted, multiplied and broadcast one by one) as on its 32 products, and
+// left the one-stream decode compute-bound on AVX2 (llvm-mca: ~7 cycles a block, ~4 here).
+template <class W>
+void one_row(const LinearArgs& p, const Acts& a, int64_t r, int64_t n) {
+  const uint8_t* row = p.w + n * p.row_bytes;
+  const int16_t* x = a.qrow(r);
+  const float* da = a.darow(r);
+  const float* ab = a.abrow(r);
+  const int64_t blocks = p.K / kActBlock, whole = blocks / 8 * 8;
+  __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
+  for (int64_t b0 = 0; b0 < whole; b0 += 8) {
+    const uint8_t* blk = row + b0 * W::kBytes;
+    const auto dot = [&](int j) {
+      __m256i e, o;
+      W::codes(blk + j * W::kBytes, e, o);
+      return block_dot(e, o, x + (b0 + j) * kActBlock);
+    };
+    // sum_rows8's reduction, pair by pair as the sums come (fewer registers live: no spills)
+    __m256i pairs[4];
+    for (int j = 0; j < 4; ++j) pairs[j] = _mm256_hadd_epi32(dot(2 * j), dot(2 * j + 1));
+    const __m256i u0 = _mm256_hadd_epi32(pairs[0], pairs[1]), u1 = _mm256_hadd_epi32(pairs[2], pairs[3]);
+    const __m256i isum = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                                          _mm256_permute2x128_si256(u0, u1, 0x31));
+    __m256 d, m;
+    half_pairs8(blk, W::kBytes, d, m);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_loadu_ps(da + b0)), acc);
+    if constexpr (W::kHasMin) mins = _mm256_fmadd_ps(m, _mm256_loadu_ps(ab + b0), mins);
+  }
+  float total = hsum(_mm256_add_ps(acc, mins));
+  for (int64_t b = whole; b < blocks; ++b) {  // the last K / 32 % 8 blocks one by one
+    const uint8_t* blk = row + b * W::kBytes;
+    __m256i e, o;
+    W::codes(blk, e, o);
+    total += fp16(blk) * da[b] * static_cast<float>(hsum_epi32(block_dot(e, o, x + b * kActBlock)));
+    if constexpr (W::kHasMin) total += fp16(blk + 2) * ab[b];
+  }
+  p.out[r * p.ldo + n] = total + (p.bias ? p.bias[n] : 0.f);
+}
+
 template <class W, int G>
 void int_group(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n) {
-  if constexpr (G >= 4)
+  if constexpr (G == 1 && kBlock32<W>)
+    one_row<W>(p, a, b0, n);
+  else if constexpr (G >= 4)
     int_group_wide<W, G>(p, a, b0, n);
   else
     int_group_narrow<W, G>(p, a, b0, n);
@@ -325,7 +382,7 @@ void bf16_group(const LinearArgs& p, int64_t b0, int64_t n0, int64_t n1) {
 
 }  // namespace
 
-// The activations as int16 codes per 32 values in natural order (the VNNI path's rule: steps of
+// The activations as int16 codes per 32 values in the walkers' order (the VNNI path's rule: steps of
 // max|x| / 32767, rounded to nearest even), with each block's step at da and step x code sum at
 // ab (the weights' offsets meet it), 8 values at a time.
 void quantize_acts(const float* x, int64_t rows, int64_t K, Acts& a) {
@@ -351,9 +408,18 @@ void quantize_acts(const float* x, int64_t rows, int64_t K, Acts& a) {
         total = _mm256_add_epi32(total, c[i]);
       }
       int16_t* q = a.q.data() + r * K + blk * kActBlock;
-      for (int i = 0; i < 2; ++i)  // packs interleaves 128-bit lanes: put them back in order
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * i),
-                            _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2 * i], c[2 * i + 1]), 0xD8));
+      // The walkers' order (quant_avx2.h): the even elements, then the odd ones, each as
+      // [8 of elements 0-15 | 8 of 16-31]. Per half: natural order (packs interleaves 128-bit
+      // lanes: put them back), then evens before odds within each 128-bit lane, and together.
+      const __m256i parity = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                              0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+      __m256i half[2];
+      for (int i = 0; i < 2; ++i) {
+        const __m256i natural = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2 * i], c[2 * i + 1]), 0xD8);
+        half[i] = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(natural, parity), 0xD8);  // [evens | odds]
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permute2x128_si256(half[0], half[1], 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm256_permute2x128_si256(half[0], half[1], 0x31));
       a.da[r * K / kActBlock + blk] = d;
       a.ab[r * K / kActBlock + blk] = d * static_cast<float>(hsum_epi32(total));
     }

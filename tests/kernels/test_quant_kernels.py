@@ -56,7 +56,7 @@ def quantized_activations(x: torch.Tensor, isa: int) -> torch.Tensor:
 
 def widths(fmt: str) -> tuple[int, ...]:
     """K values: an odd number of 32-blocks (a half chunk), one chunk, several super-blocks."""
-    return (256, 512) if FORMATS[fmt].block == 256 else (96, 64, 512)
+    return (256, 512) if FORMATS[fmt].block == 256 else (288, 64, 512)
 
 
 def test_output_can_be_a_column_slice(cpu_ops):
