@@ -46,20 +46,6 @@ inline __m256i minus(__m256i v, int16_t offset) {
   return offset ? _mm256_sub_epi16(v, _mm256_set1_epi16(offset)) : v;
 }
 
-// Bit i of `bits` (i < 16, from byte `first_byte` on) as 0x10 in byte i, else 0: the fifth bit
-// of Q5_0/Q5_1 codes.
-inline __m128i fifth_bits(uint32_t bits, int first_byte) {
-  const __m128i spread = _mm_shuffle_epi8(
-      _mm_set1_epi32(static_cast<int>(bits)),
-      _mm_setr_epi8(first_byte, first_byte, first_byte, first_byte, first_byte, first_byte,
-                    first_byte, first_byte, first_byte + 1, first_byte + 1, first_byte + 1,
-                    first_byte + 1, first_byte + 1, first_byte + 1, first_byte + 1,
-                    first_byte + 1));
-  const __m128i mask = _mm_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(spread, mask), mask);
-  return _mm_and_si128(set, _mm_set1_epi8(0x10));
-}
-
 template <int64_t Fmt>
 struct Nibble32 {  // Q4_0, Q4_1, Q5_0, Q5_1
   static constexpr int64_t kBytes = Fmt == kQ4_0 ? 18 : Fmt == kQ4_1 ? 20 : Fmt == kQ5_0 ? 22 : 24;
@@ -72,19 +58,28 @@ struct Nibble32 {  // Q4_0, Q4_1, Q5_0, Q5_1
   static inline void codes(const uint8_t* blk, __m256i& e, __m256i& o) {
     const __m128i qs = _mm_loadu_si128(
         reinterpret_cast<const __m128i*>(blk + (kHasMin ? 4 : 2) + (kFive ? 4 : 0)));
-    if constexpr (kFive) {
+    // byte t's low nibble is element t, its high one t + 16: one copy of qs per 128-bit lane,
+    // the high one shifted down a nibble
+    const __m256i nibble = _mm256_set1_epi16(0x000F);
+    const __m256i u = _mm256_srlv_epi32(_mm256_broadcastsi128_si256(qs),
+                                        _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    e = _mm256_and_si256(u, nibble);
+    o = _mm256_and_si256(_mm256_srli_epi16(u, 8), nibble);
+    if constexpr (kFive) {  // bit t of qh: element t's fifth bit (16)
       uint32_t qh;
       std::memcpy(&qh, blk + (kHasMin ? 4 : 2), 4);
-      const __m128i low = _mm_set1_epi8(0x0F);
-      const __m128i lo = _mm_or_si128(_mm_and_si128(qs, low), fifth_bits(qh, 0));
-      const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), low), fifth_bits(qh, 2));
-      split_unsigned(_mm256_set_m128i(hi, lo), e, o);
-    } else {  // byte t's low nibble is element t, its high one t + 16: one copy per lane
-      const __m256i nibble = _mm256_set1_epi16(0x000F);
-      const __m256i u = _mm256_srlv_epi32(_mm256_broadcastsi128_si256(qs),
-                                          _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
-      e = _mm256_and_si256(u, nibble);
-      o = _mm256_and_si256(_mm256_srli_epi16(u, 8), nibble);
+      // qh's low half (elements 0-15) in every int16 of the low 128-bit lane, its high half
+      // (16-31) in the high lane; lane i of e (o) then needs bit 2i (2i + 1) of its copy
+      const __m256i q16 = _mm256_shuffle_epi8(
+          _mm256_set1_epi32(static_cast<int>(qh)),
+          _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                           2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
+      const __m256i even = _mm256_setr_epi16(1, 4, 16, 64, 256, 1024, 4096, 16384,
+                                             1, 4, 16, 64, 256, 1024, 4096, 16384);
+      const __m256i odd = _mm256_slli_epi16(even, 1);
+      const __m256i sixteen = _mm256_set1_epi16(16);
+      e = _mm256_or_si256(e, _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(q16, even), even), sixteen));
+      o = _mm256_or_si256(o, _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(q16, odd), odd), sixteen));
     }
     e = minus(e, kOffset);
     o = minus(o, kOffset);
@@ -130,30 +125,50 @@ struct Int8 {  // per-channel int8: the row's scale for every block
   }
 };
 
+// The K-quants also serve the one-row GEMV (quant_gemv.cpp) a super-block at a time: codes(blk,
+// j, ...) decodes its 32-block j, scale_vectors its eight blocks' scales as vectors.
 template <int64_t Fmt>
 struct KQuant45 {  // Q4_K, Q5_K: 8 sub-blocks of 32 per 256, six-bit scales and mins
   static constexpr int64_t kBytes = Fmt == kQ4_K ? 144 : 176;
   static constexpr bool kHasMin = true, kTwoScales = false;
 
+  static inline void codes(const uint8_t* blk, int j, __m256i& e, __m256i& o) {
+    const uint8_t* qs = blk + (Fmt == kQ4_K ? 16 : 48);
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (j / 2) * 32));
+    __m256i c = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(0x0F));
+    if constexpr (Fmt == kQ5_K) {  // bit j of qh[t], moved to bit 4 (no carry across bytes)
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+      c = _mm256_or_si256(c, _mm256_slli_epi16(
+                                 _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
+    }
+    split_unsigned(c, e, o);
+  }
+
+  // Lane j: block j's scale d sc_j and offset -dmin mn_j (k_scales' unpacking, 4 bytes at a time).
+  static inline void scale_vectors(const uint8_t* blk, __m256& s, __m256& m) {
+    uint32_t a, b, c;
+    std::memcpy(&a, blk + 4, 4);
+    std::memcpy(&b, blk + 8, 4);
+    std::memcpy(&c, blk + 12, 4);
+    const uint64_t sc = (a & 0x3F3F3F3Fu) | static_cast<uint64_t>((c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)) << 32;
+    const uint64_t mn = (b & 0x3F3F3F3Fu) | static_cast<uint64_t>(((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u)) << 32;
+    const auto widen = [](uint64_t bytes) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))));
+    };
+    s = _mm256_mul_ps(_mm256_set1_ps(fp16(blk)), widen(sc));
+    m = _mm256_mul_ps(_mm256_set1_ps(-fp16(blk + 2)), widen(mn));
+  }
+
   template <class F>
   static inline void walk(const uint8_t* row, int64_t K, float, F&& f) {
-    const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     for (int64_t sb = 0; sb < K / 256; ++sb) {
       const uint8_t* blk = row + sb * kBytes;
       const float d = fp16(blk), dmin = fp16(blk + 2);
       uint8_t sc[8], mn[8];
       k_scales(blk + 4, sc, mn);
-      const uint8_t* qs = blk + (Fmt == kQ4_K ? 16 : 48);
-      __m256i qh = _mm256_setzero_si256();
-      if constexpr (Fmt == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
       for (int j = 0; j < 8; ++j) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (j / 2) * 32));
-        __m256i codes = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low);
-        if constexpr (Fmt == kQ5_K)  // bit j of qh[t], moved to bit 4 (no carry across bytes)
-          codes = _mm256_or_si256(
-              codes, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), one), 4));
         __m256i e, o;
-        split_unsigned(codes, e, o);
+        codes(blk, j, e, o);
         const float s = d * sc[j];
         f(sb * 8 + j, e, o, s, s, -dmin * mn[j]);
       }
@@ -163,26 +178,41 @@ struct KQuant45 {  // Q4_K, Q5_K: 8 sub-blocks of 32 per 256, six-bit scales and
 
 struct Q6_K {  // 6-bit codes minus 32, one int8 scale per 16 elements
   static constexpr bool kHasMin = false, kTwoScales = true;
+  static constexpr int64_t kBytes = 210;
+
+  // 32-block j = 4 half + quarter of the super-block: elements 128 half + 32 quarter + t.
+  static inline void codes(const uint8_t* blk, int j, __m256i& e, __m256i& o) {
+    const int half = j / 4, quarter = j % 4;
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + half * 32));
+    const __m256i ql = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(blk + half * 64 + (quarter % 2) * 32));
+    const __m256i lo4 = _mm256_and_si256(quarter < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(0x0F));
+    const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * quarter), _mm256_set1_epi8(3));
+    split_unsigned(_mm256_or_si256(lo4, _mm256_slli_epi16(hi2, 4)), e, o);
+    e = minus(e, 32);
+    o = minus(o, 32);
+  }
+
+  // The 16 scales d sc_i in the one-row GEMV's order: first [blocks 0-3's first halves (scales
+  // 0, 2, 4, 6) | their second halves (1, 3, 5, 7)], then the same for blocks 4-7.
+  static inline void scale_vectors(const uint8_t* blk, __m256& first, __m256& second) {
+    const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)),
+                                        _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+    const __m256 d = _mm256_set1_ps(fp16(blk + 208));
+    first = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+    second = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+  }
 
   template <class F>
   static inline void walk(const uint8_t* row, int64_t K, float, F&& f) {
-    const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
     for (int64_t sb = 0; sb < K / 256; ++sb) {
-      const uint8_t* blk = row + sb * 210;
+      const uint8_t* blk = row + sb * kBytes;
       const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
       const float d = fp16(blk + 208);
-      for (int half = 0; half < 2; ++half) {
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + half * 32));
-        for (int quarter = 0; quarter < 4; ++quarter) {
-          const __m256i ql = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(blk + half * 64 + (quarter % 2) * 32));
-          const __m256i lo4 = _mm256_and_si256(quarter < 2 ? ql : _mm256_srli_epi16(ql, 4), low);
-          const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * quarter), three);
-          __m256i e, o;
-          split_unsigned(_mm256_or_si256(lo4, _mm256_slli_epi16(hi2, 4)), e, o);
-          const int s = half * 8 + quarter * 2;
-          f(sb * 8 + half * 4 + quarter, minus(e, 32), minus(o, 32), d * sc[s], d * sc[s + 1], 0.f);
-        }
+      for (int j = 0; j < 8; ++j) {
+        __m256i e, o;
+        codes(blk, j, e, o);
+        f(sb * 8 + j, e, o, d * sc[2 * j], d * sc[2 * j + 1], 0.f);
       }
     }
   }
