@@ -30,9 +30,11 @@ size, the CPU's vector extensions (:mod:`pagedq.kernels.cpu_features`; capped at
 reads from ``PAGEDQ_CPU_KERNEL``, ``PAGEDQ_ONEDNN`` and ``PAGEDQ_FUSED_LAYER`` once per
 process; ``PAGEDQ_CPU_ISA`` caps the whole process, ``TRITON_INTERPRET`` and
 ``TORCH_EXTENSIONS_DIR`` are Triton's and torch's own)
-and logs one line saying what it chose and why. Model code asks the Backend it was given; it
-reads neither the environment nor module globals. Tests and benchmarks build a Selector with
-explicit switches or CPU features instead of changing the environment.
+and logs one line saying what it chose and why. Model code is built from the Backend's
+:class:`KernelPlan` (:meth:`Backend.plan`: the float weights' linear and each packed format's
+route, resolved once); it reads neither the environment nor module globals. Tests and
+benchmarks build a Selector with explicit switches or CPU features instead of changing the
+environment.
 """
 
 from __future__ import annotations
@@ -213,6 +215,12 @@ TILE_PRECISIONS = ("bf16", "bf16x2", "bf16x3")  # bf16 tiles: AMX only
 assert tuple(PACKED_PRECISIONS) == PACKED_GEMM_PRECISIONS, "EngineConfig's names are these"
 
 
+def quant_linear_precision(precision: str, int8_acts: bool) -> int:
+    """QuantLinear's ``precision`` argument: the GEMM's GemmPrecision (a PACKED_PRECISIONS
+    name), with INT8_ACTS_BIT when the GEMV takes int8 activations."""
+    return int(PACKED_PRECISIONS[precision]) | (INT8_ACTS_BIT if int8_acts else 0)
+
+
 def _gemv_rows(fmt: str, rows: int, precision: str, grouped: bool, int8: bool = False) -> int:
     """The row count up to which ``fmt``'s packed GEMV runs (GEMV_ROWS and its exceptions;
     ``grouped``: the CPU runs the grouped GEMV; ``precision`` the GEMM's; ``int8``: the GEMV
@@ -248,12 +256,9 @@ class PackedChoice:
     ops: CpuOps | None = field(default=None, compare=False, repr=False)
     precision: str = DEFAULT_PACKED_PRECISION
     int8_acts: bool = False  # the GEMV rounds activations to int8 (an INT8_FORMATS format)
-
-    @property
-    def precision_code(self) -> int:
-        """QuantLinear's ``precision``: the GEMM's GemmPrecision, with INT8_ACTS_BIT when the
-        GEMV takes int8 activations."""
-        return int(PACKED_PRECISIONS[self.precision]) | (INT8_ACTS_BIT if self.int8_acts else 0)
+    # QuantLinear's ``precision`` for the two above (quant_linear_precision), resolved with them
+    # by the selector so that building a projection reads it and asks nothing
+    precision_code: int = quant_linear_precision(DEFAULT_PACKED_PRECISION, False)
 
     @property
     def name(self) -> str:
@@ -312,6 +317,24 @@ class Backend:
                 "norm": self.norm, "layer": self.layer,
                 "cpu": self.cpu.summary() if self.cpu else "-"}
 
+    def plan(self) -> KernelPlan:
+        """These choices resolved for a model computing in ``dtype``: the route of its float
+        weights and of every packed format, looked up once here."""
+        return KernelPlan(self, self.linear_for(_format(self.dtype)),
+                          {f: self.packed_for(f) for f in PACKED_FORMATS})
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """What a model is built and packed for (:meth:`Backend.plan`): the backend, the linear
+    its float weights take (they are in the backend's dtype, the compute dtype) and the route
+    of each packed format (every segment a checkpoint can hold: PACKED_FORMATS). The models
+    layer builds every layer and projection from this, asking the selector nothing more."""
+
+    backend: Backend
+    linear: LinearChoice
+    packed: dict[str, PackedChoice]
+
 
 def _packed_summary(choices: tuple[PackedChoice, ...]) -> str:
     """One entry per distinct route: "q4_0/q4_1/...: cpp-gemv-vnni<=4+cpp-gemm-bf16"."""
@@ -355,6 +378,14 @@ class Selector:
     def library(self) -> CpuOps | None:
         """The C++ ops when this CPU runs them and they build; None otherwise."""
         return load_cpu_ops(self.switches.extensions_dir) if self.cpu.runs_cpp_kernels else None
+
+    def ops_for(self, device: torch.device | str) -> CpuOps | None:
+        """The C++ ops a model on ``device`` may run, built or loaded by the process's first
+        call: None off the CPU, with the C++ kernels switched off, where this CPU lacks their
+        extensions or where the build failed."""
+        if torch.device(device).type != "cpu" or not self.switches.cpu_kernels:
+            return None
+        return self.library()
 
     def select(self, device: torch.device | str, dtype: torch.dtype = torch.float32,
                kv_dtype: torch.dtype | None = None, head_dim: int | None = None,
@@ -461,7 +492,8 @@ class Selector:
             reasons.append(f"packed GEMV on int8 activations for {'/'.join(bytes_)} "
                            "(--packed-activations int8)")
         return tuple(PackedChoice(f, "cpp", _gemv_rows(f, rows, precision, grouped, f in bytes_),
-                                  isa, ops, precision, f in bytes_)
+                                  isa, ops, precision, f in bytes_,
+                                  quant_linear_precision(precision, f in bytes_))
                      for f, rows in GEMV_ROWS.items())
 
     def compute_dtype(self, device: torch.device | str, dtype: torch.dtype,
@@ -476,8 +508,7 @@ class Selector:
         if torch.device(device).type != "cpu" or dtype == torch.float32:
             return dtype
         bf16_rows = dtype == torch.bfloat16 and self.cpu.has_bf16_matmul
-        if (packed or bf16_rows) and self.switches.cpu_kernels and self.cpu.runs_cpp_kernels \
-                and self.library() is not None:
+        if (packed or bf16_rows) and self.ops_for(device) is not None:
             return torch.float32
         return dtype
 

@@ -71,7 +71,7 @@ def test_projections_group_their_rows_where_the_vnni_gemv_runs(cpu_ops, level, g
     weight = random_weight(fmt, 32, k, gen)
     dense = dequantize(weight).double()
     backend = Selector(Switches(), cpu_isa=level).select("cpu", F32, None, 64)
-    projection = build_projection([weight], None, backend, torch.device("cpu"))
+    projection = build_projection([weight], None, backend.plan().packed, torch.device("cpu"))
     assert weight.grouped is grouped
     assert backend.packed_for(fmt).kernel(1) == ("cpp-gemv-vnni" if grouped else "cpp-gemv-avx2")
     for rows in (2, 100):  # the GEMV, then the GEMM
@@ -126,7 +126,7 @@ def test_each_level_routes_only_kernels_it_runs(cpu_ops, level):
         assert choice.precision in (PACKED_PRECISIONS if level == "amx" else ("fp32",))
     gen = torch.Generator().manual_seed(8)
     weight = random_weight("q4_k", 32, 256, gen)
-    projection = build_projection([weight], None, backend, torch.device("cpu"))
+    projection = build_projection([weight], None, backend.plan().packed, torch.device("cpu"))
     x = torch.randn(80, 256, generator=gen)
     want = x.double() @ dequantize(weight).double().T
     assert ((projection.forward(x).double() - want).abs().max() / want.abs().max()) < 1e-4
@@ -145,7 +145,7 @@ def test_the_gemm_runs_in_the_precision_asked_for(cpu_ops):
         # this machine: the precision asked for where it has AMX, fp32 tiles elsewhere
         real = Selector(Switches()).select("cpu", F32, None, 64, packed_precision=precision)
         weight = quantize_int4(torch.randn(8, 64))
-        projection = build_projection([weight], None, real, torch.device("cpu"))
+        projection = build_projection([weight], None, real.plan().packed, torch.device("cpu"))
         want = precision if cpu_ops.bf16_tiles else "fp32"
         assert projection.precision == int(PACKED_PRECISIONS[want])
     with pytest.raises(ValueError, match="packed_precision"):

@@ -44,7 +44,7 @@ def run(path, fused: bool | None, prompts: list[list[int]], kv_cache_dtype="auto
             counting = lambda *a: calls.append(1) or op(*a)
             backend = dataclasses.replace(
                 backend, ops=dataclasses.replace(backend.ops, decoder_layers=counting))
-    engine.model.use_backend(backend)
+    engine.model.use_kernels(backend.plan())
     logits = []
     execute = engine.runner.execute
 

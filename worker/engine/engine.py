@@ -52,9 +52,10 @@ class Engine(OfflineAPI):
     ``Engine(model, **knobs)`` takes every field of EngineConfig as a keyword (or a whole
     ``config=``); ``self.config`` is that config with the device's block size filled in. The
     model comes from the models layer's one room (pagedq.worker.models.build), which resolves
-    it, picks its weight form (``self.weight_form``), loads it and chooses its kernels
-    (``self.backend``); ``files=`` hands it a model already opened there (the CLI opens it to
-    size the cache for its prompts).
+    it, picks its weight form (``self.weight_form``), chooses its kernels (``self.backend``),
+    loads it and packs it for them, and says what the weights take (``self.weight_bytes``);
+    ``files=`` hands it a model already opened there (the CLI opens it to size the cache for
+    its prompts).
     """
 
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
@@ -97,10 +98,10 @@ class Engine(OfflineAPI):
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0
-        self.weight_bytes = self.model.weight_bytes()
+        self.weight_bytes = built.weight_bytes
         log.info("engine ready", model=str(self.model_path), device=str(self.device),
                  dtype=config.dtype, quantization=config.quantization,
-                 compute_dtype=str(self.model.compute_dtype).removeprefix("torch."),
+                 compute_dtype=str(built.form.compute).removeprefix("torch."),
                  weight_bytes=self.weight_bytes, kv_cache_dtype=self.kv_dtype_name,
                  load_s=round(time.perf_counter() - started, 2), **plan.log_fields())
 

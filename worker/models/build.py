@@ -1,19 +1,27 @@
-"""The one room that builds the model: resolve it, pick its weight form, load it, choose its kernels.
+"""The one room that builds the model: resolve it, pick its weight form, choose its kernels,
+load it and pack it for them.
 
 The engine asks here once (as nano-vllm's ``ModelRunner`` loads its model) and gets a
 :class:`BuiltModel` back; ``EngineConfig.quantization`` is read in :func:`choose_form` and
-nowhere else. The steps, in order:
+nowhere else. The steps, in order, each handing the next what it decided:
 
-1. :func:`open_model`: the model's directory (``quantization="auto"`` keeps a GGUF's blocks, so
+1. :func:`kernel_selector`: the kernels' side first: a ``cpu_isa`` above this CPU is refused
+   before anything resolves, and on a CPU the C++ library is built or loaded (whether it runs
+   decides the weights' form).
+2. :func:`open_model`: the model's directory (``quantization="auto"`` keeps a GGUF's blocks, so
    its directory holds config and tokenizer only, the bundled model included), its config and
    tokenizer. No weight is read, so a caller can check prompts against the model first (the
    CLI does) and hand the opened files on.
-2. :func:`choose_form`: the weights' form (:class:`WeightForm`: a pack mode and the
+3. :func:`choose_form`: the weights' form (:class:`WeightForm`: a pack mode and the
    activations' dtype) from ``quantization``, whether the weights come from a GGUF, and what
-   this CPU's kernels compute.
-3. :func:`build_model`: the weights read in that form (:func:`read_weights`, through
-   :func:`pack_weights`) and handed to :class:`~pagedq.worker.models.llama.CausalLM`, then the
-   kernels chosen for it and the weights packed for them.
+   this CPU's kernels compute; then the kernels for that compute dtype, resolved once into a
+   :class:`~pagedq.kernels.backend.KernelPlan` (the float weights' linear, each packed
+   format's route).
+4. :func:`read_weights`: every weight read in that form (through :func:`pack_weights`).
+5. :class:`~pagedq.worker.models.llama.CausalLM` built from the plan, given the weights (it
+   places them) and packed for the plan's kernels in one pass, which also counts the bytes
+   the weights then take; the engine's summary reads them, and the compute dtype, from the
+   :class:`BuiltModel`.
 """
 
 from __future__ import annotations
@@ -37,15 +45,15 @@ from pagedq.kernels.block_formats import (
 from pagedq.logging import get_logger
 from pagedq.progress import waiting
 from pagedq.worker.config import EngineConfig
-from pagedq.worker.models.llama import CausalLM
+from pagedq.worker.models.llama import CausalLM, head_dim
 from pagedq.worker.models.loader import iter_weights, load_config, load_tokenizer, resolve_model
 from pagedq.worker.models.model_cache import packed_source, release_freed_heap
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-__all__ = ["BuiltModel", "ModelFiles", "WeightForm", "build_model", "choose_form", "open_model",
-           "pack_weights", "read_weights"]
+__all__ = ["BuiltModel", "ModelFiles", "WeightForm", "build_model", "choose_form",
+           "kernel_selector", "open_model", "pack_weights", "read_weights"]
 
 log = get_logger("pagedq.models")
 
@@ -78,13 +86,25 @@ class WeightForm:
 
 @dataclass
 class BuiltModel:
-    """What the engine runs: the opened files, the form chosen, the loaded model and the
-    kernels it runs on."""
+    """What the engine runs: the opened files, the form chosen, the loaded model, the kernels
+    it runs on and the bytes its weights take (packed blocks, float weights and the copies the
+    kernels read)."""
 
     files: ModelFiles
     form: WeightForm
     model: CausalLM
     backend: Backend
+    weight_bytes: int
+
+
+def kernel_selector(config: EngineConfig, device: torch.device) -> Selector:
+    """The process's selector for ``config``'s switches, asked before the model resolves: a
+    ``cpu_isa`` above this CPU is refused here, and on a CPU the C++ library builds or loads
+    here (minutes the first time on a machine), since whether it runs decides the weights'
+    form (Selector.compute_dtype) and every kernel chosen after."""
+    selector = process_selector(config.cpu_isa, config.kernel_switches())
+    selector.ops_for(device)  # loaded once per process; what the selector reads from now on
+    return selector
 
 
 def open_model(config: EngineConfig) -> ModelFiles:
@@ -114,27 +134,28 @@ def choose_form(config: EngineConfig, files: ModelFiles, device: torch.device,
 
 def build_model(config: EngineConfig, device: torch.device, kv_dtype: torch.dtype,
                 files: ModelFiles | None = None) -> BuiltModel:
-    """The model of ``config`` on ``device``, its weights in the chosen form and its kernels
-    chosen (``files``: already opened by :func:`open_model`). RoPE tables are sized for
+    """The model of ``config`` on ``device``, its weights in the chosen form and packed for the
+    kernels chosen (``files``: already opened by :func:`open_model`). RoPE tables are sized for
     ``max_model_len``; the C++ kernels build or load here, not on the first step."""
-    # a cap above this CPU is refused before loading; the switches are the config's fields
-    selector = process_selector(config.cpu_isa, config.kernel_switches())
+    selector = kernel_selector(config, device)
     files = files or open_model(config)
     form = choose_form(config, files, device, selector)
-    positions = config.max_model_len or files.hf_config.max_position_embeddings
-    with waiting(f"loading the weights of {files.path.name}", log):
-        model = CausalLM(files.hf_config, form.compute, device, positions)
-        model.load_weights(read_weights(files.path, form.mode))
-        model.eval()
     if form.compute != getattr(torch, config.dtype):
         log.info("weights kept packed; activations in float32 for the CPU kernels",
                  dtype=config.dtype, pack=form.mode)
-    with waiting("selecting the kernels and packing the weights for them", log):
-        backend = selector.select(device, form.compute, kv_dtype, model.head_dim,
-                                  config.packed_gemm_precision, config.packed_activations)
-        model.use_backend(backend)
+    hf_config = files.hf_config
+    plan = selector.select(device, form.compute, kv_dtype, head_dim(hf_config),
+                           config.packed_gemm_precision, config.packed_activations).plan()
+    positions = config.max_model_len or hf_config.max_position_embeddings
+    with waiting(f"loading the weights of {files.path.name}", log):
+        weights = read_weights(files.path, form.mode)
+        model = CausalLM(hf_config, plan, device, positions)
+        model.load_weights(weights)
+        model.eval()
+    with waiting("packing the weights for the kernels", log):
+        model.use_kernels(plan)
     release_freed_heap()
-    return BuiltModel(files, form, model, backend)
+    return BuiltModel(files, form, model, plan.backend, model.weight_bytes)
 
 
 # --------------------------------------------------------------------------- weight forms

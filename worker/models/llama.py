@@ -6,8 +6,10 @@ by name; q/k/v and gate/up are fused at load time so each layer is four matmuls.
 
 Every forward handles a packed batch of tokens from many sequences (prefill chunks and decodes
 alike): positions say where each token sits, and the attention context says where its KV goes.
-Which kernels run is the :class:`~pagedq.kernels.backend.Backend` the engine hands to
-:meth:`CausalLM.use_backend`; the model asks it and nothing else.
+Which kernels run is the :class:`~pagedq.kernels.backend.KernelPlan` the model is built from
+(pagedq.worker.models.build) and packed for (:meth:`CausalLM.use_kernels`): its backend, the
+linear of the float weights, the route of each packed format, resolved once; the model asks it
+and nothing else.
 
 Weights are either float parameters or, when the checkpoint's matrices arrive packed
 (:class:`~pagedq.kernels.block_formats.QuantWeight`: GGUF blocks, int8/int4, bf16 rows), packed
@@ -27,13 +29,14 @@ from torch import nn
 
 from pagedq.errors import EngineError
 from pagedq.kernels import Backend, LinearChoice, paged_attention, write_kv
-from pagedq.kernels.backend import portable_backend
+from pagedq.kernels.backend import KernelPlan
 from pagedq.kernels.block_formats import QuantWeight, dequantize, weight_nbytes
 from pagedq.kernels.cpu_attention import kernel_rows, kernel_takes_step
 from pagedq.worker.models.packed import Segment, build_projection
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 UNSUPPORTED_ROPE = {"dynamic", "longrope"}  # depend on the running length: no static table
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a layer's matmuls
 
 
 class UnsupportedModelError(EngineError):
@@ -106,7 +109,7 @@ def rope_frequencies(config, rope_type: str) -> tuple[torch.Tensor, float]:
         raise UnsupportedModelError(f"RoPE type {rope_type!r} is unknown to this transformers")
     params = getattr(config, "rope_parameters", None) or {}
     base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = head_dim(config)
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
 
@@ -118,18 +121,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
-def weight_format(weight: torch.Tensor) -> str:
-    """The format a LinearChoice is chosen for: a dense tensor's dtype ("float32", ...)."""
-    return str(weight.dtype).removeprefix("torch.")
+def head_dim(config) -> int:
+    """The width of one attention head (the config's, else hidden size over heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, dtype,
-                 device, backend: Backend) -> None:
+                 plan: KernelPlan) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.head_dim = head_dim(config)
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
         h, d = config.hidden_size, self.head_dim
@@ -148,10 +151,10 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = param(2 * config.intermediate_size, h)
         self.down_proj = param(h, config.intermediate_size)
         self.packed: dict[str, torch.Tensor] = {}  # the linear's prepacked copies (oneDNN)
-        self.segments: dict[str, list[Segment]] = {}  # packed weights per projection (PACKED)
-        self.projections: dict[str, Any] = {}  # their runtime objects, built by use_backend
-        self.backend = backend  # CausalLM.use_backend sets these three
-        self.linear = backend.linear_for(weight_format(self.qkv_proj))
+        self.segments: dict[str, list[Segment]] = {}  # packed weights per projection (PROJECTIONS)
+        self.projections: dict[str, Any] = {}  # their runtime objects, built by use_kernels
+        self.backend = plan.backend  # CausalLM.use_kernels sets these two again
+        self.linear = plan.linear
         self.input_layernorm = param(h)
         self.post_attention_layernorm = param(h)
 
@@ -187,12 +190,31 @@ class DecoderLayer(nn.Module):
             return packed.forward(x)
         return self.linear(x, getattr(self, name), bias, self.packed.get(name))
 
+    def use_kernels(self, plan: KernelPlan, device: torch.device) -> int:
+        """Build this layer's projections for ``plan``: a packed one into its format's route
+        (bias included), a float one beside the copy the plan's linear reads (oneDNN's blocked
+        layout for batched CPU fp32 steps; the skinny GEMV streams the plain weight). Returns
+        the bytes of the packed segments and of those copies (the float weights are the
+        model's parameters)."""
+        self.backend, self.linear = plan.backend, plan.linear
+        bias = {"qkv_proj": self.qkv_bias, "o_proj": self.o_bias}
+        self.projections = {name: build_projection(segs, bias.get(name), plan.packed, device)
+                            for name, segs in self.segments.items()}
+        packed = {name: self.linear.prepack(getattr(self, name).data) for name in PROJECTIONS
+                  if name not in self.segments}
+        self.packed = {name: p for name, p in packed.items() if p is not None}
+        return sum(weight_nbytes(w) for w in [*self.packed.values(),
+                                              *(s for segs in self.segments.values() for s in segs)])
+
 
 class CausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and LM head for one Llama-family checkpoint."""
 
-    def __init__(self, config, dtype: torch.dtype, device, max_positions: int) -> None:
+    def __init__(self, config, plan: KernelPlan, device, max_positions: int) -> None:
+        """The model's layers with empty (meta) weights in the plan's dtype, the compute dtype;
+        :meth:`load_weights` places the weights, :meth:`use_kernels` packs them."""
         super().__init__()
+        dtype = plan.backend.dtype
         family = config.model_type
         if family not in SUPPORTED:
             raise UnsupportedModelError(
@@ -212,9 +234,9 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device="meta"), False
         )
-        self.backend = portable_backend(device, dtype)  # until the engine's use_backend
+        self.backend = plan.backend
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, o_bias, qk_norm, dtype, device, self.backend)
+            DecoderLayer(config, qkv_bias, o_bias, qk_norm, dtype, plan)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype, device="meta"), False)
@@ -223,9 +245,10 @@ class CausalLM(nn.Module):
         )
         self.embed_packed: QuantWeight | None = None  # the embedding's packed rows, if packed
         self.head_packed: QuantWeight | None = None  # an untied LM head's, if packed
-        self.head_projection: Any = None  # the packed head's runtime object (use_backend)
-        self.head_linear: LinearChoice = self.backend.linear_for(weight_format(self.embed_tokens))
+        self.head_projection: Any = None  # the packed head's runtime object (use_kernels)
+        self.head_linear: LinearChoice = plan.linear
         self.packed_head: torch.Tensor | None = None
+        self.weight_bytes = 0  # what the weights take in memory, counted by use_kernels
         self._fused_weights: tuple[list, ...] | None = None  # see fused_weights()
         self.register_buffer("rope", rope_tables(config, max_positions, dtype, device), False)
 
@@ -271,11 +294,6 @@ class CausalLM(nn.Module):
         return dequantize(self.embed_packed.rows(input_ids)).to(self.norm.dtype)
 
     @property
-    def compute_dtype(self) -> torch.dtype:
-        """The activations' dtype (packed weights compute in float32 on the CPU kernels)."""
-        return self.norm.dtype
-
-    @property
     def packed_weights(self) -> bool:
         """Whether the projections are packed (then every layer's are: load_weights)."""
         return bool(self.layers[0].segments)
@@ -294,19 +312,6 @@ class CausalLM(nn.Module):
             return self.head_projection.forward(hidden).float()
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
         return self.head_linear(hidden, head, None, self.packed_head).float()
-
-    def weight_bytes(self) -> int:
-        """Bytes the weights take in memory: float parameters, oneDNN's prepacked copies and
-        packed blocks (a tied head's blocks counted once)."""
-        params = sum(p.numel() * p.element_size() for p in self.parameters() if not p.is_meta)
-        copies = [*(t for layer in self.layers for t in layer.packed.values()), self.packed_head]
-        prepacked = sum(t.numel() * t.element_size() for t in copies if t is not None)
-        packed = sum(weight_nbytes(s) for layer in self.layers for segs in layer.segments.values()
-                     for s in segs)
-        tables = [t for t in (self.embed_packed, self.head_packed) if t is not None]
-        return params + prepacked + packed + sum(t.nbytes for t in tables)
-
-    PACKED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
     # decoder_layers' weight arguments in order; "+" names the layer's oneDNN-packed copy
     FUSED_WEIGHTS = ("input_layernorm", "qkv_proj", "qkv_proj+", "qkv_bias", "q_norm", "k_norm",
@@ -333,28 +338,30 @@ class CausalLM(nn.Module):
             self._fused_weights = tuple(per_layer(name) for name in names)
         return self._fused_weights
 
-    def use_backend(self, backend: Backend) -> None:
-        """Run on ``backend``'s kernels from now on: each linear takes the backend's choice for
-        its weight format, with the prepacked copies that choice reads (oneDNN's blocked layout
-        for batched CPU fp32 steps) beside the plain weights (which the skinny GEMV streams)."""
-        self.backend = backend
-        for layer in self.layers:
-            layer.backend = backend
-            layer.linear = backend.linear_for(weight_format(layer.input_layernorm))
-            bias = {"qkv_proj": layer.qkv_bias, "o_proj": layer.o_bias}
-            layer.projections = {name: build_projection(segs, bias.get(name), backend, self.device)
-                                 for name, segs in layer.segments.items()}
-            packed = {name: layer.linear.prepack(getattr(layer, name).data) for name in self.PACKED
-                      if name not in layer.segments}
-            layer.packed = {name: p for name, p in packed.items() if p is not None}
+    def use_kernels(self, plan: KernelPlan) -> None:
+        """Run on ``plan``'s kernels from now on, packing the weights for them in one pass:
+        each layer's projections (:meth:`DecoderLayer.use_kernels`), then the packed tables,
+        placed on the device here like the layers' segments, and the LM head built as a
+        projection over its table (a tied one over the embedding's) or beside the copy its
+        linear reads. ``weight_bytes`` is counted from what this built: float weights, the
+        kernels' prepacked copies and the packed blocks (a tied head's counted once)."""
+        self.backend = plan.backend
+        layer_bytes = sum(layer.use_kernels(plan, self.device) for layer in self.layers)
+        if self.embed_packed is not None:
+            self.embed_packed = self.embed_packed.to(self.device)
+        if self.head_packed is not None:
+            self.head_packed = self.head_packed.to(self.device)
         table = self.head_packed or (self.embed_packed if self.tied else None)
         self.head_projection = (None if table is None else
-                                build_projection([table], None, backend, self.device))
+                                build_projection([table], None, plan.packed, self.device))
+        self.head_linear, self.packed_head = plan.linear, None
         if self.head_projection is None:
             head = self.lm_head if self.lm_head is not None else self.embed_tokens
-            self.head_linear = backend.linear_for(weight_format(head))
             self.packed_head = self.head_linear.prepack(head.data)
         self._fused_weights = None
+        weights = [*(p for p in self.parameters() if not p.is_meta), self.packed_head,
+                   self.embed_packed, self.head_packed]
+        self.weight_bytes = layer_bytes + sum(weight_nbytes(w) for w in weights if w is not None)
 
     # -- weights --------------------------------------------------------------------------
     def load_weights(self, weights: dict[str, torch.Tensor | QuantWeight]
@@ -366,7 +373,7 @@ class CausalLM(nn.Module):
         goes; or (name, tensor) pairs. When any projection arrives packed, every projection is
         kept as packed segments (a float one, from a GGUF type no kernel reads, as an fp32
         segment), so one layer form runs throughout; a packed embedding or LM head stays packed
-        too.
+        too. Packed weights reach the device when :meth:`use_kernels` packs them.
         """
         parts = weights if isinstance(weights, dict) else dict(weights)
         for name in [n for n in parts if "rotary_emb" in n or n.startswith("model.")]:
@@ -388,7 +395,7 @@ class CausalLM(nn.Module):
 
         def put(owner: nn.Module, attr: str, *srcs) -> None:
             dst = getattr(owner, attr)
-            if packed and attr in self.PACKED:
+            if packed and attr in PROJECTIONS:
                 check((sum(s.shape[0] for s in srcs), srcs[0].shape[1]), dst.shape)
                 owner.segments[attr] = [s if isinstance(s, QuantWeight) else s.float().contiguous()
                                         for s in srcs]
@@ -399,13 +406,14 @@ class CausalLM(nn.Module):
             setattr(owner, attr, nn.Parameter(src.to(self.device, dst.dtype).contiguous(), False))
 
         def table(attr: str, src) -> QuantWeight | None:
-            """The embedding / LM head: kept packed when it arrives packed."""
+            """The embedding / LM head: kept packed when it arrives packed (use_kernels places
+            it with the projections that read it)."""
             if not isinstance(src, QuantWeight):
                 put(self, attr, src)
                 return None
             check(src.shape, getattr(self, attr).shape)
             setattr(self, attr, None)
-            return src.to(self.device)
+            return src
 
         with torch.no_grad():
             self.embed_packed = table("embed_tokens", take("embed_tokens.weight"))

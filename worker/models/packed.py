@@ -1,4 +1,4 @@
-"""Projections over packed weights, built for the kernels the backend chose.
+"""Projections over packed weights, built for the kernels the plan chose.
 
 A projection is one or more column segments (q, k and v fused, gate and up fused): each a
 :class:`~pagedq.kernels.block_formats.QuantWeight` or a float tensor a GGUF held in a type no
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedq.kernels import Backend
+from pagedq.kernels.backend import PackedChoice
 from pagedq.kernels.block_formats import (
     QuantWeight,
     cpu_kernel_inputs,
@@ -74,19 +74,20 @@ class TritonProjection:
                    for p in self.parts)
 
 
-def build_projection(segments: list[Segment], bias: torch.Tensor | None, backend: Backend,
-                     device: torch.device):
-    """The runtime object of one projection on ``backend`` (see the module docstring)."""
-    # what the backend chose, asked first and once; then the weights' side, read in one go
-    choices = [backend.packed_for(segment_format(s)) for s in segments]
+def build_projection(segments: list[Segment], bias: torch.Tensor | None,
+                     routes: dict[str, PackedChoice], device: torch.device):
+    """The runtime object of one projection on the routes chosen for each packed format
+    (KernelPlan.packed; see the module docstring)."""
+    # what was chosen, read first; then the weights' side, read in one go
+    choices = [routes[segment_format(s)] for s in segments]
     first = choices[0]
     if first.kind == "cpp":
-        precision, rows = first.precision_code, [c.gemv_rows for c in choices]
+        rows = [c.gemv_rows for c in choices]
         grouped = [c.isa == int(Isa.AVX512_VNNI) for c in choices]  # the one-row GEMV's layout
         data, codes, scales = cpu_kernel_inputs(segments, grouped)
         bias = None if bias is None else bias.float().contiguous()
         return first.ops.quant_linear(data, codes, scales, bias, segments[0].shape[1], rows,
-                                      first.isa, precision)
+                                      first.isa, first.precision_code)
     if first.kind == "triton":
         parts = [to_gpu_layout(s, device) if isinstance(s, QuantWeight) and s.fmt.name != "bf16"
                  else (dequantize(s) if isinstance(s, QuantWeight) else s).to(device)
