@@ -292,16 +292,26 @@ void int_group_narrow(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n)
   for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = hsum(acc[g]) + mins[g] + bias;
 }
 
-// dot(j) for blocks j = 0..7 (8 int32 lanes each) reduced pair by pair as they come (few
-// registers live): u0's low 128-bit lane holds blocks 0-3's totals over their lanes 0-3
-// (elements 0-15), its high lane their totals over lanes 4-7 (elements 16-31); u1 the same
-// for blocks 4-7.
-template <class Dot>
-inline void reduce8(Dot&& dot, __m256i& u0, __m256i& u1) {
-  __m256i pairs[4];
-  for (int j = 0; j < 4; ++j) pairs[j] = _mm256_hadd_epi32(dot(2 * j), dot(2 * j + 1));
-  u0 = _mm256_hadd_epi32(pairs[0], pairs[1]);
-  u1 = _mm256_hadd_epi32(pairs[2], pairs[3]);
+// decode(j, e, o) for blocks j = 0..7, each block met by G activation rows (x[g]: row g's
+// activations from block 0 on), the products reduced pair by pair as they come (few registers
+// live): u0[g]'s low 128-bit lane holds blocks 0-3's totals over their lanes 0-3 (elements
+// 0-15), its high lane their totals over lanes 4-7 (elements 16-31); u1[g] the same for blocks
+// 4-7. Each block is decoded once for the G rows.
+template <int G, class Decode>
+inline void reduce8(Decode&& decode, const int16_t* const* x, __m256i* u0, __m256i* u1) {
+  for (int half = 0; half < 2; ++half) {
+    __m256i pairs[G][2];
+    for (int k = 0; k < 2; ++k) {
+      const int j = 4 * half + 2 * k;
+      __m256i e0, o0, e1, o1;
+      decode(j, e0, o0);
+      decode(j + 1, e1, o1);
+      for (int g = 0; g < G; ++g)
+        pairs[g][k] = _mm256_hadd_epi32(block_dot(e0, o0, x[g] + j * kActBlock),
+                                        block_dot(e1, o1, x[g] + (j + 1) * kActBlock));
+    }
+    for (int g = 0; g < G; ++g) (half ? u1 : u0)[g] = _mm256_hadd_epi32(pairs[g][0], pairs[g][1]);
+  }
 }
 
 // Lane j: block j's whole total (reduce8's halves added).
@@ -309,7 +319,7 @@ inline __m256i totals8(__m256i u0, __m256i u1) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
-// The formats one_row reads: the 32-element blocks (fp16 scales at a fixed stride along a row)
+// The formats few_rows reads: the 32-element blocks (fp16 scales at a fixed stride along a row)
 // and the K-quants (eight 32-blocks a super-block).
 template <class W>
 constexpr bool kBlock32 = std::is_same_v<W, Q8_0> || std::is_same_v<W, Nibble32<kQ4_0>> ||
@@ -319,75 +329,80 @@ template <class W>
 constexpr bool kSuper256 = std::is_same_v<W, KQuant45<kQ4_K>> || std::is_same_v<W, KQuant45<kQ5_K>> ||
                            std::is_same_v<W, Q6_K>;
 
-// Eight blocks from b0 of activation row r against weight row n: acc += each block's integer
-// sum x its scale x the activations' step, mins += each offset x the activations' sum.
-template <class W>
-inline void eight_blocks(const uint8_t* row, const Acts& a, int64_t r, int64_t b0, __m256& acc,
-                         __m256& mins) {
-  const int16_t* x = a.qrow(r) + b0 * kActBlock;
-  const float* da = a.darow(r) + b0;
-  const float* ab = a.abrow(r) + b0;
-  __m256i u0, u1;
+// Eight blocks from b0 of activation rows r0 .. r0 + G - 1 against weight row n: acc[g] += each
+// block's integer sum x its scale x the activations' step, mins[g] += each offset x the
+// activations' sum.
+template <class W, int G>
+inline void eight_blocks(const uint8_t* row, const Acts& a, int64_t r0, int64_t b0, __m256* acc,
+                         __m256* mins) {
+  const int16_t* x[G];
+  for (int g = 0; g < G; ++g) x[g] = a.qrow(r0 + g) + b0 * kActBlock;
+  const auto da = [&](int g) { return a.darow(r0 + g) + b0; };
+  const auto ab = [&](int g) { return a.abrow(r0 + g) + b0; };
+  __m256i u0[G], u1[G];
   if constexpr (kBlock32<W>) {
     const uint8_t* blk = row + b0 * W::kBytes;
-    reduce8([&](int j) {
-      __m256i e, o;
-      W::codes(blk + j * W::kBytes, e, o);
-      return block_dot(e, o, x + j * kActBlock);
-    }, u0, u1);
+    reduce8<G>([&](int j, __m256i& e, __m256i& o) { W::codes(blk + j * W::kBytes, e, o); }, x, u0, u1);
     __m256 d, m;
     half_pairs8(blk, W::kBytes, d, m);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals8(u0, u1)), _mm256_mul_ps(d, _mm256_loadu_ps(da)), acc);
-    if constexpr (W::kHasMin) mins = _mm256_fmadd_ps(m, _mm256_loadu_ps(ab), mins);
+    for (int g = 0; g < G; ++g) {
+      acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals8(u0[g], u1[g])), _mm256_mul_ps(d, _mm256_loadu_ps(da(g))), acc[g]);
+      if constexpr (W::kHasMin) mins[g] = _mm256_fmadd_ps(m, _mm256_loadu_ps(ab(g)), mins[g]);
+    }
   } else {
     const uint8_t* blk = row + b0 / 8 * W::kBytes;  // the super-block
-    reduce8([&](int j) {
-      __m256i e, o;
-      W::codes(blk, j, e, o);
-      return block_dot(e, o, x + j * kActBlock);
-    }, u0, u1);
+    reduce8<G>([&](int j, __m256i& e, __m256i& o) { W::codes(blk, j, e, o); }, x, u0, u1);
     __m256 s, t;
     W::scale_vectors(blk, s, t);
-    if constexpr (W::kTwoScales) {  // Q6_K: each half-block its scale; s for u0, t for u1
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(u0), _mm256_mul_ps(s, _mm256_broadcast_ps(reinterpret_cast<const __m128*>(da))), acc);
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(u1), _mm256_mul_ps(t, _mm256_broadcast_ps(reinterpret_cast<const __m128*>(da + 4))), acc);
-    } else {  // s the scales, t the offsets
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals8(u0, u1)), _mm256_mul_ps(s, _mm256_loadu_ps(da)), acc);
-      mins = _mm256_fmadd_ps(t, _mm256_loadu_ps(ab), mins);
+    for (int g = 0; g < G; ++g) {
+      if constexpr (W::kTwoScales) {  // Q6_K: each half-block its scale; s for u0, t for u1
+        const __m256 lo = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(da(g)));
+        const __m256 hi = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(da(g) + 4));
+        acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(u0[g]), _mm256_mul_ps(s, lo), acc[g]);
+        acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(u1[g]), _mm256_mul_ps(t, hi), acc[g]);
+      } else {  // s the scales, t the offsets
+        acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals8(u0[g], u1[g])), _mm256_mul_ps(s, _mm256_loadu_ps(da(g))), acc[g]);
+        mins[g] = _mm256_fmadd_ps(t, _mm256_loadu_ps(ab(g)), mins[g]);
+      }
     }
   }
 }
 
-// Activation row r against weight row n, eight blocks at a time: the eight blocks' int32 sums
-// are reduced into one vector (lane j for block j), so their scales, loaded as one vector
-// (half_pairs8; the K-quants' scale_vectors), apply in one convert and one FMA. Why: a block at
-// a time (int_group_narrow at G = 1) spent as many instructions on its fp16 scales (inserted,
-// converted, multiplied and broadcast one by one) as on its 32 products, and left the
-// one-stream decode compute-bound on AVX2 (llvm-mca, Ice Lake: ~7 cycles a Q4_1 block, ~4 here).
-template <class W>
-void one_row(const LinearArgs& p, const Acts& a, int64_t r, int64_t n) {
+// Activation rows r0 .. r0 + G - 1 (G <= 3) against weight row n, eight blocks at a time: the
+// eight blocks' int32 sums are reduced into one vector (lane j for block j), so their scales,
+// loaded as one vector (half_pairs8; the K-quants' scale_vectors), apply in one convert and one
+// FMA. Why: a block at a time (int_group_narrow) spent as many instructions on its fp16 scales
+// (inserted, converted, multiplied and broadcast one by one) as on its 32 products, and left
+// the one-stream decode compute-bound on AVX2 (llvm-mca, Ice Lake: ~7 cycles a Q4_1 block,
+// ~4 here). Few rows (speculative drafts, a few streams) share each block's decode.
+template <class W, int G>
+void few_rows(const LinearArgs& p, const Acts& a, int64_t r0, int64_t n) {
   const uint8_t* row = p.w + n * p.row_bytes;
   const int64_t blocks = p.K / kActBlock, whole = blocks / 8 * 8;
-  __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
-  for (int64_t b0 = 0; b0 < whole; b0 += 8) eight_blocks<W>(row, a, r, b0, acc, mins);
-  float total = hsum(_mm256_add_ps(acc, mins));
-  if constexpr (kBlock32<W>) {
-    const int16_t* x = a.qrow(r);
-    for (int64_t b = whole; b < blocks; ++b) {  // the last K / 32 % 8 blocks one by one
-      const uint8_t* blk = row + b * W::kBytes;
-      __m256i e, o;
-      W::codes(blk, e, o);
-      total += fp16(blk) * a.darow(r)[b] * static_cast<float>(hsum_epi32(block_dot(e, o, x + b * kActBlock)));
-      if constexpr (W::kHasMin) total += fp16(blk + 2) * a.abrow(r)[b];
+  __m256 acc[G], mins[G];
+  for (int g = 0; g < G; ++g) acc[g] = mins[g] = _mm256_setzero_ps();
+  for (int64_t b0 = 0; b0 < whole; b0 += 8) eight_blocks<W, G>(row, a, r0, b0, acc, mins);
+  for (int g = 0; g < G; ++g) {
+    const int64_t r = r0 + g;
+    float total = hsum(_mm256_add_ps(acc[g], mins[g]));
+    if constexpr (kBlock32<W>) {
+      for (int64_t b = whole; b < blocks; ++b) {  // the last K / 32 % 8 blocks one by one
+        const uint8_t* blk = row + b * W::kBytes;
+        __m256i e, o;
+        W::codes(blk, e, o);
+        total += fp16(blk) * a.darow(r)[b] *
+                 static_cast<float>(hsum_epi32(block_dot(e, o, a.qrow(r) + b * kActBlock)));
+        if constexpr (W::kHasMin) total += fp16(blk + 2) * a.abrow(r)[b];
+      }
     }
+    p.out[r * p.ldo + n] = total + (p.bias ? p.bias[n] : 0.f);
   }
-  p.out[r * p.ldo + n] = total + (p.bias ? p.bias[n] : 0.f);
 }
 
 template <class W, int G>
 void int_group(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n) {
-  if constexpr (G == 1 && (kBlock32<W> || kSuper256<W>))
-    one_row<W>(p, a, b0, n);
+  if constexpr (G <= 3 && (kBlock32<W> || kSuper256<W>))
+    few_rows<W, G>(p, a, b0, n);
   else if constexpr (G >= 4)
     int_group_wide<W, G>(p, a, b0, n);
   else
