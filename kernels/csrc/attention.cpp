@@ -1,4 +1,5 @@
-// Paged attention for CPU query rows that read K/V straight from the paged cache (AVX2 + FMA).
+// Paged attention for CPU query rows that read K/V straight from the paged cache (AVX2 + FMA,
+// and an AVX-512 path where the CPU has it and head_dim % 16 == 0).
 //
 // Why: gathering every sequence's K/V blocks into a padded tensor before SDPA reads the cache,
 // writes a copy and reads the copy again. Decode is memory-bound, so walking the block table in
@@ -13,6 +14,8 @@
 // query heads are processed together, so each K and V row is loaded once per KV head. Softmax
 // is exact two-pass in fp32: scores of all visible keys into a per-thread buffer, then exp and
 // sum, then out = sum_t p_t * V_t / sum. fp16/bf16 caches are converted to fp32 on load.
+// The AVX2 path walks each block once for all the item's KV heads; the AVX-512 path (attend16)
+// walks the blocks once per KV head, keeping that head's V accumulators in registers.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -26,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <vector>
 
 namespace pagedq_cpu {
@@ -192,6 +196,24 @@ inline void prefetch_rows(const T* block, int64_t o0, int64_t o1, int64_t row_st
     }
 }
 
+// max(s[0..n)), vectorised: a scalar loop is one serial chain of compares per score, as long
+// as the dot products that made them.
+inline float max_of(const float* s, int64_t n) {
+  __m256 m0 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0;
+  int64_t t = 0;
+  for (; t + 2 * kLanes <= n; t += 2 * kLanes) {
+    m0 = _mm256_max_ps(m0, _mm256_loadu_ps(s + t));
+    m1 = _mm256_max_ps(m1, _mm256_loadu_ps(s + t + kLanes));
+  }
+  m0 = _mm256_max_ps(m0, m1);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m0), _mm256_extractf128_ps(m0, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  float max = _mm_cvtss_f32(h);
+  for (; t < n; ++t) max = std::max(max, s[t]);
+  return max;
+}
+
 // In place: s[t] = exp(s[t] - max) for t < n; returns the sum.
 inline float exp_and_sum(float* s, int64_t n, float max) {
   const __m256 m = _mm256_set1_ps(max);
@@ -215,6 +237,7 @@ struct Geometry {
   int64_t q_stride0, q_stride1, o_stride0, o_stride1;
   int64_t k_stride0, k_stride1, k_stride2, v_stride0, v_stride1, v_stride2;
   int64_t table_stride;
+  bool avx512;  // use_avx512(head_dim): attend16, else attend2
 };
 
 // Per-thread scratch: scaled fp32 queries, scores/probabilities and output accumulators of
@@ -225,21 +248,233 @@ struct Scratch {
       : q(heads * head_dim), scores(heads * max_len), acc(heads * head_dim), sums(heads) {}
 };
 
-// QT: query/out dtype; T: cache dtype (the same, or fp16/bf16 under fp32 queries: a cache in
-// half the bytes, which is what bounds attention over long contexts).
-template <typename QT, typename T>
-void attend(const Geometry& geo, const QT* query, const T* k_cache, const T* v_cache,
-            const int32_t* table, int64_t token, int64_t len, int64_t h0, int64_t h1, float scale,
-            QT* out, Scratch& buf) {
+// Keys several rows read from the same physical blocks (a cached prompt prefix, e.g. a tool
+// list every request of a step carries), transposed once per call for the AVX-512 path.
+struct SharedKeys {
+  int64_t tokens = 0;         // keys [0, tokens) of the row come from kt
+  const float* kt = nullptr;  // [num_kv_heads][head_dim][tokens], fp32
+};
+
+// ---- AVX-512 decode path -------------------------------------------------------------------
+//
+// Why: over long contexts a decode row's time is the dot products, not the reads (a shared
+// prompt prefix sits in L2 for every row of the step). The AVX2 tiles above reload their V
+// accumulators every few tokens and reduce each score with 256-bit horizontal adds; here a
+// 16-lane tile keeps the G query rows' V accumulators in registers over the whole context and
+// reduces four tokens' dot products at once. Taken when head_dim % 16 == 0 and the CPU (and
+// PAGEDQ_CPU_ISA) allow AVX-512; the result matches the AVX2 path to fp32 rounding.
+
+#define PAGEDQ_AVX512 __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,fma,f16c")))
+
+constexpr int64_t kLanes16 = 16;
+constexpr int kTileTokens16 = 4;
+
+template <typename T>
+PAGEDQ_AVX512 inline __m512 load16(const T* p);
+
+template <>
+PAGEDQ_AVX512 inline __m512 load16<float>(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+
+template <>
+PAGEDQ_AVX512 inline __m512 load16<c10::Half>(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <>
+PAGEDQ_AVX512 inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// {sum(a), sum(b), sum(c), sum(d)}: three 256/128-bit folds shared by the four, then an
+// in-lane fold; 9 shuffles for four sums instead of four separate reductions.
+PAGEDQ_AVX512 inline __m128 hsum4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m512i lane0 = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(lane0, s));
+}
+
+// scores[g * s_stride + j] = dot(q[g * D :], k[j * k_stride :]) for NG rows x NT (4 or 1) tokens.
+template <typename T, int NG, int NT>
+PAGEDQ_AVX512 inline void qk_tile16(const T* k, int64_t k_stride, const float* q, int64_t D,
+                                    float* scores, int64_t s_stride) {
+  __m512 acc[NG][NT];
+  for (int g = 0; g < NG; ++g)
+    for (int j = 0; j < NT; ++j) acc[g][j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += kLanes16) {
+    __m512 qv[NG];
+    for (int g = 0; g < NG; ++g) qv[g] = _mm512_loadu_ps(q + g * D + d);
+    for (int j = 0; j < NT; ++j) {
+      const __m512 kv = load16(k + j * k_stride + d);
+      for (int g = 0; g < NG; ++g) acc[g][j] = _mm512_fmadd_ps(qv[g], kv, acc[g][j]);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    if constexpr (NT == 4)
+      _mm_storeu_ps(scores + g * s_stride, hsum4_512(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+    else
+      scores[g * s_stride] = _mm512_reduce_add_ps(acc[g][0]);
+  }
+}
+
+// Scores of one KV head's NG query rows over keys [first, len), block by block; the next
+// block's rows of this head are prefetched a tile at a time.
+template <typename T, int NG>
+PAGEDQ_AVX512 void qk_head16(const T* k_head, const Geometry& geo, const int32_t* table,
+                             int64_t first, int64_t len, const float* q, float* scores) {
+  const int64_t bs = geo.block_size, D = geo.head_dim, stride = geo.k_stride1;
+  const int64_t num_blocks = (len + bs - 1) / bs;
+  for (int64_t b = first / bs; b < num_blocks; ++b) {
+    const int64_t t0 = b * bs, n = std::min(bs, len - t0);
+    const T* block = k_head + static_cast<int64_t>(table[b]) * geo.k_stride0;
+    const T* next = b + 1 < num_blocks ? k_head + static_cast<int64_t>(table[b + 1]) * geo.k_stride0 : nullptr;
+    const int64_t next_n = next ? std::min(bs, len - t0 - bs) : 0;
+    int64_t o = std::max<int64_t>(first - t0, 0);
+    for (; o + kTileTokens16 <= n; o += kTileTokens16) {
+      if (next) prefetch_rows(next, o, std::min(o + kTileTokens16, next_n), stride, 0, 0, 1, D);
+      qk_tile16<T, NG, kTileTokens16>(block + o * stride, stride, q, D, scores + t0 + o, len);
+    }
+    for (; o < n; ++o) qk_tile16<T, NG, 1>(block + o * stride, stride, q, D, scores + t0 + o, len);
+  }
+}
+
+// Scores of NG query rows over the first `tokens` keys (a multiple of 16) from K transposed,
+// kt[d * tokens + t]: lanes run over keys, so each score is a plain sum of D products with no
+// horizontal reduction (the dot-product tiles above spend as many shuffles as multiplies).
+template <int NG>
+PAGEDQ_AVX512 void qk_shared16(const float* kt, int64_t tokens, const float* q, int64_t D,
+                               float* scores, int64_t len) {
+  constexpr int NT = 4;  // 64 keys a tile: NG * 4 accumulators
+  int64_t t = 0;
+  for (; t + NT * kLanes16 <= tokens; t += NT * kLanes16) {
+    __m512 acc[NG][NT];
+    for (int g = 0; g < NG; ++g)
+      for (int i = 0; i < NT; ++i) acc[g][i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const float* row = kt + d * tokens + t;
+      for (int i = 0; i < NT; ++i) {
+        const __m512 kv = _mm512_loadu_ps(row + i * kLanes16);
+        for (int g = 0; g < NG; ++g)
+          acc[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + d]), kv, acc[g][i]);
+      }
+    }
+    for (int g = 0; g < NG; ++g)
+      for (int i = 0; i < NT; ++i) _mm512_storeu_ps(scores + g * len + t + i * kLanes16, acc[g][i]);
+  }
+  for (; t < tokens; t += kLanes16) {
+    __m512 acc[NG];
+    for (int g = 0; g < NG; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 kv = _mm512_loadu_ps(kt + d * tokens + t);
+      for (int g = 0; g < NG; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + d]), kv, acc[g]);
+    }
+    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(scores + g * len + t, acc[g]);
+  }
+}
+
+// acc[g * D + d0 ...] = sum_t p[g * len + t] * V_t[d0 ...] over all `len` keys, NV * 16 dims
+// from d0, for NG rows: the accumulators stay in registers for the whole context.
+template <typename T, int NG, int NV>
+PAGEDQ_AVX512 void pv_slice16(const T* v_head, const Geometry& geo, const int32_t* table,
+                              int64_t len, const float* p, int64_t d0, float* acc) {
+  const int64_t bs = geo.block_size, D = geo.head_dim, stride = geo.v_stride1;
+  __m512 a[NG][NV];
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NV; ++i) a[g][i] = _mm512_setzero_ps();
+  const int64_t num_blocks = (len + bs - 1) / bs;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t t0 = b * bs, n = std::min(bs, len - t0);
+    const T* block = v_head + static_cast<int64_t>(table[b]) * geo.v_stride0 + d0;
+    if (b + 1 < num_blocks)
+      prefetch_rows(v_head + static_cast<int64_t>(table[b + 1]) * geo.v_stride0 + d0, 0,
+                    std::min(bs, len - t0 - bs), stride, 0, 0, 1, NV * kLanes16);
+    for (int64_t o = 0; o < n; ++o) {
+      __m512 pb[NG];
+      for (int g = 0; g < NG; ++g) pb[g] = _mm512_set1_ps(p[g * len + t0 + o]);
+      for (int i = 0; i < NV; ++i) {
+        const __m512 vv = load16(block + o * stride + i * kLanes16);
+        for (int g = 0; g < NG; ++g) a[g][i] = _mm512_fmadd_ps(pb[g], vv, a[g][i]);
+      }
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + g * D + d0 + i * kLanes16, a[g][i]);
+}
+
+template <typename T, int NG>
+PAGEDQ_AVX512 void pv_head16(const T* v_head, const Geometry& geo, const int32_t* table,
+                             int64_t len, const float* p, float* acc) {
+  int64_t d = 0;
+  for (; d + 4 * kLanes16 <= geo.head_dim; d += 4 * kLanes16)
+    pv_slice16<T, NG, 4>(v_head, geo, table, len, p, d, acc);
+  for (; d < geo.head_dim; d += kLanes16) pv_slice16<T, NG, 1>(v_head, geo, table, len, p, d, acc);
+}
+
+// One KV head's NG (1-4) query rows: scores, softmax numerators (sums[g]: denominators), and
+// the unnormalised weighted V sums.
+template <typename T, int NG>
+PAGEDQ_AVX512 void head16(const T* k_head, const T* v_head, const Geometry& geo,
+                          const int32_t* table, int64_t len, const SharedKeys& shared,
+                          const float* kt_head, const float* q, float* scores, float* acc,
+                          float* sums) {
+  if (shared.tokens) qk_shared16<NG>(kt_head, shared.tokens, q, geo.head_dim, scores, len);
+  qk_head16<T, NG>(k_head, geo, table, shared.tokens, len, q, scores);
+  for (int g = 0; g < NG; ++g) {
+    float* s = scores + g * len;
+    sums[g] = exp_and_sum(s, len, max_of(s, len));
+  }
+  pv_head16<T, NG>(v_head, geo, table, len, scores, acc);
+}
+
+// attend()'s work on the AVX-512 path (the caller has scaled the queries into buf.q).
+template <typename T>
+PAGEDQ_AVX512 void attend16(const Geometry& geo, const T* k_cache, const T* v_cache,
+                            const int32_t* table, int64_t len, const SharedKeys& shared,
+                            int64_t h0, int64_t h1, Scratch& buf) {
+  const int64_t G = geo.group, D = geo.head_dim;
+  for (int64_t h = h0; h < h1; ++h) {
+    const T* k_head = k_cache + h * geo.k_stride2;
+    const T* v_head = v_cache + h * geo.v_stride2;
+    const float* kt_head = shared.tokens ? shared.kt + h * D * shared.tokens : nullptr;
+    for (int64_t g = 0; g < G; g += kMaxRowsPerDot) {
+      const int64_t r = (h - h0) * G + g;
+      const float* q = buf.q.data() + r * D;
+      float* s = buf.scores.data() + r * len;
+      float* acc = buf.acc.data() + r * D;
+      float* sums = buf.sums.data() + r;
+      switch (std::min<int64_t>(kMaxRowsPerDot, G - g)) {
+        case 1: head16<T, 1>(k_head, v_head, geo, table, len, shared, kt_head, q, s, acc, sums); break;
+        case 2: head16<T, 2>(k_head, v_head, geo, table, len, shared, kt_head, q, s, acc, sums); break;
+        case 3: head16<T, 3>(k_head, v_head, geo, table, len, shared, kt_head, q, s, acc, sums); break;
+        default: head16<T, 4>(k_head, v_head, geo, table, len, shared, kt_head, q, s, acc, sums); break;
+      }
+    }
+  }
+}
+
+// Whether attend() takes the AVX-512 path for this head_dim (the CPU and PAGEDQ_CPU_ISA allow it).
+inline bool use_avx512(int64_t head_dim) {
+  static const bool ok = isa_cap() >= 1 && __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                         __builtin_cpu_supports("avx512bw");
+  return ok && head_dim % kLanes16 == 0;
+}
+
+// attend()'s work on the AVX2 path: every KV head of a block together (one contiguous read).
+template <typename T>
+void attend2(const Geometry& geo, const T* k_cache, const T* v_cache, const int32_t* table,
+             int64_t len, int64_t h0, int64_t h1, Scratch& buf) {
   const int64_t G = geo.group, D = geo.head_dim, bs = geo.block_size;
-  const int64_t rows = (h1 - h0) * G;  // query heads of this item, as rows h0 * G ...
-  float* q = buf.q.data();
+  const int64_t rows = (h1 - h0) * G;
+  const float* q = buf.q.data();
   float* scores = buf.scores.data();  // [rows][len]
   float* acc = buf.acc.data();        // [rows][D]
-  for (int64_t r = 0; r < rows; ++r) {
-    const QT* src = query + token * geo.q_stride0 + (h0 * G + r) * geo.q_stride1;
-    for (int64_t d = 0; d < D; ++d) q[r * D + d] = static_cast<float>(src[d]) * scale;
-  }
   // Pass 1: scores of every visible key, block by block through the block table.
   const int64_t num_blocks = (len + bs - 1) / bs;
   for (int64_t b = 0; b < num_blocks; ++b) {
@@ -261,9 +496,7 @@ void attend(const Geometry& geo, const QT* query, const T* k_cache, const T* v_c
   // Softmax numerators and denominators, fp32.
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * len;
-    float max = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < len; ++t) max = std::max(max, s[t]);
-    buf.sums[r] = exp_and_sum(s, len, max);
+    buf.sums[r] = exp_and_sum(s, len, max_of(s, len));
   }
   // Pass 2: probability-weighted sum of V rows, accumulators in registers within a block.
   std::fill(acc, acc + rows * D, 0.0f);
@@ -283,11 +516,89 @@ void attend(const Geometry& geo, const QT* query, const T* k_cache, const T* v_c
       }
     }
   }
+}
+
+// QT: query/out dtype; T: cache dtype (the same, or fp16/bf16 under fp32 queries: a cache in
+// half the bytes, which is what bounds attention over long contexts).
+template <typename QT, typename T>
+void attend(const Geometry& geo, const QT* query, const T* k_cache, const T* v_cache,
+            const int32_t* table, int64_t token, int64_t len, const SharedKeys& shared,
+            int64_t h0, int64_t h1, float scale, QT* out, Scratch& buf) {
+  const int64_t G = geo.group, D = geo.head_dim;
+  const int64_t rows = (h1 - h0) * G;  // query heads of this item, as rows h0 * G ...
+  float* q = buf.q.data();
+  const float* acc = buf.acc.data();  // [rows][D]
+  for (int64_t r = 0; r < rows; ++r) {
+    const QT* src = query + token * geo.q_stride0 + (h0 * G + r) * geo.q_stride1;
+    for (int64_t d = 0; d < D; ++d) q[r * D + d] = static_cast<float>(src[d]) * scale;
+  }
+  if (geo.avx512) {
+    attend16<T>(geo, k_cache, v_cache, table, len, shared, h0, h1, buf);
+  } else {
+    attend2<T>(geo, k_cache, v_cache, table, len, h0, h1, buf);
+  }
   for (int64_t r = 0; r < rows; ++r) {
     QT* dst = out + token * geo.o_stride0 + (h0 * G + r) * geo.o_stride1;
     const float inv = 1.0f / buf.sums[r];
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<QT>(acc[r * D + d] * inv);
   }
+}
+
+// Rows sharing fewer keys than this, or fewer rows than this, do not repay the transposition;
+// transposed keys past kMaxSharedBytes a call are left in the cache (read as usual).
+constexpr int64_t kMinSharedTokens = 64;
+constexpr size_t kMinSharingRows = 4;
+constexpr int64_t kMaxSharedBytes = int64_t{64} << 20;
+
+// kt[(h * D + d) * tokens + t] = K[t][h][d] for the first `tokens` keys of a block table.
+template <typename T>
+void transpose_keys(const Geometry& geo, const T* k_cache, const int32_t* table, int64_t tokens,
+                    float* kt) {
+  const int64_t D = geo.head_dim, bs = geo.block_size;
+  at::parallel_for(0, geo.num_kv_heads, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t t = 0; t < tokens; ++t) {
+        const T* src = k_cache + static_cast<int64_t>(table[t / bs]) * geo.k_stride0 +
+                       (t % bs) * geo.k_stride1 + h * geo.k_stride2;
+        float* dst = kt + h * D * tokens + t;
+        for (int64_t d = 0; d < D; ++d) dst[d * tokens] = static_cast<float>(src[d]);
+      }
+  });
+}
+
+// Each row's SharedKeys: rows whose block tables start with the same blocks (at least
+// kMinSharingRows of them, over at least kMinSharedTokens keys every one of them sees) share
+// those keys, transposed into `store`. Only the AVX-512 path reads them.
+template <typename T>
+std::vector<SharedKeys> share_prefixes(const Geometry& geo, const int64_t* row, int64_t num_rows,
+                                       const T* k_cache, const int32_t* table,
+                                       std::vector<std::vector<float>>& store) {
+  std::vector<SharedKeys> shared(num_rows);
+  if (!geo.avx512) return shared;
+  std::map<int32_t, std::vector<int64_t>> groups;  // first block -> rows (ordered: deterministic)
+  for (int64_t i = 0; i < num_rows; ++i)
+    if (row[3 * i + 2] >= kMinSharedTokens) groups[table[row[3 * i + 1] * geo.table_stride]].push_back(i);
+  int64_t bytes = 0;
+  for (const auto& [first, members] : groups) {
+    if (members.size() < kMinSharingRows) continue;
+    const int32_t* lead = table + row[3 * members[0] + 1] * geo.table_stride;
+    int64_t blocks = std::numeric_limits<int64_t>::max();
+    for (const int64_t m : members) blocks = std::min(blocks, row[3 * m + 2] / geo.block_size);
+    for (const int64_t m : members) {
+      const int32_t* mine = table + row[3 * m + 1] * geo.table_stride;
+      int64_t b = 0;
+      while (b < blocks && mine[b] == lead[b]) ++b;
+      blocks = b;
+    }
+    const int64_t tokens = blocks * geo.block_size / kLanes16 * kLanes16;
+    const int64_t size = geo.num_kv_heads * geo.head_dim * tokens;
+    if (tokens < kMinSharedTokens || bytes + size * 4 > kMaxSharedBytes) continue;
+    bytes += size * 4;
+    store.emplace_back(size);
+    transpose_keys(geo, k_cache, lead, tokens, store.back().data());
+    for (const int64_t m : members) shared[m] = {tokens, store.back().data()};
+  }
+  return shared;
 }
 
 template <typename QT, typename T>
@@ -305,6 +616,8 @@ void run(const Geometry& geo, const at::Tensor& query, const at::Tensor& k_cache
   const int32_t* table = block_table.data_ptr<int32_t>();
   QT* o = out.data_ptr<QT>();
   const float fscale = static_cast<float>(scale);
+  std::vector<std::vector<float>> store;
+  const std::vector<SharedKeys> shared = share_prefixes(geo, row, num_rows, k, table, store);
   at::parallel_for(0, num_rows * splits, grain, [&](int64_t begin, int64_t end) {
     Scratch buf(heads_per_item * geo.group, geo.head_dim, std::max<int64_t>(max_len, 1));
     for (int64_t item = begin; item < end; ++item) {
@@ -312,7 +625,8 @@ void run(const Geometry& geo, const at::Tensor& query, const at::Tensor& k_cache
       const int64_t h0 = (item % splits) * heads_per_item;
       const int64_t h1 = std::min(geo.num_kv_heads, h0 + heads_per_item);
       if (r[2] == 0) continue;  // nothing visible (the caller zero-fills such rows)
-      attend<QT, T>(geo, q, k, v, table + r[1] * geo.table_stride, r[0], r[2], h0, h1, fscale, o, buf);
+      attend<QT, T>(geo, q, k, v, table + r[1] * geo.table_stride, r[0], r[2], shared[item / splits],
+                    h0, h1, fscale, o, buf);
     }
   });
 }
@@ -354,7 +668,7 @@ void paged_attention_rows(at::Tensor& out, const at::Tensor& query, const at::Te
                      query.stride(1),  out.stride(0),    out.stride(1),
                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                     block_table.stride(0)};
+                     block_table.stride(0), use_avx512(D)};
   const bool fp32_query = query.scalar_type() == at::kFloat;
   switch (k_cache.scalar_type()) {
     case at::kFloat:

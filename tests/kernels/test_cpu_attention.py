@@ -83,6 +83,34 @@ def test_unusual_block_sizes_and_long_contexts(op, block_size):
     assert_matches_reference(case, run_all_rows(op, case))
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_decodes_over_one_shared_prefix(op, kv_dtype):
+    """A tool-call step's shape: decode rows over one cached prompt prefix (the tool list), 9
+    query heads over 3 KV heads, head_dim 64, block 8, lengths off the 4-token tile; the rows
+    read the same physical blocks, as prefix caching leaves them."""
+    ctx = [457 + 3 * i for i in range(12)]
+    case = make_case([1] * 12, ctx, num_heads=9, num_kv_heads=3, head_dim=64, block_size=8, seed=5)
+    case.block_table[1:, :57] = case.block_table[0, :57]
+    low = dataclasses.replace(case, k_cache=case.k_cache.to(kv_dtype),
+                              v_cache=case.v_cache.to(kv_dtype))
+    rounded = dataclasses.replace(case, k_cache=low.k_cache.float(), v_cache=low.v_cache.float())
+    assert_matches_reference(rounded, run_all_rows(op, low))
+
+
+@pytest.mark.parametrize("group", [1, 4, 5])
+def test_groups_of_rows_sharing_different_prefixes(op, group):
+    """Two prefixes, one member diverging early (its group shares only what all see), and a
+    prefill chunk whose rows share their own sequence's blocks; 1, 4 and 5 query rows per KV
+    head, head_dim 128."""
+    ctx = [300 + 5 * i for i in range(6)] + [200 + 7 * i for i in range(6)] + [150]
+    case = make_case([1] * 12 + [9], ctx, num_heads=2 * group, num_kv_heads=2, head_dim=128,
+                     block_size=16, seed=group)  # fmt: skip
+    case.block_table[1:6, :18] = case.block_table[0, :18]
+    case.block_table[7:12, :12] = case.block_table[6, :12]
+    case.block_table[11, 3:12] = case.block_table[0, 3:12]  # same first blocks, then its own
+    assert_matches_reference(case, run_all_rows(op, case))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_caches(op, dtype):
     q_lens, ctx = scenarios(16)["mixed"]

@@ -24,6 +24,10 @@ SUITES = [
     "tests/kernels/test_gemv.py",
     "tests/kernels/test_backend_packed.py",
     "tests/kernels/test_cpu_ops.py",
+    # the attention kernel's AVX2 tiles (AVX-512 machines take its 16-lane path elsewhere)
+    "tests/kernels/test_cpu_attention.py::test_every_group_size_and_head_dim",
+    "tests/kernels/test_cpu_attention.py::test_decodes_over_one_shared_prefix",
+    "tests/kernels/test_cpu_attention.py::test_groups_of_rows_sharing_different_prefixes",
     "tests/models/test_fused_layer.py",
     "tests/models/test_quant_fidelity.py",
     "tests/models/test_default_model.py::test_a_batch_over_64_rows_follows_the_twin",
