@@ -227,3 +227,31 @@ def test_constrained_draft_is_an_allowed_candidate_no_shorter_than_the_longest_m
     off = make_engine(random_model, num_kv_blocks=512).generate([prompt], params)[0].outputs[0]
     on = make_engine(random_model, NGRAM, num_kv_blocks=512).generate([prompt], params)[0]
     assert on.outputs[0].token_ids == off.token_ids
+
+
+def test_a_value_spelt_in_other_tokens_than_the_prompt_is_drafted_from_its_text(random_model):
+    """The prompt has `` Beirut`` after a space (`` Be`` ``ir`` ``ut``); the JSON value starts
+    after a quote with ``Be``, a token the prompt does not hold, so no token lookup matches.
+    The spelling lookup matches the text instead: the draft is the rest of the word as the
+    tokenizer spells ``Beirut...`` after ``Be``, and the grammar allows it; the output still
+    equals off's, greedy and seeded."""
+    prompt = "The record says she lives in Beirut. Return the city as JSON."
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"]}
+    params = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs={"json": city})
+    engine = make_engine(random_model, NGRAM)
+    tok = engine.tokenizer
+    resumed = tok.encode('{"city": "Be', add_special_tokens=False)
+    assert tok.decode(resumed[-1:]) == "Be"
+    assert resumed[-1] not in tok.encode(prompt, add_special_tokens=False)
+    seq = compiled_seq(engine, "city", params, resume=[resumed], prompt=prompt)
+    rest = tok.encode("Beirut. Return", add_special_tokens=False)[1:]
+    draft = engine.drafter.propose(seq, 8)
+    assert draft == rest[:4], [tok.decode([t]) for t in draft]
+    assert engine.structured.allowed_draft(seq, draft) == draft
+    engine.abort_request("city")
+    seeded = SamplingParams(temperature=1.0, seed=4, max_tokens=24,
+                            structured_outputs={"json": city})
+    off = make_engine(random_model)
+    assert outputs(engine, [prompt], params) == outputs(off, [prompt], params)
+    assert outputs(engine, [prompt], seeded) == outputs(off, [prompt], seeded)

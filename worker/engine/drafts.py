@@ -20,6 +20,10 @@ many tokens a step yields, never which tokens.
   stopping at the first choice, then rolls it back. These drafts are guesses like the others:
   the grammar forces the text, not its tokenization (the model may write ``{`` ``"`` where
   xgrammar drafts ``{"``), and verification keeps a token only if the sampler draws it.
+- **Spelling lookup** (constrained sequences, ``Drafter._respelt``): a value copied from the
+  prompt into JSON is often spelt in other tokens (`` Beirut`` after a space in the prompt,
+  ``Be`` ``ir`` ``ut`` after the answer's quote), which no token-id lookup finds; the text of the
+  sequence's last tokens is matched in the prompt's text and the text after it re-tokenized.
 - ``Drafter``: decides each sequence's draft (its adaptive length, the step's size, the
   request's switch, its grammar) and keeps the acceptance counters. The rule for a sequence
   with a grammar: the forced tokens first (up to ``num_speculative_tokens``, whatever the
@@ -31,6 +35,7 @@ many tokens a step yields, never which tokens.
 
 from __future__ import annotations
 
+import weakref
 from array import array
 from collections.abc import Callable
 from collections.abc import Sequence as Tokens
@@ -38,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedq.worker.config import SpeculativeConfig
-from pagedq.worker.engine.sequence import Sequence
+from pagedq.worker.engine.sequence import Request, Sequence
 from pagedq.worker.engine.spec_governor import SpecGovernor
 from pagedq.worker.engine.suffix_tree import SuffixCorpus
 
@@ -47,6 +52,8 @@ _WIDTH = 4  # bytes per token id in the packed search buffer
 # against the grammar, and how many occurrences of one suffix length among them.
 CANDIDATES = 8
 PER_LENGTH = 3
+TEXT_TAIL = 2  # tokens whose text a spelling lookup matches in the prompt's text
+TEXT_DRAFT_CHARS = 48  # prompt text after the match that is re-tokenized into a draft
 
 
 def _packed(tokens: Tokens[int]) -> bytes:
@@ -151,8 +158,11 @@ class Drafter:
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
                  allowed: Callable[[Sequence, list[int]], list[int]] | None = None,
-                 forced: Callable[[Sequence, int], list[int]] | None = None) -> None:
+                 forced: Callable[[Sequence, int], list[int]] | None = None,
+                 tokenizer: Any = None) -> None:
         self.config = config
+        self.tokenizer = tokenizer
+        self._prompt_text: weakref.WeakKeyDictionary[Request, str] = weakref.WeakKeyDictionary()
         self.max_model_len = max_model_len
         self.allowed = allowed
         self.forced = forced
@@ -208,7 +218,7 @@ class Drafter:
         assert self.allowed is not None
         best = forced
         seen: set[tuple[int, ...]] = set()
-        for guess in self._candidates(tokens, k):
+        for guess in self._candidates(tokens, k, seq.request):
             if tuple(guess) in seen:
                 continue
             seen.add(tuple(guess))
@@ -219,10 +229,12 @@ class Drafter:
                 best = draft
         return best
 
-    def _candidates(self, tokens: list[int], k: int) -> list[list[int]]:
+    def _candidates(self, tokens: list[int], k: int,
+                    req: Request | None = None) -> list[list[int]]:
         """Continuations of ``tokens`` (up to ``k`` tokens each) in order of preference: the
-        n-gram occurrences (longest suffix, then latest, first) and the suffix corpus's draft
-        placed by its match length; matches of one token count."""
+        n-gram occurrences (longest suffix, then latest, first), the suffix corpus's draft
+        placed by its match length, and the spelling lookup (:meth:`_respelt`) last;
+        matches of one token count."""
         found = [(n, extend(tokens, start, k))
                  for n, start in ngram_occurrences(tokens, 1, self.config.prompt_lookup_max,
                                                    CANDIDATES)]
@@ -231,7 +243,42 @@ class Drafter:
             if draft:
                 found.append((depth, draft))
                 found.sort(key=lambda f: -f[0])  # stable: the n-gram first on equal lengths
-        return [draft for _, draft in found]
+        out = [draft for _, draft in found]
+        respelt = self._respelt(tokens, k, req) if req is not None else []
+        return out + [respelt] if respelt else out
+
+    def _respelt(self, tokens: list[int], k: int, req: Request) -> list[int]:
+        """A copy from the prompt matched by text, not by token ids: up to ``k`` tokens.
+
+        Why: a value copied into JSON is spelt in other tokens than in the prompt. The
+        record's `` Beirut`` is one token after a space, the answer's ``"Be`` ``ir`` ``ut``
+        starts after a quote; the token lookups find nothing after ``Be``. Here the text of
+        the last TEXT_TAIL tokens is matched (longest suffix first, at least the whole last
+        token) in the prompt's text, and the text after the match is tokenized together
+        with the last token's text; the tokens after the last token are the draft, kept only
+        when that tokenization starts with the last token itself (the copy continues the
+        model's spelling there, else it is unlikely to be the model's next tokens)."""
+        tok = self.tokenizer
+        if tok is None or len(tokens) <= len(req.prompt_token_ids):
+            return []
+        text = self._prompt_text.get(req)
+        if text is None:
+            text = self._prompt_text[req] = tok.decode(req.prompt_token_ids)
+        last = tok.decode(tokens[-1:])
+        tail = tok.decode(tokens[-TEXT_TAIL:])
+        if not last.strip() or not tail.endswith(last):
+            return []
+        for n in range(len(tail), len(last) - 1, -1):
+            at = text.rfind(tail[-n:])
+            if at >= 0:
+                break
+        else:
+            return []
+        follow = text[at + n:at + n + TEXT_DRAFT_CHARS]
+        ids = tok.encode(last + follow, add_special_tokens=False)
+        if len(ids) < 2 or ids[0] != tokens[-1]:
+            return []
+        return ids[1:k + 1]
 
     def _lookup(self, tokens: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens continuing ``tokens``: the longer of the n-gram and the suffix

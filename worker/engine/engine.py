@@ -87,7 +87,8 @@ class Engine(OfflineAPI):
             cache_size=config.grammar_cache_size, compile_threads=config.grammar_compile_threads,
             compile_timeout_s=config.grammar_compile_timeout)
         self.drafter = (Drafter(config.speculative_config, self.max_model_len,
-                                self.structured.allowed_draft, self.structured.forced_tokens)
+                                self.structured.allowed_draft, self.structured.forced_tokens,
+                                self.tokenizer)
                         if config.speculative_config else None)
         self.scheduler = Scheduler(config, self.kv, self.drafter)
         self.sampler = Sampler(config.seed, constrain=self.structured.apply)
