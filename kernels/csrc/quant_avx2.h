@@ -46,6 +46,18 @@ inline __m256i minus(__m256i v, int16_t offset) {
   return offset ? _mm256_sub_epi16(v, _mm256_set1_epi16(offset)) : v;
 }
 
+// The 32-element block formats' walk: each block's codes and its fp16 scale (and minimum, where
+// W has one, right after it).
+template <class W, class F>
+inline void walk_blocks(const uint8_t* row, int64_t K, F&& f) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = row + b * W::kBytes;
+    __m256i e, o;
+    W::codes(blk, e, o);
+    f(b, e, o, fp16(blk), fp16(blk), W::kHasMin ? fp16(blk + 2) : 0.f);
+  }
+}
+
 template <int64_t Fmt>
 struct Nibble32 {  // Q4_0, Q4_1, Q5_0, Q5_1
   static constexpr int64_t kBytes = Fmt == kQ4_0 ? 18 : Fmt == kQ4_1 ? 20 : Fmt == kQ5_0 ? 22 : 24;
@@ -87,12 +99,7 @@ struct Nibble32 {  // Q4_0, Q4_1, Q5_0, Q5_1
 
   template <class F>
   static inline void walk(const uint8_t* row, int64_t K, float, F&& f) {
-    for (int64_t b = 0; b < K / 32; ++b) {
-      const uint8_t* blk = row + b * kBytes;
-      __m256i e, o;
-      codes(blk, e, o);
-      f(b, e, o, fp16(blk), fp16(blk), kHasMin ? fp16(blk + 2) : 0.f);
-    }
+    walk_blocks<Nibble32>(row, K, f);
   }
 };
 
@@ -104,12 +111,7 @@ struct Q8_0 {
   }
   template <class F>
   static inline void walk(const uint8_t* row, int64_t K, float, F&& f) {
-    for (int64_t b = 0; b < K / 32; ++b) {
-      const uint8_t* blk = row + b * kBytes;
-      __m256i e, o;
-      codes(blk, e, o);
-      f(b, e, o, fp16(blk), fp16(blk), 0.f);
-    }
+    walk_blocks<Q8_0>(row, K, f);
   }
 };
 
@@ -125,7 +127,7 @@ struct Int8 {  // per-channel int8: the row's scale for every block
   }
 };
 
-// The K-quants also serve the one-row GEMV (quant_gemv.cpp) a super-block at a time: codes(blk,
+// The K-quants also serve the few-row GEMV (quant_gemv.cpp) a super-block at a time: codes(blk,
 // j, ...) decodes its 32-block j, scale_vectors its eight blocks' scales as vectors.
 template <int64_t Fmt>
 struct KQuant45 {  // Q4_K, Q5_K: 8 sub-blocks of 32 per 256, six-bit scales and mins

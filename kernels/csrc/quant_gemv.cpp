@@ -267,29 +267,23 @@ void int_group_wide(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n) {
   for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = sums[g] + bias;
 }
 
-// G activation rows from b0 against weight row n: per 32-block, the decoded int16 codes meet
-// each row's int16 activations in madd; the block's scales apply to the int32 sums.
+// G activation rows from b0 against weight row n, a block at a time: the rows few_rows does not
+// take (per-channel int8: one scale a row, no offset). Per 32-block, the decoded int16 codes
+// meet each row's int16 activations in madd; the scale applies to the int32 sums.
 template <class W, int G>
 void int_group_narrow(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n) {
+  static_assert(!W::kTwoScales && !W::kHasMin, "the block formats take few_rows");
   __m256 acc[G];
-  float mins[G];
-  for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps(), mins[g] = 0.f;
+  for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
   const float scale = p.scales ? p.scales[n] : 0.f;
-  W::walk(p.w + n * p.row_bytes, p.K, scale,
-          [&](int64_t b, __m256i e, __m256i o, float s_lo, float s_hi, float m) {
+  W::walk(p.w + n * p.row_bytes, p.K, scale, [&](int64_t b, __m256i e, __m256i o, float s, float, float) {
     for (int g = 0; g < G; ++g) {
-      const float da = a.darow(b0 + g)[b];
       const __m256 isum = _mm256_cvtepi32_ps(block_dot(e, o, a.qrow(b0 + g) + b * kActBlock));
-      if constexpr (W::kTwoScales)  // lanes 0-3: elements 0-15; lanes 4-7: 16-31
-        acc[g] = _mm256_fmadd_ps(isum, _mm256_set_m128(_mm_set1_ps(s_hi * da), _mm_set1_ps(s_lo * da)),
-                                 acc[g]);
-      else
-        acc[g] = _mm256_fmadd_ps(isum, _mm256_set1_ps(s_lo * da), acc[g]);
-      if constexpr (W::kHasMin) mins[g] += m * a.abrow(b0 + g)[b];
+      acc[g] = _mm256_fmadd_ps(isum, _mm256_set1_ps(s * a.darow(b0 + g)[b]), acc[g]);
     }
   });
   const float bias = p.bias ? p.bias[n] : 0.f;
-  for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = hsum(acc[g]) + mins[g] + bias;
+  for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = hsum(acc[g]) + bias;
 }
 
 // decode(j, e, o) for blocks j = 0..7, each block met by G activation rows (x[g]: row g's
@@ -528,11 +522,12 @@ void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
     v256::byte_gemv(p);
     return;
   }
+  if (!vnni && fmt != kBF16) {  // the AVX2 GEMV: a projection of one part
+    v256::gemv_parts(&p, 1);
+    return;
+  }
   static thread_local Acts codes;
-  if (fmt != kBF16 && vnni)
-    v512::quantize_acts(p.x, p.rows, p.K, nibble_order(fmt), codes);
-  else if (fmt != kBF16)
-    v256::quantize_acts(p.x, p.rows, p.K, codes);
+  if (fmt != kBF16) v512::quantize_acts(p.x, p.rows, p.K, nibble_order(fmt), codes);
   // Rows per task: enough weight bytes (~32 KiB) that a thread's start-up cost stays small.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(p.row_bytes, 1));
   const Acts& a = codes;
