@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import weakref
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
 from typing import Any
@@ -229,12 +229,11 @@ class Drafter:
                 best = draft
         return best
 
-    def _candidates(self, tokens: list[int], k: int,
-                    req: Request | None = None) -> list[list[int]]:
+    def _candidates(self, tokens: list[int], k: int, req: Request) -> Iterator[list[int]]:
         """Continuations of ``tokens`` (up to ``k`` tokens each) in order of preference: the
         n-gram occurrences (longest suffix, then latest, first), the suffix corpus's draft
-        placed by its match length, and the spelling lookup (:meth:`_respelt`) last;
-        matches of one token count."""
+        placed by its match length, and the spelling lookup (:meth:`_respelt`) last, computed
+        only when no earlier candidate was taken whole; matches of one token count."""
         found = [(n, extend(tokens, start, k))
                  for n, start in ngram_occurrences(tokens, 1, self.config.prompt_lookup_max,
                                                    CANDIDATES)]
@@ -243,9 +242,11 @@ class Drafter:
             if draft:
                 found.append((depth, draft))
                 found.sort(key=lambda f: -f[0])  # stable: the n-gram first on equal lengths
-        out = [draft for _, draft in found]
-        respelt = self._respelt(tokens, k, req) if req is not None else []
-        return out + [respelt] if respelt else out
+        for _, draft in found:
+            yield draft
+        respelt = self._respelt(tokens, k, req)
+        if respelt:
+            yield respelt
 
     def _respelt(self, tokens: list[int], k: int, req: Request) -> list[int]:
         """A copy from the prompt matched by text, not by token ids: up to ``k`` tokens.
