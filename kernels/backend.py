@@ -215,12 +215,6 @@ TILE_PRECISIONS = ("bf16", "bf16x2", "bf16x3")  # bf16 tiles: AMX only
 assert tuple(PACKED_PRECISIONS) == PACKED_GEMM_PRECISIONS, "EngineConfig's names are these"
 
 
-def quant_linear_precision(precision: str, int8_acts: bool) -> int:
-    """QuantLinear's ``precision`` argument: the GEMM's GemmPrecision (a PACKED_PRECISIONS
-    name), with INT8_ACTS_BIT when the GEMV takes int8 activations."""
-    return int(PACKED_PRECISIONS[precision]) | (INT8_ACTS_BIT if int8_acts else 0)
-
-
 def _gemv_rows(fmt: str, rows: int, precision: str, grouped: bool, int8: bool = False) -> int:
     """The row count up to which ``fmt``'s packed GEMV runs (GEMV_ROWS and its exceptions;
     ``grouped``: the CPU runs the grouped GEMV; ``precision`` the GEMM's; ``int8``: the GEMV
@@ -256,9 +250,14 @@ class PackedChoice:
     ops: CpuOps | None = field(default=None, compare=False, repr=False)
     precision: str = DEFAULT_PACKED_PRECISION
     int8_acts: bool = False  # the GEMV rounds activations to int8 (an INT8_FORMATS format)
-    # QuantLinear's ``precision`` for the two above (quant_linear_precision), resolved with them
-    # by the selector so that building a projection reads it and asks nothing
-    precision_code: int = quant_linear_precision(DEFAULT_PACKED_PRECISION, False)
+    # QuantLinear's ``precision``: the GEMM's GemmPrecision with INT8_ACTS_BIT when the GEMV
+    # takes int8 activations; derived from the two above when the choice is made, so building a
+    # projection reads it and asks nothing
+    precision_code: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        code = int(PACKED_PRECISIONS[self.precision]) | (INT8_ACTS_BIT if self.int8_acts else 0)
+        object.__setattr__(self, "precision_code", code)
 
     @property
     def name(self) -> str:
@@ -492,8 +491,7 @@ class Selector:
             reasons.append(f"packed GEMV on int8 activations for {'/'.join(bytes_)} "
                            "(--packed-activations int8)")
         return tuple(PackedChoice(f, "cpp", _gemv_rows(f, rows, precision, grouped, f in bytes_),
-                                  isa, ops, precision, f in bytes_,
-                                  quant_linear_precision(precision, f in bytes_))
+                                  isa, ops, precision, f in bytes_)
                      for f, rows in GEMV_ROWS.items())
 
     def compute_dtype(self, device: torch.device | str, dtype: torch.dtype,
