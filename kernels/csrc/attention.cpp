@@ -460,9 +460,7 @@ PAGEDQ_AVX512 void attend16(const Geometry& geo, const T* k_cache, const T* v_ca
 
 // Whether attend() takes the AVX-512 path for this head_dim (the CPU and PAGEDQ_CPU_ISA allow it).
 inline bool use_avx512(int64_t head_dim) {
-  static const bool ok = isa_cap() >= 1 && __builtin_cpu_supports("avx512f") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                         __builtin_cpu_supports("avx512bw");
+  static const bool ok = runs_isa(kAvx512) && __builtin_cpu_supports("avx512bw");
   return ok && head_dim % kLanes16 == 0;
 }
 

@@ -46,15 +46,20 @@ inline int64_t isa_cap() {
   return cap;
 }
 
-// A wrong `isa` would crash on an illegal instruction; refuse it with a message instead.
-inline void check_isa(int64_t isa) {
-  check_cpu();
+// Whether this CPU runs level `isa` and PAGEDQ_CPU_ISA allows it.
+inline bool runs_isa(int64_t isa) {
   static const bool has_avx512 = isa_cap() >= 1 && __builtin_cpu_supports("avx512f") &&
                                  __builtin_cpu_supports("avx512vl") &&
                                  __builtin_cpu_supports("avx512dq");
   static const bool has_vnni = has_avx512 && isa_cap() >= 2 && __builtin_cpu_supports("avx512bw") &&
                                __builtin_cpu_supports("avx512vnni");
-  TORCH_CHECK(isa == kAvx2 || (isa == kAvx512 && has_avx512) || (isa == kAvx512Vnni && has_vnni),
+  return isa == kAvx2 || (isa == kAvx512 && has_avx512) || (isa == kAvx512Vnni && has_vnni);
+}
+
+// A wrong `isa` would crash on an illegal instruction; refuse it with a message instead.
+inline void check_isa(int64_t isa) {
+  check_cpu();
+  TORCH_CHECK(runs_isa(isa),
               "isa ", isa, " is not one this CPU runs (or PAGEDQ_CPU_ISA allows): pass 0 (AVX2), 1 "
               "(AVX-512) on a CPU with AVX-512F/VL/DQ, or 2 (AVX-512 VNNI) on one that also has "
               "AVX-512BW/VNNI");
