@@ -97,8 +97,11 @@ class Audit:
     @property
     def clean(self) -> bool:
         """Every job ended exactly once with the engine's tokens; near-tie flips are allowed
-        at the rate fp32 batch composition explains (well under 1% of jobs), nothing else."""
-        return self.done + self.flipped == self.total and self.flipped <= self.total // 100
+        at 1% of jobs, and one in any run: a short fault run's ~1,000 tokens meet a flip by
+        chance now and then (one per ~5,000 tokens on the tiny model's flat logits, see
+        ``max_flips``), and each flip is still one transformers calls a near-tie."""
+        return (self.done + self.flipped == self.total
+                and self.flipped <= max(1, self.total // 100))
 
     @property
     def explained(self) -> bool:
