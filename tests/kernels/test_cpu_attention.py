@@ -111,6 +111,15 @@ def test_groups_of_rows_sharing_different_prefixes(op, group):
     assert_matches_reference(case, run_all_rows(op, case))
 
 
+def test_a_member_that_sees_only_the_shared_keys(op):
+    """The shared pass's partial sums are a whole row's softmax when the row has no keys of its
+    own (its length is exactly the shared prefix): the merge adds nothing and rescales by 1."""
+    ctx = [448, 448, 461, 470, 500]
+    case = make_case([1] * 5, ctx, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=9)
+    case.block_table[1:, :28] = case.block_table[0, :28]
+    assert_matches_reference(case, run_all_rows(op, case))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_caches(op, dtype):
     q_lens, ctx = scenarios(16)["mixed"]
