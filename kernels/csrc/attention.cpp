@@ -20,6 +20,8 @@
 // first (shared_pass), each row then finishing over its own keys.
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/bmm.h>
+#include <ATen/ops/empty.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -251,25 +253,26 @@ struct Scratch {
 };
 
 // The part of a row's attention over keys several rows read from the same physical blocks (a
-// cached prompt prefix, e.g. a tool list every request of a step carries). The AVX-512 path
-// computes it for all those rows at once (shared_pass), then each row merges it into its
-// softmax over its own keys. Per query head of the row: the max and the sum of exp of its
-// scores over keys [0, tokens), and the V rows weighted by those exps, unnormalised.
+// cached prompt prefix, e.g. a tool list every request of a step carries): computed for all
+// those rows at once as two matrix products (shared_pass), then merged by each row into its
+// softmax over its own keys. For KV head h and its query head g: the max and the sum of exp of
+// the scores over keys [0, tokens) (max[h * stride + g], sum[...]) and the V rows weighted by
+// those exps, unnormalised (acc[(h * stride + g) * head_dim ...]).
 struct SharedPart {
-  int64_t tokens = 0;          // keys [0, tokens) of the row are in the part (0: no part)
-  const float* max = nullptr;  // [num_heads]
-  const float* sum = nullptr;  // [num_heads]
-  const float* acc = nullptr;  // [num_heads][head_dim]
+  int64_t tokens = 0;  // keys [0, tokens) of the row are in the part (0: no part)
+  const float* max = nullptr;
+  const float* sum = nullptr;
+  const float* acc = nullptr;
+  int64_t stride = 0;
 };
 
-// Rows whose block tables start with the same blocks: those keys transposed once, and the
-// members' SharedParts.
+// Rows whose block tables start with the same blocks, and their attention over those keys:
+// max, sum [num_kv_heads][members * group], acc [num_kv_heads][members * group][head_dim].
 struct PrefixGroup {
   std::vector<int64_t> members;    // row indices
   const int32_t* table = nullptr;  // the first member's block table (the shared blocks)
-  int64_t tokens = 0;
-  std::vector<float> kt;             // [num_kv_heads][head_dim][tokens]
-  std::vector<float> max, sum, acc;  // [members][num_heads], the same, [members][num_heads][head_dim]
+  int64_t tokens = 0;              // whole blocks
+  at::Tensor max, sum, acc;
 };
 
 // ---- AVX-512 decode path -------------------------------------------------------------------
@@ -361,40 +364,6 @@ PAGEDQ_AVX512 void qk_head16(const T* k_head, const Geometry& geo, const int32_t
   }
 }
 
-// Scores of NG query rows over n keys (a multiple of 16) from K transposed, kt[d * stride + t]:
-// lanes run over keys, so each score is a plain sum of D products with no horizontal
-// reduction (the dot-product tiles above spend as many shuffles as multiplies).
-template <int NG>
-PAGEDQ_AVX512 void qk_shared16(const float* kt, int64_t stride, int64_t n, const float* q,
-                               int64_t D, float* scores, int64_t s_stride) {
-  constexpr int NT = 4;  // 64 keys a tile: NG * 4 accumulators
-  int64_t t = 0;
-  for (; t + NT * kLanes16 <= n; t += NT * kLanes16) {
-    __m512 acc[NG][NT];
-    for (int g = 0; g < NG; ++g)
-      for (int i = 0; i < NT; ++i) acc[g][i] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
-      const float* row = kt + d * stride + t;
-      for (int i = 0; i < NT; ++i) {
-        const __m512 kv = _mm512_loadu_ps(row + i * kLanes16);
-        for (int g = 0; g < NG; ++g)
-          acc[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + d]), kv, acc[g][i]);
-      }
-    }
-    for (int g = 0; g < NG; ++g)
-      for (int i = 0; i < NT; ++i) _mm512_storeu_ps(scores + g * s_stride + t + i * kLanes16, acc[g][i]);
-  }
-  for (; t < n; t += kLanes16) {
-    __m512 acc[NG];
-    for (int g = 0; g < NG; ++g) acc[g] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
-      const __m512 kv = _mm512_loadu_ps(kt + d * stride + t);
-      for (int g = 0; g < NG; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + d]), kv, acc[g]);
-    }
-    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(scores + g * s_stride + t, acc[g]);
-  }
-}
-
 // The accumulators of NG rows x NV * 16 dims from d0: init[g * D + d0 ...] * alpha[g], or zero
 // without init.
 template <int NG, int NV>
@@ -448,25 +417,25 @@ PAGEDQ_AVX512 void pv_head16(const T* v_head, const Geometry& geo, const int32_t
     pv_slice16<T, NG, 1>(v_head, geo, table, first, len, p, init, alpha, d, acc);
 }
 
-// One KV head's NG (1-4) query rows (query heads qh ..): scores, softmax numerators (sums[g]:
-// denominators), and the unnormalised weighted V sums; keys before part.tokens come from the
-// shared part, rescaled to the row's max.
+// One KV head's NG (1-4) query rows (the shared part's entries pidx ..): scores, softmax
+// numerators (sums[g]: denominators), and the unnormalised weighted V sums; keys before
+// part.tokens come from the shared part, rescaled to the row's max.
 template <typename T, int NG>
 PAGEDQ_AVX512 void head16(const T* k_head, const T* v_head, const Geometry& geo,
-                          const int32_t* table, int64_t len, const SharedPart& part, int64_t qh,
+                          const int32_t* table, int64_t len, const SharedPart& part, int64_t pidx,
                           const float* q, float* scores, float* acc, float* sums) {
   const int64_t first = part.tokens;
   qk_head16<T, NG>(k_head, geo, table, first, len, q, scores);
   float alpha[NG];
   for (int g = 0; g < NG; ++g) {
     float* s = scores + g * len + first;
-    const float prior = first ? part.max[qh + g] : -std::numeric_limits<float>::infinity();
+    const float prior = first ? part.max[pidx + g] : -std::numeric_limits<float>::infinity();
     const float max = std::max(prior, max_of(s, len - first));
     alpha[g] = first ? std::exp(prior - max) : 0.0f;
-    sums[g] = exp_and_sum(s, len - first, max) + (first ? part.sum[qh + g] * alpha[g] : 0.0f);
+    sums[g] = exp_and_sum(s, len - first, max) + (first ? part.sum[pidx + g] * alpha[g] : 0.0f);
   }
   pv_head16<T, NG>(v_head, geo, table, first, len, scores,
-                   first ? part.acc + qh * geo.head_dim : nullptr, alpha, acc);
+                   first ? part.acc + pidx * geo.head_dim : nullptr, alpha, acc);
 }
 
 // attend()'s work on the AVX-512 path (the caller has scaled the queries into buf.q).
@@ -479,17 +448,17 @@ PAGEDQ_AVX512 void attend16(const Geometry& geo, const T* k_cache, const T* v_ca
     const T* k_head = k_cache + h * geo.k_stride2;
     const T* v_head = v_cache + h * geo.v_stride2;
     for (int64_t g = 0; g < G; g += kMaxRowsPerDot) {
-      const int64_t qh = h * G + g;
+      const int64_t pidx = h * part.stride + g;
       const int64_t r = (h - h0) * G + g;
       const float* q = buf.q.data() + r * D;
       float* s = buf.scores.data() + r * len;
       float* acc = buf.acc.data() + r * D;
       float* sums = buf.sums.data() + r;
       switch (std::min<int64_t>(kMaxRowsPerDot, G - g)) {
-        case 1: head16<T, 1>(k_head, v_head, geo, table, len, part, qh, q, s, acc, sums); break;
-        case 2: head16<T, 2>(k_head, v_head, geo, table, len, part, qh, q, s, acc, sums); break;
-        case 3: head16<T, 3>(k_head, v_head, geo, table, len, part, qh, q, s, acc, sums); break;
-        default: head16<T, 4>(k_head, v_head, geo, table, len, part, qh, q, s, acc, sums); break;
+        case 1: head16<T, 1>(k_head, v_head, geo, table, len, part, pidx, q, s, acc, sums); break;
+        case 2: head16<T, 2>(k_head, v_head, geo, table, len, part, pidx, q, s, acc, sums); break;
+        case 3: head16<T, 3>(k_head, v_head, geo, table, len, part, pidx, q, s, acc, sums); break;
+        default: head16<T, 4>(k_head, v_head, geo, table, len, part, pidx, q, s, acc, sums); break;
       }
     }
   }
@@ -579,74 +548,18 @@ void attend(const Geometry& geo, const QT* query, const T* k_cache, const T* v_c
   }
 }
 
-// Rows sharing fewer keys than this, or fewer rows than this, do not repay the transposition
-// and the shared pass; groups past kMaxSharedBytes a call (transposed keys and the members'
+// Rows sharing fewer keys than this, or fewer rows than this, do not repay the shared pass;
+// groups past kMaxSharedBytes a call (the gathered keys and values, queries, scores and
 // partial sums) are left to each row (read from the cache as usual).
 constexpr int64_t kMinSharedTokens = 64;
 constexpr size_t kMinSharingRows = 4;
 constexpr int64_t kMaxSharedBytes = int64_t{64} << 20;
 
-// r[c] = column c of the 16 x 16 tile whose rows are r[0..16) (three rounds of 16 shuffles).
-PAGEDQ_AVX512 inline void transpose16x16(__m512 (&r)[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: rows 2i, 2i+1 at columns 4L, 4L+1 / 4L+2, 4L+3
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // r[4i + j], lane L: column 4L + j of rows 4i .. 4i + 3
-    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-  for (int j = 0; j < 4; ++j) {  // gather lane L of r[j], r[4 + j], r[8 + j], r[12 + j]
-    const __m512 p = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
-    const __m512 q = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);
-    const __m512 u = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
-    const __m512 v = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
-    t[j] = _mm512_shuffle_f32x4(p, u, 0x88);
-    t[8 + j] = _mm512_shuffle_f32x4(p, u, 0xDD);
-    t[4 + j] = _mm512_shuffle_f32x4(q, v, 0x88);
-    t[12 + j] = _mm512_shuffle_f32x4(q, v, 0xDD);
-  }
-  for (int c = 0; c < 16; ++c) r[c] = t[c];
-}
-
-// kt[(h * D + d) * tokens + t] = K[t][h][d] for keys [t0, t0 + 16) of KV head h: 16 x 16 tiles
-// transposed in registers (a scalar walk stored each key's D values D strides apart).
-template <typename T>
-PAGEDQ_AVX512 void transpose_tile16(const Geometry& geo, const T* k_cache, const int32_t* table,
-                                    int64_t tokens, int64_t h, int64_t t0, float* kt) {
-  const int64_t D = geo.head_dim, bs = geo.block_size;
-  const T* src[kLanes16];
-  for (int64_t k = 0; k < kLanes16; ++k)
-    src[k] = k_cache + static_cast<int64_t>(table[(t0 + k) / bs]) * geo.k_stride0 +
-             (t0 + k) % bs * geo.k_stride1 + h * geo.k_stride2;
-  for (int64_t d0 = 0; d0 < D; d0 += kLanes16) {
-    __m512 r[kLanes16];
-    for (int64_t k = 0; k < kLanes16; ++k) r[k] = load16(src[k] + d0);
-    transpose16x16(r);
-    for (int64_t c = 0; c < kLanes16; ++c) _mm512_storeu_ps(kt + (h * D + d0 + c) * tokens + t0, r[c]);
-  }
-}
-
-// The first `tokens` keys (a multiple of 16) of a block table, transposed: every KV head.
-template <typename T>
-void transpose_keys(const Geometry& geo, const T* k_cache, const int32_t* table, int64_t tokens,
-                    float* kt) {
-  const int64_t tiles = tokens / kLanes16;
-  at::parallel_for(0, geo.num_kv_heads * tiles, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      transpose_tile16(geo, k_cache, table, tokens, i / tiles, i % tiles * kLanes16, kt);
-  });
-}
-
 // The rows' prefix groups: rows whose block tables start with the same blocks (at least
 // kMinSharingRows of them, over at least kMinSharedTokens keys every one of them sees) share
-// those keys, transposed once. Only the AVX-512 path reads them.
-template <typename T>
+// those whole blocks. Only the AVX-512 path reads them.
 std::vector<PrefixGroup> share_prefixes(const Geometry& geo, const int64_t* row, int64_t num_rows,
-                                        const T* k_cache, const int32_t* table) {
+                                        const int32_t* table) {
   std::vector<PrefixGroup> out;
   if (!geo.avx512) return out;
   std::map<int32_t, std::vector<int64_t>> groups;  // first block -> rows (ordered: deterministic)
@@ -664,176 +577,91 @@ std::vector<PrefixGroup> share_prefixes(const Geometry& geo, const int64_t* row,
       while (b < blocks && mine[b] == lead[b]) ++b;
       blocks = b;
     }
-    const int64_t tokens = blocks * geo.block_size / kLanes16 * kLanes16;
-    const int64_t heads = static_cast<int64_t>(members.size()) * geo.num_heads;
-    const int64_t size = geo.num_kv_heads * geo.head_dim * tokens + heads * (geo.head_dim + 2);
+    const int64_t tokens = blocks * geo.block_size;
+    const int64_t queries = static_cast<int64_t>(members.size()) * geo.group;
+    // K and V gathered, the queries, the scores and the partial sums: fp32, every KV head
+    const int64_t size = geo.num_kv_heads * (2 * tokens * geo.head_dim + queries * (2 * geo.head_dim + tokens + 2));
     if (tokens < kMinSharedTokens || bytes + size * 4 > kMaxSharedBytes) continue;
     bytes += size * 4;
     PrefixGroup& grp = out.emplace_back();
     grp.members = std::move(members);
     grp.table = lead;
     grp.tokens = tokens;
-    grp.kt.resize(geo.num_kv_heads * geo.head_dim * tokens);
-    transpose_keys(geo, k_cache, lead, tokens, grp.kt.data());
-    grp.max.resize(heads);
-    grp.sum.resize(heads);
-    grp.acc.resize(heads * geo.head_dim);
   }
   return out;
 }
 
 // ---- The shared pass: every member of a prefix group over the shared keys at once ----------
 //
-// Why: a row alone streams its head's transposed keys and V rows from L2 (over a 457-key tool
-// list, 117 KB each at head_dim 64) for three multiplies a load, and ran at a fifth of the
-// FMA units' rate. Here a work item takes a block of members and walks the shared keys in
-// chunks of kSharedChunk; a chunk's keys and V rows (16 KB each) stay in L1 while every member
-// of the block goes over them, its softmax kept online (running max, rescaled sums), as flash
-// attention does. Each row then finishes over its own keys (head16) and merges the two.
+// Why: a row alone streams its head's keys and V rows from L2 (over a 457-key tool list,
+// 117 KB each at head_dim 64) for a few multiplies a load, and ran at a fifth of the FMA
+// units' rate. The members' queries against the shared keys are one matrix product per KV
+// head (scores = Q K^T, [members x group] x keys), and so are the weighted V sums (P V): both
+// run through ATen's GEMM (MKL / oneDNN, near the machine's peak), with an exact two-pass
+// softmax between them. Each row then finishes over its own keys (head16) and merges the two.
 
-constexpr int64_t kSharedChunk = 64;
-
-// acc[g * D + d0 ...] = alpha[g] * acc[...] + sum_o p[g * p_stride + o] * v_rows[o][d0 ...]
-// over the n rows of a chunk, NV * 16 dims from d0, for NG query rows.
-template <typename T, int NG, int NV>
-PAGEDQ_AVX512 void pv_chunk16(const T* const* v_rows, int64_t n, const float* p, int64_t p_stride,
-                              const float* alpha, int64_t D, int64_t d0, float* acc) {
-  __m512 a[NG][NV];
-  start_acc<NG, NV>(a, acc, alpha, D, d0);
-  for (int64_t o = 0; o < n; ++o) {
-    __m512 pb[NG];
-    for (int g = 0; g < NG; ++g) pb[g] = _mm512_set1_ps(p[g * p_stride + o]);
-    for (int i = 0; i < NV; ++i) {
-      const __m512 vv = load16(v_rows[o] + d0 + i * kLanes16);
-      for (int g = 0; g < NG; ++g) a[g][i] = _mm512_fmadd_ps(pb[g], vv, a[g][i]);
+// dst[h][t][:] = cache row of token t, KV head h, as fp32, for the group's first `tokens` keys.
+template <typename T>
+void gather_rows(const Geometry& geo, const T* cache, int64_t stride0, int64_t stride1,
+                 int64_t stride2, const int32_t* table, int64_t tokens, float* dst) {
+  const int64_t D = geo.head_dim, bs = geo.block_size;
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* src = cache + static_cast<int64_t>(table[t / bs]) * stride0 + t % bs * stride1;
+      for (int64_t h = 0; h < geo.num_kv_heads; ++h)
+        for (int64_t d = 0; d < D; ++d)
+          dst[(h * tokens + t) * D + d] = static_cast<float>(src[h * stride2 + d]);
     }
-  }
-  for (int g = 0; g < NG; ++g)
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + g * D + d0 + i * kLanes16, a[g][i]);
-}
-
-// exp8's polynomial over 16 lanes: in place s[t] = exp(s[t] - max) for t < n (a multiple of
-// 16); returns the sum.
-PAGEDQ_AVX512 inline float exp_and_sum16(float* s, int64_t n, float max) {
-  const __m512 m = _mm512_set1_ps(max);
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n; t += kLanes16) {
-    __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), m), _mm512_set1_ps(-87.3f));
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x);
-    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
-    const __m512i pow2 = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    const __m512 e = _mm512_mul_ps(y, _mm512_castsi512_ps(pow2));
-    _mm512_storeu_ps(s + t, e);
-    total = _mm512_add_ps(total, e);
-  }
-  return _mm512_reduce_add_ps(total);
-}
-
-// NG query rows of one member over the chunk of n keys from t: their scores from the
-// transposed keys, the running max and sum moved on, the chunk's V rows added in.
-template <typename T, int NG>
-PAGEDQ_AVX512 void shared_chunk16(const float* kt, int64_t tokens, const T* const* v_rows,
-                                  int64_t t, int64_t n, const float* q, int64_t D, float* s,
-                                  float* max, float* sum, float* acc) {
-  qk_shared16<NG>(kt + t, tokens, n, q, D, s, kSharedChunk);
-  float alpha[NG];
-  for (int g = 0; g < NG; ++g) {
-    const float m = std::max(max[g], max_of(s + g * kSharedChunk, n));
-    alpha[g] = std::exp(max[g] - m);  // 0 at the first chunk (max -inf)
-    sum[g] = sum[g] * alpha[g] + exp_and_sum16(s + g * kSharedChunk, n, m);
-    max[g] = m;
-  }
-  int64_t d = 0;
-  for (; d + 4 * kLanes16 <= D; d += 4 * kLanes16)
-    pv_chunk16<T, NG, 4>(v_rows, n, s, kSharedChunk, alpha, D, d, acc);
-  for (; d < D; d += kLanes16) pv_chunk16<T, NG, 1>(v_rows, n, s, kSharedChunk, alpha, D, d, acc);
-}
-
-// Members [m0, m1) of a group over KV head h's shared keys, chunk by chunk.
-template <typename QT, typename T>
-PAGEDQ_AVX512 void shared_item(const Geometry& geo, const QT* query, const int64_t* row,
-                               const T* v_cache, PrefixGroup& grp, int64_t h, int64_t m0,
-                               int64_t m1, float scale) {
-  const int64_t G = geo.group, D = geo.head_dim, H = geo.num_heads, bs = geo.block_size;
-  std::vector<float> q((m1 - m0) * G * D), s(kMaxRowsPerDot * kSharedChunk);
-  for (int64_t m = m0; m < m1; ++m) {
-    const QT* src = query + row[3 * grp.members[m]] * geo.q_stride0 + h * G * geo.q_stride1;
-    float* dst = q.data() + (m - m0) * G * D;
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < D; ++d) dst[g * D + d] = static_cast<float>(src[g * geo.q_stride1 + d]) * scale;
-    std::fill_n(grp.max.data() + m * H + h * G, G, -std::numeric_limits<float>::infinity());
-    std::fill_n(grp.sum.data() + m * H + h * G, G, 0.0f);
-    std::fill_n(grp.acc.data() + (m * H + h * G) * D, G * D, 0.0f);
-  }
-  const float* kt = grp.kt.data() + h * D * grp.tokens;
-  const T* v_rows[kSharedChunk];
-  for (int64_t t = 0; t < grp.tokens; t += kSharedChunk) {
-    const int64_t n = std::min(kSharedChunk, grp.tokens - t);
-    for (int64_t o = 0; o < n; ++o)
-      v_rows[o] = v_cache + static_cast<int64_t>(grp.table[(t + o) / bs]) * geo.v_stride0 +
-                  (t + o) % bs * geo.v_stride1 + h * geo.v_stride2;
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t g = 0; g < G; g += kMaxRowsPerDot) {
-        const float* qg = q.data() + ((m - m0) * G + g) * D;
-        float* max = grp.max.data() + m * H + h * G + g;
-        float* sum = grp.sum.data() + m * H + h * G + g;
-        float* acc = grp.acc.data() + (m * H + h * G + g) * D;
-        switch (std::min<int64_t>(kMaxRowsPerDot, G - g)) {
-          case 1: shared_chunk16<T, 1>(kt, grp.tokens, v_rows, t, n, qg, D, s.data(), max, sum, acc); break;
-          case 2: shared_chunk16<T, 2>(kt, grp.tokens, v_rows, t, n, qg, D, s.data(), max, sum, acc); break;
-          case 3: shared_chunk16<T, 3>(kt, grp.tokens, v_rows, t, n, qg, D, s.data(), max, sum, acc); break;
-          default: shared_chunk16<T, 4>(kt, grp.tokens, v_rows, t, n, qg, D, s.data(), max, sum, acc); break;
-        }
-      }
-  }
-}
-
-// Every group's shared part, as work items (group, KV head, block of members): enough items
-// for every thread, each block as large as that allows (a chunk is read once per block).
-template <typename QT, typename T>
-void shared_pass(const Geometry& geo, const QT* query, const int64_t* row, const T* v_cache,
-                 std::vector<PrefixGroup>& groups, float scale) {
-  struct Item {
-    PrefixGroup* grp;
-    int64_t h, m0, m1;
-  };
-  std::vector<Item> items;
-  const int64_t wanted = 2 * at::get_num_threads();
-  for (PrefixGroup& grp : groups) {
-    const int64_t n = static_cast<int64_t>(grp.members.size());
-    const int64_t blocks = std::clamp<int64_t>((wanted + geo.num_kv_heads - 1) / geo.num_kv_heads,
-                                               1, n);
-    const int64_t per = (n + blocks - 1) / blocks;
-    for (int64_t h = 0; h < geo.num_kv_heads; ++h)
-      for (int64_t m0 = 0; m0 < n; m0 += per) items.push_back({&grp, h, m0, std::min(n, m0 + per)});
-  }
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      shared_item<QT, T>(geo, query, row, v_cache, *items[i].grp, items[i].h, items[i].m0,
-                         items[i].m1, scale);
   });
+}
+
+// The group's partial attention over its shared keys, every member and KV head.
+template <typename QT, typename T>
+void shared_pass(const Geometry& geo, const QT* query, const int64_t* row, const T* k_cache,
+                 const T* v_cache, PrefixGroup& grp, float scale) {
+  const int64_t Hkv = geo.num_kv_heads, G = geo.group, D = geo.head_dim, N = grp.tokens;
+  const int64_t members = static_cast<int64_t>(grp.members.size()), M = members * G;
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor k = at::empty({Hkv, N, D}, f32), v = at::empty({Hkv, N, D}, f32);
+  gather_rows(geo, k_cache, geo.k_stride0, geo.k_stride1, geo.k_stride2, grp.table, N, k.data_ptr<float>());
+  gather_rows(geo, v_cache, geo.v_stride0, geo.v_stride1, geo.v_stride2, grp.table, N, v.data_ptr<float>());
+  at::Tensor q = at::empty({Hkv, M, D}, f32);
+  float* qp = q.data_ptr<float>();
+  for (int64_t m = 0; m < members; ++m) {
+    const QT* src = query + row[3 * grp.members[m]] * geo.q_stride0;
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          qp[(h * M + m * G + g) * D + d] = static_cast<float>(src[(h * G + g) * geo.q_stride1 + d]) * scale;
+  }
+  at::Tensor scores = at::bmm(q, k.transpose(1, 2));  // [Hkv, M, N]
+  grp.max = at::empty({Hkv, M}, f32);
+  grp.sum = at::empty({Hkv, M}, f32);
+  float* s = scores.data_ptr<float>();
+  float* max = grp.max.data_ptr<float>();
+  float* sum = grp.sum.data_ptr<float>();
+  at::parallel_for(0, Hkv * M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      max[r] = max_of(s + r * N, N);
+      sum[r] = exp_and_sum(s + r * N, N, max[r]);
+    }
+  });
+  grp.acc = at::bmm(scores, v);  // [Hkv, M, D]
 }
 
 // Each row's SharedPart (none for rows outside every group).
 std::vector<SharedPart> shared_parts(const Geometry& geo, int64_t num_rows,
                                      const std::vector<PrefixGroup>& groups) {
   std::vector<SharedPart> parts(num_rows);
-  const int64_t H = geo.num_heads;
-  for (const PrefixGroup& grp : groups)
-    for (size_t i = 0; i < grp.members.size(); ++i)
-      parts[grp.members[i]] = {grp.tokens, grp.max.data() + i * H, grp.sum.data() + i * H,
-                               grp.acc.data() + i * H * geo.head_dim};
+  for (const PrefixGroup& grp : groups) {
+    const int64_t stride = static_cast<int64_t>(grp.members.size()) * geo.group;
+    for (size_t i = 0; i < grp.members.size(); ++i) {
+      const int64_t at = static_cast<int64_t>(i) * geo.group;
+      parts[grp.members[i]] = {grp.tokens, grp.max.data_ptr<float>() + at,
+                               grp.sum.data_ptr<float>() + at,
+                               grp.acc.data_ptr<float>() + at * geo.head_dim, stride};
+    }
+  }
   return parts;
 }
 
@@ -852,8 +680,8 @@ void run(const Geometry& geo, const at::Tensor& query, const at::Tensor& k_cache
   const int32_t* table = block_table.data_ptr<int32_t>();
   QT* o = out.data_ptr<QT>();
   const float fscale = static_cast<float>(scale);
-  std::vector<PrefixGroup> groups = share_prefixes(geo, row, num_rows, k, table);
-  if (!groups.empty()) shared_pass<QT, T>(geo, q, row, v, groups, fscale);
+  std::vector<PrefixGroup> groups = share_prefixes(geo, row, num_rows, table);
+  for (PrefixGroup& grp : groups) shared_pass<QT, T>(geo, q, row, k, v, grp, fscale);
   const std::vector<SharedPart> parts = shared_parts(geo, num_rows, groups);
   at::parallel_for(0, num_rows * splits, grain, [&](int64_t begin, int64_t end) {
     Scratch buf(heads_per_item * geo.group, geo.head_dim, std::max<int64_t>(max_len, 1));
