@@ -275,6 +275,21 @@ struct PrefixGroup {
   at::Tensor max, sum, acc;
 };
 
+// In place s[t] = exp(s[t] - max) over the row's own keys [part.tokens, len), the max taken with
+// the shared part's entry i where there is one; *sum gets the whole denominator. Returns the
+// factor that brings the part's weighted V sums to that max (0 without a part).
+inline float own_softmax(float* s, int64_t len, const SharedPart& part, int64_t i, float* sum) {
+  const int64_t first = part.tokens;
+  if (!first) {
+    *sum = exp_and_sum(s, len, max_of(s, len));
+    return 0.0f;
+  }
+  const float max = std::max(part.max[i], max_of(s + first, len - first));
+  const float alpha = std::exp(part.max[i] - max);
+  *sum = exp_and_sum(s + first, len - first, max) + part.sum[i] * alpha;
+  return alpha;
+}
+
 // ---- AVX-512 decode path -------------------------------------------------------------------
 //
 // Why: over long contexts a decode row's time is the dot products, not the reads (a shared
@@ -427,13 +442,7 @@ PAGEDQ_AVX512 void head16(const T* k_head, const T* v_head, const Geometry& geo,
   const int64_t first = part.tokens;
   qk_head16<T, NG>(k_head, geo, table, first, len, q, scores);
   float alpha[NG];
-  for (int g = 0; g < NG; ++g) {
-    float* s = scores + g * len + first;
-    const float prior = first ? part.max[pidx + g] : -std::numeric_limits<float>::infinity();
-    const float max = std::max(prior, max_of(s, len - first));
-    alpha[g] = first ? std::exp(prior - max) : 0.0f;
-    sums[g] = exp_and_sum(s, len - first, max) + (first ? part.sum[pidx + g] * alpha[g] : 0.0f);
-  }
+  for (int g = 0; g < NG; ++g) alpha[g] = own_softmax(scores + g * len, len, part, pidx + g, sums + g);
   pv_head16<T, NG>(v_head, geo, table, first, len, scores,
                    first ? part.acc + pidx * geo.head_dim : nullptr, alpha, acc);
 }
@@ -473,15 +482,16 @@ inline bool use_avx512(int64_t head_dim) {
 // attend()'s work on the AVX2 path: every KV head of a block together (one contiguous read).
 template <typename T>
 void attend2(const Geometry& geo, const T* k_cache, const T* v_cache, const int32_t* table,
-             int64_t len, int64_t h0, int64_t h1, Scratch& buf) {
+             int64_t len, const SharedPart& part, int64_t h0, int64_t h1, Scratch& buf) {
   const int64_t G = geo.group, D = geo.head_dim, bs = geo.block_size;
   const int64_t rows = (h1 - h0) * G;
+  const int64_t first_block = part.tokens / bs;  // the shared part ends on a block boundary
   const float* q = buf.q.data();
   float* scores = buf.scores.data();  // [rows][len]
   float* acc = buf.acc.data();        // [rows][D]
-  // Pass 1: scores of every visible key, block by block through the block table.
+  // Pass 1: scores of every visible key after the shared part, block by block.
   const int64_t num_blocks = (len + bs - 1) / bs;
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = first_block; b < num_blocks; ++b) {
     const int64_t t0 = b * bs, n = std::min(bs, len - t0);
     const T* block = k_cache + static_cast<int64_t>(table[b]) * geo.k_stride0;
     const int64_t ahead = b + kPrefetchAhead;
@@ -497,14 +507,14 @@ void attend2(const Geometry& geo, const T* k_cache, const T* v_cache, const int3
       }
     }
   }
-  // Softmax numerators and denominators, fp32.
+  // Softmax numerators and denominators, fp32; the accumulators start from the shared part.
   for (int64_t r = 0; r < rows; ++r) {
-    float* s = scores + r * len;
-    buf.sums[r] = exp_and_sum(s, len, max_of(s, len));
+    const int64_t i = (h0 + r / G) * part.stride + r % G;
+    const float alpha = own_softmax(scores + r * len, len, part, i, buf.sums.data() + r);
+    for (int64_t d = 0; d < D; ++d) acc[r * D + d] = part.tokens ? alpha * part.acc[i * D + d] : 0.0f;
   }
   // Pass 2: probability-weighted sum of V rows, accumulators in registers within a block.
-  std::fill(acc, acc + rows * D, 0.0f);
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = first_block; b < num_blocks; ++b) {
     const int64_t t0 = b * bs, n = std::min(bs, len - t0);
     const T* block = v_cache + static_cast<int64_t>(table[b]) * geo.v_stride0;
     const int64_t ahead = b + kPrefetchAhead;
@@ -539,7 +549,7 @@ void attend(const Geometry& geo, const QT* query, const T* k_cache, const T* v_c
   if (geo.avx512) {
     attend16<T>(geo, k_cache, v_cache, table, len, part, h0, h1, buf);
   } else {
-    attend2<T>(geo, k_cache, v_cache, table, len, h0, h1, buf);
+    attend2<T>(geo, k_cache, v_cache, table, len, part, h0, h1, buf);
   }
   for (int64_t r = 0; r < rows; ++r) {
     QT* dst = out + token * geo.o_stride0 + (h0 * G + r) * geo.o_stride1;
@@ -557,11 +567,10 @@ constexpr int64_t kMaxSharedBytes = int64_t{64} << 20;
 
 // The rows' prefix groups: rows whose block tables start with the same blocks (at least
 // kMinSharingRows of them, over at least kMinSharedTokens keys every one of them sees) share
-// those whole blocks. Only the AVX-512 path reads them.
+// those whole blocks.
 std::vector<PrefixGroup> share_prefixes(const Geometry& geo, const int64_t* row, int64_t num_rows,
                                         const int32_t* table) {
   std::vector<PrefixGroup> out;
-  if (!geo.avx512) return out;
   std::map<int32_t, std::vector<int64_t>> groups;  // first block -> rows (ordered: deterministic)
   for (int64_t i = 0; i < num_rows; ++i)
     if (row[3 * i + 2] >= kMinSharedTokens) groups[table[row[3 * i + 1] * geo.table_stride]].push_back(i);
