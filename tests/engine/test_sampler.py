@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pagedq.client import SamplingParams
 from pagedq.errors import InvalidParamsError
 from pagedq.worker import Engine
-from pagedq.worker.engine.sampler import apply_penalties, filtered_probs, seeded_uniform
+from pagedq.worker.engine.sampler import apply_penalties, filtered_probs
 from pagedq.worker.engine.sequence import Request, Sequence
 
 VOCAB = 50
@@ -173,28 +173,3 @@ def test_params_roundtrip_and_unknown_fields():
     assert SamplingParams.from_dict(p.to_dict()) == p
     with pytest.raises(InvalidParamsError, match="unknown sampling params"):
         SamplingParams.from_dict({"temprature": 0.5})
-
-
-@pytest.mark.parametrize("filters", [{}, {"top_k": 5}, {"top_p": 0.7}, {"min_p": 0.2}])
-def test_a_narrow_grammar_row_draws_the_dense_draws_token(filters):
-    """A structured row whose mask leaves a few tokens is drawn over those alone (narrow_rows):
-    for every seeded draw the token is the one the whole-vocabulary draw picks, beside a wide
-    structured row and an unconstrained one in the same batch."""
-    from pagedq.worker.engine.sampler import Sampler, draw
-
-    vocab = 5000
-    gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(3, vocab, generator=gen) * 3
-    allowed = torch.randperm(vocab, generator=gen)[:40]
-    masked = torch.full((vocab,), float("-inf"))
-    masked[allowed] = logits[0, allowed]
-    logits[0] = masked
-    logits[1, torch.randperm(vocab, generator=gen)[:1500]] = float("-inf")  # wide: stays dense
-    for step in range(40):
-        seqs = [_seq([1, 2], [7] * step, temperature=0.9, seed=100 + r, **filters,
-                     structured_outputs={"regex": "[a-z]+"} if r < 2 else None) for r in range(3)]
-        got = Sampler()._sample_rows(logits.clone(), seqs)
-        u = torch.tensor([seeded_uniform(100 + r, 0, step) for r in range(3)], dtype=torch.float64)
-        want = draw(logits.clone(), seqs, u)
-        assert got.tolist() == want.tolist()
-        assert int(got[0]) in set(allowed.tolist())

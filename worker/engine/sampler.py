@@ -181,53 +181,13 @@ class Sampler:
         return SampleResult(token_list, chosen, tops)
 
     def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        def col(name: str, dtype=torch.float32) -> torch.Tensor:
+            return torch.tensor([getattr(s.params, name) for s in seqs], dtype=dtype)
+
+        probs = filtered_probs(logits, col("temperature"), col("top_k", torch.long),
+                               col("top_p"), col("min_p"))
         u = torch.rand(len(seqs), generator=self.generator, dtype=torch.float64)
         for r, s in enumerate(seqs):
             if s.params.seed is not None:
                 u[r] = seeded_uniform(s.params.seed, s.index, s.num_generated)
-        narrow = narrow_rows(logits, seqs)
-        if not narrow:
-            return draw(logits, seqs, u)
-        wide = [r for r in range(len(seqs)) if r not in set(narrow)]
-        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
-        if wide:
-            tokens[wide] = draw(logits[wide], [seqs[r] for r in wide], u[wide])
-        vals, cols = compact(logits[narrow])
-        picks = draw(vals, [seqs[r] for r in narrow], u[narrow])
-        tokens[narrow] = cols.gather(1, picks[:, None]).squeeze(1)
-        return tokens
-
-
-# A constrained row whose grammar allows at most this many tokens is drawn over those alone.
-NARROW = 1024
-
-
-def narrow_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """Rows of structured outputs whose mask leaves at most NARROW tokens (a JSON key, a number,
-    an enum): drawing over those alone skips the softmax, cumsum and search over the whole
-    vocabulary, and gives the same token (the masked tokens have probability 0 in both)."""
-    rows = [r for r, s in enumerate(seqs) if s.params.structured_outputs is not None]
-    if not rows:
-        return []
-    counts = torch.isfinite(logits[rows]).sum(-1).tolist()
-    return [r for r, c in zip(rows, counts, strict=True) if c <= NARROW]
-
-
-def compact(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's finite logits (at most NARROW, -inf padding after a shorter row's) in
-    vocabulary order, and their columns: the inverse CDF then walks the same tokens in the same
-    order as over the whole row."""
-    width = int(torch.isfinite(logits).sum(-1).max())
-    vals, cols = logits.topk(width, dim=-1)
-    cols, order = cols.sort(dim=-1)
-    return vals.gather(1, order), cols
-
-
-def draw(logits: torch.Tensor, seqs: list[Sequence], u: torch.Tensor) -> torch.Tensor:
-    """One inverse-CDF draw per row from its filtered distribution (row r uses u[r])."""
-    def col(name: str, dtype=torch.float32) -> torch.Tensor:
-        return torch.tensor([getattr(s.params, name) for s in seqs], dtype=dtype)
-
-    probs = filtered_probs(logits, col("temperature"), col("top_k", torch.long),
-                           col("top_p"), col("min_p"))
-    return sample_inverse_cdf(probs.double(), u.to(probs.device))
+        return sample_inverse_cdf(probs.double(), u.to(probs.device))
