@@ -120,6 +120,17 @@ def test_a_member_that_sees_only_the_shared_keys(op):
     assert_matches_reference(case, run_all_rows(op, case))
 
 
+def test_the_shared_pass_runs_under_inference_mode(op):
+    """The engine calls the kernel under torch.inference_mode: the shared pass's matrix products
+    (ATen ops on tensors it makes) must run where that mode holds, not in worker threads."""
+    ctx = [300 + 5 * i for i in range(8)]
+    case = make_case([1] * 8, ctx, num_heads=9, num_kv_heads=3, head_dim=64, block_size=8, seed=4)
+    case.block_table[1:, :37] = case.block_table[0, :37]
+    with torch.inference_mode():
+        out = run_all_rows(op, case)
+    assert_matches_reference(case, out.clone())
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_caches(op, dtype):
     q_lens, ctx = scenarios(16)["mixed"]
