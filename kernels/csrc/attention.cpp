@@ -15,9 +15,10 @@
 // is exact two-pass in fp32: scores of all visible keys into a per-thread buffer, then exp and
 // sum, then out = sum_t p_t * V_t / sum. fp16/bf16 caches are converted to fp32 on load.
 // The AVX2 path walks each block once for all the item's KV heads; the AVX-512 path (attend16)
-// walks the blocks once per KV head, keeping that head's V accumulators in registers, and
-// computes the keys several rows share (a cached prompt prefix) for all of them in one pass
-// first (shared_pass), each row then finishing over its own keys.
+// walks the blocks once per KV head, keeping that head's V accumulators in registers. Keys that
+// several rows read from the same blocks (a cached prompt prefix) are attended for all of them
+// at once first (shared_pass, two matrix products a KV head); each row then finishes over its
+// own keys on either path and merges the two (own_softmax).
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/bmm.h>
