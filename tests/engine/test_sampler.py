@@ -173,3 +173,29 @@ def test_params_roundtrip_and_unknown_fields():
     assert SamplingParams.from_dict(p.to_dict()) == p
     with pytest.raises(InvalidParamsError, match="unknown sampling params"):
         SamplingParams.from_dict({"temprature": 0.5})
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_k": 5}, {"top_p": 0.7}, {"min_p": 0.2}])
+def test_a_narrow_grammar_row_draws_the_dense_draws_token(filters):
+    """Structured rows whose mask leaves a few tokens (40, and one forced) are drawn over those
+    alone (narrow_rows): every seeded draw picks the token the whole-vocabulary draw picks,
+    beside a wide structured row and an unconstrained one in the same batch."""
+    from pagedq.worker.engine.sampler import Sampler, draw, seeded_uniform
+
+    vocab = 5000
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, vocab, generator=gen) * 3
+    allowed = torch.randperm(vocab, generator=gen)[:40]
+    for row, keep in ((0, allowed), (3, allowed[:1])):
+        masked = torch.full((vocab,), float("-inf"))
+        masked[keep] = logits[row, keep]
+        logits[row] = masked
+    logits[1, torch.randperm(vocab, generator=gen)[:1500]] = float("-inf")  # wide: stays dense
+    for step in range(40):
+        seqs = [_seq([1, 2], [7] * step, temperature=0.9, seed=100 + r, **filters,
+                     structured_outputs=None if r == 2 else {"regex": "[a-z]+"})
+                for r in range(4)]
+        got = Sampler()._sample_rows(logits.clone(), seqs)
+        u = torch.tensor([seeded_uniform(100 + r, 0, step) for r in range(4)], dtype=torch.float64)
+        assert got.tolist() == draw(logits.clone(), seqs, u).tolist()
+        assert int(got[0]) in set(allowed.tolist()) and int(got[3]) == int(allowed[0])
