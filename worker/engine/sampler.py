@@ -189,9 +189,10 @@ class Sampler:
         if narrow is None:
             return draw(logits, seqs, u)
         tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
-        if narrow.wide:
-            tokens[narrow.wide] = draw(logits[narrow.wide], [seqs[r] for r in narrow.wide],
-                                       u[narrow.wide])
+        taken = set(narrow.rows)
+        wide = [r for r in range(len(seqs)) if r not in taken]
+        if wide:
+            tokens[wide] = draw(logits[wide], [seqs[r] for r in wide], u[wide])
         picks = draw(narrow.logits, [seqs[r] for r in narrow.rows], u[narrow.rows])
         tokens[narrow.rows] = narrow.columns.gather(1, picks[:, None]).squeeze(1)
         return tokens
@@ -204,12 +205,11 @@ NARROW = 1024
 @dataclass
 class NarrowRows:
     """The rows drawn over their allowed tokens alone, those tokens' logits in vocabulary
-    order (-inf after a row's last: [rows, widest]) and their columns; the other rows."""
+    order (-inf after a row's last: [rows, widest]) and their columns."""
 
     rows: list[int]
     logits: torch.Tensor
     columns: torch.Tensor
-    wide: list[int]
 
 
 def narrow_rows(logits: torch.Tensor, seqs: list[Sequence]) -> NarrowRows | None:
@@ -220,12 +220,13 @@ def narrow_rows(logits: torch.Tensor, seqs: list[Sequence]) -> NarrowRows | None
     the same for a row with one allowed token as for a free one. Over the allowed tokens alone,
     in vocabulary order, the inverse CDF walks the same tokens in the same order (the masked
     ones have probability 0), so the token is the one the whole row gives."""
-    if not any(s.params.structured_outputs is not None for s in seqs):
+    structured = [r for r, s in enumerate(seqs) if s.params.structured_outputs is not None]
+    if not structured:
         return None
     allowed = logits > float("-inf")
     counts = allowed.sum(-1)
-    rows = [r for r, (s, c) in enumerate(zip(seqs, counts.tolist(), strict=True))
-            if s.params.structured_outputs is not None and 0 < c <= NARROW]
+    per_row = counts.tolist()
+    rows = [r for r in structured if 0 < per_row[r] <= NARROW]
     if not rows:
         return None
     index = torch.tensor(rows, device=logits.device)
@@ -238,8 +239,7 @@ def narrow_rows(logits: torch.Tensor, seqs: list[Sequence]) -> NarrowRows | None
     values[local, place] = logits[index[local], columns]
     cols = torch.zeros((len(rows), width), dtype=torch.long, device=logits.device)
     cols[local, place] = columns
-    taken = set(rows)
-    return NarrowRows(rows, values, cols, [r for r in range(len(seqs)) if r not in taken])
+    return NarrowRows(rows, values, cols)
 
 
 def draw(logits: torch.Tensor, seqs: list[Sequence], u: torch.Tensor) -> torch.Tensor:
