@@ -21,6 +21,7 @@ Keys (docs/queue.md)::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
@@ -112,8 +113,10 @@ class Starting:
         """Serving (its first checkpoint is written) or given up: withdraw the claim."""
         if self._task is None:
             return
-        self._task.cancel()
-        self._task = None
+        task, self._task = self._task, None
+        task.cancel()  # and wait for it: an announcement in flight would re-add the claim
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         try:
             # bounded: a SIGTERM while loading exits at once whatever Redis does
             await asyncio.wait_for(self.r.zrem(self.key, self.member), STOP_TIMEOUT_S)
