@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import ResponseError
 
+from pagedq.cancel import stop_tasks
 from pagedq.client.connection import BACKOFF_BASE_S, BACKOFF_CAP_S, TRANSIENT
 from pagedq.client.queue import stream_replies
 
@@ -46,6 +47,9 @@ def _id_key(entry_id: str) -> tuple[int, int]:
 
 def _s(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
+
+
+CLOSE_TIMEOUT_S = 5.0  # the most close() waits for a shard's read loop to end
 
 
 @dataclass(eq=False)
@@ -224,9 +228,8 @@ class StreamReader:
     async def close(self) -> None:
         """Stop every shard and delete the wake-up streams."""
         tasks = [s.task for s in self.shards if s.task is not None and not s.task.done()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # cancelled until they end: one cancel can be lost on Python 3.11 (pagedq.cancel)
+        await stop_tasks(tasks, CLOSE_TIMEOUT_S)
         if self.shards:
             try:
                 await (await self.connection()).delete(*[s.wake_key for s in self.shards])

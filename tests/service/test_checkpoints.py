@@ -120,3 +120,41 @@ def test_tokens_per_s_is_steady_when_tokens_arrive_in_bursts():
             count += 200  # one burst every 2 s: 100 tokens/s
         seen.append(rate.update(count, now=float(second)))
     assert all(90 <= r <= 111 for r in seen[12:]), seen
+
+
+def test_the_start_claim_is_withdrawn_when_the_announcer_loses_a_cancel(redis_db, redis_client):
+    """Python 3.11's wait_for (inside redis-py) can drop a cancel: stop() then waited forever
+    for the announcing task, and the worker never became ready (a CI hang)."""
+    from redis.asyncio import Redis
+
+    from pagedq.worker.service.checkpoints import Starting
+
+    async def main():
+        r = Redis.from_url(redis_db)
+        starting = Starting(r, Keys(), ttl_s=30, interval_s=0.01)
+        announce, lost = starting._announce, [0]
+
+        async def loses_its_first_cancel():
+            while True:
+                try:
+                    await announce()
+                except asyncio.CancelledError:
+                    lost[0] += 1
+                    if lost[0] > 1:
+                        raise
+                    asyncio.current_task().uncancel()
+
+        starting._announce = loses_its_first_cancel
+        starting.start()
+        while not await r.exists(Keys().starting):
+            await asyncio.sleep(0.01)
+        stop = asyncio.ensure_future(starting.stop())
+        done, _ = await asyncio.wait([stop], timeout=20)  # a hang's bound, not a speed figure
+        if not done:  # the old single cancel: end the loop so the test can report it
+            lost[0] = 10
+            stop.cancel()
+        await r.aclose()
+        return bool(done), lost[0]
+
+    assert asyncio.run(main()) == (True, 2)
+    assert not redis_client.exists(Keys().starting)

@@ -21,7 +21,6 @@ Keys (docs/queue.md)::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 import time
@@ -31,6 +30,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from pagedq.cancel import stop_tasks
 from pagedq.client.protocol import Keys
 from pagedq.client.queue import depth_query, queue_depth
 from pagedq.logging import get_logger
@@ -114,9 +114,10 @@ class Starting:
         if self._task is None:
             return
         task, self._task = self._task, None
-        task.cancel()  # and wait for it: an announcement in flight would re-add the claim
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        # and wait for it (an announcement in flight would re-add the claim), cancelling again:
+        # one cancel can be lost on Python 3.11 (pagedq.cancel), and a lost one hung the start
+        if await stop_tasks([task], STOP_TIMEOUT_S):
+            log.warning("the start announcement did not stop; its claim expires on its own")
         try:
             # bounded: a SIGTERM while loading exits at once whatever Redis does
             await asyncio.wait_for(self.r.zrem(self.key, self.member), STOP_TIMEOUT_S)
