@@ -110,7 +110,7 @@ class BenchConfig(EngineConfig, QueueConfig):
     spec_learning_rounds: int = 8
     spec_max_tokens: int = 96
     spec_prompt_tokens_max: int = 256  # KV sizing per stream (the chat prompts are shorter)
-    spec_num_speculative_tokens: int = 4
+    spec_num_speculative_tokens: int = 6
     spec_disable_by_batch_size: int | None = None  # None: SpeculativeConfig's default
     spec_adaptive: bool = True  # grid ngram/suffix: the governor (False: always below the cap)
     # ngram forced on at every batch size vs off (where verification stops paying), and beside

@@ -141,7 +141,7 @@ class SpeculativeConfig:
     method: SpeculativeMethod = "ngram"
     """ngram: drafts from the sequence's own prompt and output (prompt lookup); suffix: also
     from this engine's recent prompts and outputs (a bounded LRU corpus)."""
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 6
     """Most draft tokens per sequence and step (each sequence adapts below it to its recent
     acceptance)."""
     prompt_lookup_min: int = 2
@@ -318,7 +318,7 @@ class EngineConfig:
     that takes longer fail with invalid_params."""
     speculative_config: Annotated[SpeculativeConfig | None, parse_speculative_config] = None
     """Speculative decoding with no draft model, as JSON: {"method": "ngram" or "suffix",
-    "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5, ...}
+    "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 5, ...}
     (default: off). Outputs are unchanged; see docs/engine.md."""
 
     def __post_init__(self) -> None:
