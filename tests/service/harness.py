@@ -7,6 +7,8 @@ transformers in the engine tests); the oracle for a stream is its raw Redis entr
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -16,6 +18,9 @@ from pagedq.worker.config import WorkerConfig
 from pagedq.worker.service.worker import Worker
 
 ENGINE = dict(num_kv_blocks=64, max_num_seqs=4, max_model_len=256)
+# A worker that is not serving by then hangs (a lost cancel once held one before "ready" for
+# good): fail with its stacks instead of waiting for pytest-timeout's 600 s.
+READY_TIMEOUT_S = 420.0  # under pytest-timeout's 600 s; a cold model cache loads in far less
 
 
 @contextmanager
@@ -38,20 +43,27 @@ def running_worker(redis_url, model, name, engine_instance=None, **overrides):
 
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
+    deadline = time.monotonic() + READY_TIMEOUT_S
     while not worker.ready.wait(0.1):
         assert thread.is_alive(), errors
+        if time.monotonic() > deadline:
+            _dump_stacks()
+            worker.stop()
+            raise AssertionError(f"the worker was not serving after {READY_TIMEOUT_S:.0f} s "
+                                 "(stacks dumped above)")
     try:
         yield worker
     finally:
         worker.stop()
         thread.join(90)
         if thread.is_alive():  # show where it hangs rather than a bare "still alive"
-            import faulthandler
-            import sys
-
-            faulthandler.dump_traceback(sys.stderr)
+            _dump_stacks()
     assert not thread.is_alive(), "the worker did not stop within 90 s (stacks dumped above)"
     assert not errors, errors
+
+
+def _dump_stacks() -> None:
+    faulthandler.dump_traceback(sys.stderr)
 
 
 def raw_events(r, request_id):
