@@ -21,7 +21,7 @@ from pagedq.client import SamplingParams
 from pagedq.params import StructuredOutputsParams
 from pagedq.worker import Engine
 from pagedq.worker.config import EngineConfig, SpeculativeConfig
-from pagedq.worker.engine.drafts import Drafter, ngram_draft
+from pagedq.worker.engine.drafts import FIRST_DRAFT, Drafter, ngram_draft
 from pagedq.worker.engine.suffix_tree import SuffixCorpus
 from tests.engine.test_block_accounting import check_invariants, request_st, run_arrivals
 from tests.oracle import assert_greedy
@@ -97,17 +97,23 @@ def test_suffix_corpus_is_lru_bounded():
 
 
 def test_draft_length_adapts_to_acceptance(llama):
-    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=5), max_model_len=100)
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=6), max_model_len=100)
     seq = make_engine(llama).add_request("r", [1, 2, 1, 2, 1], SamplingParams(max_tokens=50)).seqs[0]
-    assert len(drafter.propose(seq, budget=100)) == 5
-    drafter.verified(seq, 5, 1)
+    assert len(drafter.propose(seq, budget=100)) == FIRST_DRAFT == 4  # a first draft is short
+    drafter.verified(seq, 4, 4)
+    assert len(drafter.propose(seq, budget=100)) == 5  # a full acceptance grows it by one
+    drafter.verified(seq, 5, 5)
+    assert len(drafter.propose(seq, budget=100)) == 6
+    drafter.verified(seq, 6, 6)
+    assert seq.spec_len == 6  # up to num_speculative_tokens
+    drafter.verified(seq, 6, 1)
     assert len(drafter.propose(seq, budget=100)) == 2
     assert len(drafter.propose(seq, budget=1)) == 1  # the step's budget bounds it
     drafter.verified(seq, 2, 2)
     assert seq.spec_len == 3
     seq.request.params.speculative = False
     assert drafter.propose(seq, budget=100) == []
-    assert drafter.stats()["spec_decode_num_draft_tokens"] == 7
+    assert drafter.stats()["spec_decode_num_draft_tokens"] == 23
 
 
 # -- exactness --------------------------------------------------------------------------------

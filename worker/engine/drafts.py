@@ -54,6 +54,9 @@ CANDIDATES = 8
 PER_LENGTH = 3
 TEXT_TAIL = 2  # tokens whose text a spelling lookup matches in the prompt's text
 TEXT_DRAFT_CHARS = 48  # prompt text after the match that is re-tokenized into a draft
+# A sequence's first draft is at most this long; each fully accepted draft lets the next grow
+# by one up to num_speculative_tokens (open chat rarely gets there; copying jobs soon do).
+FIRST_DRAFT = 4
 
 
 def _packed(tokens: Tokens[int]) -> bytes:
@@ -194,7 +197,7 @@ class Drafter:
         if top <= 0:
             return []
         forced = self.forced(seq, top) if self.forced is not None else []
-        guessed = min(seq.spec_len or top, top - len(forced))  # the adaptive part
+        guessed = min(seq.spec_len or min(top, FIRST_DRAFT), top - len(forced))  # the adaptive part
         if guessed <= 0:
             return forced
         tokens = seq.token_ids + forced if forced else seq.token_ids
