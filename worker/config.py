@@ -143,7 +143,7 @@ class SpeculativeConfig:
     from this engine's recent prompts and outputs (a bounded LRU corpus)."""
     num_speculative_tokens: int = 6
     """Most draft tokens per sequence and step (each sequence adapts below it to its recent
-    acceptance)."""
+    acceptance: a first draft of at most 4, one longer after each fully accepted draft)."""
     prompt_lookup_min: int = 2
     """Shortest suffix of the sequence that must match earlier tokens to propose a draft."""
     prompt_lookup_max: int = 5

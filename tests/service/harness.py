@@ -47,7 +47,7 @@ def running_worker(redis_url, model, name, engine_instance=None, **overrides):
     while not worker.ready.wait(0.1):
         assert thread.is_alive(), errors
         if time.monotonic() > deadline:
-            _dump_stacks()
+            faulthandler.dump_traceback(sys.stderr)
             worker.stop()
             raise AssertionError(f"the worker was not serving after {READY_TIMEOUT_S:.0f} s "
                                  "(stacks dumped above)")
@@ -57,13 +57,9 @@ def running_worker(redis_url, model, name, engine_instance=None, **overrides):
         worker.stop()
         thread.join(90)
         if thread.is_alive():  # show where it hangs rather than a bare "still alive"
-            _dump_stacks()
+            faulthandler.dump_traceback(sys.stderr)
     assert not thread.is_alive(), "the worker did not stop within 90 s (stacks dumped above)"
     assert not errors, errors
-
-
-def _dump_stacks() -> None:
-    faulthandler.dump_traceback(sys.stderr)
 
 
 def raw_events(r, request_id):

@@ -223,22 +223,24 @@ def narrow_rows(logits: torch.Tensor, seqs: list[Sequence]) -> NarrowRows | None
     structured = [r for r, s in enumerate(seqs) if s.params.structured_outputs is not None]
     if not structured:
         return None
-    allowed = logits > float("-inf")
+    # only the structured rows are scanned (all of them in a tool call: no copy then)
+    sub = logits if len(structured) == len(seqs) else logits[structured]
+    allowed = sub > float("-inf")
     counts = allowed.sum(-1)
-    per_row = counts.tolist()
-    rows = [r for r in structured if 0 < per_row[r] <= NARROW]
-    if not rows:
+    keep = [i for i, c in enumerate(counts.tolist()) if 0 < c <= NARROW]
+    if not keep:
         return None
-    index = torch.tensor(rows, device=logits.device)
+    index = torch.tensor(keep, device=logits.device)
     kept = counts[index]
     local, columns = allowed[index].nonzero(as_tuple=True)  # row-major: vocabulary order
     place = torch.arange(len(columns), device=logits.device) - (kept.cumsum(0) - kept)[local]
     width = int(kept.max())
-    values = torch.full((len(rows), width), float("-inf"), dtype=logits.dtype,
+    values = torch.full((len(keep), width), float("-inf"), dtype=logits.dtype,
                         device=logits.device)
-    values[local, place] = logits[index[local], columns]
-    cols = torch.zeros((len(rows), width), dtype=torch.long, device=logits.device)
+    values[local, place] = sub[index[local], columns]
+    cols = torch.zeros((len(keep), width), dtype=torch.long, device=logits.device)
     cols[local, place] = columns
+    rows = [structured[i] for i in keep]
     return NarrowRows(rows, values, cols)
 
 
