@@ -10,6 +10,7 @@ accepted, so the verification path really ran.
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -21,7 +22,7 @@ from pagedq.client import SamplingParams
 from pagedq.params import StructuredOutputsParams
 from pagedq.worker import Engine
 from pagedq.worker.config import EngineConfig, SpeculativeConfig
-from pagedq.worker.engine.drafts import FIRST_DRAFT, Drafter, ngram_draft
+from pagedq.worker.engine.drafts import FIRST_DRAFT, Drafter, ngram_draft, ngram_match
 from pagedq.worker.engine.suffix_tree import SuffixCorpus
 from tests.engine.test_block_accounting import check_invariants, request_st, run_arrivals
 from tests.oracle import assert_greedy
@@ -94,6 +95,54 @@ def test_suffix_corpus_is_lru_bounded():
     assert len(corpus) == 2 and corpus.stats()["spec_suffix_tokens"] == 8
     assert corpus.propose([7, 8, 9], 2) == (0, [])
     assert corpus.propose([9, 1, 2, 3], 4) == (3, [4, 5])
+
+
+def test_ngram_match_is_the_longest_latest_match_of_a_brute_force_scan():
+    """The binary search on the length finds what a scan from the longest length down finds:
+    the longest suffix with an earlier occurrence that has a token after it, and the latest
+    such occurrence."""
+    rng = random.Random(5)
+    for _ in range(300):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 40))]
+        low, high = rng.randrange(1, 4), rng.randrange(1, 30)
+        want = (0, -1)
+        for n in range(min(high, len(tokens) - 1), low - 1, -1):
+            ends = [i for i in range(len(tokens) - 1, n - 1, -1) if tokens[i - n:i] == tokens[-n:]]
+            if ends:
+                want = (n, ends[0])
+                break
+        assert ngram_match(tokens, low, high) == want, (tokens, low, high)
+
+
+def suffix_drafter(**config) -> Drafter:
+    return Drafter(SpeculativeConfig(method="suffix", num_speculative_tokens=4, **config),
+                   max_model_len=1000)
+
+
+def test_own_match_beyond_prompt_lookup_max_beats_a_shorter_corpus_match():
+    """Unconstrained: the own match is measured up to the tree's depth, so a job repeating its
+    own 8 tokens drafts its own continuation, not an earlier job's after a 6-token match; a
+    corpus match longer than the own one still wins."""
+    drafter = suffix_drafter()
+    phrase = [10, 11, 12, 13, 14, 15, 16, 17]
+    drafter.corpus.add([90, *phrase[2:], 50, 51, 52, 53])  # earlier job: phrase[2:] -> 50...
+    own = [*phrase, 20, 21, 22, 23, 99, *phrase]  # this job: phrase -> 20...
+    assert drafter.corpus.propose(own, 4) == (6, [50, 51, 52, 53])
+    assert drafter._lookup(own, 4) == [20, 21, 22, 23]
+    drafter.corpus.add([*phrase, 60, 61, 62, 63])  # an earlier job matching 9 tokens: 99 + phrase
+    drafter.corpus.add([99, *phrase, 70, 71, 72, 73])
+    assert drafter._lookup(own, 4) == [70, 71, 72, 73]
+
+
+def test_constrained_candidates_try_the_own_tokens_before_the_corpus():
+    """Constrained: the own occurrences (even of one token) come before the corpus's deeper
+    match, which earlier jobs' shared keys make long and their values make wrong."""
+    drafter = suffix_drafter()
+    drafter.corpus.add([1, 2, 3, 4, 5, 40, 41, 42])
+    own = [7, 5, 30, 31, 32, 1, 2, 3, 4, 5]
+    candidates = list(drafter._candidates(own, 3, None))
+    assert candidates[0] == [30, 31, 32]  # own: "5" was followed by 30, 31, 32
+    assert candidates[-1] == [40, 41, 42]  # the corpus's 5-token match comes last
 
 
 def test_draft_length_adapts_to_acceptance(llama):

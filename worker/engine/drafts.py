@@ -11,8 +11,10 @@ many tokens a step yields, never which tokens.
 - ``SuffixCorpus`` (method "suffix", pagedq.worker.engine.suffix_tree): the prompts and
   outputs of this engine's recent requests (one engine serves one model and its worker one
   queue) in a depth-bounded suffix tree with occurrence counts, least recently used request
-  out first. A sequence drafts from whichever of its own tokens (n-gram) and the tree matches
-  its suffix longer; the tree's draft follows the most frequent continuation of the match.
+  out first. A sequence drafts from whichever of its own tokens (n-gram, measured up to the
+  tree's depth) and the tree matches its suffix longer, its own on a tie; the tree's draft
+  follows the most frequent continuation of the match. A constrained sequence tries its own
+  tokens first (``Drafter._candidates`` says why).
 - **Grammar drafts** (structured outputs): a json_schema answer is mostly text the grammar
   forces (``{"``, key names, ``": "``, ``", "``, closing brackets, the stop token once it is
   complete). ``StructuredOutputs.forced_tokens`` walks the sequence's matcher forward over
@@ -84,9 +86,25 @@ def extend(source: Tokens[int], start: int, k: int) -> list[int]:
 
 def ngram_match(tokens: Tokens[int], min_n: int, max_n: int) -> tuple[int, int]:
     """(length of the longest suffix of ``tokens`` of min_n..max_n tokens that occurred earlier,
-    index of the token that followed its latest earlier occurrence); (0, -1) when none did."""
-    found = ngram_occurrences(tokens, min_n, max_n, limit=1)
-    return found[0] if found else (0, -1)
+    index of the token that followed its latest earlier occurrence); (0, -1) when none did.
+
+    Binary search on the length, as the suffix tree's match does: an earlier occurrence of a
+    suffix holds one of every shorter suffix, so a few ``rfind`` calls find the longest even
+    when ``max_n`` is the tree's depth (24), not prompt lookup's 5."""
+    length = len(tokens)
+    low, high, best = min_n, min(max_n, length - 1), (0, -1)
+    if high < low:
+        return best
+    buf = _packed(tokens)
+    end = len(buf) - _WIDTH  # an occurrence must have a token after it
+    while low <= high:
+        n = (low + high) // 2
+        i = _find_aligned(buf, buf[-n * _WIDTH:], end)
+        if i < 0:
+            high = n - 1
+        else:
+            best, low = (n, i // _WIDTH + n), n + 1
+    return best
 
 
 def ngram_occurrences(tokens: Tokens[int], min_n: int, max_n: int,
@@ -234,19 +252,23 @@ class Drafter:
 
     def _candidates(self, tokens: list[int], k: int, req: Request) -> Iterator[list[int]]:
         """Continuations of ``tokens`` (up to ``k`` tokens each) in order of preference: the
-        n-gram occurrences (longest suffix, then latest, first), the suffix corpus's draft
-        placed by its match length, and the spelling lookup (:meth:`_respelt`) last, computed
-        only when no earlier candidate was taken whole; matches of one token count."""
-        found = [(n, extend(tokens, start, k))
-                 for n, start in ngram_occurrences(tokens, 1, self.config.prompt_lookup_max,
-                                                   CANDIDATES)]
+        sequence's own n-gram occurrences (longest suffix, then latest, first; matches of one
+        token count), then the suffix corpus's draft, then the spelling lookup
+        (:meth:`_respelt`); each computed only when no earlier candidate was taken whole.
+
+        Why the corpus after the sequence's own tokens, however long its match: a constrained
+        answer's structure is forced by its grammar (those tokens are drafted before any
+        lookup), so the lookup drafts values, and a job's values come from its own prompt.
+        The corpus matches deeper (earlier jobs wrote the same keys) and then drafts their
+        values. Measured on the bench's extraction jobs (48 after 4, one stream, suffix):
+        ranked by match length 3.15 tokens a verified step at 0.60 acceptance, own tokens
+        first 3.44 at 0.66."""
+        for _, start in ngram_occurrences(tokens, 1, self.config.prompt_lookup_max, CANDIDATES):
+            yield extend(tokens, start, k)
         if self.corpus is not None:
-            depth, draft = self.corpus.propose(tokens, k, min_n=1)
+            _, draft = self.corpus.propose(tokens, k)
             if draft:
-                found.append((depth, draft))
-                found.sort(key=lambda f: -f[0])  # stable: the n-gram first on equal lengths
-        for _, draft in found:
-            yield draft
+                yield draft
         respelt = self._respelt(tokens, k, req)
         if respelt:
             yield respelt
@@ -286,9 +308,17 @@ class Drafter:
 
     def _lookup(self, tokens: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens continuing ``tokens``: the longer of the n-gram and the suffix
-        corpus matches (n-gram alone for method "ngram")."""
+        corpus matches, the sequence's own on equal lengths (n-gram alone for method "ngram").
+
+        With a corpus the own match is measured as far as the tree's depth, not cut at
+        ``prompt_lookup_max``: a job repeating its own paragraph matches it for dozens of
+        tokens, and cut at 5 it lost to any deeper match of earlier jobs' shared phrasing,
+        which then drafted their words. Measured (16 jobs after 4, one stream, suffix): edit
+        531 -> 573 accepted tokens, open chat 536 -> 557."""
         c = self.config
-        n, start = ngram_match(tokens, c.prompt_lookup_min, c.prompt_lookup_max)
+        top = c.prompt_lookup_max if self.corpus is None else max(
+            c.prompt_lookup_max, c.suffix_decoding_max_tree_depth)
+        n, start = ngram_match(tokens, c.prompt_lookup_min, top)
         if self.corpus is not None:
             depth, draft = self.corpus.propose(tokens, k)
             if depth > n:
