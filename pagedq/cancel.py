@@ -4,7 +4,8 @@ One ``task.cancel()`` is not always enough there: redis-py wraps each command's 
 ``asyncio.wait_for`` (its socket timeout), and 3.11's ``wait_for`` drops a cancel that lands in
 the loop turn the write completes (CPython bpo-42130, fixed in 3.12). A background task polling
 Redis (the gateway's batch driver, the worker's checkpointer and start announcement, the
-client's stream reader) then runs on until whoever waits for it gives up. So the tasks are cancelled again every ``RECANCEL_S`` until they end.
+client's stream reader) then runs on until whoever waits for it gives up. So the tasks are
+cancelled again every ``RECANCEL_S`` until they end.
 """
 
 from __future__ import annotations

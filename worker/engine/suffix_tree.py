@@ -242,12 +242,11 @@ class SuffixCorpus:
         self.num_tokens += len(kept)
         self.tree.insert(kept, sid)
 
-    def propose(self, context: Tokens[int], k: int,
-                min_n: int | None = None) -> tuple[int, list[int]]:
+    def propose(self, context: Tokens[int], k: int) -> tuple[int, list[int]]:
         """(match length, draft of up to ``k`` tokens) for ``context``; (0, []) when its last
-        ``min_n`` tokens (default: the corpus's) never occurred with a continuation."""
+        ``min_n`` tokens never occurred with a continuation."""
         found = self.tree.match(context, self.tree.max_depth - k)
-        if found is None or found.length < (self.min_n if min_n is None else min_n):
+        if found is None or found.length < self.min_n:
             return 0, []
         draft, used = self.tree.draft(found, k)
         for sid in used:  # drafted from: keep those requests longest
