@@ -120,8 +120,9 @@ class BenchConfig(EngineConfig, QueueConfig):
     spec_threshold_workloads: tuple[str, ...] = ("extraction",)
     spec_threshold_governed: bool = True
     # a differing greedy output is a near-tie flip only within this many logits, in the packed
-    # model and its fp32 twin alike (bench/spec_judge.py: NEAR_TIE_MARGIN, why this value)
-    spec_tie_margin: float = 0.025
+    # model and its fp32 twin alike; None: by the packed GEMM's precision (bench/spec_judge.py:
+    # margin_for, NEAR_TIE_MARGINS, why these values)
+    spec_tie_margin: float | None = None
 
     # queue: the throughput trace through Redis (worker subprocess + client), on QueueConfig's
     # redis_url (None: a private redis-server for the run) and a queue of the run's own
@@ -175,6 +176,14 @@ class BenchConfig(EngineConfig, QueueConfig):
         return replace(self, **changes)
 
 
+def _is_float(raw: str) -> bool:
+    try:
+        float(raw)
+    except ValueError:
+        return False
+    return True
+
+
 def _parse_like(current: Any, raw: str, name: str) -> Any:
     if raw.lower() == "none":
         return None
@@ -193,6 +202,8 @@ def _parse_like(current: Any, raw: str, name: str) -> Any:
             return float(raw)
         if current is None and raw.lstrip("-").isdigit():  # an optional int such as block_size
             return int(raw)
+        if current is None and _is_float(raw):  # an optional float such as spec_tie_margin
+            return float(raw)
     except ValueError as exc:
         raise ValueError(f"--set {name}={raw!r}: {exc}") from exc
     return raw

@@ -23,8 +23,8 @@ output that is a strict prefix of the other (a stop one run made and the other d
 is what decides a greedy request without penalties, the spec scenario's kind: a grammar mask
 removes tokens but leaves the allowed ones' logits (and both candidates were allowed there).
 
-The margin (:data:`NEAR_TIE_MARGIN`, ``--set spec_tie_margin=...``) bounds how far the kernels'
-rounding can move the gap between two logits. Each path's logits differ from the fp32 model's
+The margin (:func:`margin_for`, ``--set spec_tie_margin=...`` to fix one) bounds how far the
+kernels' rounding can move the gap between two logits. Each path's logits differ from the fp32 model's
 only by rounding: the packed GEMV rounds activations to int16 per 32 values (relative error
 <= 2^-16 per value, kernels/cpu_ops.py: ActWidth.INT16), the rest is fp32 summation order.
 Measured with this module on the bundled SmolLM2-135M (Q4_1 packed against its fp32 twin, 144
@@ -34,6 +34,18 @@ path moves a gap by at most 2 x 0.0058, and two paths (verify rows, one-row deco
 on it by at most 4 x 0.0058 = 0.023: the margin is 0.025 logits. The same positions' top-2 gaps
 were 0.0075 at the smallest, 0.40 at the 10th percentile and 3.4 at the median, so a flip at a
 clear winner cannot hide under the margin.
+
+That holds where the packed GEMM (steps of more rows than the GEMV's crossover: prefill chunks,
+and the verify steps of several speculating sequences) follows the dequantized product: fp32
+tiles (every CPU without AMX) and bf16x3 on AMX. AMX's default, bf16x2, multiplies the weights
+rounded to bf16 (docs/quantization.md, the GEMM's precision), and plain bf16 the activations
+too: their logits stray further, so their margin is wider (:data:`NEAR_TIE_MARGINS`, each 4x
+the largest logit error measured the same way: the bundled model, 91 positions of the three
+spec workloads, through a prefill + one-token decode and through one many-row pass, against the
+fp32 twin; Intel Xeon with AMX, 4 December 2026: fp32 tiles 0.0048, bf16x3 0.0042, bf16x2
+0.114, bf16 0.316). The wider margin is the price of the faster GEMM: on AMX, a user who needs
+speculation's outputs to follow plain decoding as closely as on other CPUs runs
+``--packed-gemm-precision bf16x3``.
 """
 
 from __future__ import annotations
@@ -51,6 +63,9 @@ from pagedq.params import SamplingParams
 log = get_logger("pagedq.bench.spec_judge")
 
 NEAR_TIE_MARGIN = 0.025  # logits: 4x the kernels' largest measured logit error (above)
+# per packed GEMM precision (kernels/backend.py: PACKED_PRECISIONS), measured as above
+NEAR_TIE_MARGINS = {"fp32": NEAR_TIE_MARGIN, "bf16x3": NEAR_TIE_MARGIN, "bf16x2": 0.5,
+                    "bf16": 1.3}
 REFERENCE = "the same file dequantized to fp32 (quantization='none')"
 
 
@@ -126,6 +141,15 @@ def next_token_logits(engine: Any, ids: list[int]) -> torch.Tensor:
         return logits[-1].float().cpu()
     finally:
         engine.kv.free(seq)
+
+
+def margin_for(engine: Any) -> float:
+    """The near-tie margin for ``engine``'s packed GEMM: the widest of the precisions its
+    packed projections run (:data:`NEAR_TIE_MARGIN` for float weights: none runs)."""
+    if not engine.packed_weights:
+        return NEAR_TIE_MARGIN
+    precisions = {c.precision for c in engine.backend.packed if c.weight_format != "float32"}
+    return max((NEAR_TIE_MARGINS[p] for p in precisions), default=NEAR_TIE_MARGIN)
 
 
 def gap(logits: torch.Tensor, a: int, b: int) -> float:

@@ -169,10 +169,12 @@ def measure(bench: BenchContext) -> None:
                 rounds = max(rounds, c.spec_learning_rounds)
             grid[workload][str(streams)] = run_rounds(bench, engines, workload, streams, rounds)
     threshold, threshold_rounds, governor = sweep_threshold(bench, engines["off"])
-    verdicts = judge_differences(bench, engines["off"], differences(grid, threshold_rounds))
+    margin = c.spec_tie_margin or spec_judge.margin_for(engines["off"])
+    verdicts = judge_differences(bench, engines["off"], differences(grid, threshold_rounds),
+                                 margin)
     bench.results["spec"] = {"grid": grid, "threshold": threshold,
                              "judged": [v.as_dict() for v in verdicts],
-                             "tie_margin": c.spec_tie_margin,
+                             "tie_margin": margin,
                              "suffix_stats": engines["suffix"].stats(),
                              "disable_by_batch_size": engines["ngram"].drafter.config
                              .disable_by_batch_size,
@@ -213,8 +215,8 @@ def differences(grid: dict[str, dict[str, list[list[Batch]]]],
     return out
 
 
-def judge_differences(bench: BenchContext, off: Any,
-                      diffs: list[spec_judge.Difference]) -> list[spec_judge.Verdict]:
+def judge_differences(bench: BenchContext, off: Any, diffs: list[spec_judge.Difference],
+                      margin: float) -> list[spec_judge.Verdict]:
     """The judge's verdict on every difference, against the off engine (idle now) and the
     dequantized fp32 twin, built only when there is a difference to judge."""
     def twin() -> Any:
@@ -223,7 +225,7 @@ def judge_differences(bench: BenchContext, off: Any,
         return bench.engine(quantization="none", speculative_config=None, max_num_seqs=1,
                             num_kv_blocks=bench.blocks_for(longest) + 2)
 
-    return spec_judge.judge_all(diffs, off, twin, bench.config.spec_tie_margin)
+    return spec_judge.judge_all(diffs, off, twin, margin)
 
 
 def build_engines(bench: BenchContext) -> dict[str, Any]:

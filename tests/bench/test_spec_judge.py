@@ -18,11 +18,13 @@ from safetensors.torch import load_file, save_file
 
 from pagedq.bench.spec_judge import (
     NEAR_TIE_MARGIN,
+    NEAR_TIE_MARGINS,
     Difference,
     engine_logits,
     first_difference,
     judge,
     judge_all,
+    margin_for,
     next_token_logits,
 )
 from pagedq.client import SamplingParams
@@ -156,6 +158,27 @@ def test_bench_wiring_judges_a_forged_difference(llama):
     diffs = differences(grid, {"extraction": {"2": [[batch("off", plain), batch("ngram", plain)]]}})
     assert [(d.workload, d.streams, d.method, d.job) for d in diffs] == [("edit", "2", "ngram",
                                                                            "j1")]
-    (verdict,) = judge_differences(bench, off, diffs)
+    (verdict,) = judge_differences(bench, off, diffs, margin_for(off))
     assert not verdict.near_tie and verdict.position == 4 and verdict.gap_reference > 1.0
     assert_all_free(off)
+
+
+@pytest.mark.parametrize("precision", ["bf16x2", "bf16x3", "bf16", "fp32"])
+def test_the_margin_follows_the_packed_gemm_that_runs(precision):
+    """AMX runs the precision asked for, so its margin is that precision's; a CPU without AMX
+    runs fp32 tiles whatever is asked, so its margin is the fp32 one; a model with no packed
+    weights has the fp32 one too."""
+    from types import SimpleNamespace
+
+    from pagedq.kernels import Selector
+    from tests.kernels.test_backend_packed import AMX, AVX2
+
+    def engine(cpu, packed=True):
+        backend = Selector(cpu=cpu).select("cpu", torch.float32, None, 64,
+                                           packed_precision=precision)
+        return SimpleNamespace(backend=backend, packed_weights=packed)
+
+    assert margin_for(engine(AMX)) == NEAR_TIE_MARGINS[precision]
+    assert margin_for(engine(AVX2)) == NEAR_TIE_MARGIN
+    assert margin_for(engine(AMX, packed=False)) == NEAR_TIE_MARGIN
+    assert NEAR_TIE_MARGINS["bf16x2"] > NEAR_TIE_MARGINS["bf16x3"] == NEAR_TIE_MARGIN

@@ -119,7 +119,7 @@ def test_chat_runs_the_bundled_model_packed(engines, capsys):
     assert main(["chat", "What is the capital of France?", "--max-tokens", "24"]) == 0
     assert "Paris" in capsys.readouterr().out
     (engine,) = engines
-    assert engine.weight_form == WeightForm("keep", torch.float32)
+    assert engine.weight_form == WeightForm("keep", torch.float32) and engine.packed_weights
     gguf = packed_source(engine.model_path)
     assert gguf == default_gguf() and gguf.suffix == ".gguf"
     assert (fp32_dir.stat().st_mtime_ns if fp32_dir.exists() else None) == before

@@ -83,6 +83,11 @@ class WeightForm:
     mode: str
     compute: torch.dtype
 
+    def packed(self, files: ModelFiles) -> bool:
+        """Whether the projections hold packed blocks (and so run the packed GEMV and GEMM):
+        a GGUF kept as stored, int8/int4 quantized at load, bf16 rows; not float weights."""
+        return self.mode != "float" and (self.mode != "keep" or files.gguf is not None)
+
 
 @dataclass
 class BuiltModel:
