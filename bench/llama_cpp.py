@@ -50,13 +50,15 @@ BUILD_HINT = ("build them with scripts/build-llama-cpp.sh (llama.cpp from the ll
               "on PyPI) and pass --llama-cpp DIR or set $PAGEDQ_LLAMA_CPP")
 
 
-def repacks() -> bool:
-    """Whether llama.cpp runs with its default weight repacking here: everywhere but on AMX
-    CPUs, where build 11434 crashes in its AMX repack path on every quantized type (``-nr``)."""
+def repacks(cpp: LlamaCpp) -> bool:
+    """Whether ``cpp`` runs with its default weight repacking here: everywhere but a build
+    with AMX code on an AMX CPU, where build 11434 crashes in its AMX repack path on every
+    quantized type (``-nr``; checked again on 4 December 2026: segmentation fault). The
+    AVX2-only build has no AMX code and repacks on any CPU, as its users' machines run it."""
     # pagedq.kernels costs ~0.7 s to import after torch: lazy, as in report.py
     from pagedq.kernels.cpu_features import detect_cpu_features
 
-    return not detect_cpu_features().has_amx
+    return not (detect_cpu_features().has_amx and cpp.has_amx_code())
 
 
 class LlamaCppUnavailable(Exception):
@@ -83,6 +85,12 @@ class LlamaCpp:
 
     def exe(self, tool: str) -> str:
         return str(self.bin_dir / tool)
+
+    def has_amx_code(self) -> bool:
+        """Whether this build may take llama.cpp's AMX paths: every build but one that
+        scripts/build-llama-cpp.sh made with them off (its BUILD_INFO says so)."""
+        info = self.bin_dir / "BUILD_INFO"
+        return not (info.is_file() and "-DGGML_AMX_TILE=OFF" in info.read_text())
 
     def version(self) -> str:
         proc = subprocess.run([self.exe("llama-server"), "--version"], capture_output=True,

@@ -146,7 +146,7 @@ def measure(run: Any) -> None:
             ours.append(scenarios.decode_rows(run, engine, batches=STREAMS))
             theirs.append(llama_cpp.batched_bench(cpp, path, c.decode_prompt_tokens,
                                                   c.decode_new_tokens, STREAMS, threads,
-                                                  no_repack=not llama_cpp.repacks()))
+                                                  no_repack=not llama_cpp.repacks(cpp)))
         weight_bytes = engine.stats()["weight_bytes"]
         del engine
         results["files"][type_name] = {

@@ -137,11 +137,11 @@ def decode_sweeps(run: Any, engine: Any, cpp: llama_cpp.LlamaCpp | None,
         try:
             theirs.append(llama_cpp.batched_bench(
                 cpp, path, c.decode_prompt_tokens, c.decode_new_tokens, c.decode_batches, threads,
-                no_repack=not llama_cpp.repacks()))
+                no_repack=not llama_cpp.repacks(cpp)))
         except RuntimeError as exc:
             error = str(exc)
     cpp_out: dict[str, Any] = {"threads": threads, "decode_sweeps": len(theirs),
-                               "repack": llama_cpp.repacks()}
+                               "repack": cpp is not None and llama_cpp.repacks(cpp)}
     if theirs:
         cpp_out["decode_rows"] = best_rows(theirs)
     if error:
@@ -184,7 +184,7 @@ def llama_cpp_side(run: Any, cpp: llama_cpp.LlamaCpp, path: Path) -> dict[str, A
     try:
         served = llama_cpp.serve_trace(cpp, path, run.throughput_trace(), c.llama_cpp_server_slots,
                                        c.max_model_len, threads, c.queue_timeout_s,
-                                       no_repack=not llama_cpp.repacks())
+                                       no_repack=not llama_cpp.repacks(cpp))
         out["mixed_tok_s"] = served["tokens_per_s"]
     except RuntimeError as exc:
         out["mixed_error"] = str(exc)

