@@ -79,7 +79,9 @@ def test_deep_queue_is_429_with_retry_after(redis_url, queue, tiny_worker, tiny_
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     with serve(redis_url, queue=queue, max_queue_depth=1) as gw, \
             Client(redis_url, queue) as sdk:
-        handles = [sdk.submit([3, 4, 5 + i], long) for i in range(8)]  # more than fit at once
+        # far more than fit at once: 4 run at a time, so 48 take the tiny worker 12 waves of
+        # 200 steps (8 were drained before the request on a fast CPU, an Intel Xeon with AMX)
+        handles = [sdk.submit([3, 4, 5 + i], long) for i in range(48)]
         try:
             with pytest.raises(openai.RateLimitError) as err:
                 gw.openai().chat.completions.create(model=tiny_id, messages=HELLO)
