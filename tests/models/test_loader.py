@@ -393,6 +393,20 @@ def test_stale_conversions_are_removed_when_the_next_one_is_made(tiny_gguf_facto
     assert is_converted(live) and is_converted(gguf_cache_path(other))
     assert not gone_dir.with_name(gone_dir.name + ".lock").exists()
 
+
+def test_a_conversion_in_progress_is_never_pruned(tiny_gguf_factory, isolated_env, tmp_path):
+    """Another process's temp dir (marker written, rename to come) survives a prune even when
+    its GGUF is gone: removing it failed that process's conversion (seen in the test suite)."""
+    _, gguf = tiny_gguf_factory(False)
+    gone = tmp_path / "gone.gguf"
+    shutil.copy(gguf, gone)
+    done = resolve_model(gone)
+    busy = done.with_name(f".{done.name}.tmp-abc")
+    shutil.copytree(done, busy)
+    gone.unlink()
+    resolve_model(gguf)  # a new conversion prunes the stale ones
+    assert not done.exists() and is_converted(busy)
+
 def _logits(model_dir: Path, ids: list[int], **kwargs) -> torch.Tensor:
     import transformers
 

@@ -109,7 +109,9 @@ def prune_stale_conversions(directory: Path, keep: Path) -> list[Path]:
     removed = []
     for entry in directory.iterdir():
         marker = entry / _DONE_MARKER
-        if entry == keep or not marker.is_file():
+        # a dot-named entry is another process's conversion in progress (its temp dir, marker
+        # written, not yet renamed): never ours to remove, even with its GGUF gone
+        if entry == keep or entry.name.startswith(".") or not marker.is_file():
             continue
         try:
             source = Path(json.loads(marker.read_text())["source"])
