@@ -169,7 +169,8 @@ def measure(bench: BenchContext) -> None:
                 rounds = max(rounds, c.spec_learning_rounds)
             grid[workload][str(streams)] = run_rounds(bench, engines, workload, streams, rounds)
     threshold, threshold_rounds, governor = sweep_threshold(bench, engines["off"])
-    margin = c.spec_tie_margin or spec_judge.margin_for(engines["off"])
+    margin = (spec_judge.margin_for(engines["off"]) if c.spec_tie_margin is None
+              else c.spec_tie_margin)
     verdicts = judge_differences(bench, engines["off"], differences(grid, threshold_rounds),
                                  margin)
     bench.results["spec"] = {"grid": grid, "threshold": threshold,

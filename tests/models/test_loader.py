@@ -407,6 +407,7 @@ def test_a_conversion_in_progress_is_never_pruned(tiny_gguf_factory, isolated_en
     resolve_model(gguf)  # a new conversion prunes the stale ones
     assert not done.exists() and is_converted(busy)
 
+
 def _logits(model_dir: Path, ids: list[int], **kwargs) -> torch.Tensor:
     import transformers
 

@@ -72,7 +72,7 @@ class Engine(OfflineAPI):
         started = time.perf_counter()
         built = build_model(config, self.device, self.kv_dtype, files)
         self.model, self.weight_form, self.backend = built.model, built.form, built.backend
-        self.packed_weights = built.form.packed(built.files)  # they run the packed GEMM
+        self.packed_weights = built.packed  # they run the packed GEMV and GEMM
         self.model_path = built.files.path
         self.hf_config = built.files.hf_config
         self.tokenizer = built.files.tokenizer

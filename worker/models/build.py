@@ -83,11 +83,6 @@ class WeightForm:
     mode: str
     compute: torch.dtype
 
-    def packed(self, files: ModelFiles) -> bool:
-        """Whether the projections hold packed blocks (and so run the packed GEMV and GEMM):
-        a GGUF kept as stored, int8/int4 quantized at load, bf16 rows; not float weights."""
-        return self.mode != "float" and (self.mode != "keep" or files.gguf is not None)
-
 
 @dataclass
 class BuiltModel:
@@ -100,6 +95,13 @@ class BuiltModel:
     model: CausalLM
     backend: Backend
     weight_bytes: int
+
+    @property
+    def packed(self) -> bool:
+        """Whether the projections hold packed blocks (and so run the packed GEMV and GEMM):
+        a GGUF kept as stored, int8/int4 quantized at load, bf16 rows; not float weights."""
+        mode = self.form.mode
+        return mode != "float" and (mode != "keep" or self.files.gguf is not None)
 
 
 def kernel_selector(config: EngineConfig, device: torch.device) -> Selector:
