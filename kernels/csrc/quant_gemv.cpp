@@ -44,7 +44,6 @@ namespace pagedq_cpu {
 namespace {
 
 constexpr int kMaxGroup = 8;  // activation rows per pass over a weight row (accumulators live in registers)
-constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the current weight row to prefetch
 
 // Activation rows prepared for one call as int16 codes. VNNI path: in the chunk order of the
 // weight format (act_position), padded to whole chunks, da/ab per 4-code lane. AVX2 path: each
@@ -66,11 +65,6 @@ struct Acts {
 inline int64_t act_position(int64_t pos) {
   const int64_t chunk = pos / kChunk, group = pos % kChunk / 16, r = pos % 16;
   return chunk * kChunk + (r < 8 ? 0 : 32) + group * 8 + r % 8;
-}
-
-inline void prefetch_row(const uint8_t* row, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchBytes + off), _MM_HINT_T0);
 }
 
 // f(first_row, std::integral_constant<int, G>) over groups of up to kMaxGroup activation rows:
@@ -103,12 +97,13 @@ template <class Walker, int G>
 void rows_group(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = p.w + n * p.row_bytes;
-    prefetch_row(row, p.row_bytes);
     __m512 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
     const float scale = p.scales ? p.scales[n] : 0.f;
+    const int64_t span = p.row_bytes * 256 / p.K;  // the bytes of 4 chunks
     Walker::walk(RowRef::plain(p.w, n, p.row_bytes, block_bytes(p.fmt)), p.K, scale,
                  [&](int64_t c, __m512i w, __m512 ws, __m512 wm) {
+      if (c % 4 == 0) prefetch_ahead(row + c / 4 * span, span);
       const __m512i zero = _mm512_setzero_si512();
       const __m512i w_lo = _mm512_unpacklo_epi8(w, zero), w_hi = _mm512_unpackhi_epi8(w, zero);
       for (int g = 0; g < G; ++g) {
@@ -132,11 +127,11 @@ template <int G>
 void bf16_group(const LinearArgs& p, int64_t b0, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = p.w + n * p.row_bytes;
-    prefetch_row(row, p.row_bytes);
     const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
     __m512 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
     for (int64_t k = 0; k < p.K; k += 16) {
+      if (k % 32 == 0) prefetch_ahead(row + 2 * k, 64);
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
       const __m512 wf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
       for (int g = 0; g < G; ++g)
@@ -240,8 +235,10 @@ template <class W, int G>
 void int_group_wide(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n) {
   __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
   const float scale = p.scales ? p.scales[n] : 0.f;
-  W::walk(p.w + n * p.row_bytes, p.K, scale,
-          [&](int64_t b, __m256i e, __m256i o, float s_lo, float s_hi, float m) {
+  const uint8_t* row = p.w + n * p.row_bytes;
+  const int64_t eight = p.row_bytes * 8 * kActBlock / p.K;  // the bytes of eight blocks
+  W::walk(row, p.K, scale, [&](int64_t b, __m256i e, __m256i o, float s_lo, float s_hi, float m) {
+    if (b0 == 0 && b % 8 == 0) prefetch_ahead(row + b / 8 * eight, eight);  // on the row's first pass
     __m256i d_lo[8], d_hi[8];
     for (int g = 0; g < 8; ++g) {
       if (g >= G) {
@@ -276,7 +273,10 @@ void int_group_narrow(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n)
   __m256 acc[G];
   for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
   const float scale = p.scales ? p.scales[n] : 0.f;
-  W::walk(p.w + n * p.row_bytes, p.K, scale, [&](int64_t b, __m256i e, __m256i o, float s, float, float) {
+  const uint8_t* row = p.w + n * p.row_bytes;
+  const int64_t eight = p.row_bytes * 8 * kActBlock / p.K;  // the bytes of eight blocks
+  W::walk(row, p.K, scale, [&](int64_t b, __m256i e, __m256i o, float s, float, float) {
+    if (b0 == 0 && b % 8 == 0) prefetch_ahead(row + b / 8 * eight, eight);  // on the row's first pass
     for (int g = 0; g < G; ++g) {
       const __m256 isum = _mm256_cvtepi32_ps(block_dot(e, o, a.qrow(b0 + g) + b * kActBlock));
       acc[g] = _mm256_fmadd_ps(isum, _mm256_set1_ps(s * a.darow(b0 + g)[b]), acc[g]);
@@ -375,7 +375,11 @@ void few_rows(const LinearArgs& p, const Acts& a, int64_t r0, int64_t n) {
   const int64_t blocks = p.K / kActBlock, whole = blocks / 8 * 8;
   __m256 acc[G], mins[G];
   for (int g = 0; g < G; ++g) acc[g] = mins[g] = _mm256_setzero_ps();
-  for (int64_t b0 = 0; b0 < whole; b0 += 8) eight_blocks<W, G>(row, a, r0, b0, acc, mins);
+  const int64_t eight = p.row_bytes * 8 / blocks;  // the bytes of eight blocks
+  for (int64_t b0 = 0; b0 < whole; b0 += 8) {
+    prefetch_ahead(row + b0 / 8 * eight, eight);
+    eight_blocks<W, G>(row, a, r0, b0, acc, mins);
+  }
   for (int g = 0; g < G; ++g) {
     const int64_t r = r0 + g;
     float total = hsum(_mm256_add_ps(acc[g], mins[g]));
@@ -406,7 +410,6 @@ void int_group(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n) {
 template <class W>
 void run_rows(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
-    prefetch_row(p.w + n * p.row_bytes, p.row_bytes);
     for_each_group(a.rows, [&](int64_t b, auto group) {
       int_group<W, decltype(group)::value>(p, a, b, n);
     });
@@ -417,11 +420,11 @@ template <int G>
 void bf16_group(const LinearArgs& p, int64_t b0, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = p.w + n * p.row_bytes;
-    prefetch_row(row, p.row_bytes);
     const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
     __m256 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
     for (int64_t k = 0; k < p.K; k += 8) {
+      if (k % 32 == 0) prefetch_ahead(row + 2 * k, 64);
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k));
       const __m256 wf = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
       for (int g = 0; g < G; ++g)
