@@ -93,10 +93,7 @@ struct ByteQ4_K {  // 8 sub-blocks of 32 per 256, 6-bit scales and mins
 template <class W, int G>
 void byte_group_wide(const LinearArgs& p, const ByteActs& a, int64_t b0, int64_t n) {
   __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
-  const uint8_t* row = p.w + n * p.row_bytes;
-  const int64_t eight = p.row_bytes * 8 / a.blocks;  // the bytes of eight blocks
-  W::walk(row, p.K, [&](int64_t b, __m256i codes, float s, float m) {
-    if (b0 == 0 && b % 8 == 0) prefetch_ahead(row + b / 8 * eight, eight);  // on the row's first pass
+  W::walk(p.w + n * p.row_bytes, p.K, [&](int64_t b, __m256i codes, float s, float m) {
     const __m256i u = W::kSigned ? _mm256_sign_epi8(codes, codes) : codes;
     __m256i d[8];
     for (int g = 0; g < 8; ++g) {
@@ -128,7 +125,7 @@ void byte_group_narrow(const LinearArgs& p, const ByteActs& a, int64_t b0, int64
   const uint8_t* row = p.w + n * p.row_bytes;
   const int64_t eight = p.row_bytes * 8 / a.blocks;  // the bytes of eight blocks
   W::walk(row, p.K, [&](int64_t b, __m256i codes, float s, float m) {
-    if (b0 == 0 && b % 8 == 0) prefetch_ahead(row + b / 8 * eight, eight);  // on the row's first pass
+    if (b0 == 0 && b % 8 == 0 && a.rows <= 3) prefetch_ahead(row + b / 8 * eight, eight);
     const __m256i u = W::kSigned ? _mm256_sign_epi8(codes, codes) : codes;
     for (int g = 0; g < G; ++g) {
       const int64_t i = (b0 + g) * a.blocks + b;
@@ -153,6 +150,7 @@ void byte_group(const LinearArgs& p, const ByteActs& a, int64_t b0, int64_t n) {
 template <class W>
 void run_rows(const LinearArgs& p, const ByteActs& a, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
+    if (a.rows > 3) prefetch_row(p.w + n * p.row_bytes, p.row_bytes);  // else: as each reads
     for (int64_t b = 0; b < a.rows; b += kMaxRows) {
       switch (std::min<int64_t>(kMaxRows, a.rows - b)) {
         case 1: byte_group<W, 1>(p, a, b, n); break;

@@ -107,6 +107,14 @@ inline void prefetch_ahead(const uint8_t* at, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
 }
 
+// The whole row 4 KB ahead into L1 at once: kept for the AVX2 GEMVs' passes of four or more
+// activation rows, which are compute-bound (each row's decode serves up to 8 of them): there
+// prefetch_ahead measured 3-8% slower (Q8_0 at 64 rows, the bundled model's matrices).
+inline void prefetch_row(const uint8_t* row, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row + 4096 + off), _MM_HINT_T0);
+}
+
 inline float fp16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);

@@ -235,10 +235,8 @@ template <class W, int G>
 void int_group_wide(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n) {
   __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
   const float scale = p.scales ? p.scales[n] : 0.f;
-  const uint8_t* row = p.w + n * p.row_bytes;
-  const int64_t eight = p.row_bytes * 8 * kActBlock / p.K;  // the bytes of eight blocks
-  W::walk(row, p.K, scale, [&](int64_t b, __m256i e, __m256i o, float s_lo, float s_hi, float m) {
-    if (b0 == 0 && b % 8 == 0) prefetch_ahead(row + b / 8 * eight, eight);  // on the row's first pass
+  W::walk(p.w + n * p.row_bytes, p.K, scale,
+          [&](int64_t b, __m256i e, __m256i o, float s_lo, float s_hi, float m) {
     __m256i d_lo[8], d_hi[8];
     for (int g = 0; g < 8; ++g) {
       if (g >= G) {
@@ -276,7 +274,7 @@ void int_group_narrow(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n)
   const uint8_t* row = p.w + n * p.row_bytes;
   const int64_t eight = p.row_bytes * 8 * kActBlock / p.K;  // the bytes of eight blocks
   W::walk(row, p.K, scale, [&](int64_t b, __m256i e, __m256i o, float s, float, float) {
-    if (b0 == 0 && b % 8 == 0) prefetch_ahead(row + b / 8 * eight, eight);  // on the row's first pass
+    if (b0 == 0 && b % 8 == 0 && a.rows <= 3) prefetch_ahead(row + b / 8 * eight, eight);
     for (int g = 0; g < G; ++g) {
       const __m256 isum = _mm256_cvtepi32_ps(block_dot(e, o, a.qrow(b0 + g) + b * kActBlock));
       acc[g] = _mm256_fmadd_ps(isum, _mm256_set1_ps(s * a.darow(b0 + g)[b]), acc[g]);
@@ -377,7 +375,7 @@ void few_rows(const LinearArgs& p, const Acts& a, int64_t r0, int64_t n) {
   for (int g = 0; g < G; ++g) acc[g] = mins[g] = _mm256_setzero_ps();
   const int64_t eight = p.row_bytes * 8 / blocks;  // the bytes of eight blocks
   for (int64_t b0 = 0; b0 < whole; b0 += 8) {
-    prefetch_ahead(row + b0 / 8 * eight, eight);
+    if (a.rows <= 3) prefetch_ahead(row + b0 / 8 * eight, eight);  // else run_rows did
     eight_blocks<W, G>(row, a, r0, b0, acc, mins);
   }
   for (int g = 0; g < G; ++g) {
@@ -410,6 +408,7 @@ void int_group(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n) {
 template <class W>
 void run_rows(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
+    if (a.rows > 3) prefetch_row(p.w + n * p.row_bytes, p.row_bytes);  // else: as each reads
     for_each_group(a.rows, [&](int64_t b, auto group) {
       int_group<W, decltype(group)::value>(p, a, b, n);
     });
