@@ -15,7 +15,11 @@ grouped Q5_0/Q5_1/Q5_K/Q6_K),
 only, ``f32gemm-<format>`` dequantizing fp32 tiles for ATen's GEMM, every CPU). The ISA level is
 the process's: run it under ``PAGEDQ_CPU_ISA=avx2`` (and oneDNN's cap, cpu_features.
 isa_environment) to time an AVX2 machine's paths. K-quants need K % 256 == 0,
-so ``--shapes down`` times the 30 down projections (K = 1536) alone.
+so ``--shapes down`` times the 30 down projections (K = 1536) alone. ``--shapes memory`` times
+the memory scenario's model instead (SmolLM2-1.7B's shape: 24 layers, hidden 2048, intermediate
+8192, 1.7 G weights, far past any cache), for the packed paths only; each row then ends with the
+GB/s its packed weights were read at (a pass's bytes over its time), against the streaming
+bandwidth printed above the table.
 
 Every matrix call is timed on its own and keeps its fastest time over ``--rounds`` passes (the
 paths take turns, pass by pass); a path's figure is the sum of those minima. On a shared machine
@@ -34,12 +38,15 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from pagedq.bench.bandwidth import stream_read_gbps
+from pagedq.bench.memory_bound import SHAPE as MEMORY_SHAPE
 from pagedq.kernels.backend import process_selector
 from pagedq.kernels.block_formats import FORMATS, QuantWeight, as_bf16, quantize_int8
 from pagedq.kernels.cpu_ops import ActWidth, GemmPrecision, Isa
 
 HIDDEN, INTERMEDIATE, VOCAB, LAYERS = 576, 1536, 49152, 30
 PACKED = ("q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k", "int8")
+PACKED_KINDS = ("gemv", "rowgemv", "i8gemv", "i8rowgemv", "gemm", "x2gemm", "bf16gemm", "f32gemm")
 DEFAULT_PATHS = ("fp32", "bf16", "bf16-onednn", "torch-int8", "torch-int4") + tuple(
     f"{kind}-{fmt}" for fmt in ("q4_0", "q4_1", "q8_0", "int8")
     for kind in ("gemv", "gemm", "bf16gemm"))
@@ -47,6 +54,9 @@ DEFAULT_PATHS = ("fp32", "bf16", "bf16-onednn", "torch-int8", "torch-int4") + tu
 
 def model_shapes(which: str) -> list[tuple[int, int]]:
     """(N, K) of every matrix one forward pass multiplies by."""
+    if which == "memory":
+        h, i = MEMORY_SHAPE["hidden"], MEMORY_SHAPE["intermediate"]
+        return [(3 * h, h), (h, h), (2 * i, h), (h, i)] * MEMORY_SHAPE["layers"] + [(VOCAB, h)]
     layer = [(HIDDEN + 2 * 192, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN),
              (HIDDEN, INTERMEDIATE)]
     if which == "down":
@@ -82,6 +92,9 @@ def int4_torch(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Te
 
 def build_path(name: str, shapes: list[tuple[int, int]], gen: torch.Generator) -> list[Callable]:
     """One function of {K: x} per matrix of ``shapes`` that multiplies by it the ``name`` way."""
+    kind, _, fmt = name.partition("-")
+    if kind in PACKED_KINDS:
+        return packed_path(kind, fmt, shapes, gen)
     floats = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
     if name == "fp32":
         choice = process_selector().select("cpu").linear_for("float32")
@@ -107,7 +120,12 @@ def build_path(name: str, shapes: list[tuple[int, int]], gen: torch.Generator) -
         return [partial(lambda xs, k, p, sz: torch.ops.aten._weight_int4pack_mm_for_cpu(
                     xs[k].bfloat16(), p, 32, sz), k=w.shape[1], p=p, sz=sz)
                 for w in floats for p, sz in [int4_torch(w)]]
-    kind, fmt = name.split("-", 1)
+    raise ValueError(f"unknown path {name!r}")
+
+
+def packed_path(kind: str, fmt: str, shapes: list[tuple[int, int]],
+                gen: torch.Generator) -> list[Callable]:
+    """build_path for pagedq's packed kernels; each call's ``nbytes`` is its weight's size."""
     selector = process_selector()
     ops = selector.library()
     isa = int(Isa.AVX512_VNNI if selector.cpu.has_avx512_vnni else Isa.AVX2)
@@ -125,8 +143,8 @@ def build_path(name: str, shapes: list[tuple[int, int]], gen: torch.Generator) -
         def call(xs):
             x = xs[w.shape[1]]
             op(x.new_empty(x.shape[0], w.shape[0]), x, w.data, w.kernel_code, w.scales, None, isa)
+        call.nbytes = sum(t.numel() * t.element_size() for t in (w.data, w.scales) if t is not None)
         return call
-    del floats
     return [packed(random_packed(fmt, n, k, gen)) for n, k in shapes]
 
 
@@ -142,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,4,8,16,64,256")
     parser.add_argument("--paths", default=",".join(DEFAULT_PATHS))
-    parser.add_argument("--shapes", default="model", choices=["model", "down"])
+    parser.add_argument("--shapes", default="model", choices=["model", "down", "memory"])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     args = parser.parse_args(argv)
@@ -151,9 +169,15 @@ def main(argv: list[str] | None = None) -> None:
     shapes = model_shapes(args.shapes)
     gen = torch.Generator().manual_seed(0)
     names = args.paths.split(",")
+    if args.shapes == "memory" and any(n.partition("-")[0] not in PACKED_KINDS for n in names):
+        parser.error("--shapes memory times the packed paths only (gemv-q4_k, rowgemv-q8_0, ...)")
     paths = {name: build_path(name, shapes, gen) for name in names}
     print(f"ms per pass over {len(shapes)} matrices (sum of each call's best of {args.rounds}), "
           f"{torch.get_num_threads()} threads")
+    if args.shapes == "memory":
+        gigabytes = {n: sum(c.nbytes for c in paths[n]) / 1e9 for n in names}
+        print("weights read per pass: " + ", ".join(f"{n} {g:.3f} GB" for n, g in gigabytes.items())
+              + f"; streaming read {stream_read_gbps(torch.get_num_threads()):.1f} GB/s")
     print(f"{'rows':>5}" + "".join(f"{n:>13}" for n in names))
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in shapes}}
@@ -163,7 +187,10 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.rounds):
             for name in names:
                 time_pass(paths[name], xs, best[name])
-        print(f"{rows:>5}" + "".join(f"{sum(best[n]) * 1e3:>13.2f}" for n in names), flush=True)
+        line = f"{rows:>5}" + "".join(f"{sum(best[n]) * 1e3:>13.2f}" for n in names)
+        if args.shapes == "memory":
+            line += "   GB/s " + " ".join(f"{gigabytes[n] / sum(best[n]):.1f}" for n in names)
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

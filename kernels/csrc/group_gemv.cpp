@@ -192,8 +192,7 @@ void nibble_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t 
   each_group<G>(p, b0, g0, g1, [&](const uint8_t* base, __m512* acc, __m512* mins) {
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const uint8_t* at = base + blk * kGroupRows * W::kBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(at + 4096), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(at + 4096 + 64 * 4), _MM_HINT_T0);
+      prefetch_ahead(at, kGroupRows * W::kBytes);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
       __m512 m;
       if constexpr (W::kMin)
@@ -227,8 +226,7 @@ void q8_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, 
   each_group<G>(p, b0, g0, g1, [&](const uint8_t* base, __m512* acc, __m512* mins) {
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const uint8_t* at = base + blk * kGroupRows * 34;
-      for (int64_t off = 0; off < kGroupRows * 34; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(at + 4096 + off), _MM_HINT_T0);
+      prefetch_ahead(at, kGroupRows * 34);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
       const __m512 m = _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
       __m512i v[8];
@@ -287,8 +285,7 @@ void kquant_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t 
       k_scale_vectors(at, sc, mn);
       for (int c = 0; c < 4; ++c) {
         const uint8_t* q = at + kGroupRows * (qs_at + 32 * c);
-        for (int64_t off = 0; off < 512; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(q + 4096 + off), _MM_HINT_T0);
+        prefetch_ahead(q, 512);
         __m512i lo[8], hi[8];
         for (int k = 0; k < 8; ++k) {
           const __m512i v = _mm512_loadu_si512(q + 64 * k);
@@ -368,11 +365,12 @@ void q6k_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0,
   each_group<G>(p, b0, g0, g1, [&](const uint8_t* base, __m512* acc, __m512*) {
     for (int64_t sb = 0; sb < supers; ++sb) {
       const uint8_t* at = base + sb * kGroupRows * 210;
-      for (int64_t off = 0; off < kGroupRows * 210; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(at + 4096 + off), _MM_HINT_T0);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + kGroupRows * 208)));
       for (int half = 0; half < 2; ++half) {
         for (int t = 0; t < 2; ++t) {  // codes 16 t .. 16 t + 15 of each quarter of the half
+          // a quarter of the super-block's bytes with each quarter of its work; 6 KB ahead
+          // measured 1.15x the whole super-block at once 4 KB ahead into L1, 3 KB 1.08x
+          prefetch_ahead(at + (2 * half + t) * kGroupRows * 210 / 4, kGroupRows * 210 / 4, 6144);
           __m512i qh[4], ql[4];
           for (int k = 0; k < 4; ++k)
             qh[k] = _mm512_loadu_si512(at + kGroupRows * (128 + 32 * half + 16 * t) + 64 * k);
