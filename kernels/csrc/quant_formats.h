@@ -89,18 +89,16 @@ inline int64_t chunk_position(int64_t e, bool nibbles) {
   return chunk * kChunk + (t < 16 ? 0 : 32) + blk * 16 + t % 16;
 }
 
-// One fp16 to fp32 in one F16C instruction (the library requires F16C; c10::Half's portable
-// conversion took ~10 integer ops, twice per 32-block in the AVX2 GEMV).
 // Software prefetch of weights while they are read (the row-at-a-time GEMVs of quant_gemv.cpp
 // and byte_gemv.cpp, the grouped one of group_gemv.cpp): the lines ``ahead`` bytes past
-// [at, at + bytes), into L2. Each kernel calls it
-// once per chunk it reads (8 blocks, a 64-code chunk, 32 bf16 values), so the misses overlap the
-// compute a line or two at a time. Why: those kernels first prefetched each whole row at once,
-// and the burst stalled on the L1 fill buffers: 71% of the AVX2 one-row GEMV's samples sat on
-// the instruction after a prefetcht0, and it read 12-15 GB/s where the memory streams 23 (Intel
-// Xeon with AMX capped at avx2, 2 threads, the 1.7B shape's matrices); spread, 18-21 GB/s. Into
-// L2 and 3 KB ahead measured best of 1-8 KB into L1 or L2 (Q8_0 20.6 GB/s against 17.3 into L1
-// at 2 KB; the K-quants within 3% of their best).
+// [at, at + bytes), into L2. Each kernel calls it once per chunk it reads (8 blocks, 256 codes,
+// 32 bf16 values, a grouped block), so the misses overlap the compute a line or two at a time.
+// Why: those kernels first prefetched each whole row at once, and the burst stalled on the L1
+// fill buffers: 71% of the AVX2 one-row GEMV's samples sat on the instruction after a
+// prefetcht0, and it read 12-15 GB/s where the memory streams 23 (Intel Xeon with AMX capped at
+// avx2, 2 threads, the 1.7B shape's matrices); spread, 18-21 GB/s. Into L2 and 3 KB ahead
+// measured best of 1-8 KB into L1 or L2 (Q8_0 20.6 GB/s against 17.3 into L1 at 2 KB; the
+// K-quants within 3% of their best).
 constexpr uintptr_t kAheadBytes = 3072;
 inline void prefetch_ahead(const uint8_t* at, int64_t bytes, uintptr_t ahead = kAheadBytes) {
   const uintptr_t from = reinterpret_cast<uintptr_t>(at) + ahead;
@@ -116,6 +114,8 @@ inline void prefetch_row(const uint8_t* row, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(row + 4096 + off), _MM_HINT_T0);
 }
 
+// One fp16 to fp32 in one F16C instruction (the library requires F16C; c10::Half's portable
+// conversion took ~10 integer ops, twice per 32-block in the AVX2 GEMV).
 inline float fp16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
