@@ -123,9 +123,9 @@ void byte_group_narrow(const LinearArgs& p, const ByteActs& a, int64_t b0, int64
   float mins[G];
   for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps(), mins[g] = 0.f;
   const uint8_t* row = p.w + n * p.row_bytes;
-  const int64_t eight = p.row_bytes * 8 / a.blocks;  // the bytes of eight blocks
+  const int64_t span = span_bytes(p);
   W::walk(row, p.K, [&](int64_t b, __m256i codes, float s, float m) {
-    if (b0 == 0 && b % 8 == 0 && a.rows <= 3) prefetch_ahead(row + b / 8 * eight, eight);
+    if (b0 == 0 && b % 8 == 0 && a.rows < kRowPrefetchRows) prefetch_ahead(row + b / 8 * span, span);
     const __m256i u = W::kSigned ? _mm256_sign_epi8(codes, codes) : codes;
     for (int g = 0; g < G; ++g) {
       const int64_t i = (b0 + g) * a.blocks + b;
@@ -150,7 +150,7 @@ void byte_group(const LinearArgs& p, const ByteActs& a, int64_t b0, int64_t n) {
 template <class W>
 void run_rows(const LinearArgs& p, const ByteActs& a, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
-    if (a.rows > 3) prefetch_row(p.w + n * p.row_bytes, p.row_bytes);  // else: as each reads
+    if (a.rows >= kRowPrefetchRows) prefetch_row(p.w + n * p.row_bytes, p.row_bytes);
     for (int64_t b = 0; b < a.rows; b += kMaxRows) {
       switch (std::min<int64_t>(kMaxRows, a.rows - b)) {
         case 1: byte_group<W, 1>(p, a, b, n); break;

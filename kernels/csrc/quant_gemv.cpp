@@ -100,7 +100,7 @@ void rows_group(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n0, int6
     __m512 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
     const float scale = p.scales ? p.scales[n] : 0.f;
-    const int64_t span = p.row_bytes * 256 / p.K;  // the bytes of 4 chunks
+    const int64_t span = span_bytes(p);
     Walker::walk(RowRef::plain(p.w, n, p.row_bytes, block_bytes(p.fmt)), p.K, scale,
                  [&](int64_t c, __m512i w, __m512 ws, __m512 wm) {
       if (c % 4 == 0) prefetch_ahead(row + c / 4 * span, span);
@@ -272,9 +272,9 @@ void int_group_narrow(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n)
   for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
   const float scale = p.scales ? p.scales[n] : 0.f;
   const uint8_t* row = p.w + n * p.row_bytes;
-  const int64_t eight = p.row_bytes * 8 * kActBlock / p.K;  // the bytes of eight blocks
+  const int64_t span = span_bytes(p);
   W::walk(row, p.K, scale, [&](int64_t b, __m256i e, __m256i o, float s, float, float) {
-    if (b0 == 0 && b % 8 == 0 && a.rows <= 3) prefetch_ahead(row + b / 8 * eight, eight);
+    if (b0 == 0 && b % 8 == 0 && a.rows < kRowPrefetchRows) prefetch_ahead(row + b / 8 * span, span);
     for (int g = 0; g < G; ++g) {
       const __m256 isum = _mm256_cvtepi32_ps(block_dot(e, o, a.qrow(b0 + g) + b * kActBlock));
       acc[g] = _mm256_fmadd_ps(isum, _mm256_set1_ps(s * a.darow(b0 + g)[b]), acc[g]);
@@ -373,9 +373,9 @@ void few_rows(const LinearArgs& p, const Acts& a, int64_t r0, int64_t n) {
   const int64_t blocks = p.K / kActBlock, whole = blocks / 8 * 8;
   __m256 acc[G], mins[G];
   for (int g = 0; g < G; ++g) acc[g] = mins[g] = _mm256_setzero_ps();
-  const int64_t eight = p.row_bytes * 8 / blocks;  // the bytes of eight blocks
+  const int64_t span = span_bytes(p);
   for (int64_t b0 = 0; b0 < whole; b0 += 8) {
-    if (a.rows <= 3) prefetch_ahead(row + b0 / 8 * eight, eight);  // else run_rows did
+    if (a.rows < kRowPrefetchRows) prefetch_ahead(row + b0 / 8 * span, span);  // else run_rows did
     eight_blocks<W, G>(row, a, r0, b0, acc, mins);
   }
   for (int g = 0; g < G; ++g) {
@@ -408,7 +408,7 @@ void int_group(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n) {
 template <class W>
 void run_rows(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
-    if (a.rows > 3) prefetch_row(p.w + n * p.row_bytes, p.row_bytes);  // else: as each reads
+    if (a.rows >= kRowPrefetchRows) prefetch_row(p.w + n * p.row_bytes, p.row_bytes);
     for_each_group(a.rows, [&](int64_t b, auto group) {
       int_group<W, decltype(group)::value>(p, a, b, n);
     });
