@@ -173,12 +173,20 @@ BF16X3_GEMV_ROWS = 16
 # from VNNI CPUs (it remains for a matrix whose rows are not a whole number of groups, under the
 # grouped limit).
 ALL_ROWS = 1 << 20
+# Activation rows from which the AVX2 GEMV runs its panel (csrc/int16_acts.h: kPanelRows;
+# csrc/panel_gemv.cpp), on int16 activations even where int8 ones were asked for (it is faster
+# than the byte GEMV there, and rounds finer).
+PANEL_ROWS = 8
 F32_GEMV_ROWS = {
     "grouped": {**dict.fromkeys(("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k"), ALL_ROWS),
                 "q5_k": 64, "q6_k": 64},
     "vnni": {"int8": ALL_ROWS, "bf16": 16},
-    "avx2": {"q4_0": 24, "q4_1": 24, "q5_0": 24, "q5_1": 24, "q8_0": 64, "q4_k": 20, "q5_k": 20,
-             "q6_k": 20, "int8": 64, "bf16": 16},
+    # from 8 rows the AVX2 GEMV is the panel (csrc/panel_gemv.cpp): ahead of fp32 tiles to 256
+    # rows for every format (Intel Xeon model 167 capped at avx2, 2 threads, --shapes down, ms
+    # at 256 rows: Q8_0 63.8 / 80.9, Q4_K 67.1 / 79.9, Q6_K 76.8 / 81.9), level at 384 (Q6_K
+    # behind: 131 / 110); it replaced row-at-a-time kernels that crossed at 20-64 rows
+    "avx2": {**dict.fromkeys(("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "int8"),
+                             256), "bf16": 16},
 }
 # The same crossovers for the GEMV on int8 activations (opt-in: ActWidth.INT8, QuantLinear's
 # INT8_ACTS_BIT; docs/quantization.md, "int8 activations", has the table and why it is not the
@@ -189,10 +197,11 @@ F32_GEMV_ROWS = {
 # grouped Q6_K and Q5_K (the Intel Xeon above) to the 128 rows measured (Q6_K 56.5 against 58.3
 # ms, Q5_K 57.2 against 67.5).
 # Formats without an int8 kernel keep their F32_GEMV_ROWS entry.
+# On AVX2 the byte GEMV runs below 8 rows only (from there the int16 panel is faster), so the
+# crossovers are F32_GEMV_ROWS's.
 F32_GEMV_ROWS_INT8 = {
     "grouped": {**dict.fromkeys(("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k"), ALL_ROWS),
                 "q5_k": 128, "q6_k": 128},
-    "avx2": {"q4_0": 64, "q4_1": 64, "q8_0": 64, "q4_k": 48},
 }
 # The 32-element block formats' and the K-quants' GEMV on AVX-512 VNNI reads rows grouped 16 at a time
 # (csrc/group_gemv.cpp): it shares each weight load among 8 activation rows at ~1/3 of the
@@ -272,8 +281,11 @@ class PackedChoice:
         if self.weight_format == "float32":  # a widened tensor among packed ones
             return "cpp-skinny" if rows <= self.gemv_rows else "torch"
         if rows <= self.gemv_rows:
-            gemv = "cpp-gemv-vnni" if self.isa == Isa.AVX512_VNNI else "cpp-gemv-avx2"
-            return gemv + ("-int8" if self.int8_acts else "")
+            if self.isa == Isa.AVX512_VNNI:
+                return "cpp-gemv-vnni" + ("-int8" if self.int8_acts else "")
+            if rows >= PANEL_ROWS and self.weight_format != "bf16":
+                return "cpp-panel-avx2"  # int16 activations, whichever width was asked for
+            return "cpp-gemv-avx2" + ("-int8" if self.int8_acts else "")
         return f"cpp-gemm-{self.precision}"
 
 

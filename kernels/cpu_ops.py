@@ -9,7 +9,8 @@
   ``decoder_layers_packed`` the same over packed projections;
 - ``quant_gemv`` / ``quant_gemm`` (quant_gemv.cpp, quant_gemm.cpp): ``x @ W.T`` straight from
   packed weights (GGUF blocks, int8, bf16 rows): integer dot products for few rows (int16
-  activations, or int8 ones on request: byte_gemv.cpp, group_gemv.cpp), bf16 tiles
+  activations, panel_gemv.cpp from 8 rows on AVX2; or int8 ones on request: byte_gemv.cpp,
+  group_gemv.cpp), bf16 tiles
   for brgemm (AMX) or fp32 tiles for ATen's GEMM (any CPU) for many; ``QuantLinear``
   (quant_linear.cpp) picks between them per step.
 
@@ -43,7 +44,7 @@ from pagedq.progress import waiting
 LIBRARY = "pagedq_cpu_ops"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(CSRC / f for f in ("attention.cpp", "gemv.cpp", "rmsnorm.cpp", "fused_layer.cpp",
-                                   "quant_gemv.cpp", "group_gemv.cpp", "byte_gemv.cpp",
+                                   "quant_gemv.cpp", "panel_gemv.cpp", "group_gemv.cpp", "byte_gemv.cpp",
                                    "quant_gemm.cpp", "quant_linear.cpp", "library.cpp"))
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 STALE_LOCK_SECONDS = 600  # a build lock this old was left by a process killed mid-compile

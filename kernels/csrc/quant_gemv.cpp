@@ -37,28 +37,14 @@
 
 #include "quant_avx2.h"
 #include "quant_avx512.h"
-#include "quant_formats.h"
 #include "cpu_ops.h"
+#include "int16_acts.h"
+#include "quant_formats.h"
 
 namespace pagedq_cpu {
 namespace {
 
 constexpr int kMaxGroup = 8;  // activation rows per pass over a weight row (accumulators live in registers)
-
-// Activation rows prepared for one call as int16 codes. VNNI path: in the chunk order of the
-// weight format (act_position), padded to whole chunks, da/ab per 4-code lane. AVX2 path: each
-// block's even elements before its odd ones (padded = K), da/ab per 32-value block.
-struct Acts {
-  int64_t rows = 0, padded = 0, steps = 0;  // steps: da / ab entries per row
-  std::vector<int16_t> q;  // [rows, padded]
-  std::vector<float> da;  // [rows, padded / 4] (VNNI) or [rows, K / 32] (AVX2): the code step
-  std::vector<float> ab;  // likewise: da * (the lane's share of / the block's) code sum
-  std::vector<float> dat, abt;  // AVX2: da and ab transposed, [steps, tstride] (transpose_steps)
-  int64_t tstride = 0;
-  const int16_t* qrow(int64_t b) const { return q.data() + b * padded; }
-  const float* darow(int64_t b) const { return da.data() + b * steps; }
-  const float* abrow(int64_t b) const { return ab.data() + b * steps; }
-};
 
 // Where chunk position pos's activation goes among the chunk's 64 int16s: the first 32 meet the
 // codes unpacked from bytes 0-7 of each 16-byte group, the last 32 those from bytes 8-15.
@@ -435,135 +421,14 @@ void bf16_group(const LinearArgs& p, int64_t b0, int64_t n0, int64_t n1) {
 }
 
 
-// ---------------------------------------------------------------- the panel (8 or more rows)
-constexpr int kPanelW = 4;       // weight rows per pass
-constexpr int kPanelBlocks = 8;  // 32-blocks decoded at a time (256 codes)
-constexpr int64_t kPanelRows = 8;  // activation rows from which the panel runs
-
-// The activation rows interleaved 8 at a time: int16 pair t (codes 2t, 2t + 1 in the walkers'
-// order) of rows 8g .. 8g + 7 at x[(g * pairs + t) * 8 + r], zero past the last row.
-struct PanelActs {
-  int64_t groups = 0, pairs = 0;
-  std::vector<int32_t> x;
-};
-
-void interleave(const Acts& a, int64_t K, PanelActs& pa) {
-  pa.groups = a.rows / 8;
-  pa.pairs = K / 2;
-  pa.x.resize(pa.groups * pa.pairs * 8);
-  for (int64_t r = 0; r < pa.groups * 8; ++r) {
-    const int32_t* src = reinterpret_cast<const int32_t*>(a.qrow(r));
-    int32_t* dst = pa.x.data() + (r / 8) * pa.pairs * 8 + r % 8;
-    for (int64_t t = 0; t < pa.pairs; ++t) dst[t * 8] = src[t];
-  }
-}
-
-// kPanelW weight rows' codes (walkers' order) and scales for up to kPanelBlocks blocks.
-struct PanelChunk {
-  alignas(32) int16_t codes[kPanelW][kPanelBlocks * 32];
-  float s_lo[kPanelW][kPanelBlocks], s_hi[kPanelW][kPanelBlocks], m[kPanelW][kPanelBlocks];
-};
-
+// Activation rows r0 .. rows - 1 against weight row n, row-at-a-time (the panel's last rows % 8).
 template <class W>
-inline void decode_chunk(const LinearArgs& p, int64_t n, int j, int64_t b0, int64_t nb, PanelChunk& c) {
-  const float scale = p.scales ? p.scales[n] : 0.f;
-  const uint8_t* at = p.w + n * p.row_bytes + b0 / 8 * span_bytes(p);
-  W::walk(at, nb * 32, scale, [&](int64_t b, __m256i e, __m256i o, float s_lo, float s_hi, float m) {
-    _mm256_store_si256(reinterpret_cast<__m256i*>(c.codes[j] + b * 32), e);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(c.codes[j] + b * 32 + 16), o);
-    c.s_lo[j][b] = s_lo;
-    c.s_hi[j][b] = s_hi;
-    c.m[j][b] = m;
+void tail_rows(const LinearArgs& p, const Acts& a, int64_t r0, int64_t n) {
+  for_each_group(a.rows - r0, [&](int64_t b, auto group) {
+    int_group<W, decltype(group)::value>(p, a, r0 + b, n);
   });
 }
 
-// Activation rows 8g .. 8g + 8 GR - 1 against the chunk's weight rows: out[i * kPanelW + j]
-// lane r += row 8 (g + i) + r's dot with weight row j over the chunk's blocks.
-template <class W, int GR>
-inline void panel_group(const PanelChunk& c, const PanelActs& pa, const Acts& a, int64_t g, int64_t b0,
-                        int64_t nb, __m256* sums) {
-  __m256 out[GR * kPanelW];
-  for (int k = 0; k < GR * kPanelW; ++k) out[k] = sums[k];
-  for (int64_t b = 0; b < nb; ++b) {
-    const int32_t* xb[GR];
-    __m256 da[GR];
-    for (int i = 0; i < GR; ++i) {
-      xb[i] = pa.x.data() + ((g + i) * pa.pairs + (b0 + b) * 16) * 8;
-      da[i] = _mm256_loadu_ps(a.dat.data() + (b0 + b) * a.tstride + 8 * (g + i));
-    }
-    for (int half = 0; half < (W::kTwoScales ? 2 : 1); ++half) {
-      __m256i isum[GR][kPanelW];
-      for (int i = 0; i < GR; ++i)
-        for (int j = 0; j < kPanelW; ++j) isum[i][j] = _mm256_setzero_si256();
-#pragma GCC unroll 16
-      for (int tt = 0; tt < (W::kTwoScales ? 8 : 16); ++tt) {
-        // two scales: pairs 0-3 and 8-11 are elements 0-15, 4-7 and 12-15 are 16-31
-        const int t = W::kTwoScales ? (tt < 4 ? tt : tt + 4) + 4 * half : tt;
-        __m256i xa[GR];
-        for (int i = 0; i < GR; ++i) xa[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[i] + t * 8));
-        for (int j = 0; j < kPanelW; ++j) {
-          int32_t wp;
-          std::memcpy(&wp, c.codes[j] + b * 32 + 2 * t, 4);
-          const __m256i wv = _mm256_set1_epi32(wp);
-          for (int i = 0; i < GR; ++i) {
-            isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(wv, xa[i]));
-            // keep the sums a chain in registers: reassociated, gcc computed all 64 products
-            // first and spilled them
-            asm("" : "+x"(isum[i][j]));
-          }
-        }
-      }
-      for (int j = 0; j < kPanelW; ++j) {
-        const __m256 s = _mm256_set1_ps(half ? c.s_hi[j][b] : c.s_lo[j][b]);
-        for (int i = 0; i < GR; ++i)
-          out[i * kPanelW + j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][j]), _mm256_mul_ps(s, da[i]), out[i * kPanelW + j]);
-      }
-    }
-    if constexpr (W::kHasMin) {
-      for (int i = 0; i < GR; ++i) {
-        const __m256 ab = _mm256_loadu_ps(a.abt.data() + (b0 + b) * a.tstride + 8 * (g + i));
-        for (int j = 0; j < kPanelW; ++j)
-          out[i * kPanelW + j] = _mm256_fmadd_ps(_mm256_set1_ps(c.m[j][b]), ab, out[i * kPanelW + j]);
-      }
-    }
-  }
-  for (int k = 0; k < GR * kPanelW; ++k) sums[k] = out[k];
-}
-
-template <class W>
-void panel_rows(const LinearArgs& p, const Acts& a, const PanelActs& pa, int64_t n0, int64_t n1) {
-  static thread_local PanelChunk chunk;
-  static thread_local std::vector<__m256> sums;
-  PanelChunk& c = chunk;  // one TLS lookup, not one per use
-  std::vector<__m256>& acc = sums;
-  acc.resize(pa.groups * kPanelW);
-  const int64_t blocks = p.K / kActBlock;
-  for (int64_t n = n0; n < n1; n += kPanelW) {
-    const int w = static_cast<int>(std::min<int64_t>(kPanelW, n1 - n));
-    std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
-    for (int64_t b0 = 0; b0 < blocks; b0 += kPanelBlocks) {
-      const int64_t nb = std::min<int64_t>(kPanelBlocks, blocks - b0);
-      for (int j = 0; j < kPanelW; ++j) decode_chunk<W>(p, n + std::min(j, w - 1), j, b0, nb, c);
-      int64_t g = 0;
-      for (; g + 2 <= pa.groups; g += 2) panel_group<W, 2>(c, pa, a, g, b0, nb, acc.data() + g * kPanelW);
-      if (g < pa.groups) panel_group<W, 1>(c, pa, a, g, b0, nb, acc.data() + g * kPanelW);
-    }
-    for (int64_t g = 0; g < pa.groups; ++g) {
-      for (int j = 0; j < w; ++j) {
-        alignas(32) float sums[8];
-        _mm256_store_ps(sums, acc[g * kPanelW + j]);
-        const float bias = p.bias ? p.bias[n + j] : 0.f;
-        for (int r = 0; r < 8; ++r) p.out[(8 * g + r) * p.ldo + n + j] = sums[r] + bias;
-      }
-    }
-    // the last rows % 8 activation rows: the row-at-a-time kernels, the weight rows still cached
-    const int64_t full = pa.groups * 8;
-    for (int j = 0; j < w; ++j)
-      for_each_group(a.rows - full, [&](int64_t b, auto group) {
-        int_group<W, decltype(group)::value>(p, a, full + b, n + j);
-      });
-  }
-}
 }  // namespace
 
 // The activations as int16 codes per 32 values in the walkers' order (the VNNI path's rule: steps of
@@ -621,6 +486,10 @@ void gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
     });
 }
 
+void panel_tail(const LinearArgs& p, const Acts& a, int64_t r0, int64_t n) {
+  visit_walker<Nibble32, Q8_0, Int8, KQuant45, Q6_K>(p.fmt, [&](auto w) { tail_rows<decltype(w)>(p, a, r0, n); });
+}
+
 // Why one call for several weights: at one row the segments of a fused projection (q, k and v;
 // gate and up) are GEMVs short enough that quantizing the same activations for each and each
 // one's fork and join barrier were a visible share of them (the VNNI path's group_gemv_parts
@@ -629,16 +498,9 @@ void gemv_parts(const LinearArgs* parts, int64_t count) {
   static thread_local Acts codes;
   quantize_acts(parts[0].x, parts[0].rows, parts[0].K, codes);
   const Acts& a = codes;
-  if (parts[0].rows >= kPanelRows && parts[0].fmt != kBF16) {
-    static thread_local PanelActs panel;
-    interleave(a, parts[0].K, panel);
-    const PanelActs& pa = panel;  // the workers read this thread's copy
-    parallel_parts(parts, count, kPanelW, [&](int64_t i, int64_t u0, int64_t u1) {
-      const LinearArgs& p = parts[i];
-      visit_walker<Nibble32, Q8_0, Int8, KQuant45, Q6_K>(p.fmt, [&](auto w) {
-        panel_rows<decltype(w)>(p, a, pa, u0 * kPanelW, std::min(u1 * kPanelW, p.N));
-      });
-    });
+  const bool decoded = std::all_of(parts, parts + count, [](const LinearArgs& p) { return p.fmt != kBF16; });
+  if (parts[0].rows >= kPanelRows && decoded) {
+    panel_gemv_parts(parts, count, a);
     return;
   }
   parallel_parts(parts, count, 1, [&](int64_t i, int64_t n0, int64_t n1) { gemv(parts[i], a, n0, n1); });
@@ -662,7 +524,9 @@ void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
     v512::group_gemv(p, acts == kInt8Acts);
     return;
   }
-  if (acts == kInt8Acts && v256::byte_format(fmt)) {  // AVX2 instructions: every isa runs them
+  // AVX2 instructions: every isa runs them. Below VNNI, from kPanelRows rows the int16 panel is
+  // faster than the byte GEMV (and rounds finer), so it takes those steps.
+  if (acts == kInt8Acts && v256::byte_format(fmt) && (vnni || p.rows < v256::kPanelRows)) {
     v256::byte_gemv(p);
     return;
   }

@@ -1,5 +1,6 @@
 // QuantLinear's methods (quant_linear.h); library.cpp registers the class.
 
+#include "int16_acts.h"
 #include "quant_linear.h"
 
 #include <ATen/ops/empty.h>
@@ -47,7 +48,8 @@ QuantLinear::QuantLinear(std::vector<at::Tensor> data_, std::vector<int64_t> fmt
 bool QuantLinear::one_gemv(int64_t rows) const {
   if (data.size() < 2) return false;
   const bool vnni = isa == kAvx512Vnni;
-  if (!vnni && (precision & kInt8ActsBit)) return false;  // byte_gemv runs its formats alone
+  // byte_gemv runs its formats alone; from kPanelRows on the int16 panel takes them (faster)
+  if (!vnni && (precision & kInt8ActsBit) && rows < v256::kPanelRows) return false;
   for (size_t i = 0; i < data.size(); ++i) {
     if (rows > gemv_max_rows[i]) return false;
     if (vnni ? !(fmts[i] & kGrouped) : (fmts[i] == kF32 || fmts[i] == kBF16)) return false;

@@ -20,6 +20,7 @@ from pagedq.kernels.backend import (
     GROUPED_FORMATS,
     GROUPED_GEMV_ROWS,
     PACKED_PRECISIONS,
+    PANEL_ROWS,
     process_selector,
 )
 from pagedq.kernels.block_formats import quantize_int4
@@ -102,7 +103,8 @@ def test_without_amx_the_gemm_multiplies_fp32_tiles(cpu_ops):
             limit = F32_GEMV_ROWS[kind][fmt]
             assert kernels(cpu, fmt, [1, limit, limit + 1]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-fp32"]
     limit = F32_GEMV_ROWS["avx2"]["q8_0"]
-    assert kernels(AVX2, "q8_0", [1, limit, limit + 1]) == ["cpp-gemv-avx2"] * 2 + ["cpp-gemm-fp32"]
+    assert kernels(AVX2, "q8_0", [1, PANEL_ROWS - 1, PANEL_ROWS, limit, limit + 1]) == [
+        "cpp-gemv-avx2"] * 2 + ["cpp-panel-avx2"] * 2 + ["cpp-gemm-fp32"]
     assert F32_GEMV_ROWS["avx2"].keys() == set(GEMV_ROWS) - {"float32"}
     backend = Selector(cpu=AVX2).select("cpu", F32, None, 64, packed_precision="bf16x3")
     assert "fp32 tiles, not bf16x3 (no AMX at level avx2" in " ".join(backend.reasons)
@@ -127,8 +129,9 @@ def test_each_level_routes_only_kernels_it_runs(cpu_ops, level):
     gen = torch.Generator().manual_seed(8)
     weight = random_weight("q4_k", 32, 256, gen)
     projection = build_projection([weight], None, backend.plan().packed, torch.device("cpu"))
-    x = torch.randn(80, 256, generator=gen)
-    # 80 rows take the GEMM: at amx its default bf16x2 multiplies the bf16-rounded weights
+    x = torch.randn(300, 256, generator=gen)
+    # 300 rows: past the AVX2 panel's 256 (the grouped VNNI GEMV takes every count), the GEMM: at
+    # amx its default bf16x2 multiplies the bf16-rounded weights
     # by the fp32 activations (docs/quantization.md), elsewhere fp32 tiles the weights as they are
     dense = dequantize(weight)
     if backend.packed_for("q4_k").precision == "bf16x2":
@@ -218,8 +221,10 @@ def test_int8_activations_route_the_formats_that_have_an_int8_gemv(cpu_ops, cpu,
         assert not plain.int8_acts and plain.precision_code & INT8_ACTS_BIT == 0
         if fmt in INT8_FORMATS[kind]:
             assert choice.int8_acts and choice.precision_code & INT8_ACTS_BIT
-            assert choice.gemv_rows == F32_GEMV_ROWS_INT8[kind][fmt]
+            assert choice.gemv_rows == F32_GEMV_ROWS_INT8.get(kind, F32_GEMV_ROWS[kind])[fmt]
             assert choice.kernel(1) == gemv + "-int8"
+            if kind == "avx2":  # from PANEL_ROWS the int16 panel, faster than the byte GEMV
+                assert choice.kernel(PANEL_ROWS) == plain.kernel(PANEL_ROWS) == "cpp-panel-avx2"
         else:
             assert choice == plain, fmt
     with pytest.raises(ValueError, match="packed_activations must be one of"):

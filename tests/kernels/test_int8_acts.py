@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedq.kernels.backend import GROUPED_FORMATS, process_selector
+from pagedq.kernels.backend import GROUPED_FORMATS, PANEL_ROWS, process_selector
 from pagedq.kernels.block_formats import FORMATS, QuantWeight, dequantize
 from pagedq.kernels.cpu_ops import INT8_ACTS_BIT, ActWidth, GemmPrecision, Isa
 from tests.quant_fixtures import ALL, random_weight
@@ -55,17 +55,22 @@ def check(out: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias: torch.T
 
 @pytest.mark.parametrize("fmt", BYTE_FORMATS)
 def test_int8_gemv_matches_dequantized_matmul(cpu_ops, isa, fmt):
-    """Plain rows on any isa: byte_gemv.cpp's maddubs kernel (AVX2 instructions)."""
+    """Plain rows on any isa: byte_gemv.cpp's maddubs kernel (AVX2 instructions), below
+    PANEL_ROWS rows without VNNI; from there the int16 panel, bit for bit the int16 call."""
     gen = torch.Generator().manual_seed(31)
     for k in (256, 1536) if fmt == "q4_k" else (32, 96, 576):
         w = random_weight(fmt, 37, k, gen)
         dense = dequantize(w).double()
         bias = torch.randn(37, generator=gen)
-        for rows in (1, 3, 8, 11, 17):
+        for rows in (1, 3, 7, 8, 11, 17):
             x = torch.randn(rows, k, generator=gen)
-            out = torch.empty(rows, 37)
+            out, plain = torch.empty(rows, 37), torch.empty(rows, 37)
             cpu_ops.quant_gemv(out, x, w.data, w.fmt.code, None, bias, isa, INT8)
-            check(out, x, dense, bias, (fmt, k, rows))
+            if isa != Isa.AVX512_VNNI and rows >= PANEL_ROWS:
+                cpu_ops.quant_gemv(plain, x, w.data, w.fmt.code, None, bias, isa)
+                torch.testing.assert_close(out, plain, rtol=0, atol=0)
+            else:
+                check(out, x, dense, bias, (fmt, k, rows))
 
 
 def test_int8_gemv_takes_extreme_codes(cpu_ops, isa):

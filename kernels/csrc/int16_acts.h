@@ -1,0 +1,40 @@
+// Activations rounded to int16 per 32 values (or per VNNI chunk lane), the input of the int16
+// GEMVs: quant_gemv.cpp (the row-at-a-time kernels of both levels) and panel_gemv.cpp (AVX2, 8 or
+// more rows). quant_gemv.cpp's quantize_acts fill it, once per call for every weight row.
+
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "quant_formats.h"
+
+namespace pagedq_cpu {
+
+// Activation rows prepared for one call as int16 codes. VNNI path: in the chunk order of the
+// weight format (act_position), padded to whole chunks, da/ab per 4-code lane. AVX2 path: each
+// block's even elements before its odd ones (padded = K), da/ab per 32-value block.
+struct Acts {
+  int64_t rows = 0, padded = 0, steps = 0;  // steps: da / ab entries per row
+  std::vector<int16_t> q;  // [rows, padded]
+  std::vector<float> da;  // [rows, padded / 4] (VNNI) or [rows, K / 32] (AVX2): the code step
+  std::vector<float> ab;  // likewise: da * (the lane's share of / the block's) code sum
+  std::vector<float> dat, abt;  // AVX2: da and ab transposed, [steps, tstride] (transpose_steps)
+  int64_t tstride = 0;
+  const int16_t* qrow(int64_t b) const { return q.data() + b * padded; }
+  const float* darow(int64_t b) const { return da.data() + b * steps; }
+  const float* abrow(int64_t b) const { return ab.data() + b * steps; }
+};
+
+namespace v256 {
+// Activation rows from which the AVX2 GEMV runs the panel (panel_gemv.cpp) on int16 activations.
+constexpr int64_t kPanelRows = 8;
+// x @ W^T for `count` weights that read the same activations a (already quantized), the rows in
+// groups of 8 (panel_gemv.cpp); the last rows % 8 through panel_tail.
+void panel_gemv_parts(const LinearArgs* parts, int64_t count, const Acts& a);
+// Activation rows r0 .. a.rows - 1 against weight row n with the row-at-a-time kernels
+// (quant_gemv.cpp).
+void panel_tail(const LinearArgs& p, const Acts& a, int64_t r0, int64_t n);
+}  // namespace v256
+
+}  // namespace pagedq_cpu
