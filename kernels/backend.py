@@ -272,7 +272,10 @@ class PackedChoice:
     def name(self) -> str:
         if self.kind != "cpp":
             return {"triton": "triton-wq", "torch": "torch-dequant"}[self.kind]
-        return f"{self.kernel(1)}<={self.gemv_rows}+{self.kernel(self.gemv_rows + 1)}"
+        name, panel = self.kernel(1), self.kernel(PANEL_ROWS)
+        if PANEL_ROWS <= self.gemv_rows and panel != name:  # the AVX2 panel from PANEL_ROWS on
+            name = f"{name}<{PANEL_ROWS}+{panel}"
+        return f"{name}<={self.gemv_rows}+{self.kernel(self.gemv_rows + 1)}"
 
     def kernel(self, rows: int) -> str:
         """What runs for a step of ``rows`` rows."""

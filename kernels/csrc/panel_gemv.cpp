@@ -9,11 +9,13 @@
 //   int16 codes 2t and 2t + 1 (the walkers' order, quant_avx2.h);
 // - 4 weight rows are decoded 8 blocks at a time into int16 codes on the stack, and each pair
 //   of codes is broadcast from there (vpbroadcastd from memory: a load, no shuffle port);
-// - per pair: one vpmaddwd and one vpaddd per weight row and group, the int32 sums of a block
-//   in registers; per block one convert and FMA per weight row and group (scale x each row's
-//   step da, a vector of the 8 rows), and the offsets' FMA against their code sums.
+// - per pair: one vpmaddwd and one vpaddd per weight row and group, two groups at a time (16
+//   int32 sums of a block in registers); per block one convert and FMA per weight row and group
+//   (scale x each row's step da, a vector of the 8 rows), and the offsets' FMA against their
+//   code sums.
 // The weight row's decode is shared by every group (8 rows) of the pass; the activations of up
-// to 64 rows stay in L2 while the thread's weight rows pass (panel_rows).
+// to 64 rows stay in L2 while the thread's weight rows pass (panel_rows); the last rows % 8 take
+// the row-at-a-time kernels (panel_tail) right after their weight rows, still cached.
 //
 // Measured (Intel Xeon, model 167, capped at avx2, 1 thread, 2 layers of the 1.7B shape), GMAC/s
 // row-at-a-time -> panel: Q8_0 32.8 -> 42.1 at 16 rows, 37.5 -> 56.4 at 64; Q4_K 30.2 -> 39.0,
@@ -38,19 +40,23 @@ namespace {
 constexpr int kPanelW = 4;           // weight rows per pass (4 int32 sums a group in registers)
 constexpr int kPanelBlocks = 8;      // 32-blocks decoded at a time (256 codes)
 constexpr int64_t kPanelGroups = 8;  // groups of 8 activation rows per pass over the weights
+// Rows from which a last partial group is padded to 8: row at a time, 4-7 rows cost about what 8
+// do (their sums are reduced 8 lanes at a time), so 12 rows as 8 + 4 were slower than before.
+constexpr int64_t kPanelPadRows = 4;
 
 // The activation rows interleaved 8 at a time: int16 pair t (codes 2t, 2t + 1 in the walkers'
-// order) of rows 8g .. 8g + 7 at x[(g * pairs + t) * 8 + r], zero past the last row.
+// order) of rows 8g .. 8g + 7 at x[(g * pairs + t) * 8 + r]. A last group of kPanelPadRows rows
+// or more is padded with zero rows; fewer take the row-at-a-time kernels (panel_tail).
 struct PanelActs {
   int64_t groups = 0, pairs = 0;
   std::vector<int32_t> x;
 };
 
 void interleave(const Acts& a, int64_t K, PanelActs& pa) {
-  pa.groups = a.rows / 8;
+  pa.groups = (a.rows + 8 - kPanelPadRows) / 8;
   pa.pairs = K / 2;
-  pa.x.resize(pa.groups * pa.pairs * 8);
-  for (int64_t r = 0; r < pa.groups * 8; ++r) {
+  pa.x.assign(pa.groups * pa.pairs * 8, 0);
+  for (int64_t r = 0; r < std::min(a.rows, pa.groups * 8); ++r) {
     const int32_t* src = reinterpret_cast<const int32_t*>(a.qrow(r));
     int32_t* dst = pa.x.data() + (r / 8) * pa.pairs * 8 + r % 8;
     for (int64_t t = 0; t < pa.pairs; ++t) dst[t * 8] = src[t];
@@ -66,7 +72,11 @@ struct PanelChunk {
 template <class W>
 inline void decode_chunk(const LinearArgs& p, int64_t n, int j, int64_t b0, int64_t nb, PanelChunk& c) {
   const float scale = p.scales ? p.scales[n] : 0.f;
-  const uint8_t* at = p.w + n * p.row_bytes + b0 / 8 * span_bytes(p);
+  const int64_t span = span_bytes(p);
+  const uint8_t* at = p.w + n * p.row_bytes + b0 / 8 * span;
+  // the same codes of the next pass's row: a whole pass of compute ahead
+  for (int64_t off = 0; off < span; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(at + kPanelW * p.row_bytes + off), _MM_HINT_T0);
   W::walk(at, nb * 32, scale, [&](int64_t b, __m256i e, __m256i o, float s_lo, float s_hi, float m) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(c.codes[j] + b * 32), e);
     _mm256_store_si256(reinterpret_cast<__m256i*>(c.codes[j] + b * 32 + 16), o);
@@ -155,7 +165,7 @@ void panel_block(const LinearArgs& p, const Acts& a, const PanelActs& pa, int64_
         alignas(32) float out[8];
         _mm256_store_ps(out, acc[(g - g0) * kPanelW + j]);
         const float bias = p.bias ? p.bias[n + j] : 0.f;
-        for (int r = 0; r < 8; ++r) p.out[(8 * g + r) * p.ldo + n + j] = out[r] + bias;
+        for (int r = 0; r < 8 && 8 * g + r < a.rows; ++r) p.out[(8 * g + r) * p.ldo + n + j] = out[r] + bias;
       }
     }
     for (int j = 0; tail && pa.groups * 8 < a.rows && j < w; ++j) panel_tail(p, a, pa.groups * 8, n + j);
