@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         gigabytes = {n: sum(c.nbytes for c in paths[n]) / 1e9 for n in names}
         print("weights read per pass: " + ", ".join(f"{n} {g:.3f} GB" for n, g in gigabytes.items())
               + f"; streaming read {stream_read_gbps(torch.get_num_threads()):.1f} GB/s")
+    macs = sum(n * k for n, k in shapes)  # multiply-adds per activation row
     print(f"{'rows':>5}" + "".join(f"{n:>13}" for n in names))
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in shapes}}
@@ -188,8 +189,9 @@ def main(argv: list[str] | None = None) -> None:
             for name in names:
                 time_pass(paths[name], xs, best[name])
         line = f"{rows:>5}" + "".join(f"{sum(best[n]) * 1e3:>13.2f}" for n in names)
-        if args.shapes == "memory":
+        if args.shapes == "memory":  # bandwidth at few rows, products per second at many
             line += "   GB/s " + " ".join(f"{gigabytes[n] / sum(best[n]):.1f}" for n in names)
+            line += "   GMAC/s " + " ".join(f"{macs * rows / sum(best[n]) / 1e9:.1f}" for n in names)
         print(line, flush=True)
 
 
