@@ -177,10 +177,6 @@ ALL_ROWS = 1 << 20
 # csrc/panel_gemv.cpp), on int16 activations even where int8 ones were asked for (it is faster
 # than the byte GEMV there, and rounds finer).
 PANEL_ROWS = 8
-# The same for grouped weights on AVX-512 VNNI (csrc/int16_acts.h: kPanel512Rows): from 64 rows
-# the panel with 16 rows to a vector and vpdpwssd beats the grouped GEMV by 1.15-1.35x (int16
-# activations; the byte mode keeps the grouped GEMV).
-PANEL512_ROWS = 64
 F32_GEMV_ROWS = {
     "grouped": {**dict.fromkeys(("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k"), ALL_ROWS),
                 "q5_k": 64, "q6_k": 64},
@@ -276,11 +272,9 @@ class PackedChoice:
     def name(self) -> str:
         if self.kind != "cpp":
             return {"triton": "triton-wq", "torch": "torch-dequant"}[self.kind]
-        name = self.kernel(1)
-        for first in (PANEL_ROWS, PANEL512_ROWS):  # the panels, from their first row on
-            panel = self.kernel(first)
-            if first <= self.gemv_rows and panel != name and panel != self.kernel(first - 1):
-                name = f"{name}<{first}+{panel}"
+        name, panel = self.kernel(1), self.kernel(PANEL_ROWS)
+        if PANEL_ROWS <= self.gemv_rows and panel != name:  # the AVX2 panel from PANEL_ROWS on
+            name = f"{name}<{PANEL_ROWS}+{panel}"
         return f"{name}<={self.gemv_rows}+{self.kernel(self.gemv_rows + 1)}"
 
     def kernel(self, rows: int) -> str:
@@ -291,8 +285,6 @@ class PackedChoice:
             return "cpp-skinny" if rows <= self.gemv_rows else "torch"
         if rows <= self.gemv_rows:
             if self.isa == Isa.AVX512_VNNI:
-                if rows >= PANEL512_ROWS and not self.int8_acts and self.weight_format in GROUPED_FORMATS:
-                    return "cpp-panel-vnni"
                 return "cpp-gemv-vnni" + ("-int8" if self.int8_acts else "")
             if rows >= PANEL_ROWS and self.weight_format != "bf16":
                 return "cpp-panel-avx2"  # int16 activations, whichever width was asked for

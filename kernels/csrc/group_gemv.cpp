@@ -35,7 +35,6 @@
 #include <vector>
 
 #include "byte_acts.h"
-#include "int16_acts.h"
 #include "quant_avx512.h"
 #include "quant_formats.h"
 
@@ -431,10 +430,6 @@ void group_gemv(const LinearArgs& p, bool bytes) { group_gemv_parts(&p, 1, bytes
 // share of them, and q/k/v as three regions were three of those and three activation splits.
 void group_gemv_parts(const LinearArgs* parts, int64_t count, bool bytes) {
   const LinearArgs& first = parts[0];
-  if (!bytes && first.rows >= kPanel512Rows) {  // many rows: the panel (panel_gemv.cpp)
-    panel_gemv_parts(parts, count);
-    return;
-  }
   static thread_local SplitActs acts;
   if (bytes)
     byte_acts(first.x, first.rows, first.K, acts);

@@ -35,18 +35,6 @@ void panel_gemv_parts(const LinearArgs* parts, int64_t count, const Acts& a);
 // Activation rows r0 .. a.rows - 1 against weight row n with the row-at-a-time kernels
 // (quant_gemv.cpp).
 void panel_tail(const LinearArgs& p, const Acts& a, int64_t r0, int64_t n);
-// x's rows as int16 codes per 32 values in the AVX2 walkers' order (quant_gemv.cpp).
-void quantize_acts(const float* x, int64_t rows, int64_t K, Acts& a);
 }  // namespace v256
-
-namespace v512 {
-// Activation rows from which grouped weights take the AVX-512 VNNI panel (panel_gemv.cpp)
-// instead of the grouped GEMV (group_gemv.cpp), on int16 activations: 1.15-1.35x faster from 64
-// rows (Intel Xeon model 167 at avx512_vnni, 2 threads, the 1.7B shape), slower at 16-32 (the
-// weights' degrouping is shared by fewer rows).
-constexpr int64_t kPanel512Rows = 64;
-// The same as v256::panel_gemv_parts with 16 rows to a vector; plain or grouped weights.
-void panel_gemv_parts(const LinearArgs* parts, int64_t count);
-}  // namespace v512
 
 }  // namespace pagedq_cpu

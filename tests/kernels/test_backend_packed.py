@@ -20,7 +20,6 @@ from pagedq.kernels.backend import (
     GROUPED_FORMATS,
     GROUPED_GEMV_ROWS,
     PACKED_PRECISIONS,
-    PANEL512_ROWS,
     PANEL_ROWS,
     process_selector,
 )
@@ -98,13 +97,11 @@ def test_without_amx_the_gemm_multiplies_fp32_tiles(cpu_ops):
     """torch runs bf16 tiles only with AMX: every other CPU (AVX2; AVX-512 with or without
     AVX512_BF16) takes the fp32-tile GEMM past its GEMV's measured crossover (F32_GEMV_ROWS),
     whatever precision was asked, and says why in the start-up line."""
-    for cpu in (VNNI_NO_BF16, ZEN4):  # grouped GEMV, then its panel, beat fp32 tiles at every count
-        assert kernels(cpu, "q4_1", [1, PANEL512_ROWS - 1, PANEL512_ROWS, 4096]) == [
-            "cpp-gemv-vnni"] * 2 + ["cpp-panel-vnni"] * 2
+    for cpu in (VNNI_NO_BF16, ZEN4):  # the grouped GEMV beats fp32 tiles at every row count
+        assert kernels(cpu, "q4_1", [1, 64, 4096]) == ["cpp-gemv-vnni"] * 3
         for fmt, kind in (("q6_k", "grouped"), ("bf16", "vnni")):  # measured crossovers
             limit = F32_GEMV_ROWS[kind][fmt]
-            gemv = "cpp-panel-vnni" if limit >= PANEL512_ROWS and kind == "grouped" else "cpp-gemv-vnni"
-            assert kernels(cpu, fmt, [1, limit, limit + 1]) == ["cpp-gemv-vnni", gemv, "cpp-gemm-fp32"]
+            assert kernels(cpu, fmt, [1, limit, limit + 1]) == ["cpp-gemv-vnni"] * 2 + ["cpp-gemm-fp32"]
     limit = F32_GEMV_ROWS["avx2"]["q8_0"]
     assert kernels(AVX2, "q8_0", [1, PANEL_ROWS - 1, PANEL_ROWS, limit, limit + 1]) == [
         "cpp-gemv-avx2"] * 2 + ["cpp-panel-avx2"] * 2 + ["cpp-gemm-fp32"]
