@@ -17,9 +17,9 @@
 // to 64 rows stay in L2 while the thread's weight rows pass (panel_rows); the last rows % 8 take
 // the row-at-a-time kernels (panel_tail) right after their weight rows, still cached.
 //
-// Measured (Intel Xeon, model 167, capped at avx2, 1 thread, 2 layers of the 1.7B shape), GMAC/s
-// row-at-a-time -> panel: Q8_0 32.8 -> 42.1 at 16 rows, 37.5 -> 56.4 at 64; Q4_K 30.2 -> 39.0,
-// 28.7 -> 54.5; Q6_K 19.4 -> 33.2, 20.5 -> 47.3 (docs/quantization.md has the table).
+// Measured (Intel Xeon, model 167, capped at avx2, 1 thread, the 1.7B shape), GMAC/s row at a
+// time -> panel: Q8_0 32.8 -> 49.2 at 16 rows, 37.5 -> 57.3 at 64; Q4_K 30.2 -> 48.2, 28.7 ->
+// 56.5; Q6_K 19.4 -> 39.2, 20.5 -> 47.1 (docs/quantization.md has the table).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
