@@ -30,7 +30,7 @@ namespace v256 {
 // Activation rows from which the AVX2 GEMV runs the panel (panel_gemv.cpp) on int16 activations.
 constexpr int64_t kPanelRows = 8;
 // x @ W^T for `count` weights that read the same activations a (already quantized), the rows in
-// groups of 8 (panel_gemv.cpp); the last rows % 8 through panel_tail.
+// groups of 8 (panel_gemv.cpp; a last group of 4-7 rows padded), 1-3 left over through panel_tail.
 void panel_gemv_parts(const LinearArgs* parts, int64_t count, const Acts& a);
 // Activation rows r0 .. a.rows - 1 against weight row n with the row-at-a-time kernels
 // (quant_gemv.cpp).

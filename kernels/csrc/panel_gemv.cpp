@@ -14,8 +14,8 @@
 //   (scale x each row's step da, a vector of the 8 rows), and the offsets' FMA against their
 //   code sums.
 // The weight row's decode is shared by every group (8 rows) of the pass; the activations of up
-// to 64 rows stay in L2 while the thread's weight rows pass (panel_rows); the last rows % 8 take
-// the row-at-a-time kernels (panel_tail) right after their weight rows, still cached.
+// to 64 rows stay in L2 while the thread's weight rows pass (panel_rows); a last group of 4-7
+// rows is padded, 1-3 take the row-at-a-time kernels (panel_tail) while the weights are cached.
 //
 // Measured (Intel Xeon, model 167, capped at avx2, 1 thread, the 1.7B shape), GMAC/s row at a
 // time -> panel: Q8_0 32.8 -> 49.2 at 16 rows, 37.5 -> 57.3 at 64; Q4_K 30.2 -> 48.2, 28.7 ->
@@ -109,7 +109,8 @@ inline void panel_group(const PanelChunk& c, const PanelActs& pa, const Acts& a,
         // two scales: pairs 0-3 and 8-11 are elements 0-15, 4-7 and 12-15 are 16-31
         const int t = W::kTwoScales ? (tt < 4 ? tt : tt + 4) + 4 * half : tt;
         __m256i xa[GR];
-        for (int i = 0; i < GR; ++i) xa[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[i] + t * 8));
+        for (int i = 0; i < GR; ++i)
+          xa[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[i] + t * 8));
         for (int j = 0; j < kPanelW; ++j) {
           int32_t wp;
           std::memcpy(&wp, c.codes[j] + b * 32 + 2 * t, 4);
@@ -125,7 +126,8 @@ inline void panel_group(const PanelChunk& c, const PanelActs& pa, const Acts& a,
       for (int j = 0; j < kPanelW; ++j) {
         const __m256 s = _mm256_set1_ps(half ? c.s_hi[j][b] : c.s_lo[j][b]);
         for (int i = 0; i < GR; ++i)
-          out[i * kPanelW + j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][j]), _mm256_mul_ps(s, da[i]), out[i * kPanelW + j]);
+          out[i * kPanelW + j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][j]), _mm256_mul_ps(s, da[i]),
+                                                 out[i * kPanelW + j]);
       }
     }
     if constexpr (W::kHasMin) {
@@ -140,7 +142,7 @@ inline void panel_group(const PanelChunk& c, const PanelActs& pa, const Acts& a,
 }
 
 // Activation groups [g0, g1) against weight rows [n0, n1), kPanelW at a time; `tail`: also the
-// last rows % 8 activation rows (the row-at-a-time kernels, while the weight rows are cached).
+// last 1-3 activation rows past the groups (the row-at-a-time kernels, while the weights are cached).
 template <class W>
 void panel_block(const LinearArgs& p, const Acts& a, const PanelActs& pa, int64_t g0, int64_t g1,
                  int64_t n0, int64_t n1, bool tail) {

@@ -421,7 +421,7 @@ void bf16_group(const LinearArgs& p, int64_t b0, int64_t n0, int64_t n1) {
 }
 
 
-// Activation rows r0 .. rows - 1 against weight row n, row-at-a-time (the panel's last rows % 8).
+// Activation rows r0 .. rows - 1 against weight row n, row-at-a-time (the panel's last 1-3 rows).
 template <class W>
 void tail_rows(const LinearArgs& p, const Acts& a, int64_t r0, int64_t n) {
   for_each_group(a.rows - r0, [&](int64_t b, auto group) {
