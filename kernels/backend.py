@@ -177,6 +177,7 @@ ALL_ROWS = 1 << 20
 # csrc/panel_gemv.cpp), on int16 activations even where int8 ones were asked for (it is faster
 # than the byte GEMV there, and rounds finer).
 PANEL_ROWS = 8
+PANEL_ROWS_Q6K = 5  # Q6_K alone (kPanelRowsQ6K): its row-at-a-time kernel is the slowest
 F32_GEMV_ROWS = {
     "grouped": {**dict.fromkeys(("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k"), ALL_ROWS),
                 "q5_k": 64, "q6_k": 64},
@@ -272,9 +273,10 @@ class PackedChoice:
     def name(self) -> str:
         if self.kind != "cpp":
             return {"triton": "triton-wq", "torch": "torch-dequant"}[self.kind]
-        name, panel = self.kernel(1), self.kernel(PANEL_ROWS)
-        if PANEL_ROWS <= self.gemv_rows and panel != name:  # the AVX2 panel from PANEL_ROWS on
-            name = f"{name}<{PANEL_ROWS}+{panel}"
+        first = PANEL_ROWS_Q6K if self.weight_format == "q6_k" else PANEL_ROWS
+        name, panel = self.kernel(1), self.kernel(first)
+        if first <= self.gemv_rows and panel != name:  # the AVX2 panel from its first row on
+            name = f"{name}<{first}+{panel}"
         return f"{name}<={self.gemv_rows}+{self.kernel(self.gemv_rows + 1)}"
 
     def kernel(self, rows: int) -> str:
@@ -286,7 +288,8 @@ class PackedChoice:
         if rows <= self.gemv_rows:
             if self.isa == Isa.AVX512_VNNI:
                 return "cpp-gemv-vnni" + ("-int8" if self.int8_acts else "")
-            if rows >= PANEL_ROWS and self.weight_format != "bf16":
+            first = PANEL_ROWS_Q6K if self.weight_format == "q6_k" else PANEL_ROWS
+            if rows >= first and self.weight_format != "bf16":
                 return "cpp-panel-avx2"  # int16 activations, whichever width was asked for
             return "cpp-gemv-avx2" + ("-int8" if self.int8_acts else "")
         return f"cpp-gemm-{self.precision}"

@@ -29,6 +29,10 @@ struct Acts {
 namespace v256 {
 // Activation rows from which the AVX2 GEMV runs the panel (panel_gemv.cpp) on int16 activations.
 constexpr int64_t kPanelRows = 8;
+// The same for Q6_K alone, whose row-at-a-time kernel is the slowest (a scale per 16 codes): its
+// panel, padded to 8 rows, was 1.15-1.6x faster from 5 rows (Intel Xeon model 167 capped at
+// avx2, 2 threads, --shapes down: 3.7-4.1 against 4.5-6.3 ms a pass at 5-7 rows; 4 rows level).
+constexpr int64_t kPanelRowsQ6K = 5;
 // x @ W^T for `count` weights that read the same activations a (already quantized), the rows in
 // groups of 8 (panel_gemv.cpp; a last group of 4-7 rows padded), 1-3 left over through panel_tail.
 void panel_gemv_parts(const LinearArgs* parts, int64_t count, const Acts& a);

@@ -499,7 +499,8 @@ void gemv_parts(const LinearArgs* parts, int64_t count) {
   quantize_acts(parts[0].x, parts[0].rows, parts[0].K, codes);
   const Acts& a = codes;
   const bool decoded = std::all_of(parts, parts + count, [](const LinearArgs& p) { return p.fmt != kBF16; });
-  if (parts[0].rows >= kPanelRows && decoded) {
+  const bool q6k = std::all_of(parts, parts + count, [](const LinearArgs& p) { return p.fmt == kQ6_K; });
+  if (decoded && parts[0].rows >= (q6k ? kPanelRowsQ6K : kPanelRows)) {
     panel_gemv_parts(parts, count, a);
     return;
   }

@@ -21,6 +21,7 @@ from pagedq.kernels.backend import (
     GROUPED_GEMV_ROWS,
     PACKED_PRECISIONS,
     PANEL_ROWS,
+    PANEL_ROWS_Q6K,
     process_selector,
 )
 from pagedq.kernels.block_formats import quantize_int4
@@ -105,6 +106,8 @@ def test_without_amx_the_gemm_multiplies_fp32_tiles(cpu_ops):
     limit = F32_GEMV_ROWS["avx2"]["q8_0"]
     assert kernels(AVX2, "q8_0", [1, PANEL_ROWS - 1, PANEL_ROWS, limit, limit + 1]) == [
         "cpp-gemv-avx2"] * 2 + ["cpp-panel-avx2"] * 2 + ["cpp-gemm-fp32"]
+    # Q6_K's row-at-a-time kernel is the slowest: its panel from PANEL_ROWS_Q6K rows
+    assert kernels(AVX2, "q6_k", [PANEL_ROWS_Q6K - 1, PANEL_ROWS_Q6K]) == ["cpp-gemv-avx2", "cpp-panel-avx2"]
     assert F32_GEMV_ROWS["avx2"].keys() == set(GEMV_ROWS) - {"float32"}
     backend = Selector(cpu=AVX2).select("cpu", F32, None, 64, packed_precision="bf16x3")
     assert "fp32 tiles, not bf16x3 (no AMX at level avx2" in " ".join(backend.reasons)
