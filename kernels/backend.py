@@ -159,6 +159,18 @@ def padded_rows(rows: int) -> int:
 GEMV_ROWS = {"q4_0": 10, "q4_1": 10, "q5_0": 10, "q5_1": 10, "q8_0": 10, "q4_k": 8, "q5_k": 8,
              "q6_k": 10, "int8": 10, "bf16": 8, "float32": SKINNY_MAX_ROWS}
 BF16X3_GEMV_ROWS = 16
+# Activation rows from which the AVX2 GEMV runs its panel (csrc/int16_acts.h: kPanelRows;
+# csrc/panel_gemv.cpp), on int16 activations even where int8 ones were asked for (it is faster
+# than the byte GEMV there, and rounds finer).
+PANEL_ROWS = 8
+PANEL_ROWS_Q6K = 5  # Q6_K alone (kPanelRowsQ6K): its row-at-a-time kernel is the slowest
+
+
+def panel_from(weight_format: str) -> int:
+    """The row count from which the AVX2 GEMV runs its panel for ``weight_format``."""
+    return PANEL_ROWS_Q6K if weight_format == "q6_k" else PANEL_ROWS
+
+
 # Without AMX the GEMM multiplies fp32 tiles (precision "fp32": ATen's sgemm). Rows up to which
 # each GEMV beats it, per GEMV kind and format, measured with quant_bench (``f32gemm-<fmt>``
 # against ``gemv-``/``rowgemv-<fmt>``, 16-256 rows) on an AMD EPYC (Zen 4: AVX-512 VNNI/BF16, no
@@ -173,11 +185,6 @@ BF16X3_GEMV_ROWS = 16
 # from VNNI CPUs (it remains for a matrix whose rows are not a whole number of groups, under the
 # grouped limit).
 ALL_ROWS = 1 << 20
-# Activation rows from which the AVX2 GEMV runs its panel (csrc/int16_acts.h: kPanelRows;
-# csrc/panel_gemv.cpp), on int16 activations even where int8 ones were asked for (it is faster
-# than the byte GEMV there, and rounds finer).
-PANEL_ROWS = 8
-PANEL_ROWS_Q6K = 5  # Q6_K alone (kPanelRowsQ6K): its row-at-a-time kernel is the slowest
 F32_GEMV_ROWS = {
     "grouped": {**dict.fromkeys(("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k"), ALL_ROWS),
                 "q5_k": 64, "q6_k": 64},
@@ -273,7 +280,7 @@ class PackedChoice:
     def name(self) -> str:
         if self.kind != "cpp":
             return {"triton": "triton-wq", "torch": "torch-dequant"}[self.kind]
-        first = PANEL_ROWS_Q6K if self.weight_format == "q6_k" else PANEL_ROWS
+        first = panel_from(self.weight_format)
         name, panel = self.kernel(1), self.kernel(first)
         if first <= self.gemv_rows and panel != name:  # the AVX2 panel from its first row on
             name = f"{name}<{first}+{panel}"
@@ -288,8 +295,7 @@ class PackedChoice:
         if rows <= self.gemv_rows:
             if self.isa == Isa.AVX512_VNNI:
                 return "cpp-gemv-vnni" + ("-int8" if self.int8_acts else "")
-            first = PANEL_ROWS_Q6K if self.weight_format == "q6_k" else PANEL_ROWS
-            if rows >= first and self.weight_format != "bf16":
+            if rows >= panel_from(self.weight_format) and self.weight_format != "bf16":
                 return "cpp-panel-avx2"  # int16 activations, whichever width was asked for
             return "cpp-gemv-avx2" + ("-int8" if self.int8_acts else "")
         return f"cpp-gemm-{self.precision}"

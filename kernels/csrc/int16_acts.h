@@ -1,6 +1,6 @@
 // Activations rounded to int16 per 32 values (or per VNNI chunk lane), the input of the int16
 // GEMVs: quant_gemv.cpp (the row-at-a-time kernels of both levels) and panel_gemv.cpp (AVX2, 8 or
-// more rows). quant_gemv.cpp's quantize_acts fill it, once per call for every weight row.
+// more rows, Q6_K 5). quant_gemv.cpp's quantize_acts fills it, once per call for every weight row.
 
 #pragma once
 
