@@ -107,18 +107,24 @@ def test_a_stream_resumed_within_the_grace_is_not_cancelled(redis_url, queue, wo
     out, so only the resume can have kept it alive."""
     r = redis.Redis.from_url(redis_url)
     keys = Keys(queue)
-    # a short grace, so the job (900 tokens: about a second on a quiet machine) still runs
-    # when it has passed
-    with serve(redis_url, queue=queue, disconnect_grace=0.5) as gw:
+    # a grace short against the job (900 tokens: about a second on a 2024 2-core VM, under half
+    # a second on a Zen 5 core), timed first, so the job still runs when the grace has passed
+    with serve(redis_url, queue=queue) as gw, gw.http() as http:
+        started = time.monotonic()
+        assert http.post("/v1/chat/completions", json=body(tiny_id, 900, stream=False),
+                         timeout=60).status_code == 200
+        job_s = time.monotonic() - started
+    grace = min(0.5, job_s / 4)
+    with serve(redis_url, queue=queue, disconnect_grace=grace) as gw:
         with gw.http() as http:
             with http.stream("POST", "/v1/chat/completions", json=body(tiny_id, 900)) as resp:
                 events = read_events(resp.iter_lines(), stop_after_id=2)
             dropped = time.monotonic()
             rid = json.loads(events[-1][1])["id"]
-            time.sleep(0.1)
+            time.sleep(grace / 5)
             with http.stream("GET", f"/v1/requests/{rid}/stream",
                              headers={"Last-Event-ID": "2"}) as resp:
-                time.sleep(max(0.0, dropped + 0.65 - time.monotonic()))  # past the grace
+                time.sleep(max(0.0, dropped + 1.3 * grace - time.monotonic()))  # past it
                 running = r.hget(keys.state(rid), "done") != b"1"
                 rest = read_events(resp.iter_lines())
     r.close()
