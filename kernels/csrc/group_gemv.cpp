@@ -184,7 +184,64 @@ inline void nibble_codes(const uint8_t* at, __m512i lo[4], __m512i hi[4]) {
   }
 }
 
-// G activation rows from b0 against the groups [g0, g1) of a nibble format.
+// The 16 rows' codes of one Q8_0 block, 2 rows per vector (v[k]: slot 2k's 8 dwords of 4 codes,
+// then slot 2k + 1's), transposed in registers to one dword of every row per vector: v[o] then
+// holds codes 4 kQ8Dword[o] .. + 3 of the 16 rows, in row order (the slots' order is the one the
+// transpose's unpack tree undoes, as reduce8's does). Three stages of 8 shuffles swap the dword
+// index's bits with the vector index's.
+constexpr int kQ8Dword[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+inline void transpose_q8(__m512i v[8]) {
+  __m512i t[8];
+  for (int k = 0; k < 8; k += 2) {
+    t[k] = _mm512_unpacklo_epi32(v[k], v[k + 1]);
+    t[k + 1] = _mm512_unpackhi_epi32(v[k], v[k + 1]);
+  }
+  for (int k : {0, 1, 4, 5}) {
+    v[k] = _mm512_unpacklo_epi64(t[k], t[k + 2]);
+    v[k + 2] = _mm512_unpackhi_epi64(t[k], t[k + 2]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_shuffle_i32x4(v[k], v[k + 4], 0x88);
+    t[k + 4] = _mm512_shuffle_i32x4(v[k], v[k + 4], 0xDD);
+  }
+  for (int k = 0; k < 8; ++k) v[k] = t[k];
+}
+
+inline __m512i broadcast_dword(const int8_t* p) {
+  int32_t x;
+  std::memcpy(&x, p, 4);
+  return _mm512_set1_epi32(x);
+}
+
+// The 16 rows' integer sums against activation block i, from codes transposed by transpose_q8:
+// each activation dword broadcast against the vector holding that dword of every row.
+template <bool B>
+inline __m512i dot_rows(const __m512i v[8], const SplitActs& a, int64_t i) {
+  const int8_t* xl = a.lo.data() + i * 32;
+  __m512i lo = _mm512_setzero_si512();
+  for (int o = 0; o < 8; ++o) lo = _mm512_dpbusd_epi32(lo, v[o], broadcast_dword(xl + 4 * kQ8Dword[o]));
+  if constexpr (B) return lo;
+  const int8_t* xh = a.hi.data() + i * 32;
+  __m512i hi = _mm512_setzero_si512();
+  for (int o = 0; o < 8; ++o) hi = _mm512_dpbusd_epi32(hi, v[o], broadcast_dword(xh + 4 * kQ8Dword[o]));
+  return _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 8));
+}
+
+// Four vectors of 4 rows' 16 codes each (a 128-bit lane a row, rows in the nibble formats'
+// slot order) transposed in lanes to one dword of every row per vector, in row order, stored at
+// out[0..3] in kQ8Dword's order (dwords 0, 2, 1, 3), so dot_rows takes them.
+inline void transpose_lanes(const __m512i in[4], __m512i out[4]) {
+  const __m512i t0 = _mm512_unpacklo_epi32(in[0], in[1]), t1 = _mm512_unpackhi_epi32(in[0], in[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(in[2], in[3]), t3 = _mm512_unpackhi_epi32(in[2], in[3]);
+  out[0] = _mm512_unpacklo_epi64(t0, t2);
+  out[1] = _mm512_unpacklo_epi64(t1, t3);
+  out[2] = _mm512_unpackhi_epi64(t0, t2);
+  out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// G activation rows from b0 against the groups [g0, g1) of a nibble format; from 2 rows the
+// codes are transposed once (transpose_lanes) and every row's sums come out of vpdpbusd in
+// lanes, as in q8_groups_t.
 template <int64_t Fmt, int G, bool B>
 void nibble_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int64_t g1) {
   using W = Nibble32<Fmt>;
@@ -201,6 +258,17 @@ void nibble_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t 
         m = _mm512_mul_ps(d, _mm512_set1_ps(W::kFive ? -16.f : -8.f));
       __m512i lo[4], hi[4];
       nibble_codes<Fmt>(at, lo, hi);
+      if constexpr (G >= 2) {
+        __m512i v[8];
+        transpose_lanes(lo, v);
+        transpose_lanes(hi, v + 4);
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g) {
+          const int64_t i = (b0 + g) * blocks + blk;
+          accumulate(acc[g], mins[g], dot_rows<B>(v, a, i), d, m, a, i);
+        }
+        continue;
+      }
       for (int g = 0; g < G; ++g) {
         const int64_t i = (b0 + g) * blocks + blk;
         const int8_t* xh = B ? nullptr : a.hi.data() + i * 32;
@@ -246,26 +314,71 @@ void q8_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, 
   });
 }
 
-// Q4_K's eight (scale, min) pairs of 16 rows, unpacked from their 12 bytes (one 16-row field
-// per byte, row order) into fp32 vectors: w = d sc_j code - dmin mn_j for sub-block j.
-inline void k_scale_vectors(const uint8_t* at, __m512 sc[8], __m512 mn[8]) {
-  __m512i s[12];
-  for (int i = 0; i < 12; ++i)
-    s[i] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 64 + 16 * i)));
+// Q8_0 for 2-8 activation rows: the block's codes transposed once (transpose_q8), then each
+// activation row's dword j broadcast against vector j, so vpdpbusd leaves every row's sum in
+// its own lane and nothing is reduced. Per row and block 16 vpdpbusd (8 in byte mode) and the
+// scales, against reduce8's 21 shuffles and adds on top of them: the transpose's 24 shuffles are
+// paid once for the pass's rows.
+template <int G, bool B>
+void q8_groups_t(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int64_t g1) {
+  const int64_t blocks = p.K / 32;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  each_group<G>(p, b0, g0, g1, [&](const uint8_t* base, __m512* acc, __m512* mins) {
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const uint8_t* at = base + blk * kGroupRows * 34;
+      prefetch_ahead(at, kGroupRows * 34);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+      const __m512 m = _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
+      __m512i v[8];
+      for (int k = 0; k < 8; ++k)
+        v[k] = _mm512_xor_si512(_mm512_loadu_si512(at + 2 * kGroupRows + 64 * k), flip);
+      transpose_q8(v);
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        const int64_t i = (b0 + g) * blocks + blk;
+        accumulate(acc[g], mins[g], dot_rows<B>(v, a, i), d, m, a, i);
+      }
+    }
+  });
+}
+
+// Q4_K's (scale, min) pair of sub-block j for 16 rows, unpacked from its 12 bytes (one 16-row
+// field per byte, row order; k_scales in quant_formats.h) into fp32 vectors: w = d sc code -
+// dmin mn. One sub-block at a time, so the pass's 16 scale registers are not held across it.
+inline void k_scale_vector(const uint8_t* at, int j, __m512 d, __m512 neg_dmin, __m512& sc,
+                           __m512& mn) {
+  const auto field = [at](int i) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 64 + 16 * i)));
+  };
   const __m512i six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(15);
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
-  const __m512 neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 2 * kGroupRows))));
-  for (int j = 0; j < 4; ++j) {  // k_scales (quant_formats.h), 16 rows at a time
-    const __m512i hi_sc = _mm512_slli_epi32(_mm512_srli_epi32(s[j], 6), 4);
-    const __m512i hi_mn = _mm512_slli_epi32(_mm512_srli_epi32(s[j + 4], 6), 4);
-    const __m512i codes[4] = {_mm512_and_si512(s[j], six), _mm512_and_si512(s[j + 4], six),
-                              _mm512_or_si512(_mm512_and_si512(s[j + 8], four), hi_sc),
-                              _mm512_or_si512(_mm512_srli_epi32(s[j + 8], 4), hi_mn)};
-    sc[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(codes[0]));
-    mn[j] = _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(codes[1]));
-    sc[j + 4] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(codes[2]));
-    mn[j + 4] = _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(codes[3]));
+  __m512i sc_code, mn_code;
+  if (j < 4) {
+    sc_code = _mm512_and_si512(field(j), six);
+    mn_code = _mm512_and_si512(field(j + 4), six);
+  } else {
+    const __m512i low = field(j + 4);
+    sc_code = _mm512_or_si512(_mm512_and_si512(low, four),
+                              _mm512_slli_epi32(_mm512_srli_epi32(field(j - 4), 6), 4));
+    mn_code = _mm512_or_si512(_mm512_srli_epi32(low, 4),
+                              _mm512_slli_epi32(_mm512_srli_epi32(field(j), 6), 4));
+  }
+  sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc_code));
+  mn = _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(mn_code));
+}
+
+// Run c's codes of sub-block 2c + half for 16 rows, 2 rows per vector (Q8_0's slots): the low
+// (half 0) or high nibbles of q's 32-byte runs, plus Q5_K's fifth bits from qh.
+template <bool Five>
+inline void k_codes(const uint8_t* q, const uint8_t* qh, int c, int half, __m512i codes[8]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+  const __m512i bit = _mm512_set1_epi8(static_cast<char>((1 + half) << (2 * c)));
+  for (int k = 0; k < 8; ++k) {
+    const __m512i v = _mm512_loadu_si512(q + 64 * k);
+    codes[k] = _mm512_and_si512(half ? _mm512_srli_epi16(v, 4) : v, low4);
+    if constexpr (Five) {  // qh: 16 rows x 32 bytes after the scales, the same slots
+      const __mmask64 set = _mm512_test_epi8_mask(_mm512_loadu_si512(qh + 64 * k), bit);
+      codes[k] = _mm512_mask_add_epi8(codes[k], set, codes[k], sixteen);
+    }
   }
 }
 
@@ -277,39 +390,37 @@ void kquant_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t 
   constexpr bool five = Fmt == kQ5_K;
   constexpr int64_t bytes = five ? 176 : 144, qs_at = five ? 48 : 16;
   const int64_t supers = p.K / 256, blocks = p.K / 32;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   each_group<G>(p, b0, g0, g1, [&](const uint8_t* base, __m512* acc, __m512* mins) {
     for (int64_t sb = 0; sb < supers; ++sb) {
       const uint8_t* at = base + sb * kGroupRows * bytes;
-      __m512 sc[8], mn[8];
-      k_scale_vectors(at, sc, mn);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+      const __m512 neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 2 * kGroupRows))));
       for (int c = 0; c < 4; ++c) {
         const uint8_t* q = at + kGroupRows * (qs_at + 32 * c);
         prefetch_ahead(q, 512);
-        __m512i lo[8], hi[8];
-        for (int k = 0; k < 8; ++k) {
-          const __m512i v = _mm512_loadu_si512(q + 64 * k);
-          lo[k] = _mm512_and_si512(v, low4);
-          hi[k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-          if constexpr (five) {  // qh: 16 rows x 32 bytes after the scales, the same slots
-            const __m512i qh = _mm512_loadu_si512(at + kGroupRows * 16 + 64 * k);
-            const __mmask64 mlo = _mm512_test_epi8_mask(qh, _mm512_set1_epi8(static_cast<char>(1 << (2 * c))));
-            const __mmask64 mhi = _mm512_test_epi8_mask(qh, _mm512_set1_epi8(static_cast<char>(2 << (2 * c))));
-            lo[k] = _mm512_mask_add_epi8(lo[k], mlo, lo[k], sixteen);
-            hi[k] = _mm512_mask_add_epi8(hi[k], mhi, hi[k], sixteen);
-          }
-        }
-        for (int g = 0; g < G; ++g) {
-          for (int half = 0; half < 2; ++half) {  // sub-block 2c + half
-            const int j = 2 * c + half;
-            const int64_t i = (b0 + g) * blocks + sb * 8 + j;
+        for (int half = 0; half < 2; ++half) {  // sub-block j = 2c + half: one half at a time
+          const int j = 2 * c + half;
+          __m512 sc, mn;
+          k_scale_vector(at, j, d, neg_dmin, sc, mn);
+          __m512i codes[8];
+          k_codes<five>(q, at + kGroupRows * 16, c, half, codes);
+          if constexpr (G >= 2) {  // as q8_groups_t: the codes transposed once for the G rows
+            transpose_q8(codes);
+#pragma GCC unroll 8
+            for (int g = 0; g < G; ++g) {
+              const int64_t i = (b0 + g) * blocks + sb * 8 + j;
+              accumulate(acc[g], mins[g], dot_rows<B>(codes, a, i), sc, mn, a, i);
+            }
+          } else {
+            const int64_t i = b0 * blocks + sb * 8 + j;
             const __m512i h = B ? l_unused() : _mm512_broadcast_i64x4(
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.hi.data() + i * 32)));
             const __m512i l = _mm512_broadcast_i64x4(
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.lo.data() + i * 32)));
             __m512i s[8];
-            for (int k = 0; k < 8; ++k) s[k] = dot<B>(half ? hi[k] : lo[k], h, l);
-            accumulate(acc[g], mins[g], reduce8(s), sc[j], mn[j], a, i);
+            for (int k = 0; k < 8; ++k) s[k] = dot<B>(codes[k], h, l);
+            accumulate(acc[0], mins[0], reduce8(s), sc, mn, a, i);
           }
         }
       }
@@ -399,7 +510,12 @@ void groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int
     case kQ4_K: kquant_groups<kQ4_K, G, B>(p, a, b0, g0, g1); break;
     case kQ5_K: kquant_groups<kQ5_K, G, B>(p, a, b0, g0, g1); break;
     case kQ6_K: q6k_groups<G, B>(p, a, b0, g0, g1); break;
-    default: q8_groups<G, B>(p, a, b0, g0, g1); break;
+    default:
+      if constexpr (G >= 2)
+        q8_groups_t<G, B>(p, a, b0, g0, g1);
+      else
+        q8_groups<G, B>(p, a, b0, g0, g1);
+      break;
   }
 }
 
