@@ -241,7 +241,7 @@ inline void transpose_lanes(const __m512i in[4], __m512i out[4]) {
 
 // G activation rows from b0 against the groups [g0, g1) of a nibble format; from 2 rows the
 // codes are transposed once (transpose_lanes) and every row's sums come out of vpdpbusd in
-// lanes, as in q8_groups_t.
+// lanes, as in q8_groups.
 template <int64_t Fmt, int G, bool B>
 void nibble_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int64_t g1) {
   using W = Nibble32<Fmt>;
@@ -286,7 +286,11 @@ void nibble_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t 
   });
 }
 
-// The same for Q8_0 (codes stored +128 as unsigned bytes, 2 rows per vector).
+// The same for Q8_0 (codes stored +128 as unsigned bytes, 2 rows per vector). From 2 activation
+// rows the block's codes are transposed once (transpose_q8) and each row's dword j broadcast
+// against vector j, so vpdpbusd leaves every row's sum in its own lane and nothing is reduced:
+// per row and block 16 vpdpbusd (8 in byte mode) and the scales, against reduce8's 21 shuffles
+// and adds on top of them; the transpose's 24 shuffles are paid once for the pass's rows.
 template <int G, bool B>
 void q8_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int64_t g1) {
   const int64_t blocks = p.K / 32;
@@ -300,43 +304,22 @@ void q8_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, 
       __m512i v[8];
       for (int k = 0; k < 8; ++k)
         v[k] = _mm512_xor_si512(_mm512_loadu_si512(at + 2 * kGroupRows + 64 * k), flip);
-      for (int g = 0; g < G; ++g) {
-        const int64_t i = (b0 + g) * blocks + blk;
+      if constexpr (G >= 2) {
+        transpose_q8(v);
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g) {
+          const int64_t i = (b0 + g) * blocks + blk;
+          accumulate(acc[g], mins[g], dot_rows<B>(v, a, i), d, m, a, i);
+        }
+      } else {
+        const int64_t i = b0 * blocks + blk;
         const __m512i h = B ? l_unused() : _mm512_broadcast_i64x4(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.hi.data() + i * 32)));
         const __m512i l = _mm512_broadcast_i64x4(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.lo.data() + i * 32)));
         __m512i s[8];
         for (int k = 0; k < 8; ++k) s[k] = dot<B>(v[k], h, l);
-        accumulate(acc[g], mins[g], reduce8(s), d, m, a, i);
-      }
-    }
-  });
-}
-
-// Q8_0 for 2-8 activation rows: the block's codes transposed once (transpose_q8), then each
-// activation row's dword j broadcast against vector j, so vpdpbusd leaves every row's sum in
-// its own lane and nothing is reduced. Per row and block 16 vpdpbusd (8 in byte mode) and the
-// scales, against reduce8's 21 shuffles and adds on top of them: the transpose's 24 shuffles are
-// paid once for the pass's rows.
-template <int G, bool B>
-void q8_groups_t(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int64_t g1) {
-  const int64_t blocks = p.K / 32;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  each_group<G>(p, b0, g0, g1, [&](const uint8_t* base, __m512* acc, __m512* mins) {
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const uint8_t* at = base + blk * kGroupRows * 34;
-      prefetch_ahead(at, kGroupRows * 34);
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
-      const __m512 m = _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
-      __m512i v[8];
-      for (int k = 0; k < 8; ++k)
-        v[k] = _mm512_xor_si512(_mm512_loadu_si512(at + 2 * kGroupRows + 64 * k), flip);
-      transpose_q8(v);
-#pragma GCC unroll 8
-      for (int g = 0; g < G; ++g) {
-        const int64_t i = (b0 + g) * blocks + blk;
-        accumulate(acc[g], mins[g], dot_rows<B>(v, a, i), d, m, a, i);
+        accumulate(acc[0], mins[0], reduce8(s), d, m, a, i);
       }
     }
   });
@@ -405,7 +388,7 @@ void kquant_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t 
           k_scale_vector(at, j, d, neg_dmin, sc, mn);
           __m512i codes[8];
           k_codes<five>(q, at + kGroupRows * 16, c, half, codes);
-          if constexpr (G >= 2) {  // as q8_groups_t: the codes transposed once for the G rows
+          if constexpr (G >= 2) {  // as q8_groups: the codes transposed once for the G rows
             transpose_q8(codes);
 #pragma GCC unroll 8
             for (int g = 0; g < G; ++g) {
@@ -530,12 +513,7 @@ void groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int
     case kQ4_K: kquant_groups<kQ4_K, G, B>(p, a, b0, g0, g1); break;
     case kQ5_K: kquant_groups<kQ5_K, G, B>(p, a, b0, g0, g1); break;
     case kQ6_K: q6k_groups<G, B>(p, a, b0, g0, g1); break;
-    default:
-      if constexpr (G >= 2)
-        q8_groups_t<G, B>(p, a, b0, g0, g1);
-      else
-        q8_groups<G, B>(p, a, b0, g0, g1);
-      break;
+    default: q8_groups<G, B>(p, a, b0, g0, g1); break;
   }
 }
 
