@@ -39,7 +39,7 @@ namespace {
 
 constexpr int kPanelW = 4;           // weight rows per pass (4 int32 sums a group in registers)
 constexpr int kPanelBlocks = 8;      // 32-blocks decoded at a time (256 codes)
-constexpr int64_t kPanelGroups = 8;  // groups of 8 activation rows per pass over the weights
+constexpr int64_t kPanelGroups = 4;  // groups of 8 activation rows per pass over the weights
 // Rows from which a last partial group is padded to 8: row at a time, 4-7 rows cost about what 8
 // do (their sums are reduced 8 lanes at a time), so 12 rows as 8 + 4 were slower than before.
 constexpr int64_t kPanelPadRows = 4;
@@ -55,10 +55,14 @@ struct PanelActs {
 void interleave(const Acts& a, int64_t K, PanelActs& pa) {
   pa.groups = (a.rows + 8 - kPanelPadRows) / 8;
   pa.pairs = K / 2;
-  pa.x.assign(pa.groups * pa.pairs * 8, 0);
-  for (int64_t r = 0; r < std::min(a.rows, pa.groups * 8); ++r) {
-    const int32_t* src = reinterpret_cast<const int32_t*>(a.qrow(r));
+  pa.x.resize(pa.groups * pa.pairs * 8);  // every slot is written below: no clearing pass
+  for (int64_t r = 0; r < pa.groups * 8; ++r) {
     int32_t* dst = pa.x.data() + (r / 8) * pa.pairs * 8 + r % 8;
+    if (r >= a.rows) {  // padding rows of the last group
+      for (int64_t t = 0; t < pa.pairs; ++t) dst[t * 8] = 0;
+      continue;
+    }
+    const int32_t* src = reinterpret_cast<const int32_t*>(a.qrow(r));
     for (int64_t t = 0; t < pa.pairs; ++t) dst[t * 8] = src[t];
   }
 }
@@ -176,7 +180,9 @@ void panel_block(const LinearArgs& p, const Acts& a, const PanelActs& pa, int64_
 
 // Every activation row against weight rows [n0, n1), kPanelGroups groups at a time: their
 // interleaved activations (2 KiB a group per 64 codes of K) stay in L2 while every weight row
-// of the range passes; all the rows at once spilled to L3 from ~1024 rows on (K = 1536).
+// of the range passes, and a weight chunk's slice of them (4 KiB a group) in L1; all the rows
+// at once spilled to L3 from ~1024 rows on (K = 1536); 8 groups (32 KiB a chunk) ran 1.1-1.15x
+// slower than 4 at 64-128 rows on a Zen 5, and fill a Zen 2/3 core's whole L1.
 template <class W>
 void panel_rows(const LinearArgs& p, const Acts& a, const PanelActs& pa, int64_t n0, int64_t n1) {
   for (int64_t g0 = 0; g0 < pa.groups; g0 += kPanelGroups) {
