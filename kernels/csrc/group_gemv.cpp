@@ -7,7 +7,9 @@
 // are read together: each 512-bit load holds 4 rows' codes of one block (2 rows for Q8_0, Q4_K
 // and Q5_K), one broadcast activation vector serves every row, and the 16 rows' scales are one
 // vector load. Per 16 rows x 32 codes that is ~45 vector ops instead of ~120 (Q6_K, a scale per
-// 16 codes: ~55).
+// 16 codes: ~55). From 2 activation rows the codes are transposed once in registers to one
+// dword of all 16 rows per vector (transpose_q8, transpose_lanes), so each row's sums come out
+// of vpdpbusd in lanes with nothing left to reduce (~20 ops a row instead of ~45).
 //
 // Layout (QuantWeight.grouped in pagedq/worker/models/quant.py writes it): the rows of a group of
 // 16 share each block position; block b of the group holds the format's fields one after
