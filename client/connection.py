@@ -31,6 +31,12 @@ SDK_RETRIES = 8  # ~10 s of backoff (50 ms doubling to 2 s) before a command giv
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 2.0
 PROBE_TIMEOUT_S = 5.0
+# A client's connections to a standalone Redis: calls beyond this many at once wait for a free
+# one (up to POOL_WAIT_S, then ConnectionError) instead of failing at once. redis-py 8's pool
+# caps at 100 and raises MaxConnectionsError past it: 200 concurrent AsyncClient.submit calls
+# failed on a fast CPU, where they all reach the pool before any returns its connection.
+POOL_CONNECTIONS = 100
+POOL_WAIT_S = 30.0
 
 
 
@@ -94,7 +100,9 @@ def connect(url: str, tls: TLSFiles | None = None, **kwargs: Any) -> Any:
     options = _options(tls, {"retry": sdk_retry(), **kwargs})
     if is_cluster(url, tls):
         return RedisCluster.from_url(url, **options)
-    return redis.Redis.from_url(url, **options)
+    pool = redis.BlockingConnectionPool.from_url(url, max_connections=POOL_CONNECTIONS,
+                                                 timeout=POOL_WAIT_S, **options)
+    return redis.Redis.from_pool(pool)  # closes the pool with the client
 
 
 async def aconnect(url: str, tls: TLSFiles | None = None, **kwargs: Any) -> Any:
@@ -102,4 +110,6 @@ async def aconnect(url: str, tls: TLSFiles | None = None, **kwargs: Any) -> Any:
     options = _options(tls, {"retry": sdk_retry(), **kwargs})
     if await asyncio.to_thread(is_cluster, url, tls):
         return AsyncRedisCluster.from_url(url, **options)
-    return aredis.Redis.from_url(url, **options)
+    pool = aredis.BlockingConnectionPool.from_url(url, max_connections=POOL_CONNECTIONS,
+                                                  timeout=POOL_WAIT_S, **options)
+    return aredis.Redis.from_pool(pool)  # closes the pool with the client

@@ -196,6 +196,7 @@ class LocalCluster:
                                  capture_output=True, text=True, timeout=timeout)
             assert out.returncode == 0, out.stdout + out.stderr
             self.wait_ok(timeout)
+            self.wait_replicas(timeout)
         except BaseException:
             self.stop()
             raise
@@ -212,6 +213,30 @@ class LocalCluster:
                 pass
             assert time.monotonic() < end, "the cluster did not become ok"
             time.sleep(0.2)
+
+    def wait_replicas(self, timeout: float = 120.0) -> None:
+        """Until every master has a replica whose link is up and whose first sync is done: a
+        master killed before its replica synced cannot be failed over (the replica refuses,
+        "disconnected from master for longer than allowed"), and a fast CPU's load reached the
+        kill within seconds of the cluster's creation."""
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                synced = sum(self._synced(n) for n in self.live())
+                if synced >= self.masters:
+                    return
+            except (redis.ConnectionError, redis.TimeoutError):
+                pass
+            assert time.monotonic() < end, "the replicas did not sync with their masters"
+            time.sleep(0.2)
+
+    @staticmethod
+    def _synced(node: RedisServer) -> bool:
+        """Whether ``node`` is a replica done with its sync and linked to its master."""
+        with node.client(socket_timeout=2) as r:
+            info = r.info("replication")
+        return (info.get("role") == "slave" and info.get("master_link_status") == "up"
+                and not info.get("master_sync_in_progress"))
 
     def live(self) -> list[RedisServer]:
         return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
