@@ -139,7 +139,7 @@ class AsyncClient:
         if self._reads is None:
             async with self._connecting:
                 if self._reads is None:
-                    self._reads = await aconnect(self.url, self.tls, retry=no_retry())
+                    self._reads = await aconnect(self.url, self.tls, retry=no_retry(aio=True))
         return self._reads
 
     async def reader(self) -> StreamReader:

@@ -18,6 +18,7 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import BusyLoadingError, ConnectionError, RedisError, TimeoutError
@@ -57,16 +58,22 @@ class TLSFiles:
         return {k: v for k, v in out.items() if v}
 
 
-def sdk_retry() -> Retry:
+def _retry(retries: int, aio: bool) -> Retry | AsyncRetry:
+    """``retries`` tries with backoff on TRANSIENT errors; ``aio``: redis.asyncio's class
+    (redis-py 8 warns when an asyncio client is given the blocking one)."""
+    return (AsyncRetry if aio else Retry)(
+        ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), retries,
+        supported_errors=TRANSIENT)
+
+
+def sdk_retry(aio: bool = False) -> Retry | AsyncRetry:
     """The SDK's retry: a command waits out a short outage (a Redis restart), then raises."""
-    return Retry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), SDK_RETRIES,
-                 supported_errors=TRANSIENT)
+    return _retry(SDK_RETRIES, aio)
 
 
-def no_retry() -> Retry:
+def no_retry(aio: bool = False) -> Retry | AsyncRetry:
     """For callers that handle outages themselves and must see each one."""
-    return Retry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), 0,
-                 supported_errors=TRANSIENT)
+    return _retry(0, aio)
 
 
 def _options(tls: TLSFiles | None, extra: dict[str, Any]) -> dict[str, Any]:
@@ -107,7 +114,7 @@ def connect(url: str, tls: TLSFiles | None = None, **kwargs: Any) -> Any:
 
 async def aconnect(url: str, tls: TLSFiles | None = None, **kwargs: Any) -> Any:
     """An asyncio client for ``url``: ``redis.asyncio.Redis`` or its ``RedisCluster``."""
-    options = _options(tls, {"retry": sdk_retry(), **kwargs})
+    options = _options(tls, {"retry": sdk_retry(aio=True), **kwargs})
     if await asyncio.to_thread(is_cluster, url, tls):
         return AsyncRedisCluster.from_url(url, **options)
     pool = aredis.BlockingConnectionPool.from_url(url, max_connections=POOL_CONNECTIONS,
