@@ -215,17 +215,19 @@ inline __m512i broadcast_dword(const int8_t* p) {
   return _mm512_set1_epi32(x);
 }
 
-// The 16 rows' integer sums against activation block i, from codes transposed by transpose_q8:
-// each activation dword broadcast against the vector holding that dword of every row.
-template <bool B>
-inline __m512i dot_rows(const __m512i v[8], const SplitActs& a, int64_t i) {
-  const int8_t* xl = a.lo.data() + i * 32;
+// The 16 rows' integer sums against N * 4 activation codes from offset at (a block: N = 8, at
+// = 32 i; Q6_K's 16-code sub-block: N = 4), from codes transposed by transpose_q8 or
+// transpose_lanes: each activation dword broadcast against the vector holding that dword of
+// every row.
+template <bool B, int N = 8>
+inline __m512i dot_rows(const __m512i v[N], const SplitActs& a, int64_t at) {
   __m512i lo = _mm512_setzero_si512();
-  for (int o = 0; o < 8; ++o) lo = _mm512_dpbusd_epi32(lo, v[o], broadcast_dword(xl + 4 * kQ8Dword[o]));
+  for (int o = 0; o < N; ++o)
+    lo = _mm512_dpbusd_epi32(lo, v[o], broadcast_dword(a.lo.data() + at + 4 * kQ8Dword[o]));
   if constexpr (B) return lo;
-  const int8_t* xh = a.hi.data() + i * 32;
   __m512i hi = _mm512_setzero_si512();
-  for (int o = 0; o < 8; ++o) hi = _mm512_dpbusd_epi32(hi, v[o], broadcast_dword(xh + 4 * kQ8Dword[o]));
+  for (int o = 0; o < N; ++o)
+    hi = _mm512_dpbusd_epi32(hi, v[o], broadcast_dword(a.hi.data() + at + 4 * kQ8Dword[o]));
   return _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 8));
 }
 
@@ -267,12 +269,10 @@ void nibble_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t 
 #pragma GCC unroll 8
         for (int g = 0; g < G; ++g) {
           const int64_t i = (b0 + g) * blocks + blk;
-          accumulate(acc[g], mins[g], dot_rows<B>(v, a, i), d, m, a, i);
+          accumulate(acc[g], mins[g], dot_rows<B>(v, a, 32 * i), d, m, a, i);
         }
-        continue;
-      }
-      for (int g = 0; g < G; ++g) {
-        const int64_t i = (b0 + g) * blocks + blk;
+      } else {
+        const int64_t i = b0 * blocks + blk;
         const int8_t* xh = B ? nullptr : a.hi.data() + i * 32;
         const int8_t* xl = a.lo.data() + i * 32;
         const __m512i h0 = B ? l_unused() : _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xh)));
@@ -282,7 +282,7 @@ void nibble_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t 
         __m512i s[4];
         for (int k = 0; k < 4; ++k)
           s[k] = _mm512_add_epi32(dot<B>(lo[k], h0, l0), dot<B>(hi[k], h1, l1));
-        accumulate(acc[g], mins[g], reduce4(s), d, m, a, i);
+        accumulate(acc[0], mins[0], reduce4(s), d, m, a, i);
       }
     }
   });
@@ -311,7 +311,7 @@ void q8_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, 
 #pragma GCC unroll 8
         for (int g = 0; g < G; ++g) {
           const int64_t i = (b0 + g) * blocks + blk;
-          accumulate(acc[g], mins[g], dot_rows<B>(v, a, i), d, m, a, i);
+          accumulate(acc[g], mins[g], dot_rows<B>(v, a, 32 * i), d, m, a, i);
         }
       } else {
         const int64_t i = b0 * blocks + blk;
@@ -395,7 +395,7 @@ void kquant_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t 
 #pragma GCC unroll 8
             for (int g = 0; g < G; ++g) {
               const int64_t i = (b0 + g) * blocks + sb * 8 + j;
-              accumulate(acc[g], mins[g], dot_rows<B>(codes, a, i), sc, mn, a, i);
+              accumulate(acc[g], mins[g], dot_rows<B>(codes, a, 32 * i), sc, mn, a, i);
             }
           } else {
             const int64_t i = b0 * blocks + sb * 8 + j;
@@ -442,16 +442,8 @@ inline void q6k_quarter(const __m512i ql[4], const __m512i qh[4], const uint8_t*
 #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
       const int64_t i = (b0 + g) * blocks + sb * 8 + s / 2;
-      const int64_t at_x = i * 32 + 16 * (s % 2);
-      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
-      for (int o = 0; o < 4; ++o)
-        lo = _mm512_dpbusd_epi32(lo, v[o], broadcast_dword(a.lo.data() + at_x + 4 * kQ8Dword[o]));
-      if constexpr (!B) {
-        for (int o = 0; o < 4; ++o)
-          hi = _mm512_dpbusd_epi32(hi, v[o], broadcast_dword(a.hi.data() + at_x + 4 * kQ8Dword[o]));
-        lo = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 8));
-      }
-      const __m512i isum = _mm512_sub_epi32(lo, _mm512_set1_epi32(a.s32[(b0 + g) * blocks * 2 + sb * 16 + s]));
+      const __m512i sums = dot_rows<B, 4>(v, a, i * 32 + 16 * (s % 2));
+      const __m512i isum = _mm512_sub_epi32(sums, _mm512_set1_epi32(a.s32[(b0 + g) * blocks * 2 + sb * 16 + s]));
       acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scale, _mm512_set1_ps(a.da[i])), acc[g]);
     }
     return;

@@ -14,7 +14,7 @@
 //   (scale x each row's step da, a vector of the 8 rows), and the offsets' FMA against their
 //   code sums.
 // The weight row's decode is shared by every group (8 rows) of the pass; the activations of up
-// to 64 rows stay in L2 while the thread's weight rows pass (panel_rows); a last group of 4-7
+// to 32 rows stay in L2 while the thread's weight rows pass (panel_rows); a last group of 4-7
 // rows is padded, 1-3 take the row-at-a-time kernels (panel_tail) while the weights are cached.
 //
 // Measured (Intel Xeon, model 167, capped at avx2, 1 thread, the 1.7B shape), GMAC/s row at a
