@@ -90,6 +90,30 @@ def test_concurrent_first_submits_all_land(redis_db, redis_client):
     assert redis_client.xlen(Keys().jobs("normal")) == 200
 
 
+def test_calls_beyond_the_pool_wait_for_a_connection(redis_db, redis_client, monkeypatch):
+    """With a pool of 2 connections, 60 concurrent submits must queue for them, whatever the
+    CPU's speed (with 100 connections, 200 submits overflowed redis-py 8's own pool only on a
+    fast CPU): none fails, every job lands, and the client never held more than 2."""
+    from pagedq.client import connection
+
+    monkeypatch.setattr(connection, "POOL_CONNECTIONS", 2)
+
+    db = redis_client.connection_pool.connection_kwargs.get("db", 0)
+    me = redis_client.client_id()
+
+    async def scenario():
+        async with AsyncClient(redis_db) as client:
+            handles = await asyncio.gather(*(client.submit([2, k]) for k in range(60)))
+            opened = [c for c in redis_client.client_list()  # the server's own count
+                      if int(c["db"]) == db and int(c["id"]) != me]
+            return handles, len(opened)
+
+    handles, opened = asyncio.run(scenario())
+    assert len({h.id for h in handles}) == 60
+    assert redis_client.xlen(Keys().jobs("normal")) == 60
+    assert 1 <= opened <= 2
+
+
 def test_a_read_that_began_past_a_readers_cursor_hands_it_nothing():
     """Two readers of one stream, one further along: an XREAD that began at the further
     reader's cursor returns entries after a gap for the other, which takes none of them (the
