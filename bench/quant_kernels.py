@@ -41,8 +41,9 @@ import torch.nn.functional as F
 from pagedq.bench.bandwidth import stream_read_gbps
 from pagedq.bench.memory_bound import SHAPE as MEMORY_SHAPE
 from pagedq.kernels.backend import process_selector
-from pagedq.kernels.block_formats import FORMATS, QuantWeight, as_bf16, quantize_int8
+from pagedq.kernels.block_formats import QuantWeight, quantize_int8
 from pagedq.kernels.cpu_ops import ActWidth, GemmPrecision, Isa
+from pagedq.kernels.crossover import random_blocks
 
 HIDDEN, INTERMEDIATE, VOCAB, LAYERS = 576, 1536, 49152, 30
 PACKED = ("q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k", "int8")
@@ -62,20 +63,6 @@ def model_shapes(which: str) -> list[tuple[int, int]]:
     if which == "down":
         return [(HIDDEN, INTERMEDIATE)] * LAYERS
     return layer * LAYERS + [(VOCAB, HIDDEN)]
-
-
-def random_packed(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantWeight:
-    """Random codes with small positive fp16 scales (speed does not depend on the values)."""
-    if fmt == "int8":
-        return quantize_int8(torch.randn(n, k, generator=gen))
-    if fmt == "bf16":  # random bits would include NaNs and subnormals
-        return as_bf16(torch.randn(n, k, generator=gen))
-    f = FORMATS[fmt]
-    raw = torch.randint(0, 256, (n * k // f.block, f.nbytes), dtype=torch.uint8, generator=gen)
-    scale_at = (208,) if fmt == "q6_k" else (0, 2) if fmt in ("q4_1", "q5_1", "q4_k", "q5_k") else (0,)
-    for off in scale_at:
-        raw[:, off:off + 2] = torch.full((raw.shape[0], 1), 0.01).half().view(torch.uint8)
-    return QuantWeight(f, raw.reshape(n, -1), (n, k))
 
 
 def int4_torch(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +132,7 @@ def packed_path(kind: str, fmt: str, shapes: list[tuple[int, int]],
             op(x.new_empty(x.shape[0], w.shape[0]), x, w.data, w.kernel_code, w.scales, None, isa)
         call.nbytes = sum(t.numel() * t.element_size() for t in (w.data, w.scales) if t is not None)
         return call
-    return [packed(random_packed(fmt, n, k, gen)) for n, k in shapes]
+    return [packed(random_blocks(fmt, n, k, gen)) for n, k in shapes]
 
 
 def time_pass(calls: list[Callable], xs: dict, best: list[float]) -> None:

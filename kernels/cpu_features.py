@@ -142,6 +142,26 @@ def detect_cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuFeatures:
     return CpuFeatures(arch, frozenset(line.split(":", 1)[1].split()) & frozenset(FLAGS), str(cpuinfo))
 
 
+IDENTITY_FIELDS = ("model name", "cpu family", "model", "stepping")
+
+
+def cpu_identity(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """This CPU's name, family, model and stepping as /proc/cpuinfo gives them ("AMD EPYC,
+    26, 2, 1"; platform.processor() elsewhere): what figures measured per machine are kept
+    under (kernels/crossover.py), and what the bench's report names."""
+    fields: dict[str, str] = {}
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if not line.strip():
+                break  # the first processor's block is enough
+            name, _, value = line.partition(":")
+            fields.setdefault(name.strip(), value.strip())
+    except OSError:
+        pass
+    found = [fields[f] for f in IDENTITY_FIELDS if f in fields]
+    return ", ".join(found) or platform.processor() or platform.machine()
+
+
 # What each level hides from the libraries under torch too, for a process that should run as a
 # CPU of that level would (tests/kernels/test_isa_levels.py, the bench's capped runs): oneDNN
 # (fp32 linears, brgemm), ATen's own vector kernels and MKL read these once at start.

@@ -39,6 +39,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: the model's dtype
 Quantization = Literal["auto", "none", "int8", "int4"]
 CpuIsa = Literal["auto", "avx2", "avx512", "avx512_vnni", "amx"]  # pagedq.kernels.ISA_LEVELS
+KernelCrossovers = Literal["measure", "table"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
 
 
@@ -260,6 +261,12 @@ class EngineConfig:
     (default: $PAGEDQ_CPU_ISA, which also caps the whole process, else auto). A cap runs exactly
     what a CPU of that level runs (pagedq.kernels.cpu_isa_levels() lists the levels this machine
     runs); a level above the CPU's is refused at start."""
+    kernel_crossovers: KernelCrossovers = "measure"
+    """Where a step of packed weights moves from the integer GEMV to the GEMM, on CPUs without
+    AMX (fp32 tiles): measure times both for each packed format of the model once per machine
+    (~0.5-2 s a format, kept in $PAGEDQ_CACHE/crossovers.json for later starts); table uses
+    the row counts measured on the machines docs/quantization.md names. AMX machines always
+    use the table."""
     cpu_kernels: bool = field(default_factory=lambda: environment_switches().cpu_kernels)
     """Run pagedq's C++ CPU kernels (attention, skinny GEMV, packed GEMV/GEMM, the fused layer)
     where the CPU and the build allow; off: torch's SDPA, oneDNN and dequantize-per-call

@@ -31,6 +31,8 @@ SUITES = [
     "tests/models/test_fused_layer.py",
     "tests/models/test_quant_fidelity.py",
     "tests/models/test_default_model.py::test_a_batch_over_64_rows_follows_the_twin",
+    "tests/models/test_default_model.py::test_the_engine_hands_over_where_this_machine_measured",
+    "tests/kernels/test_crossover.py",
 ]
 # The fidelity tests of every format on a tiny model, and the bundled file, run at every level;
 # the bundled model's int8/int4 and re-quantized GGUF perplexities (minutes each, through the

@@ -8,6 +8,8 @@ tests/models/test_quant_fidelity.py checks the packed engine against the twin.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pagedq.bench.fidelity import mean_matching_prefix
@@ -65,3 +67,18 @@ def test_a_batch_over_64_rows_follows_the_twin(engine, dequantized):
     want = [o.outputs[0].token_ids for o in dequantized.generate(prompts, params)]
     assert all(len(ids) == 6 for ids in got)
     assert mean_matching_prefix(got, want) >= 0.8
+
+
+def test_the_engine_hands_over_where_this_machine_measured(engine):
+    """Without AMX the packed GEMM multiplies fp32 tiles, and an engine times where its GEMV
+    stops winning, per format of the model, once per machine (kernels/crossover.py): the figures
+    are kept in pagedq's cache and are the routes the engine runs."""
+    from pagedq.kernels import crossover
+
+    routes = {fmt: engine.backend.packed_for(fmt) for fmt in ("q4_1", "q8_0")}
+    if not all(crossover.measures(r) for r in routes.values()):
+        pytest.skip("bf16 tiles here (AMX): the table's crossovers are kept")
+    kept = json.loads(crossover.cache_path().read_text())
+    level = engine.backend.cpu.level
+    for fmt, route in routes.items():
+        assert kept[crossover.cache_key(route, level)] == route.gemv_rows

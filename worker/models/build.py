@@ -42,6 +42,7 @@ from pagedq.kernels.block_formats import (
     quantize_int4,
     quantize_int8,
 )
+from pagedq.kernels.crossover import measured_plan
 from pagedq.logging import get_logger
 from pagedq.progress import waiting
 from pagedq.worker.config import EngineConfig
@@ -159,6 +160,9 @@ def build_model(config: EngineConfig, device: torch.device, kv_dtype: torch.dtyp
         model = CausalLM(hf_config, plan, device, positions)
         model.load_weights(weights)
         model.eval()
+    if config.kernel_crossovers == "measure":
+        with waiting("timing the packed kernels on this CPU (once per machine)", log):
+            plan = measured_plan(plan, model.packed_formats())
     with waiting("packing the weights for the kernels", log):
         model.use_kernels(plan)
     release_freed_heap()

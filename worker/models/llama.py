@@ -32,7 +32,7 @@ from pagedq.kernels import Backend, LinearChoice, paged_attention, write_kv
 from pagedq.kernels.backend import KernelPlan
 from pagedq.kernels.block_formats import QuantWeight, dequantize, weight_nbytes
 from pagedq.kernels.cpu_attention import kernel_rows, kernel_takes_step
-from pagedq.worker.models.packed import Segment, build_projection
+from pagedq.worker.models.packed import Segment, build_projection, segment_format
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 UNSUPPORTED_ROPE = {"dynamic", "longrope"}  # depend on the running length: no static table
@@ -337,6 +337,14 @@ class CausalLM(nn.Module):
             names = self.FUSED_PACKED if self.packed_weights else self.FUSED_WEIGHTS
             self._fused_weights = tuple(per_layer(name) for name in names)
         return self._fused_weights
+
+    def packed_formats(self) -> set[str]:
+        """The packed formats the projections and the LM head hold, once the weights are
+        loaded: the ones whose GEMV/GEMM crossover matters (kernels/crossover.py)."""
+        table = self.head_packed or (self.embed_packed if self.tied else None)
+        held = [s for layer in self.layers for segs in layer.segments.values() for s in segs]
+        return {segment_format(s) for s in held + ([table] if table is not None else [])
+                if isinstance(s, QuantWeight)}
 
     def use_kernels(self, plan: KernelPlan) -> None:
         """Run on ``plan``'s kernels from now on, packing the weights for them in one pass:
