@@ -29,7 +29,12 @@ Tokens count per running sequence because a bucket spans batch sizes up to 2x ap
 weights' bandwidth bounds the step (where speculation is decided) its time barely grows with the
 batch, so tokens per step grow with it and a try at 7 sequences would beat the running mean of
 steps at 4 for that reason alone; per sequence, the two compare like for like. A try lasts
-TRY_STEPS steps (one step's acceptance is too noisy to judge by). Per step the governor does a
+TRY_STEPS steps (one step's acceptance is too noisy to judge by). A step that took over
+OUTLIER times its choice's typical step counts as OUTLIER times it, unless the step before it
+was slow too: on a shared or virtual machine a garbage collection or the host taking the core
+adds tens of milliseconds to a ~7 ms step now and then, and one such step, smoothed in at full
+weight, moved a choice's mean by 20-60% and started a try of the losing choice (a try summed
+over its steps counts each at most OUTLIER times their median). Per step the governor does a
 few float operations: no per-token work.
 
 ``disable_by_batch_size`` stays a hard cap above which no step speculates, and ``adaptive=False``
@@ -38,6 +43,7 @@ few float operations: no per-token work.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +60,9 @@ EXPLORE_AT_MOST = 512  # ... doubling after each try it lost, up to this many
 TRY_STEPS = 4  # steps one try of the other choice runs before it is judged
 SMOOTHING = 0.2  # weight of the newest step in the chosen choice's running means
 REACT = 1.1  # the other choice's last rate this many times the chosen's: try it at once
+# a step counts at most this many times its choice's typical step: a pause that is not the
+# step's own (a garbage collection, the host taking the core) must not decide for ~10 steps
+OUTLIER = 2.0
 
 
 def bucket_name(size: int) -> str:
@@ -69,6 +78,7 @@ class _Rate:
     tokens: float = 0.0
     seconds: float = 0.0
     measured: bool = False
+    over: bool = False  # the latest step took over OUTLIER times the mean (see _follow)
 
     @property
     def per_second(self) -> float:
@@ -84,10 +94,29 @@ class _Bucket:
     next_try: int = EXPLORE_EVERY
     trying: bool | None = None  # the choice a try in progress runs
     try_tokens: float = 0.0
-    try_seconds: float = 0.0
-    try_steps: int = 0
-    free_steps: int = 0  # draftless speculating steps summed while plain is not yet measured
+    try_times: list[float] = field(default_factory=list)  # seconds of the try's steps
+    free_tokens: float = 0.0  # draftless speculating steps summed while plain is unmeasured
+    free_times: list[float] = field(default_factory=list)
     last_free: int = -1  # ``steps`` at the latest draftless speculating step
+
+
+def _typical_mean(times: list[float]) -> float:
+    """The mean of a few steps' seconds, each counted at most OUTLIER times their median."""
+    cap = OUTLIER * statistics.median(times)
+    return sum(min(t, cap) for t in times) / len(times)
+
+
+def _follow(rate: _Rate, tokens: float, seconds: float) -> None:
+    """Move a choice's running means towards a new step. A step over OUTLIER times the mean
+    counts as OUTLIER times it unless the step before was over too: one paused step moves
+    the mean little, a lasting change (the machine got busy, the workload changed) from its
+    second step on."""
+    over = seconds > OUTLIER * rate.seconds
+    if over and not rate.over:
+        seconds = OUTLIER * rate.seconds
+    rate.over = over
+    rate.tokens += SMOOTHING * (tokens - rate.tokens)
+    rate.seconds += SMOOTHING * (seconds - rate.seconds)
 
 
 class SpecGovernor:
@@ -179,14 +208,12 @@ class SpecGovernor:
         bucket.steps += 1
         if speculate == bucket.trying:
             bucket.try_tokens += tokens
-            bucket.try_seconds += seconds
-            bucket.try_steps += 1
-            if bucket.try_steps >= self.try_steps:
+            bucket.try_times.append(seconds)
+            if len(bucket.try_times) >= self.try_steps:
                 self._end_try(bucket, speculate)
             return
         rate, other = bucket.rates[speculate], bucket.rates[not speculate]
-        rate.tokens += SMOOTHING * (tokens - rate.tokens)
-        rate.seconds += SMOOTHING * (seconds - rate.seconds)
+        _follow(rate, tokens, seconds)
         if other.per_second > REACT * rate.per_second:
             bucket.next_try = min(bucket.next_try, bucket.steps)
 
@@ -199,29 +226,27 @@ class SpecGovernor:
         bucket.last_free = bucket.steps
         plain = bucket.rates[False]
         if not plain.measured:
-            bucket.free_steps += 1
-            plain.tokens += tokens
-            plain.seconds += seconds
-            if bucket.free_steps >= self.try_steps:
-                plain.tokens /= bucket.free_steps
-                plain.seconds /= bucket.free_steps
+            bucket.free_tokens += tokens
+            bucket.free_times.append(seconds)
+            if len(bucket.free_times) >= self.try_steps:
+                plain.tokens = bucket.free_tokens / len(bucket.free_times)
+                plain.seconds = _typical_mean(bucket.free_times)
                 plain.measured = True
                 on = bucket.rates[True]
                 if on.measured and bucket.chosen is None:
                     bucket.chosen = on.per_second >= plain.per_second
                     bucket.next_try = bucket.steps + bucket.interval
             return
-        plain.tokens += SMOOTHING * (tokens - plain.tokens)
-        plain.seconds += SMOOTHING * (seconds - plain.seconds)
+        _follow(plain, tokens, seconds)
         if bucket.chosen and plain.per_second > REACT * bucket.rates[True].per_second:
             bucket.next_try = min(bucket.next_try, bucket.steps)
 
     def _end_try(self, bucket: _Bucket, tried: bool) -> None:
         rate = bucket.rates[tried]
-        rate.tokens = bucket.try_tokens / bucket.try_steps
-        rate.seconds = bucket.try_seconds / bucket.try_steps
+        rate.tokens = bucket.try_tokens / len(bucket.try_times)
+        rate.seconds = _typical_mean(bucket.try_times)
         rate.measured = True
-        bucket.trying, bucket.try_tokens, bucket.try_seconds, bucket.try_steps = None, 0.0, 0.0, 0
+        bucket.trying, bucket.try_tokens, bucket.try_times = None, 0.0, []
         on, off = bucket.rates[True], bucket.rates[False]
         if not (on.measured and off.measured):
             return
