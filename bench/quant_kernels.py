@@ -115,7 +115,7 @@ def packed_path(kind: str, fmt: str, shapes: list[tuple[int, int]],
     """build_path for pagedq's packed kernels; each call's ``nbytes`` is its weight's size."""
     selector = process_selector()
     ops = selector.library()
-    isa = int(Isa.AVX512_VNNI if selector.cpu.has_avx512_vnni else Isa.AVX2)
+    isa = selector.packed_isa()
     vnni = isa == int(Isa.AVX512_VNNI)
     int8 = partial(ops.quant_gemv, acts=int(ActWidth.INT8))
     op = {"gemv": ops.quant_gemv, "rowgemv": ops.quant_gemv, "i8gemv": int8, "i8rowgemv": int8,

@@ -164,6 +164,7 @@ BF16X3_GEMV_ROWS = 16
 # than the byte GEMV there, and rounds finer).
 PANEL_ROWS = 8
 PANEL_ROWS_Q6K = 5  # Q6_K alone (kPanelRowsQ6K): its row-at-a-time kernel is the slowest
+WIDE_PANEL_ROWS = 32  # from here AVX-512BW CPUs without VNNI run it 16 rows a vector (kWidePanelRows)
 
 
 def panel_from(weight_format: str) -> int:
@@ -286,6 +287,9 @@ class PackedChoice:
         name, panel = self.kernel(1), self.kernel(first)
         if first <= self.gemv_rows and panel != name:  # the AVX2 panel from its first row on
             name = f"{name}<{first}+{panel}"
+        wide = self.kernel(WIDE_PANEL_ROWS)
+        if WIDE_PANEL_ROWS <= self.gemv_rows and wide != panel:  # ... in AVX-512 from 32 rows
+            name = f"{name}<{WIDE_PANEL_ROWS}+{wide}"
         return f"{name}<={self.gemv_rows}+{self.kernel(self.gemv_rows + 1)}"
 
     def kernel(self, rows: int) -> str:
@@ -298,7 +302,10 @@ class PackedChoice:
             if self.isa == Isa.AVX512_VNNI:
                 return "cpp-gemv-vnni" + ("-int8" if self.int8_acts else "")
             if rows >= panel_from(self.weight_format) and self.weight_format != "bf16":
-                return "cpp-panel-avx2"  # int16 activations, whichever width was asked for
+                # int16 activations, whichever width was asked for; 16 rows a vector with
+                # AVX-512BW (csrc/panel_gemv512.cpp)
+                wide = self.isa == Isa.AVX512 and rows >= WIDE_PANEL_ROWS
+                return "cpp-panel-avx512" if wide else "cpp-panel-avx2"
             return "cpp-gemv-avx2" + ("-int8" if self.int8_acts else "")
         return f"cpp-gemm-{self.precision}"
 
@@ -492,6 +499,12 @@ class Selector:
         return LinearChoice(_format(dtype), batched, f"cpp-skinny-{isa}", SKINNY_MAX_ROWS, ops)
 
 
+    def packed_isa(self) -> int:
+        """The packed kernels' ``isa``: VNNI's grouped GEMV, else the AVX2 GEMV with its
+        many-row panel in AVX-512BW where the CPU has it, else all AVX2."""
+        return int(Isa.AVX512_VNNI if self.cpu.has_avx512_vnni else
+                   Isa.AVX512 if self.cpu.has_wide_panel else Isa.AVX2)
+
     def _cpu_packed(self, ops: CpuOps | None, precision: str, reasons: list[str],
                     int8: bool = False) -> tuple[PackedChoice, ...]:
         """The packed formats' routes: the C++ GEMV/GEMM pair where the library runs (it takes
@@ -499,7 +512,7 @@ class Selector:
         for the formats that have such a kernel at this level."""
         if ops is None:
             return tuple(PackedChoice(f, "torch") for f in PACKED_FORMATS)
-        isa = int(Isa.AVX512_VNNI if self.cpu.has_avx512_vnni else Isa.AVX2)
+        isa = self.packed_isa()
         # A described CPU (tests, CpuFeatures.of) is taken at its word; this machine's AMX is
         # also asked of torch (ONEDNN_MAX_CPU_ISA can hide it from oneDNN's brgemm).
         tiles = self.cpu.has_amx and (ops.bf16_tiles or self.cpu.source == "given")
@@ -509,7 +522,9 @@ class Selector:
             reasons.append(f"packed GEMM: fp32 tiles, not {precision} ({why}: torch runs bf16 "
                            "tiles only with AMX)")
             precision = "fp32"
-        reasons.append(f"packed weights: GEMV in {'AVX-512 VNNI' if isa else 'AVX2'}, "
+        gemv = {Isa.AVX512_VNNI: "AVX-512 VNNI", Isa.AVX512: "AVX2 (the panel in AVX-512BW)",
+                Isa.AVX2: "AVX2"}[isa]
+        reasons.append(f"packed weights: GEMV in {gemv}, "
                        f"GEMM on {precision} tiles")
         grouped = isa == Isa.AVX512_VNNI
         bytes_ = INT8_FORMATS["grouped" if grouped else "avx2"] if int8 else ()

@@ -75,6 +75,12 @@ class CpuFeatures:
         return AVX512_FLAGS <= self.flags
 
     @property
+    def has_wide_panel(self) -> bool:
+        """AVX-512 with BW, without VNNI: the AVX2 GEMV's many-row panel runs 16 rows a vector
+        (csrc/panel_gemv512.cpp; VNNI CPUs take the grouped GEMV instead)."""
+        return self.has_avx512 and "avx512bw" in self.flags and not self.has_avx512_vnni
+
+    @property
     def has_avx512_vnni(self) -> bool:
         return VNNI_FLAGS <= self.flags
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "quant_formats.h"
 
 namespace pagedq_cpu {
@@ -39,6 +40,21 @@ void panel_gemv_parts(const LinearArgs* parts, int64_t count, const Acts& a);
 // Activation rows r0 .. a.rows - 1 against weight row n with the row-at-a-time kernels
 // (quant_gemv.cpp).
 void panel_tail(const LinearArgs& p, const Acts& a, int64_t r0, int64_t n);
+// Activation rows from which the panel runs with AVX-512 vectors where asked (isa kAvx512) and
+// wide_panel() holds: 16 rows a vector pad 8-15 rows to 16, level at 16 rows, 1.1x (Q8_0, Q4_1)
+// to 1.3-1.5x (Q4_K, Q6_K) the AVX2 panel from 32 (AMD EPYC Zen 5 capped at avx512, 2 threads,
+// the bundled model's matrices).
+constexpr int64_t kWidePanelRows = 32;
+// Whether the AVX-512 panel runs here: AVX-512F/VL/DQ (runs_isa(kAvx512)) and BW.
+inline bool wide_panel() {
+  static const bool yes = runs_isa(kAvx512) && __builtin_cpu_supports("avx512bw");
+  return yes;
+}
 }  // namespace v256
+
+namespace v512 {
+// The same panel with 16 rows a vector (panel_gemv512.cpp): call only where wide_panel() holds.
+void panel_gemv_parts(const LinearArgs* parts, int64_t count, const Acts& a);
+}  // namespace v512
 
 }  // namespace pagedq_cpu

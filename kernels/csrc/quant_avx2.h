@@ -260,10 +260,11 @@ inline void half_pairs8(const uint8_t* p, int64_t stride, __m256& d, __m256& m) 
   m = _mm256_cvtph_ps(_mm256_extracti128_si256(ordered, 1));
 }
 
-// src [rows, steps] -> dst [steps, stride] (stride = rows + 8, zero-padded): one block's values
-// of 8 consecutive rows are then one load (sum_rows8's lanes).
+// src [rows, steps] -> dst [steps, stride] (stride = rows + 16, zero-padded past the rows, so
+// the AVX-512 panel's last, padded group of 16 reads zeros): one block's values of 8 (16)
+// consecutive rows are then one load (sum_rows8's lanes, the panels' groups).
 inline int64_t transpose_steps(const float* src, int64_t rows, int64_t steps, std::vector<float>& dst) {
-  const int64_t stride = rows + 8;
+  const int64_t stride = rows + 16;
   dst.assign(steps * stride, 0.f);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < steps; ++b) dst[b * stride + r] = src[r * steps + b];

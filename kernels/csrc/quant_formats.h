@@ -336,8 +336,9 @@ void group_gemv_parts(const LinearArgs* parts, int64_t count, bool bytes);
 
 namespace v256 {
 // The same on the AVX2 GEMV over GGUF rows (quant_gemv.cpp), int16 activations: quantized once
-// for every part.
-void gemv_parts(const LinearArgs* parts, int64_t count);
+// for every part; `isa` kAvx512 runs the panel's steps with AVX-512 vectors (panel_gemv512.cpp)
+// where the CPU also has AVX-512BW.
+void gemv_parts(const LinearArgs* parts, int64_t count, int64_t isa);
 // The formats byte_gemv takes (Q8_0, Q4_0, Q4_1, Q4_K), plain rows.
 bool byte_format(int64_t fmt);
 // x @ W^T on int8 activations with AVX2 (byte_gemv.cpp); any CPU the library runs on.

@@ -494,14 +494,17 @@ void panel_tail(const LinearArgs& p, const Acts& a, int64_t r0, int64_t n) {
 // gate and up) are GEMVs short enough that quantizing the same activations for each and each
 // one's fork and join barrier were a visible share of them (the VNNI path's group_gemv_parts
 // does the same for grouped rows).
-void gemv_parts(const LinearArgs* parts, int64_t count) {
+void gemv_parts(const LinearArgs* parts, int64_t count, int64_t isa) {
   static thread_local Acts codes;
   quantize_acts(parts[0].x, parts[0].rows, parts[0].K, codes);
   const Acts& a = codes;
   const bool decoded = std::all_of(parts, parts + count, [](const LinearArgs& p) { return p.fmt != kBF16; });
   const bool q6k = std::all_of(parts, parts + count, [](const LinearArgs& p) { return p.fmt == kQ6_K; });
   if (decoded && parts[0].rows >= (q6k ? kPanelRowsQ6K : kPanelRows)) {
-    panel_gemv_parts(parts, count, a);
+    if (isa == kAvx512 && parts[0].rows >= kWidePanelRows && wide_panel())
+      v512::panel_gemv_parts(parts, count, a);
+    else
+      panel_gemv_parts(parts, count, a);
     return;
   }
   parallel_parts(parts, count, 1, [&](int64_t i, int64_t n0, int64_t n1) { gemv(parts[i], a, n0, n1); });
@@ -532,7 +535,7 @@ void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
     return;
   }
   if (!vnni && fmt != kBF16) {  // the AVX2 GEMV: a projection of one part
-    v256::gemv_parts(&p, 1);
+    v256::gemv_parts(&p, 1, isa);
     return;
   }
   static thread_local Acts codes;

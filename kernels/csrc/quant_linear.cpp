@@ -78,7 +78,7 @@ at::Tensor QuantLinear::parts_forward(const at::Tensor& x) const {
   if (isa == kAvx512Vnni)
     v512::group_gemv_parts(parts.data(), count, (precision & kInt8ActsBit) != 0);
   else
-    v256::gemv_parts(parts.data(), count);
+    v256::gemv_parts(parts.data(), count, isa);
   return out;
 }
 

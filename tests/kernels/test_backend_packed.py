@@ -22,6 +22,7 @@ from pagedq.kernels.backend import (
     PACKED_PRECISIONS,
     PANEL_ROWS,
     PANEL_ROWS_Q6K,
+    WIDE_PANEL_ROWS,
     process_selector,
 )
 from pagedq.kernels.block_formats import quantize_int4
@@ -34,6 +35,8 @@ AMX = CpuFeatures.of(*BASE, "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"
 VNNI_NO_BF16 = CpuFeatures.of(*BASE, "avx512_vnni")
 ZEN4 = CpuFeatures.of(*BASE, "avx512_vnni", "avx512_bf16")  # AVX-512 BF16 without AMX
 AVX2 = CpuFeatures.of("avx2", "fma", "f16c")
+SKYLAKE = CpuFeatures.of(*BASE)  # AVX-512 F/VL/DQ/BW, no VNNI
+AVX512_NO_BW = CpuFeatures.of(*BASE[:-1])
 ARM = CpuFeatures.of(arch="aarch64")
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 BLOCK_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "int8")
@@ -108,6 +111,11 @@ def test_without_amx_the_gemm_multiplies_fp32_tiles(cpu_ops):
         "cpp-gemv-avx2"] * 2 + ["cpp-panel-avx2"] * 2 + ["cpp-gemm-fp32"]
     # Q6_K's row-at-a-time kernel is the slowest: its panel from PANEL_ROWS_Q6K rows
     assert kernels(AVX2, "q6_k", [PANEL_ROWS_Q6K - 1, PANEL_ROWS_Q6K]) == ["cpp-gemv-avx2", "cpp-panel-avx2"]
+    # AVX-512BW without VNNI (Skylake-SP): the same GEMV, the panel 16 rows a vector from 32
+    assert kernels(SKYLAKE, "q8_0", [1, PANEL_ROWS, WIDE_PANEL_ROWS - 1, WIDE_PANEL_ROWS, limit,
+                                     limit + 1]) == (["cpp-gemv-avx2"] + ["cpp-panel-avx2"] * 2
+                                                     + ["cpp-panel-avx512"] * 2 + ["cpp-gemm-fp32"])
+    assert kernels(AVX512_NO_BW, "q8_0", [WIDE_PANEL_ROWS]) == ["cpp-panel-avx2"]
     assert F32_GEMV_ROWS["avx2"].keys() == set(GEMV_ROWS) - {"float32"}
     backend = Selector(cpu=AVX2).select("cpu", F32, None, 64, packed_precision="bf16x3")
     assert "fp32 tiles, not bf16x3 (no AMX at level avx2" in " ".join(backend.reasons)

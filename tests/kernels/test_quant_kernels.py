@@ -25,10 +25,15 @@ from tests.quant_fixtures import ALL, random_weight
 CPU = process_selector().cpu  # this CPU, capped at PAGEDQ_CPU_ISA where that is set
 
 
-@pytest.fixture(params=[Isa.AVX512_VNNI, Isa.AVX2], ids=lambda i: i.name)
+@pytest.fixture(params=[Isa.AVX512_VNNI, Isa.AVX512, Isa.AVX2], ids=lambda i: i.name)
 def isa(request) -> int:
+    """Every packed path: the VNNI kernels; AVX2's with the many-row panel in AVX-512BW (isa
+    AVX512: 16 rows a vector, csrc/panel_gemv512.cpp; also where VNNI is present, so a VNNI
+    machine tests what a Skylake-SP runs); AVX2's own."""
     if request.param == Isa.AVX512_VNNI and not CPU.has_avx512_vnni:
         pytest.skip(f"no AVX-512 VNNI at this process's level ({CPU.level})")
+    if request.param == Isa.AVX512 and not (CPU.has_avx512 and "avx512bw" in CPU.flags):
+        pytest.skip(f"no AVX-512 F/VL/DQ/BW at this process's level ({CPU.level})")
     return int(request.param)
 
 
@@ -96,7 +101,7 @@ def products(op, fmt: str, n: int, row_counts: tuple[int, ...], isa: int, seed: 
 
 @pytest.mark.parametrize("fmt", ALL)
 def test_gemv_matches_dequantized_matmul(cpu_ops, isa, fmt):
-    for k, rows, x, out, dense, bias in products(cpu_ops.quant_gemv, fmt, 37, (1, 3, 6, 8, 11, 17, 75),
+    for k, rows, x, out, dense, bias in products(cpu_ops.quant_gemv, fmt, 37, (1, 3, 6, 8, 11, 17, 20, 35, 75),
                                                  isa, seed=1):
         # bf16 rows meet the fp32 activations as they are; the integer formats round them
         xq = x if fmt == "bf16" else quantized_activations(x, isa)
