@@ -31,6 +31,7 @@ ENGINE_SAMPLE = {
     "enable_prefix_caching": False, "num_threads": 3, "seed": 11, "grammar_cache_size": 5,
     "grammar_compile_threads": 3, "grammar_compile_timeout": 2.5, "quantization": "int4",
     "packed_gemm_precision": "bf16", "packed_activations": "int8", "cpu_isa": "avx2",
+    "kernel_crossovers": "table",
     "adaptive_threads": False,
     "cpu_kernels": False, "onednn": False, "fused_layer": False,
     "speculative_config": {"method": "suffix", "num_speculative_tokens": 3,
