@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from pagedq.file_lock import file_lock
 from pagedq.kernels.backend import ALL_ROWS, KernelPlan, PackedChoice
 from pagedq.kernels.block_formats import (
     FORMATS,
@@ -143,13 +144,15 @@ def _read(path: Path) -> dict[str, int]:
 
 
 def _write(path: Path, figures: dict[str, int]) -> None:
-    """Add ``figures`` to the file, atomically (two engines may start together)."""
+    """Add ``figures`` to the file: under a lock (two engines starting together each add
+    their own, neither loses the other's) and replaced whole (a reader never sees half)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    kept = {**_read(path), **figures}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".crossovers-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(kept, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    with file_lock(path.with_name(path.name + ".lock")):
+        kept = {**_read(path), **figures}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".crossovers-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(kept, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
 
 
 @functools.cache

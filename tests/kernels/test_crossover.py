@@ -7,7 +7,9 @@ too)."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,3 +97,25 @@ def test_a_torn_cache_file_is_measured_over(fp32_plan, cache):
     assert json.loads(cache.read_text()) == {
         crossover.cache_key(fp32_plan.packed["q4_0"], fp32_plan.backend.cpu.level):
             plan.packed["q4_0"].gemv_rows}
+
+
+def _add_figures(path: str, tag: str, go) -> None:
+    go.wait()
+    for i in range(200):
+        crossover._write(Path(path), {f"{tag}-{i}": 16})
+
+
+def test_engines_starting_together_keep_each_others_figures(tmp_path):
+    """Read, merge and replace run under a lock: four processes adding 200 figures each at the
+    same time all find every one in the file (without the lock most were lost)."""
+    path = tmp_path / crossover.CACHE_FILE
+    ctx = multiprocessing.get_context("spawn")
+    go = ctx.Event()
+    procs = [ctx.Process(target=_add_figures, args=(str(path), f"p{n}", go)) for n in range(4)]
+    for p in procs:
+        p.start()
+    go.set()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    assert json.loads(path.read_text()) == {f"p{n}-{i}": 16 for n in range(4) for i in range(200)}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import functools
 import hashlib
 import json
@@ -25,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from pagedq.errors import ModelNotFoundError
+from pagedq.file_lock import file_lock
 from pagedq.logging import get_logger
 from pagedq.progress import waiting
 from pagedq.worker.config import settings
@@ -163,17 +163,6 @@ def _make_room(out_dir: Path) -> None:
         f"Cannot write the converted model to {out_dir}: it exists and is not a pagedq "
         f"conversion (no {_DONE_MARKER}). Remove it or choose another output directory."
     )
-
-
-@contextlib.contextmanager
-def file_lock(lock_path: Path) -> Iterator[None]:
-    """An exclusive fcntl lock across processes (not re-entrant: never nest on one path)."""
-    with open(lock_path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
