@@ -81,4 +81,6 @@ def test_the_engine_hands_over_where_this_machine_measured(engine):
     kept = json.loads(crossover.cache_path().read_text())
     level = engine.backend.cpu.level
     for fmt, route in routes.items():
-        assert kept[crossover.cache_key(route, level)] == route.gemv_rows
+        # keyed by the threads at the engine's start, which its thread governor changes since
+        figures = {v for k, v in kept.items() if f"|{level}|" in k and k.endswith(f"|int16|{fmt}")}
+        assert route.gemv_rows in figures, (fmt, figures)
