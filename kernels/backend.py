@@ -175,9 +175,10 @@ def panel_from(weight_format: str) -> int:
 # Without AMX the GEMM multiplies fp32 tiles (precision "fp32": ATen's sgemm). Rows up to which
 # each GEMV beats it, per GEMV kind and format: the starting point, which an engine replaces with
 # its own machine's figures for the formats its model holds (kernels/crossover.py, measured
-# once per machine: these moved 4-30x from the Intel Xeon to a Zen 5). Measured with quant_bench (``f32gemm-<fmt>``
-# against ``gemv-``/``rowgemv-<fmt>``, 16-256 rows) on an AMD EPYC (Zen 4: AVX-512 VNNI/BF16, no
-# AMX), 2 threads, at its own level and capped at avx2 (docs/quantization.md has the table).
+# once per machine: these moved 4-30x from the Intel Xeon to a Zen 5). Measured with
+# quant_bench (``f32gemm-<fmt>`` against ``gemv-``/``rowgemv-<fmt>``, 16-256 rows) on an AMD EPYC
+# (Zen 4: AVX-512 VNNI/BF16, no AMX), 2 threads, at its own level and capped at avx2
+# (docs/quantization.md has the table).
 # "grouped": the VNNI GEMV over rows grouped 16 at a time beat the fp32 GEMM at every row count
 # measured (Q4_1 at 256 rows: 166 against 433 ms a pass: vpdpbusd does 4x the products of an fp32
 # FMA), so it takes every step; "vnni": the row-at-a-time VNNI GEMV; "avx2": the int16-code GEMV

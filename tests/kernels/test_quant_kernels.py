@@ -101,8 +101,8 @@ def products(op, fmt: str, n: int, row_counts: tuple[int, ...], isa: int, seed: 
 
 @pytest.mark.parametrize("fmt", ALL)
 def test_gemv_matches_dequantized_matmul(cpu_ops, isa, fmt):
-    for k, rows, x, out, dense, bias in products(cpu_ops.quant_gemv, fmt, 37, (1, 3, 6, 8, 11, 17, 20, 35, 75),
-                                                 isa, seed=1):
+    for k, rows, x, out, dense, bias in products(cpu_ops.quant_gemv, fmt, 37,
+                                                 (1, 3, 6, 8, 11, 17, 20, 35, 75), isa, seed=1):
         # bf16 rows meet the fp32 activations as they are; the integer formats round them
         xq = x if fmt == "bf16" else quantized_activations(x, isa)
         assert relative_error(out, xq.double() @ dense.T + bias) < 1e-5, (fmt, k, rows)
