@@ -109,17 +109,20 @@ def machine_info(run: BenchContext) -> dict[str, Any]:
 
 
 def _cpu_level(run: BenchContext) -> dict[str, Any]:
-    """The CPU's vector extensions, the ISA level the engines ran at (``--cpu-isa``) and the
-    streaming read bandwidth measured now: a figure without its CPU is not a figure."""
+    """The CPU's vector extensions, the ISA level the engines ran at (``--cpu-isa``), the
+    streaming read bandwidth measured now and the GEMV/GEMM crossovers measured on this CPU
+    (kernels/crossover.py): a figure without its CPU is not a figure."""
     # measured: pagedq.kernels takes ~0.7 s to import after torch; `pagedq bench --from-json`
     # renders a report without selecting kernels
     from pagedq.kernels.backend import process_selector
     from pagedq.kernels.cpu_features import detect_cpu_features
+    from pagedq.kernels.crossover import kept_for_this_cpu
 
     machine = detect_cpu_features()
     return {"cpu_flags": machine.summary(), "cpu_isa_levels": list(machine.levels),
             "cpu_isa_used": process_selector(run.config.cpu_isa).cpu.level,
-            "stream_read_gbps": round(stream_read_gbps(run.config.num_threads), 1)}
+            "stream_read_gbps": round(stream_read_gbps(run.config.num_threads), 1),
+            "kernel_crossovers": kept_for_this_cpu()}
 
 
 def _cpu_model() -> str | None:

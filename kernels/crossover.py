@@ -135,6 +135,14 @@ def cache_path() -> Path:
     return pagedq_cache_dir() / CACHE_FILE
 
 
+def kept_for_this_cpu() -> dict[str, int]:
+    """The kept figures of this CPU, keyed by what follows its identity in cache_key (level,
+    torch's level, threads, activations, format): the bench records them beside the hardware,
+    since every many-row figure it reports ran on them."""
+    prefix = f"v{VERSION}|{cpu_identity()}|"
+    return {k[len(prefix):]: v for k, v in _read(cache_path()).items() if k.startswith(prefix)}
+
+
 def _read(path: Path) -> dict[str, int]:
     try:
         kept = json.loads(path.read_text())

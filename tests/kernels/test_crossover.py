@@ -62,6 +62,8 @@ def test_a_plan_measures_once_and_later_engines_read_the_cache(fp32_plan, cache,
     kept = json.loads(cache.read_text())
     key = crossover.cache_key(fp32_plan.packed["q8_0"], fp32_plan.backend.cpu.level)
     assert kept == {key: plan.packed["q8_0"].gemv_rows}
+    assert list(crossover.kept_for_this_cpu().values()) == [plan.packed["q8_0"].gemv_rows]
+    assert key.endswith(next(iter(crossover.kept_for_this_cpu())))  # the CPU's prefix dropped
     assert plan.backend.packed_for("q8_0") == plan.packed["q8_0"]  # the backend says the same
     assert plan.packed["q4_1"] == fp32_plan.packed["q4_1"]  # a format the model lacks: as was
 
