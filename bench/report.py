@@ -126,13 +126,9 @@ def _cpu_level(run: BenchContext) -> dict[str, Any]:
 
 
 def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
+    from pagedq.kernels.cpu_features import cpuinfo_fields  # lazy, as _cpu_level's imports
+
+    return cpuinfo_fields().get("model name") or platform.processor() or None
 
 
 def _agreement(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict[str, float] | None:

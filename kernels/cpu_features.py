@@ -19,6 +19,7 @@ newer extensions, which then count as absent (a safe answer: nothing needs them 
 
 from __future__ import annotations
 
+import functools
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,10 +152,10 @@ def detect_cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuFeatures:
 IDENTITY_FIELDS = ("model name", "cpu family", "model", "stepping")
 
 
-def cpu_identity(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """This CPU's name, family, model and stepping as /proc/cpuinfo gives them ("AMD EPYC,
-    26, 2, 1"; platform.processor() elsewhere): what figures measured per machine are kept
-    under (kernels/crossover.py), and what the bench's report names."""
+@functools.cache
+def cpuinfo_fields(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, str]:
+    """The first processor's ``name: value`` lines of /proc/cpuinfo ({} where there is none),
+    read once a process."""
     fields: dict[str, str] = {}
     try:
         for line in cpuinfo.read_text().splitlines():
@@ -164,6 +165,14 @@ def cpu_identity(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
             fields.setdefault(name.strip(), value.strip())
     except OSError:
         pass
+    return fields
+
+
+def cpu_identity(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """This CPU's name, family, model and stepping as /proc/cpuinfo gives them ("AMD EPYC,
+    26, 2, 1"; platform.processor() elsewhere): what figures measured per machine are kept
+    under (kernels/crossover.py)."""
+    fields = cpuinfo_fields(cpuinfo)
     found = [fields[f] for f in IDENTITY_FIELDS if f in fields]
     return ", ".join(found) or platform.processor() or platform.machine()
 

@@ -243,6 +243,32 @@ inline void transpose_lanes(const __m512i in[4], __m512i out[4]) {
   out[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
+// The G activation rows' sums of 32-block `blk` (of `blocks` a row) from codes transposed by
+// transpose_q8 or transpose_lanes, scaled into their accumulators.
+template <int G, bool B>
+inline void transposed_rows(const __m512i v[8], const SplitActs& a, int64_t b0, int64_t blocks,
+                            int64_t blk, __m512 scale, __m512 offset, __m512* acc, __m512* mins) {
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) {
+    const int64_t i = (b0 + g) * blocks + blk;
+    accumulate(acc[g], mins[g], dot_rows<B>(v, a, 32 * i), scale, offset, a, i);
+  }
+}
+
+// One activation row's sums of its block i against codes 2 rows a vector (Q8_0's slots),
+// reduced across lanes (reduce8): the kernel for one row, where a transpose would not pay.
+template <bool B>
+inline void reduced_row(const __m512i v[8], const SplitActs& a, int64_t i, __m512 scale,
+                        __m512 offset, __m512& acc, __m512& mins) {
+  const __m512i h = B ? l_unused() : _mm512_broadcast_i64x4(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.hi.data() + i * 32)));
+  const __m512i l = _mm512_broadcast_i64x4(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.lo.data() + i * 32)));
+  __m512i s[8];
+  for (int k = 0; k < 8; ++k) s[k] = dot<B>(v[k], h, l);
+  accumulate(acc, mins, reduce8(s), scale, offset, a, i);
+}
+
 // G activation rows from b0 against the groups [g0, g1) of a nibble format; from 2 rows the
 // codes are transposed once (transpose_lanes) and every row's sums come out of vpdpbusd in
 // lanes, as in q8_groups.
@@ -266,11 +292,7 @@ void nibble_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t 
         __m512i v[8];
         transpose_lanes(lo, v);
         transpose_lanes(hi, v + 4);
-#pragma GCC unroll 8
-        for (int g = 0; g < G; ++g) {
-          const int64_t i = (b0 + g) * blocks + blk;
-          accumulate(acc[g], mins[g], dot_rows<B>(v, a, 32 * i), d, m, a, i);
-        }
+        transposed_rows<G, B>(v, a, b0, blocks, blk, d, m, acc, mins);
       } else {
         const int64_t i = b0 * blocks + blk;
         const int8_t* xh = B ? nullptr : a.hi.data() + i * 32;
@@ -308,20 +330,9 @@ void q8_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, 
         v[k] = _mm512_xor_si512(_mm512_loadu_si512(at + 2 * kGroupRows + 64 * k), flip);
       if constexpr (G >= 2) {
         transpose_q8(v);
-#pragma GCC unroll 8
-        for (int g = 0; g < G; ++g) {
-          const int64_t i = (b0 + g) * blocks + blk;
-          accumulate(acc[g], mins[g], dot_rows<B>(v, a, 32 * i), d, m, a, i);
-        }
+        transposed_rows<G, B>(v, a, b0, blocks, blk, d, m, acc, mins);
       } else {
-        const int64_t i = b0 * blocks + blk;
-        const __m512i h = B ? l_unused() : _mm512_broadcast_i64x4(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.hi.data() + i * 32)));
-        const __m512i l = _mm512_broadcast_i64x4(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.lo.data() + i * 32)));
-        __m512i s[8];
-        for (int k = 0; k < 8; ++k) s[k] = dot<B>(v[k], h, l);
-        accumulate(acc[0], mins[0], reduce8(s), d, m, a, i);
+        reduced_row<B>(v, a, b0 * blocks + blk, d, m, acc[0], mins[0]);
       }
     }
   });
@@ -392,20 +403,9 @@ void kquant_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t 
           k_codes<five>(q, at + kGroupRows * 16, c, half, codes);
           if constexpr (G >= 2) {  // as q8_groups: the codes transposed once for the G rows
             transpose_q8(codes);
-#pragma GCC unroll 8
-            for (int g = 0; g < G; ++g) {
-              const int64_t i = (b0 + g) * blocks + sb * 8 + j;
-              accumulate(acc[g], mins[g], dot_rows<B>(codes, a, 32 * i), sc, mn, a, i);
-            }
+            transposed_rows<G, B>(codes, a, b0, blocks, sb * 8 + j, sc, mn, acc, mins);
           } else {
-            const int64_t i = b0 * blocks + sb * 8 + j;
-            const __m512i h = B ? l_unused() : _mm512_broadcast_i64x4(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.hi.data() + i * 32)));
-            const __m512i l = _mm512_broadcast_i64x4(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.lo.data() + i * 32)));
-            __m512i s[8];
-            for (int k = 0; k < 8; ++k) s[k] = dot<B>(codes[k], h, l);
-            accumulate(acc[0], mins[0], reduce8(s), sc, mn, a, i);
+            reduced_row<B>(codes, a, b0 * blocks + sb * 8 + j, sc, mn, acc[0], mins[0]);
           }
         }
       }

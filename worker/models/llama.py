@@ -338,10 +338,15 @@ class CausalLM(nn.Module):
             self._fused_weights = tuple(per_layer(name) for name in names)
         return self._fused_weights
 
+    @property
+    def head_table(self) -> QuantWeight | None:
+        """The packed table the LM head reads: its own, or the embedding's when tied."""
+        return self.head_packed or (self.embed_packed if self.tied else None)
+
     def packed_formats(self) -> set[str]:
         """The packed formats the projections and the LM head hold, once the weights are
         loaded: the ones whose GEMV/GEMM crossover matters (kernels/crossover.py)."""
-        table = self.head_packed or (self.embed_packed if self.tied else None)
+        table = self.head_table
         held = [s for layer in self.layers for segs in layer.segments.values() for s in segs]
         return {segment_format(s) for s in held + ([table] if table is not None else [])
                 if isinstance(s, QuantWeight)}
@@ -359,7 +364,7 @@ class CausalLM(nn.Module):
             self.embed_packed = self.embed_packed.to(self.device)
         if self.head_packed is not None:
             self.head_packed = self.head_packed.to(self.device)
-        table = self.head_packed or (self.embed_packed if self.tied else None)
+        table = self.head_table
         self.head_projection = (None if table is None else
                                 build_projection([table], None, plan.packed, self.device))
         self.head_linear, self.packed_head = plan.linear, None
