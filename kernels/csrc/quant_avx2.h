@@ -147,12 +147,19 @@ struct KQuant45 {  // Q4_K, Q5_K: 8 sub-blocks of 32 per 256, six-bit scales and
   static inline void codes(const uint8_t* blk, int j, __m256i& e, __m256i& o) {
     const uint8_t* qs = blk + (Fmt == kQ4_K ? 16 : 48);
     const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (j / 2) * 32));
-    __m256i c = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(0x0F));
-    if constexpr (Fmt == kQ5_K) {  // bit j of qh[t], moved to bit 4 (no carry across bytes)
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
-      c = _mm256_or_si256(c, _mm256_slli_epi16(
-                                 _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
+    if constexpr (Fmt == kQ4_K) {
+      // straight from the int16 words: block j's even elements are the low byte's nibble
+      // (j odd: the high nibble), its odd ones the high byte's (3 operations, not 4 through bytes)
+      const __m256i low = _mm256_set1_epi16(0x000F);
+      e = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low);
+      o = j % 2 ? _mm256_srli_epi16(bytes, 12) : _mm256_and_si256(_mm256_srli_epi16(bytes, 8), low);
+      return;
     }
+    __m256i c = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(0x0F));
+    // Q5_K: bit j of qh[t], moved to bit 4 (no carry across bytes)
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+    c = _mm256_or_si256(c, _mm256_slli_epi16(
+                               _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
     split_unsigned(c, e, o);
   }
 
@@ -178,6 +185,7 @@ struct KQuant45 {  // Q4_K, Q5_K: 8 sub-blocks of 32 per 256, six-bit scales and
       const float d = fp16(blk), dmin = fp16(blk + 2);
       uint8_t sc[8], mn[8];
       k_scales(blk + 4, sc, mn);
+#pragma GCC unroll 8  // codes(blk, j) picks its shifts by j at compile time
       for (int j = 0; j < 8; ++j) {
         __m256i e, o;
         codes(blk, j, e, o);
@@ -199,8 +207,11 @@ struct Q6_K {  // 6-bit codes minus 32, one int8 scale per 16 elements
     const __m256i ql = _mm256_loadu_si256(
         reinterpret_cast<const __m256i*>(blk + half * 64 + (quarter % 2) * 32));
     const __m256i lo4 = _mm256_and_si256(quarter < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(0x0F));
-    const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * quarter), _mm256_set1_epi8(3));
-    split_unsigned(_mm256_or_si256(lo4, _mm256_slli_epi16(hi2, 4)), e, o);
+    // the quarter's two high bits straight to bits 4-5 (one shift each way, none for quarter 2)
+    const int up = 4 - 2 * quarter;
+    const __m256i moved = up > 0 ? _mm256_slli_epi16(qh, up) : up < 0 ? _mm256_srli_epi16(qh, -up) : qh;
+    const __m256i hi2 = _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
+    split_unsigned(_mm256_or_si256(lo4, hi2), e, o);
     e = minus(e, 32);
     o = minus(o, 32);
   }
@@ -221,6 +232,7 @@ struct Q6_K {  // 6-bit codes minus 32, one int8 scale per 16 elements
       const uint8_t* blk = row + sb * kBytes;
       const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
       const float d = fp16(blk + 208);
+#pragma GCC unroll 8  // codes(blk, j) picks its shifts by j at compile time
       for (int j = 0; j < 8; ++j) {
         __m256i e, o;
         codes(blk, j, e, o);
