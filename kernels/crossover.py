@@ -21,6 +21,7 @@ Delete the cache file to measure again (after a BIOS or VM change, say).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import tempfile
@@ -40,7 +41,7 @@ from pagedq.kernels.block_formats import (
     quantize_int8,
 )
 from pagedq.kernels.cpu_features import cpu_identity
-from pagedq.kernels.cpu_ops import Isa
+from pagedq.kernels.cpu_ops import CSRC, Isa
 from pagedq.logging import get_logger
 from pagedq.redis_url import pagedq_cache_dir
 
@@ -51,7 +52,7 @@ LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048)  # row counts timed, lowest fir
 SHAPE = (1024, 1536)
 REPEATS = 3  # alternated calls per kernel and rung; the fastest counts
 CACHE_FILE = "crossovers.json"
-VERSION = 2  # bump when a kernel change makes the kept figures stale (2: the AVX-512 panel)
+VERSION = 2  # bump when the measurement itself changes (ladder, shape); kernel sources key themselves
 
 _log = get_logger("pagedq.kernels.crossover")
 
@@ -121,13 +122,28 @@ def _between(win: tuple[int, float], loss: tuple[int, float]) -> int:
 # --------------------------------------------------------------------------- the kept figures
 
 
+@functools.cache
+def kernels_id(csrc: Path = CSRC) -> str:
+    """The C++ kernels' sources as 8 hex digits. Why: a figure timed on kernels that have since
+    changed (a faster panel, a new pass size) is stale; keyed by their content, an upgraded
+    install measures again at its first start instead of a release remembering to bump VERSION."""
+    digest = hashlib.sha1()
+    for path in sorted(p for p in csrc.iterdir() if p.suffix in (".cpp", ".h", ".inc")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:8]
+
+
+def _version() -> str:
+    return f"v{VERSION}-{kernels_id()}"
+
+
 def cache_key(choice: PackedChoice, level: str | None) -> str:
-    """What a kept figure is valid for: this CPU, the level pagedq's kernels ran at and the one
-    torch's own kernels run at (a capped process hides wider ones from them too:
+    """What a kept figure is valid for: these kernels, this CPU, the level pagedq's kernels ran
+    at and the one torch's own kernels run at (a capped process hides wider ones from them too:
     cpu_features.isa_environment), the threads, the GEMV's activations and the format."""
     acts = "int8" if choice.int8_acts else "int16"
     gemm = torch.backends.cpu.get_cpu_capability()
-    return (f"v{VERSION}|{cpu_identity()}|{level}|{gemm}|{torch.get_num_threads()} threads|"
+    return (f"{_version()}|{cpu_identity()}|{level}|{gemm}|{torch.get_num_threads()} threads|"
             f"{acts}|{choice.weight_format}")
 
 
@@ -139,7 +155,7 @@ def kept_for_this_cpu() -> dict[str, int]:
     """The kept figures of this CPU, keyed by what follows its identity in cache_key (level,
     torch's level, threads, activations, format): the bench records them beside the hardware,
     since every many-row figure it reports ran on them."""
-    prefix = f"v{VERSION}|{cpu_identity()}|"
+    prefix = f"{_version()}|{cpu_identity()}|"
     return {k[len(prefix):]: v for k, v in _read(cache_path()).items() if k.startswith(prefix)}
 
 

@@ -121,3 +121,22 @@ def test_engines_starting_together_keep_each_others_figures(tmp_path):
         p.join(timeout=120)
         assert p.exitcode == 0
     assert json.loads(path.read_text()) == {f"p{n}-{i}": 16 for n in range(4) for i in range(200)}
+
+
+def test_a_kernel_change_keys_new_figures(tmp_path):
+    """Figures timed on other kernel sources are not reused: the key carries their content."""
+    from pagedq.kernels.cpu_ops import CSRC
+
+    def copied(name: str) -> Path:
+        copy = tmp_path / name
+        copy.mkdir()
+        for path in CSRC.iterdir():
+            if path.is_file():
+                (copy / path.name).write_bytes(path.read_bytes())
+        return copy
+
+    assert crossover.kernels_id(copied("same")) == crossover.kernels_id(CSRC)
+    changed = copied("changed")
+    panel = changed / "panel_kernel.inc"
+    panel.write_text(panel.read_text() + "\n// a changed kernel\n")
+    assert crossover.kernels_id(changed) != crossover.kernels_id(CSRC)
