@@ -10,8 +10,8 @@ format its model holds, once, on one matrix at a ladder of row counts, and hands
 GEMM starts to win (interpolated between the two rungs around it).
 
 That costs ~0.5-2 s a format on 2 cores, once per machine: the result is kept in pagedq's cache
-(``crossovers.json``) under the CPU's identity, the ISA level, the thread count and the
-activations' width, and later engines read it. Each figure is the fastest of a few alternated
+(``crossovers.json``) under the kernels' sources, the CPU's identity, the ISA level, the thread
+count and the activations' width, and later engines read it. Each figure is the fastest of a few
 calls, as quant_bench times them: other processes only ever add time, so a loaded machine
 still measures what the kernels cost. ``EngineConfig.kernel_crossovers="table"`` keeps the
 table (and AMX machines always do: the bf16 tiles cross within 16 rows, finer than a ladder).
@@ -50,7 +50,7 @@ LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048)  # row counts timed, lowest fir
 # model's down projection's width; N big enough that the weights leave L1/L2 as a real
 # model's do (1.6 MB in Q8_0), small enough that a rung at 2048 rows takes ~50 ms
 SHAPE = (1024, 1536)
-REPEATS = 3  # alternated calls per kernel and rung; the fastest counts
+REPEATS = 3  # timed calls per kernel and rung, after a warm-up call; the fastest counts
 CACHE_FILE = "crossovers.json"
 VERSION = 2  # bump when the measurement itself changes (ladder, shape); kernel sources key themselves
 

@@ -8,8 +8,6 @@ tests/models/test_quant_fidelity.py checks the packed engine against the twin.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from pagedq.bench.fidelity import mean_matching_prefix
@@ -78,9 +76,9 @@ def test_the_engine_hands_over_where_this_machine_measured(engine):
     routes = {fmt: engine.backend.packed_for(fmt) for fmt in ("q4_1", "q8_0")}
     if not all(crossover.measures(r) for r in routes.values()):
         pytest.skip("bf16 tiles here (AMX): the table's crossovers are kept")
-    kept = json.loads(crossover.cache_path().read_text())
+    kept = crossover.kept_for_this_cpu()  # these kernels' figures on this CPU, no stale ones
     level = engine.backend.cpu.level
     for fmt, route in routes.items():
         # keyed by the threads at the engine's start, which its thread governor changes since
-        figures = {v for k, v in kept.items() if f"|{level}|" in k and k.endswith(f"|int16|{fmt}")}
+        figures = {v for k, v in kept.items() if k.startswith(f"{level}|") and k.endswith(f"|int16|{fmt}")}
         assert route.gemv_rows in figures, (fmt, figures)
