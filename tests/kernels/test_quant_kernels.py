@@ -64,19 +64,26 @@ def widths(fmt: str) -> tuple[int, ...]:
     return (256, 512) if FORMATS[fmt].block == 256 else (288, 64, 512)
 
 
-def test_output_can_be_a_column_slice(cpu_ops):
-    """Fused projections write their parts of one output (row stride > N)."""
+@pytest.mark.parametrize("rows", [5, 20, 75])
+def test_output_can_be_a_column_slice(cpu_ops, isa, rows):
+    """Fused projections write their parts of one output (row stride > N); from 8 rows the
+    panel writes a stripe of 16 columns at a time (38 columns: two stripes and a part, the
+    last quad short)."""
     gen = torch.Generator().manual_seed(5)
-    w = random_weight("q8_0", 24, 64, gen)
-    x = torch.randn(5, 64, generator=gen)
+    w = random_weight("q8_0", 38, 64, gen)
+    x = torch.randn(rows, 64, generator=gen)
+    bias = torch.randn(38, generator=gen)
     gemm = lambda *a: cpu_ops.quant_gemm(*a, int(GemmPrecision.F32))  # noqa: E731
     for op in (cpu_ops.quant_gemv, gemm):
-        wide = torch.full((5, 40), 7.0)
-        op(wide[:, 10:34], x, w.data, w.fmt.code, None, None, BEST)
-        solo = torch.empty(5, 24)
-        op(solo, x, w.data, w.fmt.code, None, None, BEST)
-        torch.testing.assert_close(wide[:, 10:34], solo, rtol=0, atol=0)
-        assert torch.all(wide[:, :10] == 7) and torch.all(wide[:, 34:] == 7)
+        for b in (None, bias):
+            wide = torch.full((rows, 60), 7.0)
+            op(wide[:, 10:48], x, w.data, w.fmt.code, None, b, isa)
+            solo = torch.empty(rows, 38)
+            op(solo, x, w.data, w.fmt.code, None, b, isa)
+            torch.testing.assert_close(wide[:, 10:48], solo, rtol=0, atol=0)
+            assert torch.all(wide[:, :10] == 7) and torch.all(wide[:, 48:] == 7)
+            want = x.double() @ dequantize(w).double().T  # the GEMV rounds x to int16 steps
+            assert relative_error(solo, want + (0 if b is None else b.double())) < 1e-4
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
