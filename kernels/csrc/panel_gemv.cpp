@@ -42,7 +42,6 @@ namespace {
 // 8 activation rows a vector, 4 groups (32 rows) a pass.
 struct Lanes {
   static constexpr int64_t kRows = 8, kGroups = 4;
-  static int64_t pass_groups(int64_t) { return kGroups; }
   using F = __m256;
   using I = __m256i;
   static F zero() { return _mm256_setzero_ps(); }

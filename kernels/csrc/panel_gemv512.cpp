@@ -17,8 +17,6 @@
 #include <cstring>
 #include <vector>
 
-#include <unistd.h>
-
 #include "cpu_ops.h"
 #include "int16_acts.h"
 #include "quant_avx2.h"
@@ -36,24 +34,15 @@ using v256::Int8;
 using v256::KQuant45;
 using v256::Q6_K;
 
-// The L1 data cache of a core in bytes (0 where the system does not say).
-int64_t l1_data_bytes() {
-  static const int64_t bytes = std::max<long>(sysconf(_SC_LEVEL1_DCACHE_SIZE), 0);
-  return bytes;
-}
-
-// 16 activation rows a vector, up to 4 groups (64 rows) a pass: with 2 (32 rows, AVX2's pass)
-// the K-quants' decode, shared by the pass, held them to 1.26-1.31x the AVX2 panel at K = 1536,
-// with 4 1.41-1.49x (Q8_0 and Q4_1 1.1x either way; Zen 5 capped at avx512, 64-256 rows). But
-// where 32 rows' activations fit in L1 and 64 rows' do not (K = 576 in a 48 KiB L1: 37 against
-// 74 KiB), passes of 32 ran 1.08-1.12x faster (every weight row re-read the 64 rows from L2):
-// pass_groups takes 2 there.
+// 16 activation rows a vector, 4 groups (64 rows) a pass: with 2 (32 rows, AVX2's pass) the
+// K-quants' decode, shared by the pass, held them to 1.26-1.31x the AVX2 panel at K = 1536, with
+// 4 1.41-1.49x (Q8_0 and Q4_1 1.1x either way; Zen 5 capped at avx512, 64-256 rows); at K = 576
+// (the model's qkv, gate_up and LM head) passes of 64 run 1.15-1.18x faster than passes of 32
+// (141 against 121 GMAC/s at N = 3072, 64 rows, 1 thread), although 64 rows' activations (74
+// KiB) overflow a 48 KiB L1: once the outputs went out a stripe at a time, what had made 32
+// rows faster there (every output line of a pass in one L1 set) was gone.
 struct Lanes {
   static constexpr int64_t kRows = 16, kGroups = 4;
-  static int64_t pass_groups(int64_t K) {
-    const int64_t group_bytes = kRows * K * 2, l1 = l1_data_bytes();
-    return group_bytes * kGroups > l1 && group_bytes * kGroups / 2 <= l1 ? kGroups / 2 : kGroups;
-  }
   using F = __m512;
   using I = __m512i;
   static F zero() { return _mm512_setzero_ps(); }
