@@ -31,9 +31,11 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--packed-activations", default="int16")
     parser.add_argument("--cpu-isa", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="float16: the quant bench's cache")
     args = parser.parse_args()
     engine = Engine(args.model, num_kv_blocks=2048, num_threads=args.num_threads,
                     packed_activations=args.packed_activations, cpu_isa=args.cpu_isa,
+                    kv_cache_dtype=args.kv_cache_dtype,
                     enable_prefix_caching=False, adaptive_threads=False)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     wall, steps = decode(engine, args, params, profiler=None)  # timed without the profiler

@@ -44,9 +44,21 @@ namespace {
 constexpr int64_t kLanes = 8;  // floats per __m256
 constexpr int kMaxRowsPerDot = 4;
 // Tokens per step of the block loop; each step also prefetches the same rows of the block
-// kPrefetchAhead entries further down the block table.
+// blocks_ahead() entries further down the block table.
 constexpr int64_t kStepRows = 8;
-constexpr int64_t kPrefetchAhead = 1;
+// How far ahead in a stream of K or V rows the software prefetches reach, in bytes: the block
+// kPrefetchBytes further down the block table. One block ahead, 1 KiB with the default 8-token
+// blocks of one fp16 head (D = 64), left each block's fetch no more than one block's compute
+// (~0.1 us) to hide a DRAM miss in: 64 decode rows at 64-96 tokens of context, the step's KV
+// (118 MB) far past L3, spent 261 us a layer in attention, 4 KiB ahead 175-184 (Zen 5 capped at
+// avx512, 2 threads; 8 KiB 197). Each stream's first blocks up to that distance are prefetched
+// as it starts (its run-up), so a sequence's first blocks do not wait for DRAM either.
+constexpr int64_t kPrefetchBytes = 4096;
+
+// Blocks between the one read and the one prefetched, for a stream of `block_bytes` a block.
+inline int64_t blocks_ahead(int64_t block_bytes) {
+  return std::max<int64_t>(1, (kPrefetchBytes + block_bytes - 1) / block_bytes);
+}
 
 // ---- fp32 loads of 8 cache elements ------------------------------------------------------
 
@@ -367,11 +379,15 @@ PAGEDQ_AVX512 void qk_head16(const T* k_head, const Geometry& geo, const int32_t
                              int64_t first, int64_t len, const float* q, float* scores) {
   const int64_t bs = geo.block_size, D = geo.head_dim, stride = geo.k_stride1;
   const int64_t num_blocks = (len + bs - 1) / bs;
+  const int64_t ahead = blocks_ahead(bs * D * static_cast<int64_t>(sizeof(T)));
+  for (int64_t b = first / bs + 1; b < std::min(num_blocks, first / bs + ahead); ++b)  // the run-up
+    prefetch_rows(k_head + static_cast<int64_t>(table[b]) * geo.k_stride0, 0, std::min(bs, len - b * bs),
+                  stride, 0, 0, 1, D);
   for (int64_t b = first / bs; b < num_blocks; ++b) {
     const int64_t t0 = b * bs, n = std::min(bs, len - t0);
     const T* block = k_head + static_cast<int64_t>(table[b]) * geo.k_stride0;
-    const T* next = b + 1 < num_blocks ? k_head + static_cast<int64_t>(table[b + 1]) * geo.k_stride0 : nullptr;
-    const int64_t next_n = next ? std::min(bs, len - t0 - bs) : 0;
+    const T* next = b + ahead < num_blocks ? k_head + static_cast<int64_t>(table[b + ahead]) * geo.k_stride0 : nullptr;
+    const int64_t next_n = next ? std::min(bs, len - t0 - ahead * bs) : 0;
     int64_t o = std::max<int64_t>(first - t0, 0);
     for (; o + kTileTokens16 <= n; o += kTileTokens16) {
       if (next) prefetch_rows(next, o, std::min(o + kTileTokens16, next_n), stride, 0, 0, 1, D);
@@ -404,12 +420,16 @@ PAGEDQ_AVX512 void pv_slice16(const T* v_head, const Geometry& geo, const int32_
   __m512 a[NG][NV];
   start_acc<NG, NV>(a, init, alpha, D, d0);
   const int64_t num_blocks = (len + bs - 1) / bs;
+  const int64_t ahead = blocks_ahead(bs * NV * kLanes16 * static_cast<int64_t>(sizeof(T)));
+  for (int64_t b = first / bs; b < std::min(num_blocks, first / bs + ahead); ++b)  // the run-up
+    prefetch_rows(v_head + static_cast<int64_t>(table[b]) * geo.v_stride0 + d0, 0, std::min(bs, len - b * bs),
+                  stride, 0, 0, 1, NV * kLanes16);
   for (int64_t b = first / bs; b < num_blocks; ++b) {
     const int64_t t0 = b * bs, n = std::min(bs, len - t0);
     const T* block = v_head + static_cast<int64_t>(table[b]) * geo.v_stride0 + d0;
-    if (b + 1 < num_blocks)
-      prefetch_rows(v_head + static_cast<int64_t>(table[b + 1]) * geo.v_stride0 + d0, 0,
-                    std::min(bs, len - t0 - bs), stride, 0, 0, 1, NV * kLanes16);
+    if (b + ahead < num_blocks)
+      prefetch_rows(v_head + static_cast<int64_t>(table[b + ahead]) * geo.v_stride0 + d0, 0,
+                    std::min(bs, len - t0 - ahead * bs), stride, 0, 0, 1, NV * kLanes16);
     for (int64_t o = std::max<int64_t>(first - t0, 0); o < n; ++o) {
       __m512 pb[NG];
       for (int g = 0; g < NG; ++g) pb[g] = _mm512_set1_ps(p[g * len + t0 + o]);
@@ -493,10 +513,14 @@ void attend2(const Geometry& geo, const T* k_cache, const T* v_cache, const int3
   float* acc = buf.acc.data();        // [rows][D]
   // Pass 1: scores of every visible key after the shared part, block by block.
   const int64_t num_blocks = (len + bs - 1) / bs;
+  const int64_t dist = blocks_ahead(bs * (h1 - h0) * D * static_cast<int64_t>(sizeof(T)));
+  for (int64_t b = first_block + 1; b < std::min(num_blocks, first_block + dist); ++b)  // the run-up
+    prefetch_rows(k_cache + static_cast<int64_t>(table[b]) * geo.k_stride0, 0, std::min(bs, len - b * bs),
+                  geo.k_stride1, geo.k_stride2, h0, h1, D);
   for (int64_t b = first_block; b < num_blocks; ++b) {
     const int64_t t0 = b * bs, n = std::min(bs, len - t0);
     const T* block = k_cache + static_cast<int64_t>(table[b]) * geo.k_stride0;
-    const int64_t ahead = b + kPrefetchAhead;
+    const int64_t ahead = b + dist;
     const T* next = ahead < num_blocks ? k_cache + static_cast<int64_t>(table[ahead]) * geo.k_stride0 : nullptr;
     const int64_t next_n = next ? std::min(bs, len - ahead * bs) : 0;
     for (int64_t o0 = 0; o0 < n; o0 += kStepRows) {
@@ -516,10 +540,13 @@ void attend2(const Geometry& geo, const T* k_cache, const T* v_cache, const int3
     for (int64_t d = 0; d < D; ++d) acc[r * D + d] = part.tokens ? alpha * part.acc[i * D + d] : 0.0f;
   }
   // Pass 2: probability-weighted sum of V rows, accumulators in registers within a block.
+  for (int64_t b = first_block; b < std::min(num_blocks, first_block + dist); ++b)  // the run-up
+    prefetch_rows(v_cache + static_cast<int64_t>(table[b]) * geo.v_stride0, 0, std::min(bs, len - b * bs),
+                  geo.v_stride1, geo.v_stride2, h0, h1, D);
   for (int64_t b = first_block; b < num_blocks; ++b) {
     const int64_t t0 = b * bs, n = std::min(bs, len - t0);
     const T* block = v_cache + static_cast<int64_t>(table[b]) * geo.v_stride0;
-    const int64_t ahead = b + kPrefetchAhead;
+    const int64_t ahead = b + dist;
     const T* next = ahead < num_blocks ? v_cache + static_cast<int64_t>(table[ahead]) * geo.v_stride0 : nullptr;
     const int64_t next_n = next ? std::min(bs, len - ahead * bs) : 0;
     for (int64_t o0 = 0; o0 < n; o0 += kStepRows) {
