@@ -101,8 +101,17 @@ def test_tokens_per_step_and_learning_by_hand():
                              drafted=8, accepted=4)])
     results = {"grid": {"extraction": {"8": rounds}}, "threshold": []}
     learned = learning(results)
-    assert learned == {"jobs": 52, "from_job": 50, "ngram_tokens_per_step": 1.0,
+    assert learned == {"jobs": 52, "from_job": 50, "streams": None, "ngram_tokens_per_step": 1.0,
                        "suffix_tokens_per_step": 3.0}
+    # a later cell where neither engine speculated (64 streams, past disable_by_batch_size)
+    # does not count: only the learning cell's jobs from the 50th on do
+    capped = [[batch(m, dict.fromkeys(("k0", "k1"), 7), dict.fromkeys(("k0", "k1"), 7))
+               for m in ("off", "ngram", "suffix")] for _ in range(20)]
+    two_cells = {"grid": {"extraction": {"8": rounds, "64": capped}}, "threshold": [],
+                 "learning_streams": 8}
+    assert learning(two_cells)["suffix_tokens_per_step"] == 3.0
+    capped_only = learning({**two_cells, "learning_streams": 64})  # what counting it measured
+    assert capped_only["ngram_tokens_per_step"] == capped_only["suffix_tokens_per_step"] == 1.0
     figs = figures(results)
     cell = figs["cells"]["extraction"]["8"]
     assert cell["acceptance_rate"]["suffix"] == 0.5 and cell["acceptance_rate"]["ngram"] is None
