@@ -210,7 +210,7 @@ def differences(grid: dict[str, dict[str, list[list[Batch]]]],
     out = []
     for workload, streams, rounds in cells:
         for batches in rounds:
-            off = next(b for b in batches if b.method == "off")
+            off = pick(batches, "off")
             out += [spec_judge.Difference(workload, streams, b.method, job, off.prompts[job],
                                           b.outputs[job], want)
                     for b in batches if b.method != "off"
@@ -255,16 +255,28 @@ def spec_engine(bench: BenchContext, method: str | None, **spec: Any) -> Any:
 
 def run_rounds(bench: BenchContext, engines: dict[str, Any], workload: str, streams: int,
                rounds: int) -> list[list[Batch]]:
-    """``rounds`` batches of ``streams`` new jobs, each served by off, ngram, suffix in turn."""
+    """``rounds`` batches of ``streams`` new jobs, each served by off, ngram, suffix in turn,
+    the order rotating by one each round.
+
+    Why rotate: the VM's speed drifts within a round (off's 64-stream rate rose 1100 -> 1270 ->
+    1520 tok/s over three consecutive rounds of the same workload, Zen 5), so in a fixed order
+    the last engine was judged on a different machine than the first every time."""
     c = bench.config
     out = []
     for r in range(rounds):
         reqs = jobs(engines["off"], workload, streams, c.seed + 1000 * streams + r,
                     c.spec_max_tokens, f"spec-{workload}-{streams}-{r}")
-        out.append([serve_batch(engines[m], m, reqs) for m in engines])
+        out.append(serve_round(engines, reqs, r))
         log.info("spec batch", workload=workload, streams=streams, round=r,
                  **{f"{b.method}_tok_s": round(rate([b]), 1) for b in out[-1]})
     return out
+
+
+def serve_round(engines: dict[str, Any], reqs: list[SampledRequest], r: int) -> list[Batch]:
+    """Round ``r``'s jobs served by every engine, the order rotated by ``r`` (run_rounds)."""
+    names = list(engines)
+    turn = names[r % len(names):] + names[:r % len(names)]
+    return [serve_batch(engines[m], m, reqs) for m in turn]
 
 
 def sweep_threshold(bench: BenchContext, off: Any) -> tuple[
@@ -291,7 +303,7 @@ def sweep_threshold(bench: BenchContext, off: Any) -> tuple[
             for r in range(max(1, c.spec_threshold_rounds)):
                 reqs = jobs(off, workload, streams, c.seed + 7 + streams + 1000 * r,
                             c.spec_max_tokens, f"spec-threshold-{workload}-{streams}-{r}")
-                rounds.append([serve_batch(e, m, reqs) for m, e in engines.items()])
+                rounds.append(serve_round(engines, reqs, r))
             batches[workload][str(streams)] = rounds
             rows.append(threshold_row(workload, streams, rounds))
             log.info("spec threshold", workload=workload, streams=streams,
@@ -314,9 +326,9 @@ def threshold_row(workload: str, streams: int, rounds: list[list[Batch]]) -> dic
     for method in THRESHOLD_METHODS:
         if method not in m:
             continue
-        i = [b.method for b in rounds[0]].index(method)
         row.update({f"{method}_tok_s": rate(m[method]), f"{method}_ratio": rate(m[method]) / off,
-                    f"{method}_round_ratios": [rate([r[i]]) / rate([r[0]]) for r in rounds],
+                    f"{method}_round_ratios": [rate([pick(r, method)]) / rate([pick(r, "off")])
+                                               for r in rounds],
                     f"{method}_acceptance_rate": acceptance(m[method]),
                     f"{method}_tokens_per_step": tokens_per_step(m[method]),
                     f"{method}_differing": flips(rounds).get(method, 0)})
@@ -349,6 +361,11 @@ def tokens_per_step(batches: list[Batch], jobs_from: int = 0,
                 tok += n - 1
                 steps += b.steps_per_job[job] - 1
     return tok / steps if steps else None
+
+
+def pick(batches: list[Batch], method: str) -> Batch:
+    """The batch ``method`` served in one round (rounds rotate the engines' order)."""
+    return next(b for b in batches if b.method == method)
 
 
 def by_method(rounds: list[list[Batch]]) -> dict[str, list[Batch]]:
