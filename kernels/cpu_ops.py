@@ -5,6 +5,7 @@
 - ``paged_attention_rows`` (attention.cpp): attention read in place through the block table;
 - ``skinny_linear`` (gemv.cpp): ``x @ w.T + b`` for 1-16 rows, one pass over the weights;
 - ``rms_norm`` (rmsnorm.cpp): RMSNorm in one pass per row;
+- ``argmax_rows`` (argmax.cpp): each row's first largest value's index (greedy sampling);
 - ``decoder_layers`` (fused_layer.cpp): every decoder layer of a step in one call;
   ``decoder_layers_packed`` the same over packed projections;
 - ``quant_gemv`` / ``quant_gemm`` (quant_gemv.cpp, quant_gemm.cpp): ``x @ W.T`` straight from
@@ -43,7 +44,8 @@ from pagedq.progress import waiting
 
 LIBRARY = "pagedq_cpu_ops"
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / f for f in ("attention.cpp", "gemv.cpp", "rmsnorm.cpp", "fused_layer.cpp",
+SOURCES = tuple(CSRC / f for f in ("attention.cpp", "gemv.cpp", "rmsnorm.cpp", "argmax.cpp",
+                                   "fused_layer.cpp",
                                    "quant_gemv.cpp", "panel_gemv.cpp", "panel_gemv512.cpp",
                                    "group_gemv.cpp", "byte_gemv.cpp",
                                    "quant_gemm.cpp", "quant_linear.cpp", "library.cpp"))
@@ -99,6 +101,7 @@ class CpuOps:
     quant_gemv: Callable
     quant_gemm: Callable
     quant_linear: Callable  # torch.classes.pagedq_cpu.QuantLinear
+    argmax_rows: Callable
     build_dir: Path
     bf16_tiles: bool = False  # torch's bf16 brgemm runs here (AMX): the bf16 GEMM precisions
 
@@ -154,7 +157,8 @@ def build(sources: tuple[Path, ...], name: str, root: Path | None) -> CpuOps:
     ops = torch.ops.pagedq_cpu
     return CpuOps(ops.paged_attention_rows, ops.skinny_linear, ops.rms_norm, ops.decoder_layers,
                   ops.decoder_layers_packed, ops.quant_gemv, ops.quant_gemm,
-                  torch.classes.pagedq_cpu.QuantLinear, build_dir, bool(ops.bf16_tiles()))
+                  torch.classes.pagedq_cpu.QuantLinear, ops.argmax_rows, build_dir,
+                  bool(ops.bf16_tiles()))
 
 
 def try_build(sources: tuple[Path, ...] = SOURCES, name: str = LIBRARY,

@@ -143,6 +143,9 @@ constexpr int64_t kMaxSkinnyRows = 16;
 void skinny_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
                    const c10::optional<at::Tensor>& bias, int64_t isa);
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps);
+// out[r] = the index of row r's largest value: the first on ties, the first NaN where there is
+// one (torch.max's), 0 for a row of -inf (argmax.cpp).
+void argmax_rows(at::Tensor& out, const at::Tensor& x);
 // x @ W.T (+ bias) straight from packed weights (quant_formats.h): the GEMV for few rows, the
 // bf16-tile GEMM for many (quant_gemv.cpp, quant_gemm.cpp).
 void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t fmt,

@@ -13,6 +13,7 @@ TORCH_LIBRARY(pagedq_cpu, m) {
       "Tensor block_table, Tensor rows, float scale, int heads_per_item, int grain) -> ()");
   m.def("skinny_linear(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias, int isa) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor w, float eps) -> ()");
+  m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
   m.def(
       "decoder_layers(Tensor x, Tensor rope, Tensor[] in_norm, Tensor[] qkv_w, "
       "Tensor?[] qkv_packed, Tensor?[] qkv_bias, Tensor?[] q_norm, Tensor?[] k_norm, "
@@ -50,6 +51,7 @@ TORCH_LIBRARY_IMPL(pagedq_cpu, CPU, m) {
   m.impl("paged_attention_rows", &pagedq_cpu::paged_attention_rows);
   m.impl("skinny_linear", &pagedq_cpu::skinny_linear);
   m.impl("rms_norm", &pagedq_cpu::rms_norm);
+  m.impl("argmax_rows", &pagedq_cpu::argmax_rows);
   m.impl("decoder_layers", &pagedq_cpu::decoder_layers);
   m.impl("quant_gemv", &pagedq_cpu::quant_gemv);
   m.impl("quant_gemm", &pagedq_cpu::quant_gemm);

@@ -22,6 +22,7 @@ SUITES = [
     "tests/kernels/test_quant_kernels.py",
     "tests/kernels/test_int8_acts.py",
     "tests/kernels/test_gemv.py",
+    "tests/kernels/test_argmax.py",
     "tests/kernels/test_backend_packed.py",
     "tests/kernels/test_cpu_ops.py",
     # the attention kernel's AVX2 tiles (AVX-512 machines take its 16-lane path elsewhere)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from pagedq.errors import InvalidParamsError, InvalidRequestError
+from pagedq.kernels.backend import process_selector
 from pagedq.logging import get_logger
 from pagedq.params import SamplingParams
 from pagedq.worker.config import EngineConfig, default_block_size, default_device
@@ -36,7 +37,7 @@ from pagedq.worker.engine.offline import OfflineAPI
 from pagedq.worker.engine.output_processor import OutputProcessor
 from pagedq.worker.engine.outputs import StepOutput
 from pagedq.worker.engine.prompt_logprobs import PromptLogprobCollector
-from pagedq.worker.engine.sampler import Sampler
+from pagedq.worker.engine.sampler import Sampler, greedy_argmax
 from pagedq.worker.engine.scheduler import Scheduler
 from pagedq.worker.engine.sequence import Request, SamplingHook, Sequence
 from pagedq.worker.engine.structured import StructuredOutputs
@@ -92,7 +93,8 @@ class Engine(OfflineAPI):
                                 self.tokenizer)
                         if config.speculative_config else None)
         self.scheduler = Scheduler(config, self.kv, self.drafter)
-        self.sampler = Sampler(config.seed, constrain=self.structured.apply)
+        self.sampler = Sampler(config.seed, constrain=self.structured.apply, argmax=greedy_argmax(
+            process_selector(config.cpu_isa, config.kernel_switches()).ops_for(self.device)))
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.live = LiveRequests(self.scheduler, self.outputs)
         self.requests = self.live.by_id  # request id -> Request, until it ends

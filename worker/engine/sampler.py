@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -140,14 +141,43 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_(max=probs.shape[1] - 1)
 
 
+Argmax = Callable[[torch.Tensor], torch.Tensor]  # [rows, vocab] fp32 -> int64 [rows]
+
+
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest value's index (max's index: 1.6x faster than argmax on CPU)."""
+    return logits.max(dim=-1).indices
+
+
+def greedy_argmax(ops: Any) -> Argmax:
+    """The C++ ``argmax_rows`` where the CPU library is loaded (``ops``: the selector's
+    ``ops_for(device)``; None elsewhere): 0.72 -> 0.08 ms over 64 rows of 49152 logits, 0.025
+    -> 0.004 over one (AMD EPYC Zen 5, 2 threads), the same index as torch's max (the first
+    maximum, the first NaN). Logits it does not take (not CPU fp32 rows) go to torch."""
+    if ops is None:
+        return torch_argmax
+
+    def cpp(logits: torch.Tensor) -> torch.Tensor:
+        if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
+                or logits.shape[1] == 0 or logits.stride(1) != 1):
+            return torch_argmax(logits)
+        out = torch.empty(logits.shape[0], dtype=torch.long)
+        ops.argmax_rows(out, logits)
+        return out
+    return cpp
+
+
 class Sampler:
     """``constrain(logits, seqs)`` masks rows in place after the penalties (structured outputs);
-    logprobs are the model's own distribution, taken before penalties and masks."""
+    logprobs are the model's own distribution, taken before penalties and masks; ``argmax``
+    picks the greedy rows' tokens (greedy_argmax)."""
 
     def __init__(self, seed: int = 0,
-                 constrain: Callable[[torch.Tensor, list[Sequence]], None] | None = None) -> None:
+                 constrain: Callable[[torch.Tensor, list[Sequence]], None] | None = None,
+                 argmax: Argmax = torch_argmax) -> None:
         self.generator = torch.Generator().manual_seed(seed)  # for unseeded requests
         self.constrain = constrain
+        self.argmax = argmax
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """One token per row of ``logits`` [rows, vocab] (fp32); row i belongs to seqs[i]."""
@@ -158,7 +188,7 @@ class Sampler:
         if self.constrain is not None:
             self.constrain(logits, seqs)
         mask_min_tokens(logits, seqs)
-        tokens = logits.max(dim=-1).indices  # argmax's index (the first maximum), 1.6x faster on CPU
+        tokens = self.argmax(logits)
         rand_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if rand_rows:
             tokens[rand_rows] = self._sample_rows(logits[rand_rows], [seqs[i] for i in rand_rows])
