@@ -483,12 +483,12 @@ def learning(results: dict[str, Any]) -> dict[str, Any] | None:
             order += list(round_[0].tokens_per_job)
     if len(order) <= LEARNED_AFTER:
         return {"jobs": len(order), "note": f"fewer than {LEARNED_AFTER + 1} extraction jobs"}
-    if not any(tokens_per_step(batches.get(m, []), LEARNED_AFTER, order) for m in ("ngram", "suffix")):
+    figures = {f"{m}_tokens_per_step": tokens_per_step(batches.get(m, []), LEARNED_AFTER, order)
+               for m in ("ngram", "suffix")}
+    if not any(figures.values()):
         return {"jobs": len(order), "note": f"no job of the {cell}-stream learning cell from the "
                 f"{LEARNED_AFTER}th on: give it more rounds (spec_learning_rounds)"}
-    return {"jobs": len(order), "from_job": LEARNED_AFTER, "streams": cell or None,
-            **{f"{m}_tokens_per_step": tokens_per_step(batches.get(m, []), LEARNED_AFTER, order)
-               for m in ("ngram", "suffix")}}
+    return {"jobs": len(order), "from_job": LEARNED_AFTER, "streams": cell or None, **figures}
 
 
 def verdicts_met(cells: dict[str, Any], learned: dict[str, Any] | None) -> dict[str, bool | None]:

@@ -214,6 +214,17 @@ inline void prefetch_rows(const T* block, int64_t o0, int64_t o1, int64_t row_st
     }
 }
 
+// A stream's run-up: blocks [b0, b1) of the block table, whole, before its loop's own prefetches
+// (blocks_ahead() further down) take over.
+template <typename T>
+inline void prefetch_blocks(const T* base, int64_t block_stride, const int32_t* table, int64_t b0,
+                            int64_t b1, int64_t bs, int64_t len, int64_t row_stride,
+                            int64_t head_stride, int64_t h0, int64_t h1, int64_t D) {
+  for (int64_t b = b0; b < b1; ++b)
+    prefetch_rows(base + static_cast<int64_t>(table[b]) * block_stride, 0, std::min(bs, len - b * bs),
+                  row_stride, head_stride, h0, h1, D);
+}
+
 // max(s[0..n)), vectorised: a scalar loop is one serial chain of compares per score, as long
 // as the dot products that made them.
 inline float max_of(const float* s, int64_t n) {
@@ -380,9 +391,8 @@ PAGEDQ_AVX512 void qk_head16(const T* k_head, const Geometry& geo, const int32_t
   const int64_t bs = geo.block_size, D = geo.head_dim, stride = geo.k_stride1;
   const int64_t num_blocks = (len + bs - 1) / bs;
   const int64_t ahead = blocks_ahead(bs * D * static_cast<int64_t>(sizeof(T)));
-  for (int64_t b = first / bs + 1; b < std::min(num_blocks, first / bs + ahead); ++b)  // the run-up
-    prefetch_rows(k_head + static_cast<int64_t>(table[b]) * geo.k_stride0, 0, std::min(bs, len - b * bs),
-                  stride, 0, 0, 1, D);
+  prefetch_blocks(k_head, geo.k_stride0, table, first / bs + 1, std::min(num_blocks, first / bs + ahead),
+                  bs, len, stride, 0, 0, 1, D);
   for (int64_t b = first / bs; b < num_blocks; ++b) {
     const int64_t t0 = b * bs, n = std::min(bs, len - t0);
     const T* block = k_head + static_cast<int64_t>(table[b]) * geo.k_stride0;
@@ -421,9 +431,8 @@ PAGEDQ_AVX512 void pv_slice16(const T* v_head, const Geometry& geo, const int32_
   start_acc<NG, NV>(a, init, alpha, D, d0);
   const int64_t num_blocks = (len + bs - 1) / bs;
   const int64_t ahead = blocks_ahead(bs * NV * kLanes16 * static_cast<int64_t>(sizeof(T)));
-  for (int64_t b = first / bs; b < std::min(num_blocks, first / bs + ahead); ++b)  // the run-up
-    prefetch_rows(v_head + static_cast<int64_t>(table[b]) * geo.v_stride0 + d0, 0, std::min(bs, len - b * bs),
-                  stride, 0, 0, 1, NV * kLanes16);
+  prefetch_blocks(v_head + d0, geo.v_stride0, table, first / bs, std::min(num_blocks, first / bs + ahead),
+                  bs, len, stride, 0, 0, 1, NV * kLanes16);
   for (int64_t b = first / bs; b < num_blocks; ++b) {
     const int64_t t0 = b * bs, n = std::min(bs, len - t0);
     const T* block = v_head + static_cast<int64_t>(table[b]) * geo.v_stride0 + d0;
@@ -514,9 +523,8 @@ void attend2(const Geometry& geo, const T* k_cache, const T* v_cache, const int3
   // Pass 1: scores of every visible key after the shared part, block by block.
   const int64_t num_blocks = (len + bs - 1) / bs;
   const int64_t dist = blocks_ahead(bs * (h1 - h0) * D * static_cast<int64_t>(sizeof(T)));
-  for (int64_t b = first_block + 1; b < std::min(num_blocks, first_block + dist); ++b)  // the run-up
-    prefetch_rows(k_cache + static_cast<int64_t>(table[b]) * geo.k_stride0, 0, std::min(bs, len - b * bs),
-                  geo.k_stride1, geo.k_stride2, h0, h1, D);
+  prefetch_blocks(k_cache, geo.k_stride0, table, first_block + 1, std::min(num_blocks, first_block + dist),
+                  bs, len, geo.k_stride1, geo.k_stride2, h0, h1, D);
   for (int64_t b = first_block; b < num_blocks; ++b) {
     const int64_t t0 = b * bs, n = std::min(bs, len - t0);
     const T* block = k_cache + static_cast<int64_t>(table[b]) * geo.k_stride0;
@@ -540,9 +548,8 @@ void attend2(const Geometry& geo, const T* k_cache, const T* v_cache, const int3
     for (int64_t d = 0; d < D; ++d) acc[r * D + d] = part.tokens ? alpha * part.acc[i * D + d] : 0.0f;
   }
   // Pass 2: probability-weighted sum of V rows, accumulators in registers within a block.
-  for (int64_t b = first_block; b < std::min(num_blocks, first_block + dist); ++b)  // the run-up
-    prefetch_rows(v_cache + static_cast<int64_t>(table[b]) * geo.v_stride0, 0, std::min(bs, len - b * bs),
-                  geo.v_stride1, geo.v_stride2, h0, h1, D);
+  prefetch_blocks(v_cache, geo.v_stride0, table, first_block, std::min(num_blocks, first_block + dist),
+                  bs, len, geo.v_stride1, geo.v_stride2, h0, h1, D);
   for (int64_t b = first_block; b < num_blocks; ++b) {
     const int64_t t0 = b * bs, n = std::min(bs, len - t0);
     const T* block = v_cache + static_cast<int64_t>(table[b]) * geo.v_stride0;

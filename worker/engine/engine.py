@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from pagedq.errors import InvalidParamsError, InvalidRequestError
-from pagedq.kernels.backend import process_selector
 from pagedq.logging import get_logger
 from pagedq.params import SamplingParams
 from pagedq.worker.config import EngineConfig, default_block_size, default_device
@@ -93,8 +92,8 @@ class Engine(OfflineAPI):
                                 self.tokenizer)
                         if config.speculative_config else None)
         self.scheduler = Scheduler(config, self.kv, self.drafter)
-        self.sampler = Sampler(config.seed, constrain=self.structured.apply, argmax=greedy_argmax(
-            process_selector(config.cpu_isa, config.kernel_switches()).ops_for(self.device)))
+        self.sampler = Sampler(config.seed, constrain=self.structured.apply,
+                               argmax=greedy_argmax(self.backend.ops))
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.live = LiveRequests(self.scheduler, self.outputs)
         self.requests = self.live.by_id  # request id -> Request, until it ends
