@@ -310,3 +310,55 @@ def test_engine_reports_the_governor(llama):
     assert all(b["steps"] > 0 for b in snap["buckets"].values())
     assert snap["speculating"] == [k for k, b in snap["buckets"].items() if b["speculate"]]
     assert "spec_governor" not in make_engine(llama).stats()
+
+
+def test_long_drafted_steps_are_not_taken_for_pauses():
+    """Drafted steps whose yield swings with their draft rows (open chat at 8 streams: 8-34
+    tokens in 7-46 ms): a long step is long because it verified many rows, not because the
+    machine paused. Here plain decoding makes 8 tokens from 8 rows in 7 s; three drafted
+    steps in four are short (9 tokens, 16 rows, 9 s) and one is long (30 tokens, 56 rows,
+    40 s): 57 tokens in 67 s, 0.85 of plain's rate, though the long steps alone beat it.
+    Capped at twice a typical step, the long steps had kept their tokens and lost half their
+    time, and speculation read 1.1x plain: the governor must settle on plain decoding."""
+    clock = FakeClock()
+    gov = SpecGovernor(max_batch=128, clock=clock)
+    drafted = 0
+    decisions = []
+    for _ in range(600):
+        speculate = gov.decide(8)
+        if speculate:
+            tokens, rows, seconds = (30, 56, 40.0) if drafted % 4 == 3 else (9, 16, 9.0)
+            drafted += 1
+        else:
+            tokens, rows, seconds = 8, 8, 7.0
+        clock.now += seconds
+        gov.record(tokens, rows=rows)
+        decisions.append(speculate)
+    assert gov.snapshot()["buckets"]["8-15"]["speculate"] is False
+    assert sum(decisions[100:]) < len(decisions[100:]) // 10
+
+
+def test_a_turned_over_batch_tries_speculation_again():
+    """Plain decoding chosen over many steps (its back-off at its longest), then the batch's
+    jobs change to ones whose drafts pay: once as many requests have finished as the bucket's
+    smallest batch, speculation is tried at once and taken, not after the back-off."""
+    clock = FakeClock()
+    gov = SpecGovernor(max_batch=128, clock=clock)
+
+    def chat(speculate: bool) -> tuple[int, float]:  # 8 sequences: drafts lose (0.87x)
+        return (9, 1.3) if speculate else (8, 1.0)
+
+    def edit(speculate: bool) -> tuple[int, float]:  # drafts pay (2x)
+        return (24, 1.5) if speculate else (8, 1.0)
+
+    run(gov, clock, 8, chat, 3000)
+    assert gov.by_size[4].interval == EXPLORE_AT_MOST
+    assert not any(run(gov, clock, 8, edit, 2 * TRY_STEPS))  # no try within the back-off yet
+    for _ in range(7):
+        gov.request_finished()
+    assert not any(run(gov, clock, 8, edit, 2 * TRY_STEPS))  # 7 of a bucket of 8-15: not yet
+    gov.request_finished()
+    after = run(gov, clock, 8, edit, 40)
+    assert all(after[:3 * TRY_STEPS])  # the try at once, then speculation chosen
+    assert after.count(False) <= 2 * TRY_STEPS  # plain decoding's tries, backing off
+    assert gov.snapshot()["buckets"]["8-15"]["speculate"] is True

@@ -333,7 +333,9 @@ class Drafter:
         seq.spec_len = min(top, drafted + 1) if accepted == drafted else max(1, accepted + 1)
 
     def finished(self, seq: Sequence) -> None:
-        """A sequence ended: its prompt and output join the suffix corpus."""
+        """A sequence ended: its prompt and output join the suffix corpus, and the governor
+        counts the batch's turnover."""
+        self.governor.request_finished()
         if self.corpus is not None and seq.finish_reason in ("stop", "length"):
             self.corpus.add(list(seq.token_ids))
 

@@ -213,7 +213,7 @@ class Engine(OfflineAPI):
             outputs.extend(self._sample(logits, sample_seqs))
         if self.drafter is not None:  # the speculation governor times the whole step
             self.drafter.governor.record(self.num_generated_tokens - generated, decode_only,
-                                         drafted)
+                                         drafted, sched.num_batched_tokens)
         return outputs
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[StepOutput]:

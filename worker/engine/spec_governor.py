@@ -30,12 +30,17 @@ weights' bandwidth bounds the step (where speculation is decided) its time barel
 batch, so tokens per step grow with it and a try at 7 sequences would beat the running mean of
 steps at 4 for that reason alone; per sequence, the two compare like for like. A try lasts
 TRY_STEPS steps (one step's acceptance is too noisy to judge by). A step that took over
-OUTLIER times its choice's typical step counts as OUTLIER times it, unless the step before it
-was slow too: on a shared or virtual machine a garbage collection or the host taking the core
-adds tens of milliseconds to a ~7 ms step now and then, and one such step, smoothed in at full
-weight, moved a choice's mean by 20-60% and started a try of the losing choice (a try summed
-over its steps counts each at most OUTLIER times their median). Per step the governor does a
-few float operations: no per-token work.
+OUTLIER times what its query rows typically cost counts as OUTLIER times that, unless the step
+before it was slow too: on a shared or virtual machine a garbage collection or the host taking
+the core adds tens of milliseconds to a ~7 ms step now and then, and one such step, smoothed in
+at full weight, moved a choice's mean by 20-60% and started a try of the losing choice (a try
+summed over its steps counts each at most OUTLIER times their median cost per row). Per row,
+not per step: a drafted step's time grows with its draft rows, and its tokens with the drafts
+it accepts, so the longest drafted steps are also the most productive ones. Capped per step,
+they kept their tokens and lost up to half their time: at 8 streams on open chat (Zen 5, 2
+threads) speculation read 154-161 tokens a second and sequence against plain decoding's 145,
+while its drafted steps ran 1029-1088 tokens a second against plain's 1107-1227 (the engine
+0.92x off). Per step the governor does a few float operations: no per-token work.
 
 ``disable_by_batch_size`` stays a hard cap above which no step speculates, and ``adaptive=False``
 (``speculative_config``) turns the governor off: every step below the cap speculates.
@@ -63,6 +68,8 @@ REACT = 1.1  # the other choice's last rate this many times the chosen's: try it
 # a step counts at most this many times its choice's typical step: a pause that is not the
 # step's own (a garbage collection, the host taking the core) must not decide for ~10 steps
 OUTLIER = 2.0
+# weight a drafted step's verdict keeps per later drafted step (see SpecGovernor.spec_pays)
+GAIN_DECAY = 0.95
 
 
 def bucket_name(size: int) -> str:
@@ -77,6 +84,7 @@ class _Rate:
 
     tokens: float = 0.0
     seconds: float = 0.0
+    row_seconds: float = 0.0  # seconds per query row: what a typical step of n rows costs
     measured: bool = False
     over: bool = False  # the latest step took over OUTLIER times the mean (see _follow)
 
@@ -94,29 +102,42 @@ class _Bucket:
     next_try: int = EXPLORE_EVERY
     trying: bool | None = None  # the choice a try in progress runs
     try_tokens: float = 0.0
-    try_times: list[float] = field(default_factory=list)  # seconds of the try's steps
+    try_times: list[tuple[float, int]] = field(default_factory=list)  # the try's (seconds, rows)
     free_tokens: float = 0.0  # draftless speculating steps summed while plain is unmeasured
-    free_times: list[float] = field(default_factory=list)
+    free_times: list[tuple[float, int]] = field(default_factory=list)
     last_free: int = -1  # ``steps`` at the latest draftless speculating step
+    # drafted steps' tokens, and what plain decoding would have made in their time (at its
+    # rate then), both decayed by GAIN_DECAY a drafted step: SpecGovernor.spec_pays
+    gain_tokens: float = 0.0
+    gain_plain: float = 0.0
+    turnover: int = 1  # requests that must finish before plain decoding's choice is re-tried
+    finished_mark: int = 0  # SpecGovernor.finished at the latest try of speculation
 
 
-def _typical_mean(times: list[float]) -> float:
-    """The mean of a few steps' seconds, each counted at most OUTLIER times their median."""
-    cap = OUTLIER * statistics.median(times)
-    return sum(min(t, cap) for t in times) / len(times)
+def _measure(rate: _Rate, tokens: float, steps: list[tuple[float, int]]) -> None:
+    """Set a choice's figures from a few steps' (seconds, rows): the mean tokens and seconds
+    of a step, each step counted at most OUTLIER times the median seconds per row of them."""
+    per_row = statistics.median(t / rows for t, rows in steps)
+    capped = [min(t, OUTLIER * rows * per_row) for t, rows in steps]
+    rate.tokens = tokens / len(steps)
+    rate.seconds = sum(capped) / len(steps)
+    rate.row_seconds = sum(capped) / sum(rows for _, rows in steps)
+    rate.measured = True
 
 
-def _follow(rate: _Rate, tokens: float, seconds: float) -> None:
-    """Move a choice's running means towards a new step. A step over OUTLIER times the mean
-    counts as OUTLIER times it unless the step before was over too: one paused step moves
-    the mean little, a lasting change (the machine got busy, the workload changed) from its
-    second step on."""
-    over = seconds > OUTLIER * rate.seconds
+def _follow(rate: _Rate, tokens: float, seconds: float, rows: int) -> None:
+    """Move a choice's running means towards a new step of ``rows`` query rows. A step over
+    OUTLIER times what its rows typically cost counts as OUTLIER times that unless the step
+    before was over too: one paused step moves the means little, a lasting change (the
+    machine got busy, the workload changed) from its second step on."""
+    typical = rows * rate.row_seconds
+    over = seconds > OUTLIER * typical
     if over and not rate.over:
-        seconds = OUTLIER * rate.seconds
+        seconds = OUTLIER * typical
     rate.over = over
     rate.tokens += SMOOTHING * (tokens - rate.tokens)
     rate.seconds += SMOOTHING * (seconds - rate.seconds)
+    rate.row_seconds += SMOOTHING * (seconds / rows - rate.row_seconds)
 
 
 class SpecGovernor:
@@ -137,6 +158,7 @@ class SpecGovernor:
         self.clock = clock
         self.by_size: dict[int, _Bucket] = {}
         self.pending: tuple[_Bucket, bool, int, float] | None = None  # the step under way
+        self.finished = 0  # requests ended (request_finished): the batch's turnover
 
     def decide(self, batch: int) -> bool:
         """Whether a step running ``batch`` sequences speculates; starts timing the step (a
@@ -148,14 +170,18 @@ class SpecGovernor:
             return True
         bucket = self.by_size.get(size_class(batch))
         if bucket is None:
-            bucket = self.by_size[size_class(batch)] = _Bucket(
-                interval=self.explore_every, next_try=self.explore_every)
+            size = size_class(batch)
+            bucket = self.by_size[size] = _Bucket(
+                interval=self.explore_every, next_try=self.explore_every,
+                turnover=1 << (size - 1), finished_mark=self.finished)
         speculate = self.pick(bucket)
         self.pending = (bucket, speculate, batch, self.clock())
         return speculate
 
-    def record(self, tokens: int, decode_only: bool = True, drafted: bool = True) -> None:
-        """The step :meth:`decide` began has ended having produced ``tokens`` tokens; a step
+    def record(self, tokens: int, decode_only: bool = True, drafted: bool = True,
+               rows: int | None = None) -> None:
+        """The step :meth:`decide` began has ended having produced ``tokens`` tokens from
+        ``rows`` query rows (default: one a running sequence, a plain decode step); a step
         with a prefill chunk in it (``decode_only`` false) is not measured; a speculating step
         that verified no draft (``drafted`` false) is measured as the plain step it was."""
         if self.pending is None:
@@ -164,19 +190,35 @@ class SpecGovernor:
         self.pending = None
         if not (decode_only and tokens > 0):
             return
+        step = (self.clock() - start, max(1, rows or batch))
         if speculate and not drafted:
-            self.observe_free(bucket, tokens / batch, self.clock() - start)
+            self.observe_free(bucket, tokens / batch, step)
         else:
-            self.observe(bucket, speculate, tokens / batch, self.clock() - start)
+            self.observe(bucket, speculate, tokens / batch, step)
+
+    def request_finished(self) -> None:
+        """A request ended. Once as many have ended as a bucket's smallest batch (its batch
+        has turned over: new jobs, maybe another workload), a bucket decoding plainly tries
+        speculation again at once, whatever its back-off. Why: the back-off grows while
+        drafts do not pay, and the batch sizes where a workload sits spend few steps in each
+        bucket (8 edit jobs speculating: ~20 steps of 8-15 sequences in a batch), so a worker
+        that had settled on plain decoding over extraction jobs never tried drafts again on
+        the edit jobs after them (8 streams: edit 1.08x off against 1.49x, Zen 5). A try per
+        turnover costs a few steps a batch where drafts lose."""
+        self.finished += 1
 
     def pick(self, bucket: _Bucket) -> bool:
         """A try in progress goes on; an unmeasured choice is tried (speculation first); then
-        the better choice, and the other one once ``next_try`` is reached."""
+        the better choice, and the other one once ``next_try`` is reached (or, decoding
+        plainly, once the batch has turned over: request_finished)."""
         if bucket.trying is not None:
             return bucket.trying
         on, off = bucket.rates[True], bucket.rates[False]
+        if bucket.chosen is False and self.finished - bucket.finished_mark >= bucket.turnover:
+            bucket.next_try = min(bucket.next_try, bucket.steps)
         if not on.measured:
             bucket.trying = True
+            bucket.finished_mark = self.finished
             return True
         if not off.measured:
             if self._fresh_plain(bucket):  # draftless steps are measuring plain decoding
@@ -185,39 +227,71 @@ class SpecGovernor:
             return False
         if bucket.steps >= bucket.next_try:
             if bucket.chosen and self._fresh_plain(bucket):  # no plain try needed
-                if off.per_second > on.per_second:
+                if not self.spec_pays(bucket):
                     bucket.chosen, bucket.interval = False, self.explore_every
                 bucket.next_try = bucket.steps + bucket.interval
                 return bool(bucket.chosen)
             bucket.trying = not bucket.chosen
+            if bucket.trying:
+                bucket.finished_mark = self.finished
             return bucket.trying
         return bool(bucket.chosen)
+
+    @staticmethod
+    def spec_pays(bucket: _Bucket) -> bool:
+        """Whether speculation beats plain decoding in ``bucket``: its drafted steps' tokens
+        against the tokens plain decoding made in the same time at its rate of that moment,
+        summed over the bucket's recent drafted steps (GAIN_DECAY), tries and chosen runs alike.
+
+        Why not the two running means: a drafted step's yield swings 1-4x from step to step
+        (8 streams on open chat: 8-34 tokens in 7-46 ms), so a four-step try judged alone,
+        which then stood for its choice until the next try, was mostly luck, and a lucky one
+        kept speculation chosen where its drafted steps lost ~10% (0.92x off on chat at 8
+        streams, Zen 5). Summing over many tries steadies it, and pricing each step at plain's
+        rate of its own moment keeps the sum fair while the machine's speed drifts (a VM's rate
+        moved 1.4x within minutes): the first measurement of both still compares the means."""
+        on, off = bucket.rates[True], bucket.rates[False]
+        if bucket.gain_plain > 0:
+            return bucket.gain_tokens >= bucket.gain_plain
+        return on.per_second >= off.per_second
 
     def _fresh_plain(self, bucket: _Bucket) -> bool:
         """Whether a draftless speculating step measured plain decoding within the bucket's
         current try interval."""
         return bucket.last_free >= 0 and bucket.steps - bucket.last_free < bucket.interval
 
-    def observe(self, bucket: _Bucket, speculate: bool, tokens: float, seconds: float) -> None:
-        """A measured step (``tokens``: per running sequence). A try sums its steps and, once
+    def observe(self, bucket: _Bucket, speculate: bool, tokens: float,
+                step: tuple[float, int]) -> None:
+        """A measured step (``tokens``: per running sequence; ``step``: its seconds and query
+        rows). A try sums its steps and, once
         done, replaces its choice's (stale) means: it measures the machine and the workload as
-        they are now; the other choice takes over if it is now faster, else its next try waits
-        twice as long. The chosen choice's
+        they are now; the other choice takes over if it is now faster (spec_pays), else its
+        next try waits twice as long. The chosen choice's
         means follow its steps smoothly, and when they fall REACT times below the other
         choice's last rate (the load or the workload changed) the other is tried at once."""
         bucket.steps += 1
+        plain = bucket.rates[False]
+        if speculate and plain.measured:  # a drafted step, priced at plain's rate now
+            seconds, rows = step
+            seconds = min(seconds, OUTLIER * rows * bucket.rates[True].row_seconds or seconds)
+            bucket.gain_tokens = GAIN_DECAY * bucket.gain_tokens + tokens
+            bucket.gain_plain = GAIN_DECAY * bucket.gain_plain + seconds * plain.per_second
         if speculate == bucket.trying:
             bucket.try_tokens += tokens
-            bucket.try_times.append(seconds)
+            bucket.try_times.append(step)
             if len(bucket.try_times) >= self.try_steps:
                 self._end_try(bucket, speculate)
             return
         rate, other = bucket.rates[speculate], bucket.rates[not speculate]
-        _follow(rate, tokens, seconds)
+        _follow(rate, tokens, *step)
         if other.per_second > REACT * rate.per_second:
+            self._react(bucket)
+        elif speculate and bucket.chosen and not self.spec_pays(bucket):
+            # the drafted steps' sum turned (the workload changed, less than REACT): plain
+            # decoding's try at once, not at the back-off's next one
             bucket.next_try = min(bucket.next_try, bucket.steps)
 
-    def observe_free(self, bucket: _Bucket, tokens: float, seconds: float) -> None:
+    def observe_free(self, bucket: _Bucket, tokens: float, step: tuple[float, int]) -> None:
         """A speculating step that verified no draft: a plain step's rows, measured as one.
         Until plain decoding has a figure, TRY_STEPS of them make it (as a try would); then
         they keep it current, and plain decoding faster than speculation by REACT makes the
@@ -227,33 +301,39 @@ class SpecGovernor:
         plain = bucket.rates[False]
         if not plain.measured:
             bucket.free_tokens += tokens
-            bucket.free_times.append(seconds)
+            bucket.free_times.append(step)
             if len(bucket.free_times) >= self.try_steps:
-                plain.tokens = bucket.free_tokens / len(bucket.free_times)
-                plain.seconds = _typical_mean(bucket.free_times)
-                plain.measured = True
+                _measure(plain, bucket.free_tokens, bucket.free_times)
                 on = bucket.rates[True]
                 if on.measured and bucket.chosen is None:
-                    bucket.chosen = on.per_second >= plain.per_second
+                    bucket.chosen = self.spec_pays(bucket)
                     bucket.next_try = bucket.steps + bucket.interval
             return
-        _follow(plain, tokens, seconds)
+        _follow(plain, tokens, *step)
         if bucket.chosen and plain.per_second > REACT * bucket.rates[True].per_second:
-            bucket.next_try = min(bucket.next_try, bucket.steps)
+            self._react(bucket)
+
+    @staticmethod
+    def _react(bucket: _Bucket) -> None:
+        """The chosen choice's running means fell REACT times below the other's: try the
+        other at once. Where speculation was chosen, its drafted steps' sum (spec_pays) is
+        dropped: it holds the workload from before the change, and its slow decay would keep
+        speculation for tens of steps after drafts stopped paying; the try's means judge."""
+        bucket.next_try = min(bucket.next_try, bucket.steps)
+        if bucket.chosen:
+            bucket.gain_tokens = bucket.gain_plain = 0.0
 
     def _end_try(self, bucket: _Bucket, tried: bool) -> None:
         rate = bucket.rates[tried]
-        rate.tokens = bucket.try_tokens / len(bucket.try_times)
-        rate.seconds = _typical_mean(bucket.try_times)
-        rate.measured = True
+        _measure(rate, bucket.try_tokens, bucket.try_times)
         bucket.trying, bucket.try_tokens, bucket.try_times = None, 0.0, []
         on, off = bucket.rates[True], bucket.rates[False]
         if not (on.measured and off.measured):
             return
         if bucket.chosen is None:  # both measured for the first time
-            bucket.chosen = on.per_second >= off.per_second
+            bucket.chosen = self.spec_pays(bucket)
         elif tried != bucket.chosen:
-            if rate.per_second > bucket.rates[bucket.chosen].per_second:
+            if self.spec_pays(bucket) == tried:
                 bucket.chosen, bucket.interval = tried, self.explore_every
             else:
                 bucket.interval = min(2 * bucket.interval, EXPLORE_AT_MOST)
