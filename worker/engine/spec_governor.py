@@ -140,6 +140,19 @@ def _follow(rate: _Rate, tokens: float, seconds: float, rows: int) -> None:
     rate.row_seconds += SMOOTHING * (seconds / rows - rate.row_seconds)
 
 
+def _price(bucket: _Bucket, tokens: float, seconds: float, rows: int) -> None:
+    """Add a drafted step to the bucket's sums (SpecGovernor.spec_pays): its tokens, and what
+    plain decoding would have made in its time at plain's rate now (a pause capped per row as
+    in _follow); nothing while plain decoding is unmeasured."""
+    plain, typical = bucket.rates[False], rows * bucket.rates[True].row_seconds
+    if not plain.measured:
+        return
+    if typical > 0:
+        seconds = min(seconds, OUTLIER * typical)
+    bucket.gain_tokens = GAIN_DECAY * bucket.gain_tokens + tokens
+    bucket.gain_plain = GAIN_DECAY * bucket.gain_plain + seconds * plain.per_second
+
+
 class SpecGovernor:
     """Lets a step speculate when speculation has produced more tokens per second than plain
     decoding for batches of its size, and never at ``max_batch`` running sequences or more.
@@ -270,12 +283,8 @@ class SpecGovernor:
         means follow its steps smoothly, and when they fall REACT times below the other
         choice's last rate (the load or the workload changed) the other is tried at once."""
         bucket.steps += 1
-        plain = bucket.rates[False]
-        if speculate and plain.measured:  # a drafted step, priced at plain's rate now
-            seconds, rows = step
-            seconds = min(seconds, OUTLIER * rows * bucket.rates[True].row_seconds or seconds)
-            bucket.gain_tokens = GAIN_DECAY * bucket.gain_tokens + tokens
-            bucket.gain_plain = GAIN_DECAY * bucket.gain_plain + seconds * plain.per_second
+        if speculate:
+            _price(bucket, tokens, *step)
         if speculate == bucket.trying:
             bucket.try_tokens += tokens
             bucket.try_times.append(step)
