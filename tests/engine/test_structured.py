@@ -127,6 +127,41 @@ def test_unconstrained_rows_are_untouched(so, tokenizer, eos):
     assert {tokenizer.decode([t]) for t in allowed} <= {"a", "b"}
 
 
+@pytest.mark.parametrize("kind", ["json_small", "regex", "grammar"])
+def test_a_greedy_pick_the_grammar_allows_skips_the_mask(so, tokenizer, eos, kind):
+    """Given each row's greedy pick, ``apply`` masks exactly the rows whose pick the grammar
+    refuses and leaves the others untouched, and the argmax after it is the full mask's
+    argmax (the oracle: a twin sequence masked in full at every step). Every other step the
+    best allowed token is made the row's best overall, as a model following its format does."""
+    full, quick = (make_request(so, CONSTRAINTS[kind], rid=f"{kind}-{name}") for name in ("full", "quick"))
+    a, b = full.seqs[0], quick.seqs[0]
+    masked = skipped = 0
+    for step in range(60):
+        logits = random_logits([b], len(tokenizer), seed=9)
+        reference = logits.clone()
+        so.apply(reference, [a])
+        want = int(reference.argmax(-1))
+        if step % 2:
+            logits[0, want] = logits.max() + 1.0
+        before = logits.clone()
+        pick = int(before.argmax(-1))
+        did = so.apply(logits, [b], [pick])
+        assert did == (pick != want)
+        if did:
+            masked += 1
+        else:
+            skipped += 1
+            assert torch.equal(logits, before)
+        assert int(logits.argmax(-1)) == want
+        for s in (a, b):
+            so.advance(s, want)
+            s.token_ids.append(want)
+        if want in eos:
+            break
+    assert a.output_token_ids == b.output_token_ids
+    assert masked and skipped, (masked, skipped)
+
+
 def test_eos_only_where_the_grammar_accepts(so, tokenizer, eos):
     req = make_request(so, {"regex": "ab?"}, rid="eos")
     seq = req.seqs[0]

@@ -92,19 +92,28 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
                           accumulate=True)
 
 
-def mask_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+def min_tokens_pending(seq: Sequence) -> bool:
+    """Whether ``seq`` is still short of its ``min_tokens`` (mask_min_tokens acts on it)."""
+    return bool(seq.params.min_tokens) and seq.num_generated < seq.params.min_tokens
+
+
+def mask_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> bool:
     """Forbid EOS and stop tokens until a sequence has its ``min_tokens``, unless they are all
-    that is left (a complete structured output may only end): the row keeps them then."""
+    that is left (a complete structured output may only end): the row keeps them then.
+    Returns whether any row was masked."""
+    masked = False
     for i, s in enumerate(seqs):
         p = s.params
-        if p.min_tokens and s.num_generated < p.min_tokens:
+        if min_tokens_pending(s):
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(s.request.eos_token_ids))
             banned = [t for t in banned if t < logits.shape[1]]
             if banned:
                 kept = logits[i, banned].clone()
                 logits[i, banned] = float("-inf")
+                masked = True
                 if s.params.structured_outputs is not None and not bool(logits[i].isfinite().any()):
                     logits[i, banned] = kept
+    return masked
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -167,13 +176,24 @@ def greedy_argmax(ops: Any) -> Argmax:
     return cpp
 
 
-class Sampler:
-    """``constrain(logits, seqs)`` masks rows in place after the penalties (structured outputs);
-    logprobs are the model's own distribution, taken before penalties and masks; ``argmax``
-    picks the greedy rows' tokens (greedy_argmax)."""
+# constrain(logits, seqs, best): mask rows in place; ``best`` holds each row's greedy pick
+# before any mask (-1 where the row must be masked whatever it is); returns whether it masked
+Constrain = Callable[[torch.Tensor, list[Sequence], list[int]], bool]
 
-    def __init__(self, seed: int = 0,
-                 constrain: Callable[[torch.Tensor, list[Sequence]], None] | None = None,
+
+class Sampler:
+    """``constrain(logits, seqs, best)`` masks rows in place after the penalties (structured
+    outputs); logprobs are the model's own distribution, taken before penalties and masks;
+    ``argmax`` picks the greedy rows' tokens (greedy_argmax).
+
+    A greedy row needs its grammar's mask only when its best token is one the grammar refuses:
+    the best allowed token is the best token whenever that one is allowed (ties included: a
+    token with the same logit at a lower index would have been the best). So ``constrain`` is
+    given each greedy row's pick before any mask, and masks only rows whose pick it refuses
+    (StructuredOutputs.apply), and the pick stands when nothing was masked. Rows still short
+    of ``min_tokens`` are masked as before: their stop tokens come off after the grammar's."""
+
+    def __init__(self, seed: int = 0, constrain: Constrain | None = None,
                  argmax: Argmax = torch_argmax) -> None:
         self.generator = torch.Generator().manual_seed(seed)  # for unseeded requests
         self.constrain = constrain
@@ -185,10 +205,14 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
         apply_penalties(logits, seqs)
         apply_logit_bias(logits, seqs)
+        tokens: torch.Tensor | None = self.argmax(logits)
         if self.constrain is not None:
-            self.constrain(logits, seqs)
-        mask_min_tokens(logits, seqs)
-        tokens = self.argmax(logits)
+            best = [t if s.params.greedy and not min_tokens_pending(s) else -1
+                    for t, s in zip(tokens.tolist(), seqs, strict=True)]
+            if self.constrain(logits, seqs, best):
+                tokens = None
+        if mask_min_tokens(logits, seqs) or tokens is None:
+            tokens = self.argmax(logits)
         rand_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if rand_rows:
             tokens[rand_rows] = self._sample_rows(logits[rand_rows], [seqs[i] for i in rand_rows])

@@ -116,11 +116,20 @@ class StructuredOutputs:
         return True
 
     # -- the step -------------------------------------------------------------------------
-    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Mask the constrained rows of ``logits`` [rows, vocab] in place (row i is seqs[i])."""
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence], best: list[int] | None = None
+              ) -> bool:
+        """Mask the constrained rows of ``logits`` [rows, vocab] in place (row i is seqs[i]);
+        a row whose ``best[i]`` (its greedy pick, -1: none) the grammar accepts is left as it is
+        (the Sampler says why). Returns whether any row was masked.
+
+        Why: filling and applying one row's mask cost ~80 us on the bundled model (a 49,152-token
+        vocabulary, AMD EPYC Zen 5), 2.5 times a step while speculative drafts are verified one
+        position at a time, and the model's own pick is nearly always one the grammar allows."""
         rows = [i for i, s in enumerate(seqs) if s.request in self._compiled]
+        if best is not None:
+            rows = [i for i in rows if best[i] < 0 or not self._accepts(seqs[i], best[i])]
         if not rows:
-            return
+            return False
         started = time.perf_counter()
         xgr = self.cache.bitmask_backend
         bitmask = self._bitmask_rows(xgr, len(seqs))
@@ -133,6 +142,15 @@ class StructuredOutputs:
             apply_bitmask_cpu(logits, bitmask, rows)
         self.mask_seconds += time.perf_counter() - started
         self.mask_steps += 1
+        return True
+
+    def _accepts(self, seq: Sequence, token: int) -> bool:
+        """Whether ``seq``'s grammar allows ``token`` next (the matcher is left where it was)."""
+        matcher = self._sync(seq).matcher
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            return False
+        matcher.rollback(1)
+        return True
 
     def advance(self, seq: Sequence, token: int) -> bool:
         """Feed ``seq``'s matcher the token just sampled for it (before it joins the sequence);
