@@ -177,8 +177,9 @@ def greedy_argmax(ops: Any) -> Argmax:
 
 
 # constrain(logits, seqs, best): mask rows in place; ``best`` holds each row's greedy pick
-# before any mask (-1 where the row must be masked whatever it is); returns whether it masked
-Constrain = Callable[[torch.Tensor, list[Sequence], list[int]], bool]
+# before any mask (-1 where the row must be masked whatever it is; None: every row is masked);
+# returns whether it masked
+Constrain = Callable[[torch.Tensor, list[Sequence], list[int] | None], bool]
 
 
 class Sampler:
@@ -205,10 +206,13 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
         apply_penalties(logits, seqs)
         apply_logit_bias(logits, seqs)
-        tokens: torch.Tensor | None = self.argmax(logits)
+        tokens: torch.Tensor | None = None
         if self.constrain is not None:
-            best = [t if s.params.greedy and not min_tokens_pending(s) else -1
-                    for t, s in zip(tokens.tolist(), seqs, strict=True)]
+            best = None  # greedy picks, only where a greedy row may be constrained
+            if any(s.params.greedy and s.params.structured_outputs is not None for s in seqs):
+                tokens = self.argmax(logits)
+                best = [t if s.params.greedy and not min_tokens_pending(s) else -1
+                        for t, s in zip(tokens.tolist(), seqs, strict=True)]
             if self.constrain(logits, seqs, best):
                 tokens = None
         if mask_min_tokens(logits, seqs) or tokens is None:
