@@ -362,3 +362,21 @@ def test_a_turned_over_batch_tries_speculation_again():
     assert all(after[:3 * TRY_STEPS])  # the try at once, then speculation chosen
     assert after.count(False) <= 2 * TRY_STEPS  # plain decoding's tries, backing off
     assert gov.snapshot()["buckets"]["8-15"]["speculate"] is True
+
+
+def test_a_turned_over_batch_halves_the_drafted_steps_sums_while_speculating():
+    """Speculating, a turned-over batch weighs its old jobs' drafted steps half: the sums
+    that decide are halved once per turnover (their verdict unchanged until new steps come)."""
+    clock = FakeClock()
+    gov = SpecGovernor(max_batch=128, clock=clock)
+    run(gov, clock, 8, lambda s: (24, 1.5) if s else (8, 1.0), 200)
+    bucket = gov.by_size[4]
+    assert bucket.chosen is True and bucket.gain_plain > 0
+    sums = (bucket.gain_tokens, bucket.gain_plain)
+    for _ in range(8):
+        gov.request_finished()
+    gov.decide(8)
+    assert (bucket.gain_tokens, bucket.gain_plain) == (sums[0] / 2, sums[1] / 2)
+    gov.pending = None
+    gov.decide(8)  # the same turnover halves once
+    assert (bucket.gain_tokens, bucket.gain_plain) == (sums[0] / 2, sums[1] / 2)

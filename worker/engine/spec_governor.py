@@ -212,12 +212,14 @@ class SpecGovernor:
     def request_finished(self) -> None:
         """A request ended. Once as many have ended as a bucket's smallest batch (its batch
         has turned over: new jobs, maybe another workload), a bucket decoding plainly tries
-        speculation again at once, whatever its back-off. Why: the back-off grows while
-        drafts do not pay, and the batch sizes where a workload sits spend few steps in each
-        bucket (8 edit jobs speculating: ~20 steps of 8-15 sequences in a batch), so a worker
-        that had settled on plain decoding over extraction jobs never tried drafts again on
-        the edit jobs after them (8 streams: edit 1.08x off against 1.49x, Zen 5). A try per
-        turnover costs a few steps a batch where drafts lose."""
+        speculation again at once, whatever its back-off, and a speculating one halves its
+        drafted steps' sums (spec_pays), so the new jobs' steps outweigh the old ones sooner.
+        Why: the back-off grows while drafts do not pay, and the batch sizes where a workload
+        sits spend few steps in each bucket (8 edit jobs speculating: ~20 steps of 8-15
+        sequences in a batch), so a worker that had settled on plain decoding over extraction
+        jobs never tried drafts again on the edit jobs after them (8 streams: edit 1.08x off
+        against 1.49x, Zen 5); the other way, open chat after edit kept speculating through
+        its first round. A try per turnover costs a few steps a batch where drafts lose."""
         self.finished += 1
 
     def pick(self, bucket: _Bucket) -> bool:
@@ -227,8 +229,12 @@ class SpecGovernor:
         if bucket.trying is not None:
             return bucket.trying
         on, off = bucket.rates[True], bucket.rates[False]
-        if bucket.chosen is False and self.finished - bucket.finished_mark >= bucket.turnover:
-            bucket.next_try = min(bucket.next_try, bucket.steps)
+        if self.finished - bucket.finished_mark >= bucket.turnover:
+            if bucket.chosen is False:
+                bucket.next_try = min(bucket.next_try, bucket.steps)
+            else:  # speculating: the jobs before weigh half against the new ones' steps
+                bucket.gain_tokens, bucket.gain_plain = bucket.gain_tokens / 2, bucket.gain_plain / 2
+                bucket.finished_mark = self.finished
         if not on.measured:
             bucket.trying = True
             bucket.finished_mark = self.finished
