@@ -6,9 +6,10 @@ same output lengths (``max_tokens`` = each constrained output's length, ``ignore
 runs do the same model work and the ratio of their token throughputs is the constraint's cost.
 The two runs alternate twice (constrained, free, constrained, free) so a drift of the machine's
 speed cancels to first order, on an engine that has compiled the schema first (a warm worker:
-what a cold one adds is the TTFT figures below). Also measured: the engine's mask time per constrained step, and
-the TTFT of one constrained request on a fresh engine (xgrammar loaded and the tokenizer's table
-built), with a schema new to a warm engine (a compile) and with a cached schema.
+what a cold one adds is the TTFT figures below). Also measured: the engine's mask time per
+constrained step, and the TTFT of one constrained request on a fresh engine (xgrammar loaded
+and the tokenizer's table built), with a schema new to a warm engine (a compile) and with a
+cached schema.
 """
 
 from __future__ import annotations

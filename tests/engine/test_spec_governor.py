@@ -355,28 +355,38 @@ def test_a_turned_over_batch_tries_speculation_again():
     assert gov.by_size[4].interval == EXPLORE_AT_MOST
     assert not any(run(gov, clock, 8, edit, 2 * TRY_STEPS))  # no try within the back-off yet
     for _ in range(7):
-        gov.request_finished()
+        gov.sequence_finished()
     assert not any(run(gov, clock, 8, edit, 2 * TRY_STEPS))  # 7 of a bucket of 8-15: not yet
-    gov.request_finished()
+    gov.sequence_finished()
     after = run(gov, clock, 8, edit, 40)
     assert all(after[:3 * TRY_STEPS])  # the try at once, then speculation chosen
     assert after.count(False) <= 2 * TRY_STEPS  # plain decoding's tries, backing off
     assert gov.snapshot()["buckets"]["8-15"]["speculate"] is True
 
 
-def test_a_turned_over_batch_halves_the_drafted_steps_sums_while_speculating():
-    """Speculating, a turned-over batch weighs its old jobs' drafted steps half: the sums
-    that decide are halved once per turnover (their verdict unchanged until new steps come)."""
-    clock = FakeClock()
-    gov = SpecGovernor(max_batch=128, clock=clock)
-    run(gov, clock, 8, lambda s: (24, 1.5) if s else (8, 1.0), 200)
-    bucket = gov.by_size[4]
-    assert bucket.chosen is True and bucket.gain_plain > 0
-    sums = (bucket.gain_tokens, bucket.gain_plain)
-    for _ in range(8):
-        gov.request_finished()
-    gov.decide(8)
-    assert (bucket.gain_tokens, bucket.gain_plain) == (sums[0] / 2, sums[1] / 2)
-    gov.pending = None
-    gov.decide(8)  # the same turnover halves once
-    assert (bucket.gain_tokens, bucket.gain_plain) == (sums[0] / 2, sums[1] / 2)
+def test_a_turned_over_batch_leaves_a_losing_speculation_sooner():
+    """Speculating over edit jobs (2x), then chat jobs whose drafted steps lose by less than
+    REACT (0.93x plain: the running means never react): the drafted steps' sums turn only as
+    the edit jobs' steps decay. A governor told of the batch's turnovers (8 sequences end every
+    12 steps) weighs the old jobs half at each and settles on plain decoding sooner than one
+    that is not told, and both end there."""
+    def edit(speculate: bool) -> tuple[int, float]:
+        return (24, 1.5) if speculate else (8, 1.0)
+
+    def chat(speculate: bool) -> tuple[int, float]:
+        return (12, 1.6) if speculate else (8, 1.0)  # 7.5 against 8 tokens a second
+
+    switched = []
+    for told in (True, False):
+        clock = FakeClock()
+        gov = SpecGovernor(max_batch=128, clock=clock)
+        run(gov, clock, 8, edit, 200)
+        decisions = []
+        for step in range(400):
+            if told and step % 12 == 0:
+                for _ in range(8):
+                    gov.sequence_finished()
+            decisions += run(gov, clock, 8, chat, 1)
+        assert gov.snapshot()["buckets"]["8-15"]["speculate"] is False
+        switched.append(decisions.index(False))
+    assert switched[0] < switched[1], switched

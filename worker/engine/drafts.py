@@ -335,7 +335,7 @@ class Drafter:
     def finished(self, seq: Sequence) -> None:
         """A sequence ended: its prompt and output join the suffix corpus, and the governor
         counts the batch's turnover."""
-        self.governor.request_finished()
+        self.governor.sequence_finished()
         if self.corpus is not None and seq.finish_reason in ("stop", "length"):
             self.corpus.add(list(seq.token_ids))
 

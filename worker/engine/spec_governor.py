@@ -110,15 +110,21 @@ class _Bucket:
     # rate then), both decayed by GAIN_DECAY a drafted step: SpecGovernor.spec_pays
     gain_tokens: float = 0.0
     gain_plain: float = 0.0
-    turnover: int = 1  # requests that must finish before plain decoding's choice is re-tried
+    turnover: int = 1  # sequences that must finish before plain decoding's choice is re-tried
     finished_mark: int = 0  # SpecGovernor.finished at the latest try of speculation
+
+
+def _most(rows: int, row_seconds: float) -> float:
+    """The most seconds a step of ``rows`` query rows counts for: OUTLIER times what its rows
+    typically cost (``row_seconds`` each; unknown yet: no limit)."""
+    return OUTLIER * rows * row_seconds if row_seconds > 0 else float("inf")
 
 
 def _measure(rate: _Rate, tokens: float, steps: list[tuple[float, int]]) -> None:
     """Set a choice's figures from a few steps' (seconds, rows): the mean tokens and seconds
     of a step, each step counted at most OUTLIER times the median seconds per row of them."""
     per_row = statistics.median(t / rows for t, rows in steps)
-    capped = [min(t, OUTLIER * rows * per_row) for t, rows in steps]
+    capped = [min(t, _most(rows, per_row)) for t, rows in steps]
     rate.tokens = tokens / len(steps)
     rate.seconds = sum(capped) / len(steps)
     rate.row_seconds = sum(capped) / sum(rows for _, rows in steps)
@@ -130,10 +136,10 @@ def _follow(rate: _Rate, tokens: float, seconds: float, rows: int) -> None:
     OUTLIER times what its rows typically cost counts as OUTLIER times that unless the step
     before was over too: one paused step moves the means little, a lasting change (the
     machine got busy, the workload changed) from its second step on."""
-    typical = rows * rate.row_seconds
-    over = seconds > OUTLIER * typical
+    most = _most(rows, rate.row_seconds)
+    over = seconds > most
     if over and not rate.over:
-        seconds = OUTLIER * typical
+        seconds = most
     rate.over = over
     rate.tokens += SMOOTHING * (tokens - rate.tokens)
     rate.seconds += SMOOTHING * (seconds - rate.seconds)
@@ -144,11 +150,10 @@ def _price(bucket: _Bucket, tokens: float, seconds: float, rows: int) -> None:
     """Add a drafted step to the bucket's sums (SpecGovernor.spec_pays): its tokens, and what
     plain decoding would have made in its time at plain's rate now (a pause capped per row as
     in _follow); nothing while plain decoding is unmeasured."""
-    plain, typical = bucket.rates[False], rows * bucket.rates[True].row_seconds
+    plain = bucket.rates[False]
     if not plain.measured:
         return
-    if typical > 0:
-        seconds = min(seconds, OUTLIER * typical)
+    seconds = min(seconds, _most(rows, bucket.rates[True].row_seconds))
     bucket.gain_tokens = GAIN_DECAY * bucket.gain_tokens + tokens
     bucket.gain_plain = GAIN_DECAY * bucket.gain_plain + seconds * plain.per_second
 
@@ -171,7 +176,7 @@ class SpecGovernor:
         self.clock = clock
         self.by_size: dict[int, _Bucket] = {}
         self.pending: tuple[_Bucket, bool, int, float] | None = None  # the step under way
-        self.finished = 0  # requests ended (request_finished): the batch's turnover
+        self.finished = 0  # sequences ended (sequence_finished): the batch's turnover
 
     def decide(self, batch: int) -> bool:
         """Whether a step running ``batch`` sequences speculates; starts timing the step (a
@@ -209,8 +214,8 @@ class SpecGovernor:
         else:
             self.observe(bucket, speculate, tokens / batch, step)
 
-    def request_finished(self) -> None:
-        """A request ended. Once as many have ended as a bucket's smallest batch (its batch
+    def sequence_finished(self) -> None:
+        """A sequence ended. Once as many have ended as a bucket's smallest batch (its batch
         has turned over: new jobs, maybe another workload), a bucket decoding plainly tries
         speculation again at once, whatever its back-off, and a speculating one halves its
         drafted steps' sums (spec_pays), so the new jobs' steps outweigh the old ones sooner.
@@ -225,7 +230,7 @@ class SpecGovernor:
     def pick(self, bucket: _Bucket) -> bool:
         """A try in progress goes on; an unmeasured choice is tried (speculation first); then
         the better choice, and the other one once ``next_try`` is reached (or, decoding
-        plainly, once the batch has turned over: request_finished)."""
+        plainly, once the batch has turned over: sequence_finished)."""
         if bucket.trying is not None:
             return bucket.trying
         on, off = bucket.rates[True], bucket.rates[False]
