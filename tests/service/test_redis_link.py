@@ -79,3 +79,50 @@ def test_every_copy_of_the_retry_reports_to_one_outage(copies):
     outage = redis_link.Outage("redis://x")
     retries = [copy.deepcopy(redis_link.RetryForever(outage)) for _ in range(copies)]
     assert all(r.outage is outage for r in retries)
+
+
+def test_idle_pooled_connections_end_no_outage_early(tmp_path):
+    """Calls that start one by one during an outage take the pool's idle connections, whose
+    sockets are not yet seen closed: their connect has nothing to do and proves nothing, so
+    the outage is logged once, and ends when Redis is back."""
+    port = free_port()
+    server = EmbeddedRedis.start(port=port, workdir=str(tmp_path), appendonly=True)
+
+    async def scenario():
+        link = await RedisLink.open(server.url)
+        await asyncio.gather(*(link.redis.set(f"k{i}", "v") for i in range(4)))  # 4 idle
+        server.stop()
+        calls = []
+        for i in range(4):
+            calls.append(asyncio.create_task(link.redis.get(f"k{i}")))
+            await asyncio.sleep(0.2)
+        down_while_waiting = link.outage.down
+        restarted = EmbeddedRedis.start(port=port, workdir=str(tmp_path), appendonly=True,
+                                        password=server.password)
+        try:
+            values = await asyncio.wait_for(asyncio.gather(*calls), 30)
+            return down_while_waiting, values, link.outage.down
+        finally:
+            await link.close()
+            restarted.stop()
+
+    with capture_logs() as logs:
+        down_while_waiting, values, still_down = asyncio.run(scenario())
+    assert down_while_waiting and values == [b"v"] * 4 and not still_down
+    events = [e["event"] for e in logs]
+    assert events.count(DOWN) == 1 and events.count(UP) == 1, events
+
+
+def test_loading_replies_count_as_no_outage():
+    """A restarted server reading its AOF accepts connections and answers LOADING: it is up,
+    so its calls wait without an outage (logged once as loading)."""
+    from redis.exceptions import BusyLoadingError
+
+    outage = redis_link.Outage("redis://x")
+    with capture_logs() as logs:
+        for failures in range(1, 5):
+            outage.saw(BusyLoadingError("LOADING Redis is loading the dataset in memory"),
+                       failures)
+    assert not outage.down
+    assert [e["event"] for e in logs] == ["Redis is loading its data set; calls wait until it "
+                                          "has loaded"]

@@ -7,7 +7,8 @@ the engine keeps stepping, the outbox keeps its events, and every call completes
 back (publishes are idempotent). On a standalone server redis-py's own Retry does it; on a
 Redis Cluster (a failover moves a slot's master) ``PatientCluster`` does it for commands and
 pipelines alike. An outage is logged once when it begins and once when it ends, however many
-tasks were waiting, with the URL's credentials redacted.
+tasks were waiting, with the URL's credentials redacted. A server that answers ``LOADING``
+(restarted, reading its AOF or RDB) is up, not out: calls wait for it without an outage.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import (
     AuthenticationError,
+    BusyLoadingError,
     ClusterDownError,
     NoPermissionError,
     RedisClusterException,
@@ -56,6 +58,8 @@ CONNECT_TIMEOUT_S = 10.0
 CLUSTER_TRANSIENT = (*TRANSIENT, ClusterDownError, TryAgainError, RedisClusterException)
 # What is never an outage: a wrong password, a denied command.
 NOT_TRANSIENT = (AuthenticationError, NoPermissionError)
+# How often a server that is still loading its data set is logged while calls wait for it.
+LOADING_LOG_EVERY_S = 30.0
 
 
 class Outage:
@@ -69,6 +73,7 @@ class Outage:
         self.url = redact_url(url)
         self.embedded = embedded  # the server this worker started, if any
         self.since: float | None = None  # monotonic time of the first failed call
+        self.loading_logged: float | None = None  # monotonic time "still loading" was logged
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Outage:
         return self
@@ -88,6 +93,19 @@ class Outage:
             log.warning("Redis unreachable; every call waits and retries until it is back",
                         url=self.url, error=redact_url(str(error)) or type(error).__name__)
 
+    def saw(self, error: Exception, failures: int) -> None:
+        """A call's ``failures``-th failure in a row. LOADING: the server is up and reading
+        its data set (logged, at most every LOADING_LOG_EVERY_S). Else an outage from the
+        second failure: a stale pooled connection fails once, then reconnects fine."""
+        if isinstance(error, BusyLoadingError):
+            now = time.monotonic()
+            if self.loading_logged is None or now - self.loading_logged >= LOADING_LOG_EVERY_S:
+                self.loading_logged = now
+                log.info("Redis is loading its data set; calls wait until it has loaded",
+                         url=self.url)
+        elif failures >= 2:
+            self.failed(error)
+
     def succeeded(self) -> None:
         if self.since is not None:
             log.info("Redis reachable again", url=self.url,
@@ -100,7 +118,9 @@ class RetryForever(Retry):
     Outage.
 
     A call that fails once and then succeeds met a connection Redis had closed (a restart,
-    an idle timeout), not an outage: only a call that fails twice running reports one.
+    an idle timeout), not an outage: only a call that fails twice running reports one. Any call
+    that succeeds ends one, so the connections skip the call for a connect that has nothing to
+    do (``ConnectOnce``).
     """
 
     def __init__(self, outage: Outage):
@@ -116,13 +136,34 @@ class RetryForever(Retry):
             if isinstance(error, NOT_TRANSIENT):  # a wrong password is no outage
                 raise error
             failures += 1
-            if failures >= 2:  # a stale pooled connection fails once, then reconnects fine
-                self.outage.failed(error)
+            self.outage.saw(error, failures)
             return await fail(error, *count)
 
         result = await super().call_with_retry(do, report, *args, **kwargs)
         self.outage.succeeded()
         return result
+
+
+class ConnectOnce:
+    """A connection mix-in: ``connect()`` of a connection that holds a socket returns before
+    redis-py's retry wraps it.
+
+    Why: that call succeeds at once, Redis down or not (the socket is not yet seen closed), and
+    through RetryForever it reported "reachable again" a few ms into an outage, which then began
+    a second time.
+    """
+
+    async def connect(self) -> None:
+        if not getattr(self, "is_connected", False):
+            await super().connect()  # type: ignore[misc]
+
+
+def connect_once(client: Redis) -> Redis:
+    """``client`` with its pool's connections (TCP, TLS or unix socket alike) ConnectOnce."""
+    pool = client.connection_pool
+    base = pool.connection_class
+    pool.connection_class = type(f"ConnectOnce{base.__name__}", (ConnectOnce, base), {})
+    return client
 
 
 async def wait_out(outage: Outage, attempt: Any) -> Any:
@@ -136,8 +177,7 @@ async def wait_out(outage: Outage, attempt: Any) -> Any:
             raise
         except CLUSTER_TRANSIENT as exc:
             failures += 1
-            if failures >= 2:
-                outage.failed(exc)
+            outage.saw(exc, failures)
             await asyncio.sleep(delay)
             delay = min(BACKOFF_CAP_S, delay * 2)
             continue
@@ -258,8 +298,8 @@ class RedisLink:
                                               **options)
             cluster.outage = outage
             return cluster
-        return Redis.from_url(url, retry=RetryForever(outage), health_check_interval=30,
-                              **options)
+        return connect_once(Redis.from_url(url, retry=RetryForever(outage),
+                                           health_check_interval=30, **options))
 
     async def close(self) -> None:
         await self.redis.aclose()
