@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedq.worker.config import SpeculativeConfig
+from pagedq.worker.engine.draft_worth import DraftWorth
 from pagedq.worker.engine.sequence import Request, Sequence
 from pagedq.worker.engine.spec_governor import SpecGovernor
 from pagedq.worker.engine.suffix_tree import SuffixCorpus
@@ -192,6 +193,7 @@ class Drafter:
                                     config.suffix_decoding_max_tree_depth)
                        if config.method == "suffix" else None)
         self.counters = SpecCounters()
+        self.worth = DraftWorth()  # how deep lookups pay, against the governor's row cost
         # whether a step speculates: measured per batch size, capped (spec_governor.py)
         self.governor = SpecGovernor(config.disable_by_batch_size, config.adaptive)
 
@@ -215,11 +217,16 @@ class Drafter:
         if top <= 0:
             return []
         forced = self.forced(seq, top) if self.forced is not None else []
+        seq.draft_forced = len(forced)
+        constrained = self.allowed is not None and bool(
+            getattr(req.params, "structured_outputs", None))
         guessed = min(seq.spec_len or min(top, FIRST_DRAFT), top - len(forced))  # the adaptive part
+        # ... cut to the lookup depths that pay for their rows at this batch size
+        guessed = self.worth.depth(constrained, self.governor.draft_row_cost(), guessed)
         if guessed <= 0:
             return forced
         tokens = seq.token_ids + forced if forced else seq.token_ids
-        if self.allowed is not None and getattr(req.params, "structured_outputs", None):
+        if constrained:
             return self._checked(seq, tokens, forced, guessed)
         return forced + self._lookup(tokens, guessed)
 
@@ -329,6 +336,9 @@ class Drafter:
         """Count a verified draft; the sequence's next draft grows after a full acceptance and
         shrinks to one past what was accepted otherwise."""
         self.counters.add(drafted, accepted)
+        constrained = self.allowed is not None and bool(
+            getattr(seq.request.params, "structured_outputs", None))
+        self.worth.verified(constrained, min(seq.draft_forced, drafted), drafted, accepted)
         top = self.config.num_speculative_tokens
         seq.spec_len = min(top, drafted + 1) if accepted == drafted else max(1, accepted + 1)
 
@@ -341,7 +351,8 @@ class Drafter:
 
     def stats(self) -> dict[str, Any]:
         out = {"spec_method": self.config.method, **self.counters.stats(),
-               "spec_governor": self.governor.snapshot()}
+               "spec_governor": self.governor.snapshot(),
+               "spec_lookup_acceptance_by_depth": self.worth.snapshot()}
         if self.corpus is not None:
             out.update(self.corpus.stats())
         return out

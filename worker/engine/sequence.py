@@ -131,6 +131,7 @@ class Sequence:
     # speculative decoding: this step's draft (verified as extra query rows, never part of
     # token_ids) and the draft length this sequence's recent acceptance earned (0: the config's)
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_forced: int = 0  # how many of draft_token_ids its grammar forced (draft_worth.py)
     spec_len: int = 0
 
     @property

@@ -112,12 +112,22 @@ class _Bucket:
     gain_plain: float = 0.0
     turnover: int = 1  # sequences that must finish before plain decoding's choice is re-tried
     finished_mark: int = 0  # SpecGovernor.finished at the latest try of speculation
+    draft_row_seconds: float = 0.0  # running mean: what a draft's query row adds to a step
+    draft_rows_measured: bool = False
 
 
 def _most(rows: int, row_seconds: float) -> float:
     """The most seconds a step of ``rows`` query rows counts for: OUTLIER times what its rows
     typically cost (``row_seconds`` each; unknown yet: no limit)."""
     return OUTLIER * rows * row_seconds if row_seconds > 0 else float("inf")
+
+
+def _row_cost(bucket: _Bucket) -> float | None:
+    """A draft row's seconds in tokens of plain decoding (SpecGovernor.draft_row_cost)."""
+    plain = bucket.rates[False]
+    if not (bucket.draft_rows_measured and plain.measured and plain.row_seconds > 0):
+        return None
+    return bucket.draft_row_seconds / plain.row_seconds
 
 
 def _measure(rate: _Rate, tokens: float, steps: list[tuple[float, int]]) -> None:
@@ -209,10 +219,33 @@ class SpecGovernor:
         if not (decode_only and tokens > 0):
             return
         step = (self.clock() - start, max(1, rows or batch))
+        if speculate and drafted and step[1] > batch:
+            self._draft_rows(bucket, step[0], step[1], batch)
         if speculate and not drafted:
             self.observe_free(bucket, tokens / batch, step)
         else:
             self.observe(bucket, speculate, tokens / batch, step)
+
+    def draft_row_cost(self) -> float | None:
+        """What one draft row adds to the step :meth:`decide` began, in tokens of plain
+        decoding (its seconds per row), for draft_worth.py; None while either is unmeasured.
+        ~0.12 at one stream, where a step reads the weights for any number of rows, ~0.55 at 8
+        (Zen 5, 2 threads), where each row costs its products."""
+        return None if self.pending is None else _row_cost(self.pending[0])
+
+    @staticmethod
+    def _draft_rows(bucket: _Bucket, seconds: float, rows: int, batch: int) -> None:
+        """Follow what a draft row adds to a step: a drafted step's seconds beyond what plain
+        decoding's rows of the same batch cost, per draft row (a pause capped as in _follow)."""
+        plain = bucket.rates[False]
+        if not plain.measured:
+            return
+        seconds = min(seconds, _most(rows, bucket.rates[True].row_seconds))
+        extra = max(0.0, seconds - plain.row_seconds * batch) / (rows - batch)
+        if not bucket.draft_rows_measured:
+            bucket.draft_row_seconds, bucket.draft_rows_measured = extra, True
+        else:
+            bucket.draft_row_seconds += SMOOTHING * (extra - bucket.draft_row_seconds)
 
     def sequence_finished(self) -> None:
         """A sequence ended. Once as many have ended as a bucket's smallest batch (its batch
@@ -361,13 +394,15 @@ class SpecGovernor:
 
     def snapshot(self) -> dict[str, Any]:
         """The governor's state for stats(): which buckets speculate now, and per bucket the
-        measured tokens per second and running sequence with and without speculation."""
+        measured tokens per second and running sequence with and without speculation, and
+        what a draft row costs in plain decoding's tokens."""
         def figure(rate: _Rate) -> float | None:
             return round(rate.per_second, 3) if rate.measured else None
 
         buckets = {bucket_name(size): {
             "speculate": b.chosen, "seq_tok_s_spec": figure(b.rates[True]),
-            "seq_tok_s_plain": figure(b.rates[False]), "steps": b.steps}
+            "seq_tok_s_plain": figure(b.rates[False]), "steps": b.steps,
+            "draft_row_cost": None if (c := _row_cost(b)) is None else round(c, 3)}
             for size, b in sorted(self.by_size.items())}
         return {"adaptive": self.adaptive, "max_batch": self.max_batch,
                 "speculating": [name for name, b in buckets.items() if b["speculate"]],
