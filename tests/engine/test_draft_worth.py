@@ -137,3 +137,19 @@ def test_outputs_with_the_cut_equal_off_and_transformers(tiny_family_dir, monkey
         assert_greedy(path, p, o.outputs[0].token_ids)
     stats = engine.stats()
     assert stats["spec_decode_num_drafts"] > 0
+
+
+def test_a_draft_row_costs_its_slope_not_the_fixed_cost_of_drafting():
+    """Drafted steps of 8 sequences with 2-20 draft rows take plain's 8 s, plus 3 s whatever
+    their size (looking up, verifying), plus 0.5 s a draft row: a row costs 0.5 of a token, not
+    the 0.5 + 3 / rows that dividing by the rows would say."""
+    clock = FakeClock()
+    gov = SpecGovernor(64, clock=clock)
+    sizes = iter([2, 20, 5, 11, 8, 14, 3, 17] * 20)
+    for _ in range(120):
+        speculate = gov.decide(8)
+        drafts = next(sizes) if speculate else 0
+        clock.now += 8.0 + (3.0 + 0.5 * drafts if speculate else 0.0)
+        gov.record(8 + drafts // 2, rows=8 + drafts)
+    gov.decide(8)
+    assert gov.draft_row_cost() == pytest.approx(0.5, rel=0.02)

@@ -70,6 +70,7 @@ REACT = 1.1  # the other choice's last rate this many times the chosen's: try it
 OUTLIER = 2.0
 # weight a drafted step's verdict keeps per later drafted step (see SpecGovernor.spec_pays)
 GAIN_DECAY = 0.95
+FIT_DECAY = 0.95  # ... and its draft rows' seconds in the fit of a draft row's cost (_Fit)
 
 
 def bucket_name(size: int) -> str:
@@ -94,6 +95,34 @@ class _Rate:
 
 
 @dataclass
+class _Fit:
+    """Least squares of y = a + b x over decayed steps (weight FIT_DECAY a later step): b is
+    what one more draft row adds to a drafted step, a what drafting at all adds (looking up
+    every sequence's draft, verifying), which the governor's speculate-or-not judges and the
+    rows' worth (draft_worth.py) must not."""
+
+    w: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = FIT_DECAY
+        self.w, self.sx, self.sy = d * self.w + 1, d * self.sx + x, d * self.sy + y
+        self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
+
+    def slope(self) -> float | None:
+        """b; None before any step. Steps all of one draft size (no spread to fit): y / x."""
+        if self.w <= 0:
+            return None
+        var = self.sxx / self.w - (self.sx / self.w) ** 2
+        if var < 0.25:  # under half a row of spread
+            return max(0.0, self.sy / self.sx)
+        return max(0.0, (self.sxy / self.w - self.sx * self.sy / self.w ** 2) / var)
+
+
+@dataclass
 class _Bucket:
     rates: dict[bool, _Rate] = field(default_factory=lambda: {True: _Rate(), False: _Rate()})
     chosen: bool | None = None  # the better choice so far (None: not both measured yet)
@@ -112,8 +141,7 @@ class _Bucket:
     gain_plain: float = 0.0
     turnover: int = 1  # sequences that must finish before plain decoding's choice is re-tried
     finished_mark: int = 0  # SpecGovernor.finished at the latest try of speculation
-    draft_row_seconds: float = 0.0  # running mean: what a draft's query row adds to a step
-    draft_rows_measured: bool = False
+    draft_rows: _Fit = field(default_factory=lambda: _Fit())  # a draft row's added seconds
 
 
 def _most(rows: int, row_seconds: float) -> float:
@@ -124,10 +152,10 @@ def _most(rows: int, row_seconds: float) -> float:
 
 def _row_cost(bucket: _Bucket) -> float | None:
     """A draft row's seconds in tokens of plain decoding (SpecGovernor.draft_row_cost)."""
-    plain = bucket.rates[False]
-    if not (bucket.draft_rows_measured and plain.measured and plain.row_seconds > 0):
+    plain, slope = bucket.rates[False], bucket.draft_rows.slope()
+    if slope is None or not (plain.measured and plain.row_seconds > 0):
         return None
-    return bucket.draft_row_seconds / plain.row_seconds
+    return slope / plain.row_seconds
 
 
 def _measure(rate: _Rate, tokens: float, steps: list[tuple[float, int]]) -> None:
@@ -235,17 +263,14 @@ class SpecGovernor:
 
     @staticmethod
     def _draft_rows(bucket: _Bucket, seconds: float, rows: int, batch: int) -> None:
-        """Follow what a draft row adds to a step: a drafted step's seconds beyond what plain
-        decoding's rows of the same batch cost, per draft row (a pause capped as in _follow)."""
+        """Fit what a draft row adds to a step: a drafted step's seconds beyond what plain
+        decoding's rows of the same batch cost, against its draft rows (a pause capped as in
+        _follow)."""
         plain = bucket.rates[False]
         if not plain.measured:
             return
         seconds = min(seconds, _most(rows, bucket.rates[True].row_seconds))
-        extra = max(0.0, seconds - plain.row_seconds * batch) / (rows - batch)
-        if not bucket.draft_rows_measured:
-            bucket.draft_row_seconds, bucket.draft_rows_measured = extra, True
-        else:
-            bucket.draft_row_seconds += SMOOTHING * (extra - bucket.draft_row_seconds)
+        bucket.draft_rows.add(rows - batch, seconds - plain.row_seconds * batch)
 
     def sequence_finished(self) -> None:
         """A sequence ended. Once as many have ended as a bucket's smallest batch (its batch
