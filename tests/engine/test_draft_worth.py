@@ -13,12 +13,14 @@ import pytest
 from pagedq.client import SamplingParams
 from pagedq.worker.config import SpeculativeConfig
 from pagedq.worker.engine import draft_worth
-from pagedq.worker.engine.draft_worth import EXPLORE_EVERY, MIN_WEIGHT, DraftWorth
+from pagedq.worker.engine.draft_worth import EXPLORE_EVERY, MIN_WEIGHT, DepthCounts, DraftWorth
 from pagedq.worker.engine.drafts import Drafter
 from pagedq.worker.engine.spec_governor import SpecGovernor
 from tests.engine.test_spec_governor import FakeClock
 from tests.engine.test_speculative import make_engine, repetitive, token_ids
 from tests.oracle import assert_greedy
+
+NEW = DepthCounts()  # a sequence that has verified no draft yet: the kind's rates decide
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,7 @@ def teach(worth: DraftWorth, rates: list[float], drafts: int = 200, constrained=
     as given)."""
     for i in range(drafts):
         accepted = sum(1 for r in rates if (i * 61) % 100 < r * 100)
-        worth.verified(constrained, 0, len(rates), accepted)
+        worth.verified(DepthCounts(), constrained, 0, len(rates), accepted)
 
 
 def test_depths_are_cut_where_acceptance_falls_below_the_row_cost():
@@ -41,43 +43,61 @@ def test_depths_are_cut_where_acceptance_falls_below_the_row_cost():
     rates = worth.snapshot()["free"]
     assert rates == pytest.approx([0.9, 0.6, 0.3, 0.1], abs=0.02)
     worth.kinds[False].proposals = 1  # no exploring proposal in these calls
-    assert worth.depth(False, 0.05, 6) == 6  # one stream: every measured depth pays
+    assert worth.depth(NEW, False, 0.05, 6) == 6  # one stream: every measured depth pays
     worth.kinds[False].proposals = 1
-    assert worth.depth(False, 0.5, 6) == 2  # 8 streams: the first two
+    assert worth.depth(NEW, False, 0.5, 6) == 2  # 8 streams: the first two
     worth.kinds[False].proposals = 1
-    assert worth.depth(False, 0.95, 6) == 0  # rows dearer than any lookup: none
-    assert worth.depth(False, None, 6) == 6  # the cost unmeasured: no cut
-    assert worth.depth(False, 0.05, 3) == 3  # never more than asked
+    assert worth.depth(NEW, False, 0.95, 6) == 0  # rows dearer than any lookup: none
+    assert worth.depth(NEW, False, None, 6) == 6  # the cost unmeasured: no cut
+    assert worth.depth(NEW, False, 0.05, 3) == 3  # never more than asked
 
 
 def test_unjudged_depths_are_drafted_and_kinds_are_apart():
     worth = DraftWorth()
     teach(worth, [0.9, 0.1], drafts=int(MIN_WEIGHT) - 1)
     worth.kinds[False].proposals = 1
-    assert worth.depth(False, 0.5, 4) == 4  # too few drafts to judge any depth yet
+    assert worth.depth(NEW, False, 0.5, 4) == 4  # too few drafts to judge any depth yet
     teach(worth, [0.2], constrained=True)
     worth.kinds[True].proposals = 1
-    assert worth.depth(True, 0.5, 4) == 0
+    assert worth.depth(NEW, True, 0.5, 4) == 0
     worth.kinds[False].proposals = 1
-    assert worth.depth(False, 0.5, 4) == 4  # the grammar's kind decides nothing for the free
+    assert worth.depth(NEW, False, 0.5, 4) == 4  # the grammar's kind decides nothing for the free
 
 
 def test_a_cut_depth_is_explored_and_returns_when_the_workload_copies():
     worth = DraftWorth()
     teach(worth, [0.1])
-    depths = [worth.depth(False, 0.5, 4) for _ in range(4 * EXPLORE_EVERY)]
+    depths = [worth.depth(NEW, False, 0.5, 4) for _ in range(4 * EXPLORE_EVERY)]
     assert depths.count(1) == 4 and depths.count(0) == 4 * EXPLORE_EVERY - 4
     teach(worth, [1.0, 1.0, 1.0, 1.0], drafts=400)  # copying now: the decay lets it show
     worth.kinds[False].proposals = 1
-    assert worth.depth(False, 0.5, 4) == 4
+    assert worth.depth(NEW, False, 0.5, 4) == 4
+
+
+def test_a_sequence_that_copies_nothing_stops_drafting_among_ones_that_copy():
+    """Edit and chat jobs are both unconstrained: the kind's rate (edit's, 0.9) is only a prior
+    worth a few drafts against a sequence's own; a chat sequence whose 6 first lookups failed
+    drafts none at 8 streams' row cost, a fresh one and one whose lookups held still do."""
+    worth = DraftWorth()
+    teach(worth, [0.9, 0.9, 0.9])
+    chat, edit = DepthCounts(), DepthCounts()
+    for _ in range(6):
+        worth.verified(chat, False, 0, 1, 0)
+        worth.verified(edit, False, 0, 3, 3)
+    kind = worth.kinds[False].rate(0)
+    assert kind > 0.85 and worth.estimate(chat, False, 0) == pytest.approx(4 * kind / 10)
+    worth.kinds[False].proposals = 1
+    assert worth.depth(chat, False, 0.5, 3) == 0
+    assert worth.depth(edit, False, 0.5, 3) == 3
+    assert worth.depth(NEW, False, 0.5, 3) == 3
 
 
 def test_grammar_forced_tokens_are_not_counted_as_lookups():
     worth = DraftWorth()
     for _ in range(50):
-        worth.verified(True, 3, 5, 2)  # a forced token refused: the lookups were not reached
-        worth.verified(True, 3, 5, 4)  # the forced ones and the first lookup accepted
-        worth.verified(True, 3, 3, 3)  # forced tokens only: nothing looked up
+        worth.verified(DepthCounts(), True, 3, 5, 2)  # a forced token refused: no lookup reached
+        worth.verified(DepthCounts(), True, 3, 5, 4)  # the forced ones and the first lookup kept
+        worth.verified(DepthCounts(), True, 3, 3, 3)  # forced tokens only: nothing looked up
     assert worth.snapshot()["constrained"] == pytest.approx([0.5, 0.0], abs=0.01)
 
 

@@ -12,12 +12,15 @@ third on they cost more rows than they made tokens. A token the grammar forces i
 
 ``DraftWorth`` keeps, per kind of sequence (with a grammar or without: their lookups differ),
 each lookup depth's acceptance (the share of drafts with a token at that depth that had it
-accepted, the forced tokens before it included), decayed so it follows the workload. A draft
-keeps the lookup depths whose acceptance exceeds the row cost the speculation governor measured
-for the step's batch size (``SpecGovernor.draft_row_cost``); so open chat at 8 streams, whose
-lookups are rarely right, drafts nothing and runs plain steps. One proposal in EXPLORE_EVERY
-gets a depth more, so a depth that was cut goes on being measured and returns when the workload
-starts copying.
+accepted, the forced tokens before it included), decayed so it follows the workload, and each
+sequence keeps its own (``Sequence.draft_depths``): a worker serving edit and chat jobs at once
+sees both kinds of unconstrained sequence, whose lookups are accepted ~0.9 and ~0.5 of the
+time, so a sequence's estimate is its own counts with the kind's rate as a prior worth PRIOR
+drafts. A draft keeps the lookup depths whose estimate exceeds the row cost the speculation
+governor measured for the step's batch size (``SpecGovernor.draft_row_cost``); so an open chat
+at 8 streams, whose lookups are rarely right, soon drafts nothing and runs plain steps. One
+proposal in EXPLORE_EVERY gets a depth more, so a depth that was cut goes on being measured and
+returns when the workload starts copying.
 """
 
 from __future__ import annotations
@@ -25,22 +28,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DECAY = 0.995  # weight a verified draft's counts keep per later draft of the same kind
-MIN_WEIGHT = 8.0  # a depth with fewer (decayed) drafts is not judged yet: it is drafted
+MIN_WEIGHT = 8.0  # a depth with fewer (decayed) drafts of its kind is not judged by them yet
+PRIOR = 4.0  # drafts' worth of the kind's rate in a sequence's estimate
 EXPLORE_EVERY = 16  # one proposal in this many may draft a depth past the worthwhile ones
 
 
 @dataclass
-class _Depths:
-    """Decayed counts of drafts that reached each lookup depth and of those accepted there."""
+class DepthCounts:
+    """Counts of drafts that reached each lookup depth and of those accepted there, each
+    multiplied by ``decay`` per later draft (1: a sequence's own, kept whole)."""
 
+    decay: float = 1.0
     drafted: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
     proposals: int = 0
 
     def add(self, drafted: int, accepted: int) -> None:
         for depths in (self.drafted, self.accepted):
-            for j, value in enumerate(depths):
-                depths[j] = value * DECAY
+            if self.decay != 1.0:
+                for j, value in enumerate(depths):
+                    depths[j] = value * self.decay
             while len(depths) < drafted:
                 depths.append(0.0)
         for j in range(drafted):
@@ -54,31 +61,49 @@ class _Depths:
             return None
         return self.accepted[depth] / self.drafted[depth]
 
+    def counts(self, depth: int) -> tuple[float, float]:
+        """(drafted, accepted) at ``depth``."""
+        if depth >= len(self.drafted):
+            return 0.0, 0.0
+        return self.drafted[depth], self.accepted[depth]
+
 
 class DraftWorth:
     """Per kind of sequence, how deep its lookup drafts pay; see the module docstring."""
 
     def __init__(self) -> None:
-        self.kinds: dict[bool, _Depths] = {False: _Depths(), True: _Depths()}
+        self.kinds: dict[bool, DepthCounts] = {False: DepthCounts(DECAY), True: DepthCounts(DECAY)}
 
-    def verified(self, constrained: bool, forced: int, drafted: int, accepted: int) -> None:
-        """A verified draft: ``forced`` grammar tokens, then ``drafted - forced`` looked up;
-        ``accepted`` of all of them kept."""
+    def verified(self, own: DepthCounts, constrained: bool, forced: int, drafted: int,
+                 accepted: int) -> None:
+        """A sequence's verified draft (``own``: its counts): ``forced`` grammar tokens, then
+        ``drafted - forced`` looked up; ``accepted`` of all of them kept."""
         looked_up = drafted - forced
         if looked_up > 0:
             self.kinds[constrained].add(looked_up, max(0, accepted - forced))
+            own.add(looked_up, max(0, accepted - forced))
 
-    def depth(self, constrained: bool, cost: float | None, most: int) -> int:
-        """How many looked-up tokens (at most ``most``) a draft should have when a row costs
-        ``cost`` tokens (None: unmeasured, so all of them): the depths before the first whose
-        acceptance is at most ``cost``, and now and then one more."""
+    def estimate(self, own: DepthCounts, constrained: bool, depth: int) -> float | None:
+        """A sequence's chance to have its lookup token at ``depth`` accepted: its own counts
+        with the kind's rate as a prior of PRIOR drafts; None while neither says anything."""
+        kind = self.kinds[constrained].rate(depth)
+        drafted, accepted = own.counts(depth)
+        if kind is None and drafted == 0:
+            return None
+        prior = 1.0 if kind is None else kind  # an unjudged kind: optimistic
+        return (accepted + PRIOR * prior) / (drafted + PRIOR)
+
+    def depth(self, own: DepthCounts, constrained: bool, cost: float | None, most: int) -> int:
+        """How many looked-up tokens (at most ``most``) a sequence's draft should have when a
+        row costs ``cost`` tokens (None: unmeasured, so all of them): the depths before the
+        first whose estimate is at most ``cost``, and now and then one more."""
         if cost is None or most <= 0:
             return most
         kind = self.kinds[constrained]
         kind.proposals += 1
         worth = 0
         while worth < most:
-            rate = kind.rate(worth)
+            rate = self.estimate(own, constrained, worth)
             if rate is not None and rate <= cost:
                 break
             worth += 1

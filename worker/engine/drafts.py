@@ -222,7 +222,8 @@ class Drafter:
             getattr(req.params, "structured_outputs", None))
         guessed = min(seq.spec_len or min(top, FIRST_DRAFT), top - len(forced))  # the adaptive part
         # ... cut to the lookup depths that pay for their rows at this batch size
-        guessed = self.worth.depth(constrained, self.governor.draft_row_cost(), guessed)
+        guessed = self.worth.depth(seq.draft_depths, constrained, self.governor.draft_row_cost(),
+                                   guessed)
         if guessed <= 0:
             return forced
         tokens = seq.token_ids + forced if forced else seq.token_ids
@@ -338,7 +339,8 @@ class Drafter:
         self.counters.add(drafted, accepted)
         constrained = self.allowed is not None and bool(
             getattr(seq.request.params, "structured_outputs", None))
-        self.worth.verified(constrained, min(seq.draft_forced, drafted), drafted, accepted)
+        self.worth.verified(seq.draft_depths, constrained, min(seq.draft_forced, drafted),
+                            drafted, accepted)
         top = self.config.num_speculative_tokens
         seq.spec_len = min(top, drafted + 1) if accepted == drafted else max(1, accepted + 1)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from pagedq.params import SamplingParams
+from pagedq.worker.engine.draft_worth import DepthCounts
 from pagedq.worker.engine.outputs import CompletionOutput, RequestOutput, StepOutput
 
 if TYPE_CHECKING:
@@ -132,6 +133,7 @@ class Sequence:
     # token_ids) and the draft length this sequence's recent acceptance earned (0: the config's)
     draft_token_ids: list[int] = field(default_factory=list)
     draft_forced: int = 0  # how many of draft_token_ids its grammar forced (draft_worth.py)
+    draft_depths: DepthCounts = field(default_factory=DepthCounts)  # its lookups' acceptance
     spec_len: int = 0
 
     @property
