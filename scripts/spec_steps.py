@@ -10,6 +10,9 @@ and classed as the governor saw it: drafted (it speculated and verified drafts),
 was allowed to but no lookup matched) or plain, with its tokens; the governor's own figures for
 the bucket print beside them, so a gap between what it believes and what the steps did shows.
 Name the CPU and its load beside any figure you quote.
+
+``--uncut`` adds a third engine whose lookup drafts are never cut to the depths that pay
+(draft_worth.py), the three rotating their order each round: the A/B of that rule.
 """
 
 from __future__ import annotations
@@ -65,22 +68,31 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument("--uncut", action="store_true",
+                        help="a third engine, its lookup drafts never cut (draft_worth.py)")
     args = parser.parse_args()
     bench = BenchContext(full(num_threads=args.num_threads))
     bench.setup()
     engines = {"off": spec_scenario.spec_engine(bench, None),
                args.method: spec_scenario.spec_engine(bench, args.method, adaptive=True)}
+    if args.uncut:
+        uncut = engines[f"{args.method}-uncut"] = spec_scenario.spec_engine(
+            bench, args.method, adaptive=True)
+        uncut.drafter.worth.depth = lambda own, constrained, cost, most: most
     log: list[dict[str, Any]] = []
     timed_steps(engines[args.method], log)
     rates: dict[str, list[float]] = {name: [] for name in engines}
     for r in range(args.rounds):
         reqs = spec_scenario.jobs(engines["off"], args.workload, args.streams, 1000 * args.streams + r,
                                   args.max_tokens, f"steps-{r}")
-        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+        names = list(engines)
+        for name in names[r % len(names):] + names[:r % len(names)]:
             rates[name].append(spec_scenario.rate([spec_scenario.serve_batch(engines[name], name, reqs)]))
         print(f"round {r}: " + ", ".join(f"{n} {v[-1]:.1f} tok/s" for n, v in rates.items()))
-    off, spec = (statistics.mean(rates[n]) for n in engines)
-    print(f"{args.method} / off over {args.rounds} rounds: {spec / off:.3f}x ({spec:.1f} / {off:.1f} tok/s)")
+    off = statistics.mean(rates["off"])
+    for name in list(engines)[1:]:
+        spec = statistics.mean(rates[name])
+        print(f"{name} / off over {args.rounds} rounds: {spec / off:.3f}x ({spec:.1f} / {off:.1f} tok/s)")
     full_batch = [e for e in log if e["running"] >= args.streams and e.get("decode_only")]
     for name in ("drafted", "draftless", "plain"):
         steps = [e for e in full_batch if kind(e) == name]
