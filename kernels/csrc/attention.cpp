@@ -15,7 +15,8 @@
 // is exact two-pass in fp32: scores of all visible keys into a per-thread buffer, then exp and
 // sum, then out = sum_t p_t * V_t / sum. fp16/bf16 caches are converted to fp32 on load.
 // The AVX2 path walks each block once for all the item's KV heads; the AVX-512 path (attend16)
-// walks the blocks once per KV head, keeping that head's V accumulators in registers. Keys that
+// walks the blocks once per KV head, keeping that head's V accumulators in registers (a row of a
+// half-precision cache over fewer than kMinHalfKeys16 keys keeps the AVX2 path). Keys that
 // several sequences' rows read from the same blocks (a cached prompt prefix) are attended for
 // all of them at once first (shared_pass, two matrix products a KV head); each row then
 // finishes over its own keys on either path and merges the two (own_softmax).
@@ -504,6 +505,17 @@ PAGEDQ_AVX512 void attend16(const Geometry& geo, const T* k_cache, const T* v_ca
   }
 }
 
+// A row of a half-precision (fp16/bf16) cache seeing fewer keys than this takes the AVX2 path
+// even where the AVX-512 one runs: over short contexts a step's rows are bound by reading
+// their blocks, and the AVX2 path reads each block once for all the item's KV heads (one
+// contiguous run) where the AVX-512 one reads it once per head (a 128-byte piece of every
+// token row). Zen 5 capped at avx512, 2 threads, fp16 cache, 30 layers past L3, us a layer
+// (AVX-512 -> AVX2 path): 64 rows over 48 keys 190-205 -> 139-147, over 96 292-294 ->
+// 265-273, over 128 356-361 -> 349-353, over 192 489-491 -> 497-502; 16 rows over 96 53-55 ->
+// 44-46; bf16 alike. An fp32 cache's rows keep the AVX-512 path at every length (64 rows over
+// 48 keys 198 against 217, over 96 375 against 441).
+constexpr int64_t kMinHalfKeys16 = 128;
+
 // Whether attend() takes the AVX-512 path for this head_dim (the CPU and PAGEDQ_CPU_ISA allow it).
 inline bool use_avx512(int64_t head_dim) {
   static const bool ok = runs_isa(kAvx512) && __builtin_cpu_supports("avx512bw");
@@ -582,7 +594,7 @@ void attend(const Geometry& geo, const QT* query, const T* k_cache, const T* v_c
     const QT* src = query + token * geo.q_stride0 + (h0 * G + r) * geo.q_stride1;
     for (int64_t d = 0; d < D; ++d) q[r * D + d] = static_cast<float>(src[d]) * scale;
   }
-  if (geo.avx512) {
+  if (geo.avx512 && (sizeof(T) == sizeof(float) || len >= kMinHalfKeys16)) {
     attend16<T>(geo, k_cache, v_cache, table, len, part, h0, h1, buf);
   } else {
     attend2<T>(geo, k_cache, v_cache, table, len, part, h0, h1, buf);

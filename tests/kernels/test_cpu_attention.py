@@ -156,6 +156,19 @@ def test_half_precision_caches_under_fp32_queries(op, dtype):
                                **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_caches_on_both_sides_of_the_avx512_threshold(op, dtype):
+    """A half-precision cache's rows over fewer than 128 keys take the AVX2 path even where
+    AVX-512 runs (attention.cpp, kMinHalfKeys16), longer ones the AVX-512 path: one call with
+    rows on both sides (and a chunk crossing it) equals fp32 attention over the rounded K/V."""
+    q_lens, ctx = [1, 1, 1, 1, 4, 1], [40, 126, 127, 300, 124, 0]
+    case = make_case(q_lens, ctx, num_heads=9, num_kv_heads=3, head_dim=64, block_size=8)
+    low = dataclasses.replace(case, k_cache=case.k_cache.to(dtype), v_cache=case.v_cache.to(dtype))
+    out = run_all_rows(op, low)
+    rounded = dataclasses.replace(case, k_cache=low.k_cache.float(), v_cache=low.v_cache.float())
+    assert_matches_reference(rounded, out)
+
+
 @pytest.mark.parametrize("layout", ["joint", "interleaved"])
 def test_cache_views_of_one_kv_tensor(op, layout):
     """kv[0] and the non-flattenable kv[:, 0] are read through their strides, in place."""

@@ -29,6 +29,7 @@ SUITES = [
     "tests/kernels/test_cpu_attention.py::test_every_group_size_and_head_dim",
     "tests/kernels/test_cpu_attention.py::test_decodes_over_one_shared_prefix",
     "tests/kernels/test_cpu_attention.py::test_groups_of_rows_sharing_different_prefixes",
+    "tests/kernels/test_cpu_attention.py::test_half_caches_on_both_sides_of_the_avx512_threshold",
     "tests/models/test_fused_layer.py",
     "tests/models/test_quant_fidelity.py",
     "tests/models/test_default_model.py::test_a_batch_over_64_rows_follows_the_twin",
