@@ -21,30 +21,41 @@ DOWN = "Redis unreachable; every call waits and retries until it is back"
 UP = "Redis reachable again"
 
 
-def test_an_outage_is_waited_out_and_logged_once(tmp_path):
+def ride_outage(tmp_path, calls: int, stagger_s: float, settle_s: float):
+    """Redis stops with ``calls`` connections idle in the link's pool; ``calls`` reads start
+    ``stagger_s`` apart while it is down, ``settle_s`` passes, and it comes back (the same data,
+    AOF). Returns whether the link was down with every call waiting, the values read, whether
+    it is still down after, and the log's events."""
     port = free_port()
     server = EmbeddedRedis.start(port=port, workdir=str(tmp_path), appendonly=True)
 
     async def scenario():
         link = await RedisLink.open(server.url)
-        await link.redis.set("k", "v")
+        await asyncio.gather(*(link.redis.set(f"k{i}", "v") for i in range(calls)))
         server.stop()
-        calls = [asyncio.create_task(link.redis.get("k")) for _ in range(3)]  # 3 connections
-        await asyncio.sleep(1.0)
-        down_while_waiting = link.outage.down and not any(c.done() for c in calls)
+        tasks = []
+        for i in range(calls):
+            tasks.append(asyncio.create_task(link.redis.get(f"k{i}")))
+            await asyncio.sleep(stagger_s)
+        await asyncio.sleep(settle_s)
+        waiting = link.outage.down and not any(t.done() for t in tasks)
         restarted = EmbeddedRedis.start(port=port, workdir=str(tmp_path), appendonly=True,
                                         password=server.password)
         try:
-            values = await asyncio.wait_for(asyncio.gather(*calls), 30)
-            return down_while_waiting, values, link.outage.down
+            values = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            return waiting, values, link.outage.down
         finally:
             await link.close()
             restarted.stop()
 
     with capture_logs() as logs:
-        down_while_waiting, values, still_down = asyncio.run(scenario())
-    assert down_while_waiting and values == [b"v"] * 3 and not still_down
-    events = [e["event"] for e in logs]
+        waiting, values, still_down = asyncio.run(scenario())
+    return waiting, values, still_down, [e["event"] for e in logs]
+
+
+def test_an_outage_is_waited_out_and_logged_once(tmp_path):
+    waiting, values, still_down, events = ride_outage(tmp_path, 3, 0.0, 1.0)
+    assert waiting and values == [b"v"] * 3 and not still_down
     assert events.count(DOWN) == 1 and events.count(UP) == 1
     assert events.index(DOWN) < events.index(UP)
 
@@ -85,31 +96,8 @@ def test_idle_pooled_connections_end_no_outage_early(tmp_path):
     """Calls that start one by one during an outage take the pool's idle connections, whose
     sockets are not yet seen closed: their connect has nothing to do and proves nothing, so
     the outage is logged once, and ends when Redis is back."""
-    port = free_port()
-    server = EmbeddedRedis.start(port=port, workdir=str(tmp_path), appendonly=True)
-
-    async def scenario():
-        link = await RedisLink.open(server.url)
-        await asyncio.gather(*(link.redis.set(f"k{i}", "v") for i in range(4)))  # 4 idle
-        server.stop()
-        calls = []
-        for i in range(4):
-            calls.append(asyncio.create_task(link.redis.get(f"k{i}")))
-            await asyncio.sleep(0.2)
-        down_while_waiting = link.outage.down
-        restarted = EmbeddedRedis.start(port=port, workdir=str(tmp_path), appendonly=True,
-                                        password=server.password)
-        try:
-            values = await asyncio.wait_for(asyncio.gather(*calls), 30)
-            return down_while_waiting, values, link.outage.down
-        finally:
-            await link.close()
-            restarted.stop()
-
-    with capture_logs() as logs:
-        down_while_waiting, values, still_down = asyncio.run(scenario())
-    assert down_while_waiting and values == [b"v"] * 4 and not still_down
-    events = [e["event"] for e in logs]
+    waiting, values, still_down, events = ride_outage(tmp_path, 4, 0.2, 0.0)
+    assert waiting and values == [b"v"] * 4 and not still_down
     assert events.count(DOWN) == 1 and events.count(UP) == 1, events
 
 
