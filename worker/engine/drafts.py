@@ -218,8 +218,7 @@ class Drafter:
             return []
         forced = self.forced(seq, top) if self.forced is not None else []
         seq.draft_forced = len(forced)
-        constrained = self.allowed is not None and bool(
-            getattr(req.params, "structured_outputs", None))
+        constrained = self._constrained(req)
         guessed = min(seq.spec_len or min(top, FIRST_DRAFT), top - len(forced))  # the adaptive part
         # ... cut to the lookup depths that pay for their rows at this batch size
         guessed = self.worth.depth(seq.draft_depths, constrained, self.governor.draft_row_cost(),
@@ -230,6 +229,10 @@ class Drafter:
         if constrained:
             return self._checked(seq, tokens, forced, guessed)
         return forced + self._lookup(tokens, guessed)
+
+    def _constrained(self, req: Request) -> bool:
+        """Whether the request's drafts are checked against its grammar."""
+        return self.allowed is not None and bool(getattr(req.params, "structured_outputs", None))
 
     def _checked(self, seq: Sequence, tokens: list[int], forced: list[int],
                  k: int) -> list[int]:
@@ -337,10 +340,8 @@ class Drafter:
         """Count a verified draft; the sequence's next draft grows after a full acceptance and
         shrinks to one past what was accepted otherwise."""
         self.counters.add(drafted, accepted)
-        constrained = self.allowed is not None and bool(
-            getattr(seq.request.params, "structured_outputs", None))
-        self.worth.verified(seq.draft_depths, constrained, min(seq.draft_forced, drafted),
-                            drafted, accepted)
+        self.worth.verified(seq.draft_depths, self._constrained(seq.request),
+                            min(seq.draft_forced, drafted), drafted, accepted)
         top = self.config.num_speculative_tokens
         seq.spec_len = min(top, drafted + 1) if accepted == drafted else max(1, accepted + 1)
 

@@ -42,8 +42,12 @@ threads) speculation read 154-161 tokens a second and sequence against plain dec
 while its drafted steps ran 1029-1088 tokens a second against plain's 1107-1227 (the engine
 0.92x off). Per step the governor does a few float operations: no per-token work.
 
+Per bucket it also fits what one more draft row adds to a drafted step (``draft_row_cost``, in
+plain decoding's tokens), which draft_worth.py weighs each lookup depth's acceptance against.
+
 ``disable_by_batch_size`` stays a hard cap above which no step speculates, and ``adaptive=False``
-(``speculative_config``) turns the governor off: every step below the cap speculates.
+(``speculative_config``) turns the governor off: every step below the cap speculates, and
+no draft is cut (nothing measures a row's cost).
 """
 
 from __future__ import annotations
