@@ -83,6 +83,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def new_password() -> str:
+    """A random password for a server this process starts: 192 bits, URL-safe, never starting
+    with '-' (redis-server reads a command-line argument starting with "--" as an option, so
+    1 in 4096 of secrets.token_urlsafe's passwords failed the start: "wrong number of
+    arguments")."""
+    return secrets.token_hex(24)
+
+
 @dataclass
 class EmbeddedRedis:
     """A redis-server on 127.0.0.1 (``port``) or on a unix socket (``socket``, port 0), with a
@@ -119,7 +127,10 @@ class EmbeddedRedis:
         socket in a fresh 0700 directory under ``workdir`` (no TCP port). ``maxmemory``: bytes
         (default ``default_maxmemory()``; 0: no limit), always with ``noeviction``."""
         binary = binary or redis_server_binary()
-        password = secrets.token_urlsafe(24) if password is None else password
+        password = new_password() if password is None else password
+        if password.startswith("-"):
+            raise ValueError("a redis-server password given on its command line cannot start "
+                             "with '-' (it reads as an option): choose another")
         maxmemory = default_maxmemory() if maxmemory is None else maxmemory
         own = workdir is None
         wd = Path(workdir or tempfile.mkdtemp(prefix="pagedq-redis-"))

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 
+import pytest
+
+from pagedq import embedded_redis
 from pagedq.embedded_redis import (
     EmbeddedRedis,
     advertise,
@@ -67,3 +71,15 @@ def test_an_explicit_url_is_never_advertised(tmp_path, redis_url):
 
     asyncio.run(scenario())
     assert not path.exists()
+
+
+def test_generated_passwords_never_read_as_an_option(monkeypatch):
+    """redis-server reads an argument starting with "--" as an option: a password that began
+    so ("--6T_XiVz...", 1 in 4096 of secrets.token_urlsafe's) failed the start. Generated ones
+    never start with '-', and one given that does is refused with a clear error."""
+    assert not any(embedded_redis.new_password().startswith("-") for _ in range(5000))
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda n=None: "--6T_XiVzTkPlQ8vktqQ9bAzKA")
+    with EmbeddedRedis.start() as server:  # the generator no longer draws from token_urlsafe
+        assert not server.password.startswith("-")
+    with pytest.raises(ValueError, match="cannot start with '-'"):
+        EmbeddedRedis.start(password="--6T_XiVzTkPlQ8vktqQ9bAzKA")
