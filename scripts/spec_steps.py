@@ -85,9 +85,8 @@ def main() -> None:
     for r in range(args.rounds):
         reqs = spec_scenario.jobs(engines["off"], args.workload, args.streams, 1000 * args.streams + r,
                                   args.max_tokens, f"steps-{r}")
-        names = list(engines)
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            rates[name].append(spec_scenario.rate([spec_scenario.serve_batch(engines[name], name, reqs)]))
+        for batch in spec_scenario.serve_round(engines, reqs, r):  # the order rotated by r
+            rates[batch.method].append(spec_scenario.rate([batch]))
         print(f"round {r}: " + ", ".join(f"{n} {v[-1]:.1f} tok/s" for n, v in rates.items()))
     off = statistics.mean(rates["off"])
     for name in list(engines)[1:]:

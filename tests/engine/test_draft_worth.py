@@ -42,11 +42,11 @@ def test_depths_are_cut_where_acceptance_falls_below_the_row_cost():
     teach(worth, [0.9, 0.6, 0.3, 0.1])
     rates = worth.snapshot()["free"]
     assert rates == pytest.approx([0.9, 0.6, 0.3, 0.1], abs=0.02)
-    worth.kinds[False].proposals = 1  # no exploring proposal in these calls
+    worth.proposals[False] = 1  # no exploring proposal in these calls
     assert worth.depth(NEW, False, 0.05, 6) == 6  # one stream: every measured depth pays
-    worth.kinds[False].proposals = 1
+    worth.proposals[False] = 1
     assert worth.depth(NEW, False, 0.5, 6) == 2  # 8 streams: the first two
-    worth.kinds[False].proposals = 1
+    worth.proposals[False] = 1
     assert worth.depth(NEW, False, 0.95, 6) == 0  # rows dearer than any lookup: none
     assert worth.depth(NEW, False, None, 6) == 6  # the cost unmeasured: no cut
     assert worth.depth(NEW, False, 0.05, 3) == 3  # never more than asked
@@ -55,12 +55,12 @@ def test_depths_are_cut_where_acceptance_falls_below_the_row_cost():
 def test_unjudged_depths_are_drafted_and_kinds_are_apart():
     worth = DraftWorth()
     teach(worth, [0.9, 0.1], drafts=int(MIN_WEIGHT) - 1)
-    worth.kinds[False].proposals = 1
+    worth.proposals[False] = 1
     assert worth.depth(NEW, False, 0.5, 4) == 4  # too few drafts to judge any depth yet
     teach(worth, [0.2], constrained=True)
-    worth.kinds[True].proposals = 1
+    worth.proposals[True] = 1
     assert worth.depth(NEW, True, 0.5, 4) == 0
-    worth.kinds[False].proposals = 1
+    worth.proposals[False] = 1
     assert worth.depth(NEW, False, 0.5, 4) == 4  # the grammar's kind decides nothing for the free
 
 
@@ -70,7 +70,7 @@ def test_a_cut_depth_is_explored_and_returns_when_the_workload_copies():
     depths = [worth.depth(NEW, False, 0.5, 4) for _ in range(4 * EXPLORE_EVERY)]
     assert depths.count(1) == 4 and depths.count(0) == 4 * EXPLORE_EVERY - 4
     teach(worth, [1.0, 1.0, 1.0, 1.0], drafts=400)  # copying now: the decay lets it show
-    worth.kinds[False].proposals = 1
+    worth.proposals[False] = 1
     assert worth.depth(NEW, False, 0.5, 4) == 4
 
 
@@ -86,7 +86,7 @@ def test_a_sequence_that_copies_nothing_stops_drafting_among_ones_that_copy():
         worth.verified(edit, False, 0, 3, 3)
     kind = worth.kinds[False].rate(0)
     assert kind > 0.85 and worth.estimate(chat, False, 0) == pytest.approx(4 * kind / 10)
-    worth.kinds[False].proposals = 1
+    worth.proposals[False] = 1
     assert worth.depth(chat, False, 0.5, 3) == 0
     assert worth.depth(edit, False, 0.5, 3) == 3
     assert worth.depth(NEW, False, 0.5, 3) == 3
@@ -127,11 +127,11 @@ def test_the_drafter_cuts_lookups_to_what_pays(llama):
     seq = engine.add_request("r", [1, 2, 1, 2, 1], SamplingParams(max_tokens=50)).seqs[0]
     drafter = Drafter(SpeculativeConfig(num_speculative_tokens=4), max_model_len=100)
     teach(drafter.worth, [0.3, 0.2, 0.1, 0.05])
-    drafter.worth.kinds[False].proposals = 1
+    drafter.worth.proposals[False] = 1
     drafter.governor.draft_row_cost = lambda: 0.6
     assert drafter.propose(seq, budget=100) == []
     drafter.governor.draft_row_cost = lambda: 0.25
-    drafter.worth.kinds[False].proposals = 1
+    drafter.worth.proposals[False] = 1
     assert drafter.propose(seq, budget=100) == [2]  # depth 0 (0.3) pays, depth 1 (0.2) not
     drafter.verified(seq, 1, 0)
     stats = drafter.stats()
@@ -151,12 +151,22 @@ def test_outputs_with_the_cut_equal_off_and_transformers(tiny_family_dir, monkey
                                 "adaptive": False})
     costs = iter([0.0, 2.0] * 10_000)
     engine.drafter.governor.draft_row_cost = lambda: next(costs)
+    worth, cut = engine.drafter.worth, []
+    depth = worth.depth
+
+    def judged(own, constrained, cost, most):
+        kept = depth(own, constrained, cost, most)
+        cut.append(kept < most)
+        return kept
+
+    worth.depth = judged
     on = engine.generate(ps, params)
     assert token_ids(on) == off
     for p, o in zip(ps, on, strict=True):
         assert_greedy(path, p, o.outputs[0].token_ids)
     stats = engine.stats()
     assert stats["spec_decode_num_drafts"] > 0
+    assert any(cut)  # the cut ran: some proposals kept fewer lookup depths than asked
 
 
 def test_a_draft_row_costs_its_slope_not_the_fixed_cost_of_drafting():

@@ -41,7 +41,6 @@ class DepthCounts:
     decay: float = 1.0
     drafted: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
-    proposals: int = 0
 
     def add(self, drafted: int, accepted: int) -> None:
         for depths in (self.drafted, self.accepted):
@@ -57,7 +56,8 @@ class DepthCounts:
 
     def rate(self, depth: int) -> float | None:
         """Acceptance at ``depth``; None while too few drafts reached it."""
-        if depth >= len(self.drafted) or self.drafted[depth] < max(MIN_WEIGHT, 1e-9):
+        if depth >= len(self.drafted) or self.drafted[depth] <= 0 \
+                or self.drafted[depth] < MIN_WEIGHT:
             return None
         return self.accepted[depth] / self.drafted[depth]
 
@@ -73,6 +73,7 @@ class DraftWorth:
 
     def __init__(self) -> None:
         self.kinds: dict[bool, DepthCounts] = {False: DepthCounts(DECAY), True: DepthCounts(DECAY)}
+        self.proposals: dict[bool, int] = {False: 0, True: 0}  # per kind (EXPLORE_EVERY)
 
     def verified(self, own: DepthCounts, constrained: bool, forced: int, drafted: int,
                  accepted: int) -> None:
@@ -99,15 +100,14 @@ class DraftWorth:
         first whose estimate is at most ``cost``, and now and then one more."""
         if cost is None or most <= 0:
             return most
-        kind = self.kinds[constrained]
-        kind.proposals += 1
+        self.proposals[constrained] += 1
         worth = 0
         while worth < most:
             rate = self.estimate(own, constrained, worth)
             if rate is not None and rate <= cost:
                 break
             worth += 1
-        if worth < most and kind.proposals % EXPLORE_EVERY == 0:
+        if worth < most and self.proposals[constrained] % EXPLORE_EVERY == 0:
             worth += 1
         return worth
 

@@ -188,16 +188,20 @@ def _follow(rate: _Rate, tokens: float, seconds: float, rows: int) -> None:
     rate.row_seconds += SMOOTHING * (seconds / rows - rate.row_seconds)
 
 
-def _price(bucket: _Bucket, tokens: float, seconds: float, rows: int) -> None:
-    """Add a drafted step to the bucket's sums (SpecGovernor.spec_pays): its tokens, and what
-    plain decoding would have made in its time at plain's rate now (a pause capped per row as
-    in _follow); nothing while plain decoding is unmeasured."""
+def _drafted(bucket: _Bucket, tokens: float, seconds: float, rows: int, batch: int) -> None:
+    """A drafted step of ``batch`` sequences and ``rows`` query rows, priced against plain
+    decoding at its rate now (a pause capped per row as in _follow; nothing while plain
+    decoding is unmeasured): its tokens and what plain decoding would have made in its time
+    join the bucket's sums (SpecGovernor.spec_pays), and its seconds beyond plain's rows of
+    the same batch join the fit of what a draft row adds (SpecGovernor.draft_row_cost)."""
     plain = bucket.rates[False]
     if not plain.measured:
         return
     seconds = min(seconds, _most(rows, bucket.rates[True].row_seconds))
     bucket.gain_tokens = GAIN_DECAY * bucket.gain_tokens + tokens
     bucket.gain_plain = GAIN_DECAY * bucket.gain_plain + seconds * plain.per_second
+    if rows > batch:
+        bucket.draft_rows.add(rows - batch, seconds - plain.row_seconds * batch)
 
 
 class SpecGovernor:
@@ -251,8 +255,8 @@ class SpecGovernor:
         if not (decode_only and tokens > 0):
             return
         step = (self.clock() - start, max(1, rows or batch))
-        if speculate and drafted and step[1] > batch:
-            self._draft_rows(bucket, step[0], step[1], batch)
+        if speculate and drafted:
+            _drafted(bucket, tokens / batch, *step, batch)
         if speculate and not drafted:
             self.observe_free(bucket, tokens / batch, step)
         else:
@@ -264,17 +268,6 @@ class SpecGovernor:
         ~0.12 at one stream, where a step reads the weights for any number of rows, ~0.55 at 8
         (Zen 5, 2 threads), where each row costs its products."""
         return None if self.pending is None else _row_cost(self.pending[0])
-
-    @staticmethod
-    def _draft_rows(bucket: _Bucket, seconds: float, rows: int, batch: int) -> None:
-        """Fit what a draft row adds to a step: a drafted step's seconds beyond what plain
-        decoding's rows of the same batch cost, against its draft rows (a pause capped as in
-        _follow)."""
-        plain = bucket.rates[False]
-        if not plain.measured:
-            return
-        seconds = min(seconds, _most(rows, bucket.rates[True].row_seconds))
-        bucket.draft_rows.add(rows - batch, seconds - plain.row_seconds * batch)
 
     def sequence_finished(self) -> None:
         """A sequence ended. Once as many have ended as a bucket's smallest batch (its batch
@@ -356,8 +349,6 @@ class SpecGovernor:
         means follow its steps smoothly, and when they fall REACT times below the other
         choice's last rate (the load or the workload changed) the other is tried at once."""
         bucket.steps += 1
-        if speculate:
-            _price(bucket, tokens, *step)
         if speculate == bucket.trying:
             bucket.try_tokens += tokens
             bucket.try_times.append(step)
