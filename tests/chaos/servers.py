@@ -145,13 +145,23 @@ class RedisServer:
             self.process.stderr.close()
 
 
-def cluster_port() -> int:
-    """A free port whose cluster bus port (10,000 higher) is free too."""
+def cluster_port(taken: set[int] | None = None) -> int:
+    """A free port whose cluster bus port (10,000 higher) is free too, and neither among
+    ``taken`` (the ports this cluster already picked and has not bound yet).
+
+    Client ports come from 20,000-22,767 and bus ports from 30,000-32,767: the two ranges are
+    disjoint and both lie below the kernel's ephemeral range (32,768 up, where ``free_port``'s
+    servers and every outgoing connection live), so one node's client port can never be another
+    node's bus port. (With one range for both, a node picked 31227 for its clients while
+    another's bus wanted 31227: "Failed listening on port 31227 (cluster)".)"""
     import random
 
+    taken = set() if taken is None else taken
     for _ in range(200):
-        port = random.randrange(20_000, 45_000)
-        if all(_free(p) for p in (port, port + 10_000)):
+        port = random.randrange(20_000, 22_768)
+        pair = (port, port + 10_000)
+        if not taken.intersection(pair) and all(_free(p) for p in pair):
+            taken.update(pair)
             return port
     raise RuntimeError("no free port pair for a cluster node")
 
@@ -171,7 +181,8 @@ class LocalCluster:
 
     def __init__(self, workdir: Path, masters: int = 3, node_timeout_ms: int = 2000):
         self.workdir = workdir
-        self.nodes = [RedisServer(workdir / f"node{k}", port=cluster_port(), options=[
+        taken: set[int] = set()
+        self.nodes = [RedisServer(workdir / f"node{k}", port=cluster_port(taken), options=[
             "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{k}.conf",
             "--cluster-node-timeout", str(node_timeout_ms), "--appendonly", "yes",
             "--cluster-require-full-coverage", "no"]) for k in range(2 * masters)]

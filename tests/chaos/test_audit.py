@@ -92,3 +92,17 @@ def test_a_cluster_that_skips_or_fails_leaves_no_server(tmp_path, monkeypatch):
     with pytest.raises(AssertionError):
         cluster.start()
     assert all(n.process is not None and n.process.poll() is not None for n in cluster.nodes)
+
+
+def test_a_clusters_ports_never_meet_each_others_bus_ports():
+    """cluster_port: six nodes' client and bus ports are twelve distinct ports, the client
+    ports below 30,000 and the bus ports in 30,000-32,767, under the kernel's ephemeral range
+    (CI once saw one node's client port taken as another's bus port: the node aborted)."""
+    from tests.chaos import servers
+
+    for _ in range(50):
+        taken: set[int] = set()
+        ports = [servers.cluster_port(taken) for _ in range(6)]
+        pairs = {p for port in ports for p in (port, port + 10_000)}
+        assert len(pairs) == 12 and pairs == taken
+        assert all(20_000 <= p < 22_768 for p in ports)
