@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from pagedq.embedded_redis import free_port, redis_server_binary
+from pagedq.embedded_redis import redis_server_binary
 
 SYSTEM_BINARY = "/usr/bin/redis-server"
 SYSTEM_CLI = "/usr/bin/redis-cli"
@@ -66,7 +66,7 @@ class RedisServer:
 
     def __post_init__(self) -> None:
         self.binary = self.binary or server_binary(self.tls)
-        self.port = self.port or free_port()
+        self.port = self.port or server_port()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log = self.workdir / f"redis-{self.port}.log"
 
@@ -145,25 +145,38 @@ class RedisServer:
             self.process.stderr.close()
 
 
-def cluster_port(taken: set[int] | None = None) -> int:
-    """A free port whose cluster bus port (10,000 higher) is free too, and neither among
-    ``taken`` (the ports this cluster already picked and has not bound yet).
+# Fixed ports (a server keeps its port across restarts) come from below the kernel's ephemeral
+# range (32,768 up), where every outgoing connection takes its local port: a port from
+# free_port() is free now, but while its server is down for a restart any new connection may
+# take it. Three disjoint ranges: cluster nodes' client ports, their bus ports (10,000 higher:
+# with one range for both, CI once saw a node's client port taken as another's bus port,
+# "Failed listening on port 31227 (cluster)"), and standalone servers.
+CLUSTER_PORTS = (20_000, 22_768)
+BUS_OFFSET = 10_000  # redis-server's cluster bus: the client port + 10,000 (30,000-32,767)
+SERVER_PORTS = (23_000, 30_000)
 
-    Client ports come from 20,000-22,767 and bus ports from 30,000-32,767: the two ranges are
-    disjoint and both lie below the kernel's ephemeral range (32,768 up, where ``free_port``'s
-    servers and every outgoing connection live), so one node's client port can never be another
-    node's bus port. (With one range for both, a node picked 31227 for its clients while
-    another's bus wanted 31227: "Failed listening on port 31227 (cluster)".)"""
+
+def cluster_port(taken: set[int] | None = None) -> int:
+    """A free client port from CLUSTER_PORTS whose bus port is free too, neither among
+    ``taken`` (the ports this cluster already picked and has not bound yet)."""
+    return _pick(CLUSTER_PORTS, BUS_OFFSET, set() if taken is None else taken)
+
+
+def server_port() -> int:
+    """A free port from SERVER_PORTS for a standalone server."""
+    return _pick(SERVER_PORTS, 0, set())
+
+
+def _pick(ports: tuple[int, int], offset: int, taken: set[int]) -> int:
     import random
 
-    taken = set() if taken is None else taken
     for _ in range(200):
-        port = random.randrange(20_000, 22_768)
-        pair = (port, port + 10_000)
-        if not taken.intersection(pair) and all(_free(p) for p in pair):
-            taken.update(pair)
+        port = random.randrange(*ports)
+        pair = {port, port + offset}
+        if not taken & pair and all(_free(p) for p in pair):
+            taken |= pair
             return port
-    raise RuntimeError("no free port pair for a cluster node")
+    raise RuntimeError(f"no free port in {ports[0]}-{ports[1] - 1}")
 
 
 def _free(port: int) -> bool:
