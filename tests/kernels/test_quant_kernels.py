@@ -211,6 +211,26 @@ def test_grouped_gemv_matches_dequantized_matmul(cpu_ops, fmt):
 
 
 @needs_vnni
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_k", "q6_k"])
+def test_grouped_gemv_in_chunks_equals_one_pass_a_row_group(cpu_ops, fmt):
+    """Many rows (several passes of 8) over a matrix far past the 128 KiB chunks a thread takes
+    at a time (group_gemv.cpp: all_rows): bit for bit the rows computed 8 at a time (one pass,
+    no chunks), and close to the dequantized product."""
+    gen = torch.Generator().manual_seed(17)
+    n, k = 1024, 512  # Q8_0: 557 KB, Q4_1: 328 KB
+    w, g = grouped_weight(fmt, n, k, gen)
+    x = torch.randn(19, k, generator=gen)
+    out = torch.empty(19, n)
+    cpu_ops.quant_gemv(out, x, g.data, g.kernel_code, None, None, BEST)
+    for r in range(0, 19, 8):
+        piece = torch.empty(min(8, 19 - r), n)
+        cpu_ops.quant_gemv(piece, x[r:r + 8].contiguous(), g.data, g.kernel_code, None, None, BEST)
+        torch.testing.assert_close(out[r:r + 8], piece, rtol=0, atol=0)
+    want = split_activations(x).double() @ dequantize(w).double().T
+    assert relative_error(out, want) < 1e-5
+
+
+@needs_vnni
 @pytest.mark.parametrize("int8_acts", [False, True], ids=["int16", "int8"])
 def test_grouped_segments_run_as_one_gemv(cpu_ops, int8_acts):
     """A QuantLinear whose segments are all grouped (q, k and v in Q4_1, Q8_0 and Q4_K; Q6_K's
