@@ -523,7 +523,7 @@ void groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, int
 template <bool B>
 void all_rows(const LinearArgs& p, const SplitActs& a, int64_t g0, int64_t g1) {
   const int64_t chunk = p.rows <= kMaxActRows ? g1 - g0 :
-      std::max<int64_t>(1, kChunkBytes / (kGroupRows * p.row_bytes));
+      std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, kGroupRows * p.row_bytes));
   for (int64_t c0 = g0; c0 < g1; c0 += chunk) {
     const int64_t c1 = std::min(g1, c0 + chunk);
     for (int64_t b = 0; b < p.rows; b += kMaxActRows) {
