@@ -10,6 +10,7 @@ and say so in a warning, never silently; a test that needs TLS skips and says wh
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -168,8 +169,6 @@ def server_port() -> int:
 
 
 def _pick(ports: tuple[int, int], offset: int, taken: set[int]) -> int:
-    import random
-
     for _ in range(200):
         port = random.randrange(*ports)
         pair = {port, port + offset}
