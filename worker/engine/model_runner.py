@@ -2,7 +2,7 @@
 
 It owns the KV tensors (one [2, num_blocks, block_size, kv_heads, head_dim] slab per layer),
 packs every scheduled sequence's new tokens into one flat batch, derives positions and cache
-slots from the block tables on tensors, and returns the logits of the sequences whose last
+slots from the block tables, and returns the logits of the sequences whose last
 known token was just computed (the ones that sample this step). A sequence with a draft
 (speculative decoding) computes its draft tokens after its last known token and returns
 1 + len(draft) logits rows: one per position the verification may sample. A request asking
@@ -13,6 +13,7 @@ for prompt logprobs also has the rows of its prompt positions run through the LM
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -60,43 +61,44 @@ class ModelRunner:
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
+        """The step's flat batch, built on Python lists and turned into one tensor each.
+
+        Why lists: a decode step of one stream has one token, and building its positions and
+        slots with tensor ops took ~20 small torch calls (~0.13 ms of a ~3 ms step on the
+        bundled model); a list costs microseconds per sequence, and a prefill chunk's few
+        thousand entries stay far below its forward pass."""
         bs = self.block_size
         seqs = [s for s, _ in sched.scheduled]
-        q_lens_list = [n for _, n in sched.scheduled]
-        starts_list = [s.num_computed_tokens for s in seqs]
+        q_lens = [n for _, n in sched.scheduled]
+        starts = [s.num_computed_tokens for s in seqs]
         tokens: list[int] = []
-        for seq, start, n in zip(seqs, starts_list, q_lens_list, strict=True):
+        positions: list[int] = []
+        slots: list[int] = []
+        for seq, start, n in zip(seqs, starts, q_lens, strict=True):
             chunk = seq.token_ids[start:start + n]
             if len(chunk) < n:  # the draft follows the last known token
                 chunk += seq.draft_token_ids[:n - len(chunk)]
             tokens.extend(chunk)
+            positions.extend(range(start, start + n))
+            slots.extend(slot_run(seq.block_table, start, n, bs))
+        cu = list(accumulate(q_lens, initial=0))
         width = max(len(s.block_table) for s in seqs)
         table = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-
-        q_lens = torch.tensor(q_lens_list)
-        starts = torch.tensor(starts_list)
-        cu = torch.zeros(len(seqs) + 1, dtype=torch.long)
-        torch.cumsum(q_lens, 0, out=cu[1:])
-        block_table = torch.tensor(table, dtype=torch.int32)
-        seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
-        positions = torch.arange(len(tokens)) - cu[seq_idx] + starts[seq_idx]
-        slots = block_table[seq_idx, positions // bs].long() * bs + positions % bs
-        seq_lens = starts + q_lens
-        samples = [i for i, s in enumerate(seqs) if reaches_end(s, starts_list[i], q_lens_list[i])]
-        ends = cu[1:].tolist()
+        samples = [i for i, s in enumerate(seqs) if reaches_end(s, starts[i], q_lens[i])]
         rows = [r for i in samples
-                for r in range(ends[i] - 1 - len(seqs[i].draft_token_ids), ends[i])]
+                for r in range(cu[i + 1] - 1 - len(seqs[i].draft_token_ids), cu[i + 1])]
         dev = self.device
         return StepBatch(
-            input_ids=torch.tensor(tokens, device=dev),
-            positions=positions.to(dev),
-            slot_mapping=slots.to(dev),
-            block_table=block_table.to(dev),
-            seq_lens=seq_lens.to(dtype=torch.int32, device=dev),
-            cu_seqlens_q=cu.to(dtype=torch.int32, device=dev),
+            input_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_table=torch.tensor(table, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([a + n for a, n in zip(starts, q_lens, strict=True)],
+                                  dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             logits_indices=torch.tensor(rows, dtype=torch.long, device=dev),
             sample_seqs=[seqs[i] for i in samples],
-            prompt_rows=prompt_rows(seqs, starts_list, q_lens_list, cu[:-1].tolist()),
+            prompt_rows=prompt_rows(seqs, starts, q_lens, cu[:-1]),
         )
 
     @torch.inference_mode()
@@ -151,6 +153,19 @@ def prompt_rows(seqs: list[Sequence], starts: list[int], q_lens: list[int], firs
         lo, hi = col.rows_wanted(start, n)
         if lo < hi:
             out.append((col, first + lo, first + hi, start + lo))
+    return out
+
+
+def slot_run(block_table: list[int], start: int, n: int, block_size: int) -> list[int]:
+    """The cache slots of positions ``start .. start + n - 1``: a range per block touched."""
+    out: list[int] = []
+    pos, end = start, start + n
+    while pos < end:
+        block, offset = divmod(pos, block_size)
+        take = min(block_size - offset, end - pos)
+        first = block_table[block] * block_size + offset
+        out.extend(range(first, first + take))
+        pos += take
     return out
 
 

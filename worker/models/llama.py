@@ -33,6 +33,7 @@ from pagedq.kernels.backend import KernelPlan
 from pagedq.kernels.block_formats import QuantWeight, dequantize, weight_nbytes
 from pagedq.kernels.cpu_attention import kernel_rows, kernel_takes_step
 from pagedq.worker.models.packed import Segment, build_projection, segment_format
+from pagedq.worker.models.packed_embedding import PackedEmbedding
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 UNSUPPORTED_ROPE = {"dynamic", "longrope"}  # depend on the running length: no static table
@@ -244,6 +245,7 @@ class CausalLM(nn.Module):
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device="meta"), False
         )
         self.embed_packed: QuantWeight | None = None  # the embedding's packed rows, if packed
+        self._embed_rows: PackedEmbedding | None = None  # their dequantized rows, as used
         self.head_packed: QuantWeight | None = None  # an untied LM head's, if packed
         self.head_projection: Any = None  # the packed head's runtime object (use_kernels)
         self.head_linear: LinearChoice = plan.linear
@@ -288,10 +290,14 @@ class CausalLM(nn.Module):
         return rms_norm(x, self.norm, self.eps, self.backend)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The embeddings of ``input_ids``; packed tables dequantize just those rows."""
+        """The embeddings of ``input_ids``; packed tables dequantize just those rows, once per
+        token id (packed_embedding.py)."""
         if self.embed_packed is None:
             return F.embedding(input_ids, self.embed_tokens)
-        return dequantize(self.embed_packed.rows(input_ids)).to(self.norm.dtype)
+        table = self._embed_rows
+        if table is None or table.weight is not self.embed_packed:  # new weights: a new cache
+            table = self._embed_rows = PackedEmbedding(self.embed_packed, self.norm.dtype)
+        return table.rows(input_ids)
 
     @property
     def packed_weights(self) -> bool:
