@@ -46,7 +46,8 @@ LIBRARY = "pagedq_cpu_ops"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(CSRC / f for f in ("attention.cpp", "gemv.cpp", "rmsnorm.cpp", "argmax.cpp",
                                    "fused_layer.cpp",
-                                   "quant_gemv.cpp", "panel_gemv.cpp", "panel_gemv512.cpp",
+                                   "quant_gemv.cpp", "quant_gemv_bw.cpp", "panel_gemv.cpp",
+                                   "panel_gemv512.cpp",
                                    "group_gemv.cpp", "byte_gemv.cpp",
                                    "quant_gemm.cpp", "quant_linear.cpp", "library.cpp"))
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]

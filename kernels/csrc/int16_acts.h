@@ -52,6 +52,13 @@ inline bool wide_panel() {
 }
 }  // namespace v256
 
+namespace v256bw {
+// Activation rows [n0, n1) of a Q5_0 or Q5_1 weight against 1-3 activation rows, the fifth bits
+// merged through AVX-512BW mask registers (quant_gemv_bw.cpp): call only where wide_panel()
+// holds. False (nothing written) for other formats and row counts.
+bool few_rows_gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1);
+}  // namespace v256bw
+
 namespace v512 {
 // The same panel with 16 rows a vector (panel_gemv512.cpp): call only where wide_panel() holds.
 void panel_gemv_parts(const LinearArgs* parts, int64_t count, const Acts& a);

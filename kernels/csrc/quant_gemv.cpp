@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "quant_avx2.h"
@@ -200,20 +201,7 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-inline int32_t hsum_epi32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
-
-// One block's int32 dot products of the codes (split by parity, quant_avx2.h) with the
-// activations stored in the same order at q: lanes 0-3 from elements 0-15, 4-7 from 16-31.
-inline __m256i block_dot(__m256i e, __m256i o, const int16_t* q) {
-  return _mm256_add_epi32(
-      _mm256_madd_epi16(e, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
-      _mm256_madd_epi16(o, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16))));
-}
+#include "few_rows.inc"
 
 // 4-8 activation rows from b0 against weight row n, as int_group below, but each block's sums of
 // all rows reduced into one vector (sum_rows8): one convert and FMA per block for the group.
@@ -268,117 +256,6 @@ void int_group_narrow(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n)
   });
   const float bias = p.bias ? p.bias[n] : 0.f;
   for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = hsum(acc[g]) + bias;
-}
-
-// decode(j, e, o) for blocks j = 0..7, each block met by G activation rows (x[g]: row g's
-// activations from block 0 on), the products reduced pair by pair as they come (few registers
-// live): u0[g]'s low 128-bit lane holds blocks 0-3's totals over their lanes 0-3 (elements
-// 0-15), its high lane their totals over lanes 4-7 (elements 16-31); u1[g] the same for blocks
-// 4-7. Each block is decoded once for the G rows.
-template <int G, class Decode>
-inline void reduce8(Decode&& decode, const int16_t* const* x, __m256i* u0, __m256i* u1) {
-  for (int half = 0; half < 2; ++half) {
-    __m256i pairs[G][2];
-    for (int k = 0; k < 2; ++k) {
-      const int j = 4 * half + 2 * k;
-      __m256i e0, o0, e1, o1;
-      decode(j, e0, o0);
-      decode(j + 1, e1, o1);
-      for (int g = 0; g < G; ++g)
-        pairs[g][k] = _mm256_hadd_epi32(block_dot(e0, o0, x[g] + j * kActBlock),
-                                        block_dot(e1, o1, x[g] + (j + 1) * kActBlock));
-    }
-    for (int g = 0; g < G; ++g) (half ? u1 : u0)[g] = _mm256_hadd_epi32(pairs[g][0], pairs[g][1]);
-  }
-}
-
-// Lane j: block j's whole total (reduce8's halves added).
-inline __m256i totals8(__m256i u0, __m256i u1) {
-  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
-}
-
-// The formats few_rows reads: the 32-element blocks (fp16 scales at a fixed stride along a row)
-// and the K-quants (eight 32-blocks a super-block).
-template <class W>
-constexpr bool kBlock32 = std::is_same_v<W, Q8_0> || std::is_same_v<W, Nibble32<kQ4_0>> ||
-                          std::is_same_v<W, Nibble32<kQ4_1>> || std::is_same_v<W, Nibble32<kQ5_0>> ||
-                          std::is_same_v<W, Nibble32<kQ5_1>>;
-template <class W>
-constexpr bool kSuper256 = std::is_same_v<W, KQuant45<kQ4_K>> || std::is_same_v<W, KQuant45<kQ5_K>> ||
-                           std::is_same_v<W, Q6_K>;
-
-// Eight blocks from b0 of activation rows r0 .. r0 + G - 1 against weight row n: acc[g] += each
-// block's integer sum x its scale x the activations' step, mins[g] += each offset x the
-// activations' sum.
-template <class W, int G>
-inline void eight_blocks(const uint8_t* row, const Acts& a, int64_t r0, int64_t b0, __m256* acc,
-                         __m256* mins) {
-  const int16_t* x[G];
-  for (int g = 0; g < G; ++g) x[g] = a.qrow(r0 + g) + b0 * kActBlock;
-  const auto da = [&](int g) { return a.darow(r0 + g) + b0; };
-  const auto ab = [&](int g) { return a.abrow(r0 + g) + b0; };
-  __m256i u0[G], u1[G];
-  if constexpr (kBlock32<W>) {
-    const uint8_t* blk = row + b0 * W::kBytes;
-    reduce8<G>([&](int j, __m256i& e, __m256i& o) { W::codes(blk + j * W::kBytes, e, o); }, x, u0, u1);
-    __m256 d, m;
-    half_pairs8(blk, W::kBytes, d, m);
-    for (int g = 0; g < G; ++g) {
-      acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals8(u0[g], u1[g])), _mm256_mul_ps(d, _mm256_loadu_ps(da(g))), acc[g]);
-      if constexpr (W::kHasMin) mins[g] = _mm256_fmadd_ps(m, _mm256_loadu_ps(ab(g)), mins[g]);
-    }
-  } else {
-    const uint8_t* blk = row + b0 / 8 * W::kBytes;  // the super-block
-    reduce8<G>([&](int j, __m256i& e, __m256i& o) { W::codes(blk, j, e, o); }, x, u0, u1);
-    __m256 s, t;
-    W::scale_vectors(blk, s, t);
-    for (int g = 0; g < G; ++g) {
-      if constexpr (W::kTwoScales) {  // Q6_K: each half-block its scale; s for u0, t for u1
-        const __m256 lo = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(da(g)));
-        const __m256 hi = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(da(g) + 4));
-        acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(u0[g]), _mm256_mul_ps(s, lo), acc[g]);
-        acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(u1[g]), _mm256_mul_ps(t, hi), acc[g]);
-      } else {  // s the scales, t the offsets
-        acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals8(u0[g], u1[g])), _mm256_mul_ps(s, _mm256_loadu_ps(da(g))), acc[g]);
-        mins[g] = _mm256_fmadd_ps(t, _mm256_loadu_ps(ab(g)), mins[g]);
-      }
-    }
-  }
-}
-
-// Activation rows r0 .. r0 + G - 1 (G <= 3) against weight row n, eight blocks at a time: the
-// eight blocks' int32 sums are reduced into one vector (lane j for block j), so their scales,
-// loaded as one vector (half_pairs8; the K-quants' scale_vectors), apply in one convert and one
-// FMA. Why: a block at a time (int_group_narrow) spent as many instructions on its fp16 scales
-// (inserted, converted, multiplied and broadcast one by one) as on its 32 products, and left
-// the one-stream decode compute-bound on AVX2 (llvm-mca, Ice Lake: ~7 cycles a Q4_1 block,
-// ~4 here). Few rows (speculative drafts, a few streams) share each block's decode.
-template <class W, int G>
-void few_rows(const LinearArgs& p, const Acts& a, int64_t r0, int64_t n) {
-  const uint8_t* row = p.w + n * p.row_bytes;
-  const int64_t blocks = p.K / kActBlock, whole = blocks / 8 * 8;
-  __m256 acc[G], mins[G];
-  for (int g = 0; g < G; ++g) acc[g] = mins[g] = _mm256_setzero_ps();
-  const int64_t span = span_bytes(p);
-  for (int64_t b0 = 0; b0 < whole; b0 += 8) {
-    if (a.rows < kRowPrefetchRows) prefetch_ahead(row + b0 / 8 * span, span);  // else run_rows did
-    eight_blocks<W, G>(row, a, r0, b0, acc, mins);
-  }
-  for (int g = 0; g < G; ++g) {
-    const int64_t r = r0 + g;
-    float total = hsum(_mm256_add_ps(acc[g], mins[g]));
-    if constexpr (kBlock32<W>) {
-      for (int64_t b = whole; b < blocks; ++b) {  // the last K / 32 % 8 blocks one by one
-        const uint8_t* blk = row + b * W::kBytes;
-        __m256i e, o;
-        W::codes(blk, e, o);
-        total += fp16(blk) * a.darow(r)[b] *
-                 static_cast<float>(hsum_epi32(block_dot(e, o, a.qrow(r) + b * kActBlock)));
-        if constexpr (W::kHasMin) total += fp16(blk + 2) * a.abrow(r)[b];
-      }
-    }
-    p.out[r * p.ldo + n] = total + (p.bias ? p.bias[n] : 0.f);
-  }
 }
 
 template <class W, int G>
@@ -507,7 +384,11 @@ void gemv_parts(const LinearArgs* parts, int64_t count, int64_t isa) {
       panel_gemv_parts(parts, count, a);
     return;
   }
-  parallel_parts(parts, count, 1, [&](int64_t i, int64_t n0, int64_t n1) { gemv(parts[i], a, n0, n1); });
+  // AVX-512BW (the avx512 level): the Q5_0/Q5_1 rows' fifth bits through mask registers
+  const bool masks = isa == kAvx512 && wide_panel();
+  parallel_parts(parts, count, 1, [&](int64_t i, int64_t n0, int64_t n1) {
+    if (!(masks && v256bw::few_rows_gemv(parts[i], a, n0, n1))) gemv(parts[i], a, n0, n1);
+  });
 }
 
 }  // namespace v256
