@@ -138,6 +138,21 @@ void rope_and_cache(const at::Tensor& qkv, const at::Tensor& rope, const float* 
   });
 }
 
+// dst += src, the residual adds: a plain loop over contiguous fp32 rows where ATen's add_ (its
+// dispatch and TensorIterator set-up) took longer than the add itself at a few rows.
+void add_into(at::Tensor& dst, const at::Tensor& src) {
+  if (!(dst.is_contiguous() && src.is_contiguous() && dst.scalar_type() == at::kFloat &&
+        src.scalar_type() == at::kFloat && dst.numel() == src.numel())) {
+    dst.add_(src);
+    return;
+  }
+  float* d = dst.data_ptr<float>();
+  const float* a = src.data_ptr<float>();
+  at::parallel_for(0, dst.numel(), 1 << 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) d[i] += a[i];
+  });
+}
+
 // out[t, i] = silu(gu[t, i]) * gu[t, I + i]; silu(g) = g * sigmoid(g), computed from
 // e = exp(-|g|) <= 1 so it never overflows.
 at::Tensor silu_mul(const at::Tensor& gu) {
@@ -244,13 +259,14 @@ at::Tensor layer(const at::Tensor& x, const LayerWeights& w, at::Tensor& k_cache
     RECORD_FUNCTION("pagedq::o_proj", std::vector<c10::IValue>());
     x1 = w.o(o.view({T, num_heads * D}));
   }
-  x1.add_(x);
+  add_into(x1, x);
   rms_norm(h, x1, w.post_norm, s.eps);
   {
     RECORD_FUNCTION("pagedq::mlp", std::vector<c10::IValue>());
     out = w.down(silu_mul(w.gate_up(h)));
   }
-  return out.add_(x1);
+  add_into(out, x1);
+  return out;
 }
 
 c10::optional<at::Tensor> item(const c10::List<c10::optional<at::Tensor>>& list, size_t i) {
