@@ -91,16 +91,19 @@ def kernel_rows(plan: AttentionPlan, ids: list[int], num_kv_heads: int) -> Kerne
     step); the rows the kernel takes are decodes and short chunks (kernel_takes).
     """
     firsts = list(accumulate(plan.q_lens, initial=0))
-    flat: list[int] = []
+    query_rows: list[int] = []  # the three columns, a range (or a run) per sequence
+    seqs: list[int] = []
+    visible: list[int] = []
     work = 0
     for i in ids:
         q_len, seq_len = plan.q_lens[i], plan.seq_lens_host[i]
         first, seen = firsts[i], seq_len - q_len + 1
-        for j in range(q_len):
-            flat += (first + j, i, seen + j)
+        query_rows.extend(range(first, first + q_len))
+        seqs.extend([i] * q_len)
+        visible.extend(range(seen, seen + q_len))
         work += q_len * seen + q_len * (q_len - 1) // 2
-    total = len(flat) // 3
-    rows = torch.tensor(flat, dtype=torch.long).view(total, 3)
+    total = len(query_rows)
+    rows = torch.tensor([query_rows, seqs, visible], dtype=torch.long).T.contiguous()
     threads = torch.get_num_threads()
     # Whole rows (all KV heads) read contiguous cache memory; split heads only to feed threads.
     heads_per_item = num_kv_heads if total >= 2 * threads else 1
