@@ -19,6 +19,7 @@ from pagedq.kernels.cases import make_case
 from pagedq.kernels.cpu_attention import (
     MAX_KERNEL_CHUNK,
     MAX_KERNEL_CHUNK_KEYS,
+    items_heads,
     kernel_rows,
     kernel_takes,
     kernel_takes_step,
@@ -203,6 +204,26 @@ def test_thread_split_is_deterministic(op):
     for out in outs:
         torch.testing.assert_close(out, single, atol=0, rtol=0)
     assert_matches_reference(case, single)
+
+
+def test_a_lone_row_splits_its_heads_into_runs_of_neighbours(op):
+    """Fewer rows than two per thread: each row's KV heads go to items in runs of neighbours
+    (contiguous cache memory), about two items a thread; whole rows otherwise. Any split of a
+    fp16-cache row over 16 KV heads matches the reference and one item of all heads, bit for
+    bit."""
+    assert items_heads(1, 32, 2) == 8 and items_heads(1, 3, 2) == 1 and items_heads(3, 32, 2) == 8
+    assert items_heads(4, 32, 2) == 32 and items_heads(1, 32, 1) == 16
+    case = make_case([1], [70], num_heads=32, num_kv_heads=16, head_dim=64, block_size=8,
+                     dtype=torch.float16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        split = run_all_rows(op, case)
+        whole = run_all_rows(op, case, heads_per_item=16, grain=10**6)
+    finally:
+        torch.set_num_threads(threads)
+    assert_matches_reference(case, split)
+    torch.testing.assert_close(split, whole, atol=0, rtol=0)
 
 
 def test_paged_attention_routes_decodes_and_short_chunks_to_the_kernel(op):
