@@ -164,7 +164,7 @@ BF16X3_GEMV_ROWS = 16
 # than the byte GEMV there, and rounds finer).
 PANEL_ROWS = 8
 PANEL_ROWS_Q6K = 5  # Q6_K alone (kPanelRowsQ6K): its row-at-a-time kernel is the slowest
-WIDE_PANEL_ROWS = 32  # from here AVX-512BW CPUs without VNNI run it 16 rows a vector (kWidePanelRows)
+WIDE_PANEL_ROWS = 12  # from here AVX-512BW CPUs without VNNI run it 16 rows a vector (kWidePanelRows)
 
 
 def panel_from(weight_format: str) -> int:
@@ -289,7 +289,7 @@ class PackedChoice:
         if first <= self.gemv_rows and panel != name:  # the AVX2 panel from its first row on
             name = f"{name}<{first}+{panel}"
         wide = self.kernel(WIDE_PANEL_ROWS)
-        if WIDE_PANEL_ROWS <= self.gemv_rows and wide != panel:  # ... in AVX-512 from 32 rows
+        if WIDE_PANEL_ROWS <= self.gemv_rows and wide != panel:  # ... in AVX-512 from 12 rows
             name = f"{name}<{WIDE_PANEL_ROWS}+{wide}"
         return f"{name}<={self.gemv_rows}+{self.kernel(self.gemv_rows + 1)}"
 

@@ -41,10 +41,14 @@ void panel_gemv_parts(const LinearArgs* parts, int64_t count, const Acts& a);
 // (quant_gemv.cpp).
 void panel_tail(const LinearArgs& p, const Acts& a, int64_t r0, int64_t n);
 // Activation rows from which the panel runs with AVX-512 vectors where asked (isa kAvx512) and
-// wide_panel() holds: 16 rows a vector pad 8-15 rows to 16, level at 16 rows, 1.1x (Q8_0, Q4_1)
-// to 1.3-1.5x (Q4_K, Q6_K) the AVX2 panel from 32 (AMD EPYC Zen 5 capped at avx512, 2 threads,
-// the bundled model's matrices).
-constexpr int64_t kWidePanelRows = 32;
+// wide_panel() holds: from 12 rows the AVX2 panel pads to 16 lanes too (8 + 4 padded to 8), so
+// the 16-row vectors pad no more than it does and make twice the products a vpmaddwd. Measured
+// (AMD EPYC Zen 5 capped at avx512, 2 threads, quant_kernels, from 32 -> from 12): the bundled
+// model's matrices at 12-16 rows 1.0-1.08x, 18-21 1.07-1.1x, 28 1.33-1.36x (Q4_1, Q8_0, Q5_0);
+// SmolLM2-1.7B's shapes at 16 rows 1.14-1.21x (Q4_K, Q8_0), 20 1.10-1.22x, 28 1.38-1.47x; at 9
+// rows (one group of 16 against 8 + a row-at-a-time tail) it lost 0.85-0.95x. Earlier, before
+// the stripe tile, the crossover was measured at 32 (level at 16 on the bundled model).
+constexpr int64_t kWidePanelRows = 12;
 // Whether the AVX-512 panel runs here: AVX-512F/VL/DQ (runs_isa(kAvx512)) and BW.
 inline bool wide_panel() {
   static const bool yes = runs_isa(kAvx512) && __builtin_cpu_supports("avx512bw");
