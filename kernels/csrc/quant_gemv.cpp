@@ -384,7 +384,8 @@ void gemv_parts(const LinearArgs* parts, int64_t count, int64_t isa) {
       panel_gemv_parts(parts, count, a);
     return;
   }
-  // AVX-512BW (the avx512 level): the Q5_0/Q5_1 rows' fifth bits through mask registers
+  // AVX-512BW (the avx512 level): Q5_0/Q5_1's fifth bits through mask registers, Q4_K and Q6_K
+  // in 512-bit vectors (quant_gemv_bw.cpp)
   const bool masks = isa == kAvx512 && wide_panel();
   parallel_parts(parts, count, 1, [&](int64_t i, int64_t n0, int64_t n1) {
     if (!(masks && v256bw::few_rows_gemv(parts[i], a, n0, n1))) gemv(parts[i], a, n0, n1);

@@ -1,13 +1,16 @@
-// The one-to-three-row GEMV (few_rows.inc) of Q5_0 and Q5_1 compiled for AVX-512BW/VL, for the
-// `avx512` level (AVX-512 without VNNI: Skylake-SP/X, or any AVX-512 CPU capped there). VNNI
-// CPUs run the grouped GEMV instead (group_gemv.cpp); AVX2 ones quant_gemv.cpp's build.
+// The one-to-three-row GEMV of the avx512 level (AVX-512 without VNNI: Skylake-SP/X, or any
+// AVX-512 CPU capped there), compiled for AVX-512BW/VL: Q5_0 and Q5_1 through few_rows.inc with
+// their fifth bits in mask registers, Q4_K and Q6_K in 512-bit vectors (below). VNNI CPUs run
+// the grouped GEMV instead (group_gemv.cpp); AVX2 ones quant_gemv.cpp's build.
 //
-// Why: one stream's decode reads each weight once, and below VNNI the Q5_0/Q5_1 row kernel is
-// bound by its decode: the 32 fifth bits of a block were spread to bytes with a broadcast, a
-// shuffle, an OR and a compare, then merged (quant_avx2.h, 12 operations a block). AVX-512BW
-// takes the 32 bits as a mask register (one kmov) and merges them in one masked move: 7
-// operations. Q5_0 is most of a Q4_K_M file whose rows do not divide into K-quant super-blocks
-// (SmolLM2-135M's 576-wide matrices).
+// Why: one stream's decode reads each weight once, and below VNNI these row kernels are bound
+// by their vector operations, not by the weights' bandwidth. Q5_0/Q5_1: the 32 fifth bits of a
+// block were spread to bytes with a broadcast, a shuffle, an OR and a compare, then merged
+// (quant_avx2.h, 12 operations a block); AVX-512BW takes the 32 bits as a mask register (one
+// kmov) and merges them in one masked move: 7 operations. Q5_0 is most of a Q4_K_M file whose
+// rows do not divide into K-quant super-blocks (SmolLM2-135M's 576-wide matrices); Q4_K and Q6_K
+// are the rest of a Q4_K_M file whose rows do (1-8B models: SmolLM2-1.7B's shape, 764 + 289 of
+// its 1053 MB).
 //
 // The headers are included before the target pragma, so their inline functions keep the
 // library's AVX2 target (a copy compiled for AVX-512 could be the one the linker keeps); this
@@ -18,6 +21,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #include <type_traits>
 
 #include "cpu_ops.h"
@@ -60,6 +64,181 @@ struct FifthBitsMask : Nibble32<Fmt> {
 
 #include "few_rows.inc"
 
+// ---- Q4_K in 512-bit vectors ------------------------------------------------------------------
+//
+// Why: one stream of a Q4_K_M model is mostly Q4_K rows (SmolLM2-1.7B's shape: 764 of its 1053
+// MB), and the AVX2 row kernel is bound by its vector operations, not the weights' bandwidth
+// (~87 a super-block: 16 vpmaddwd, 20 for the nibbles, six vphaddd of three uops). A 512-bit
+// load holds two 32-byte runs of codes, four 32-blocks: one shift and four ANDs give their
+// parity halves, and each vpmaddwd meets two blocks' activations at once, so the nibbles and the
+// products take half the instructions; the eight blocks' totals come out of four vectors by
+// unpacks and adds (no vphaddd in 512 bits), and the scales apply as in few_rows. Q6_K alike:
+// its low bits of blocks [0 | 1] in one load, [2 | 3] shifted down a nibble, each half's two high
+// bits moved by a per-half shift (vpsllvw / vpsrlvw). Measured (AMD EPYC Zen 5 capped at avx512,
+// 2 threads, `quant_kernels --shapes memory`, ms a pass, AVX2 kernel -> these): Q4_K 1 row
+// 22.5-23.3 -> 20.5-22.5, 2 rows 35.1-35.3 -> 27.5-28.3, 3 rows 48.4-49.8 -> 35.3-35.7; Q6_K 1
+// row 31.5-32.2 -> 24.3-28.3, 2 rows 45.7-45.9 -> 31.9-33.1, 3 rows 61.4-62.0 -> 41.4-41.5
+// (one row of Q4_K is near this VM's bandwidth either way: 43-47 GB/s).
+
+// The activations in a 512-bit kernel's order: per four 32-blocks, the parity halves of the two
+// blocks each 512-bit load of codes holds, in the order the loads come: Q4_K's 64 bytes hold
+// blocks 2i (low nibbles) and 2i + 1 (high) of two 32-byte runs, so e0 e2 o0 o2 e1 e3 o1 o3;
+// Q6_K's 64 bytes of low bits blocks 0 and 1 (low nibbles) and 2 and 3 (high), so e0 e1 o0 o1
+// e2 e3 o2 o3 (16 int16 each).
+using BlockOrder = int[8][2];  // (block of the four, parity half) of each 16-code chunk
+constexpr BlockOrder kQ4KOrder = {{0, 0}, {2, 0}, {0, 1}, {2, 1}, {1, 0}, {3, 0}, {1, 1}, {3, 1}};
+constexpr BlockOrder kQ6KOrder = {{0, 0}, {1, 0}, {0, 1}, {1, 1}, {2, 0}, {3, 0}, {2, 1}, {3, 1}};
+
+void pair_blocks(const Acts& a, int64_t K, const BlockOrder& order, std::vector<int16_t>& out) {
+  out.resize(a.rows * K);
+  for (int64_t r = 0; r < a.rows; ++r)
+    for (int64_t b4 = 0; b4 < K / 128; ++b4)
+      for (int c = 0; c < 8; ++c)
+        std::memcpy(out.data() + r * K + b4 * 128 + c * 16,
+                    a.qrow(r) + (b4 * 4 + order[c][0]) * kActBlock + order[c][1] * 16, 32);
+}
+
+// Lane j: block j's integer total, from t[0] = blocks [0 | 2], t[1] = [1 | 3], t[2] = [4 | 6],
+// t[3] = [5 | 7] (eight lanes of each block's sums a 256-bit half).
+inline __m256i totals512(const __m512i* t) {
+  const __m512i x = _mm512_add_epi32(_mm512_unpacklo_epi32(t[0], t[1]), _mm512_unpackhi_epi32(t[0], t[1]));
+  const __m512i y = _mm512_add_epi32(_mm512_unpacklo_epi32(t[2], t[3]), _mm512_unpackhi_epi32(t[2], t[3]));
+  // per 128-bit lane [a, b, c, d]: lanes 0 and 1 blocks 0, 1, 4, 5 (two parts each), 2 and 3 blocks 2, 3, 6, 7
+  const __m512i w = _mm512_add_epi32(_mm512_unpacklo_epi64(x, y), _mm512_unpackhi_epi64(x, y));
+  const __m512i lanes = _mm512_shuffle_i64x2(w, w, _MM_SHUFFLE(3, 1, 2, 0));  // lanes 0, 2, 1, 3
+  const __m256i sum = _mm256_add_epi32(_mm512_castsi512_si256(lanes), _mm512_extracti64x4_epi64(lanes, 1));
+  return _mm256_permutevar8x32_epi32(sum, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+}
+
+// Activation rows 0 .. G - 1 (their activations x in pair_blocks' order) against Q4_K row n: the
+// same integer sums, scales and float operations as few_rows<KQuant45<kQ4_K>, G>, so the same
+// result bit for bit.
+template <int G>
+void q4k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t n) {
+  using W = KQuant45<kQ4_K>;
+  const uint8_t* row = p.w + n * p.row_bytes;
+  const int64_t span = span_bytes(p);
+  const __m512i low = _mm512_set1_epi16(0x000F), high = _mm512_set1_epi16(0x00F0);
+  __m256 acc[G], mins[G];
+  for (int g = 0; g < G; ++g) acc[g] = mins[g] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < p.K / 256; ++sb) {
+    const uint8_t* blk = row + sb * W::kBytes;
+    prefetch_ahead(blk, span);
+    __m512i t[G][4];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i bytes = _mm512_loadu_si512(blk + 16 + 64 * h);
+      const __m512i shifted = _mm512_srli_epi16(bytes, 8);
+      const __m512i e02 = _mm512_and_si512(bytes, low), o02 = _mm512_and_si512(shifted, low);
+      const __m512i e13 = _mm512_and_si512(bytes, high), o13 = _mm512_and_si512(shifted, high);
+      for (int g = 0; g < G; ++g) {
+        const int16_t* q = x + g * p.K + sb * 256 + h * 128;
+        const auto at = [&](int c) { return _mm512_loadu_si512(q + 32 * c); };
+        t[g][2 * h] = _mm512_add_epi32(_mm512_madd_epi16(e02, at(0)), _mm512_madd_epi16(o02, at(1)));
+        t[g][2 * h + 1] = _mm512_add_epi32(_mm512_madd_epi16(e13, at(2)), _mm512_madd_epi16(o13, at(3)));
+      }
+    }
+    __m256 s, m;
+    W::scale_vectors(blk, s, m);
+    for (int g = 0; g < G; ++g) {
+      acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals512(t[g])),
+                               _mm256_mul_ps(s, _mm256_loadu_ps(a.darow(g) + sb * 8)), acc[g]);
+      mins[g] = _mm256_fmadd_ps(m, _mm256_loadu_ps(a.abrow(g) + sb * 8), mins[g]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    p.out[g * p.ldo + n] = hsum(_mm256_add_ps(acc[g], mins[g])) + (p.bias ? p.bias[n] : 0.f);
+}
+
+// Q6_K's two 32-blocks of one 512-bit vector as int16 codes minus 32: ql holds the low nibbles
+// of blocks [a | b] (shift 0) or, shifted down 4, of the next two; qh both blocks' bytes of high
+// bits, each half taken from its own bit pair (left by up[i], then masked to bits 4-5).
+inline void q6k_codes512(__m512i ql, __m512i qh, __m512i up, bool right, __m512i& e, __m512i& o) {
+  const __m512i lo4 = _mm512_and_si512(ql, _mm512_set1_epi8(0x0F));
+  const __m512i moved = right ? _mm512_srlv_epi16(qh, up) : _mm512_sllv_epi16(qh, up);
+  const __m512i c = _mm512_or_si512(lo4, _mm512_and_si512(moved, _mm512_set1_epi8(0x30)));
+  e = _mm512_sub_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x00FF)), _mm512_set1_epi16(32));
+  o = _mm512_sub_epi16(_mm512_srli_epi16(c, 8), _mm512_set1_epi16(32));
+}
+
+// Blocks [4h + 0 | 4h + 1] (t[2h]) and [4h + 2 | 4h + 3] (t[2h + 1]) -> few_rows' u0 (h = 0) and
+// u1 (h = 1): [the four blocks' first-half totals | their second-half totals].
+inline __m256i halves512(__m512i ab, __m512i cd) {
+  // per 128-bit lane [a0 + a2, c0 + c2, a1 + a3, c1 + c3], then each pair's two halves added:
+  // lanes 0..3 hold (block 0, 2) first halves, (0, 2) second, (1, 3) first, (1, 3) second
+  const __m512i x = _mm512_add_epi32(_mm512_unpacklo_epi32(ab, cd), _mm512_unpackhi_epi32(ab, cd));
+  const __m512i w = _mm512_add_epi32(x, _mm512_shuffle_epi32(x, _MM_PERM_BADC));
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi32(
+      _mm512_setr_epi32(0, 8, 1, 9, 4, 12, 5, 13, 0, 0, 0, 0, 0, 0, 0, 0), w));
+}
+
+// Activation rows 0 .. G - 1 (x in pair_blocks' Q6_K order) against Q6_K row n: the integer sums,
+// scales and float operations of few_rows<Q6_K, G>, so its result bit for bit.
+template <int G>
+void q6k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t n) {
+  const uint8_t* row = p.w + n * p.row_bytes;
+  const int64_t span = span_bytes(p);
+  // quarters 0 | 1: bits 0-1 | 2-3 left to 4-5; quarters 2 | 3: bits 4-5 | 6-7 right by 0 | 2
+  const __m256i four = _mm256_set1_epi16(4), two = _mm256_set1_epi16(2);
+  const __m512i up01 = _mm512_inserti64x4(_mm512_castsi256_si512(four), two, 1);
+  const __m512i down23 = _mm512_inserti64x4(_mm512_setzero_si512(), two, 1);
+  __m256 acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < p.K / 256; ++sb) {
+    const uint8_t* blk = row + sb * Q6_K::kBytes;
+    prefetch_ahead(blk, span);
+    __m512i t[G][4];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
+      __m512i e01, o01, e23, o23;
+      q6k_codes512(ql, qh, up01, false, e01, o01);
+      q6k_codes512(_mm512_srli_epi16(ql, 4), qh, down23, true, e23, o23);
+      for (int g = 0; g < G; ++g) {
+        const int16_t* q = x + g * p.K + sb * 256 + h * 128;
+        const auto at = [&](int c) { return _mm512_loadu_si512(q + 32 * c); };
+        t[g][2 * h] = _mm512_add_epi32(_mm512_madd_epi16(e01, at(0)), _mm512_madd_epi16(o01, at(1)));
+        t[g][2 * h + 1] = _mm512_add_epi32(_mm512_madd_epi16(e23, at(2)), _mm512_madd_epi16(o23, at(3)));
+      }
+    }
+    __m256 s, u;
+    Q6_K::scale_vectors(blk, s, u);
+    for (int g = 0; g < G; ++g) {
+      const float* da = a.darow(g) + sb * 8;
+      const __m256 lo = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(da));
+      const __m256 hi = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(da + 4));
+      acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(halves512(t[g][0], t[g][1])), _mm256_mul_ps(s, lo), acc[g]);
+      acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(halves512(t[g][2], t[g][3])), _mm256_mul_ps(u, hi), acc[g]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    p.out[g * p.ldo + n] = hsum(_mm256_add_ps(acc[g], _mm256_setzero_ps())) + (p.bias ? p.bias[n] : 0.f);
+}
+
+// Q4_K or Q6_K rows [n0, n1) against 1-3 activation rows in 512-bit vectors.
+template <int64_t Fmt>
+void kquant_gemv512(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
+  static thread_local std::vector<int16_t> paired;
+  pair_blocks(a, p.K, Fmt == kQ4_K ? kQ4KOrder : kQ6KOrder, paired);
+  const int16_t* x = paired.data();
+  for (int64_t n = n0; n < n1; ++n) {
+    if constexpr (Fmt == kQ4_K) {
+      if (a.rows == 1)
+        q4k_rows512<1>(p, a, x, n);
+      else if (a.rows == 2)
+        q4k_rows512<2>(p, a, x, n);
+      else
+        q4k_rows512<3>(p, a, x, n);
+    } else {
+      if (a.rows == 1)
+        q6k_rows512<1>(p, a, x, n);
+      else if (a.rows == 2)
+        q6k_rows512<2>(p, a, x, n);
+      else
+        q6k_rows512<3>(p, a, x, n);
+    }
+  }
+}
+
 template <class W>
 void rows_of(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
@@ -80,6 +259,10 @@ bool few_rows_gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
     rows_of<FifthBitsMask<kQ5_0>>(p, a, n0, n1);
   else if (p.fmt == kQ5_1)
     rows_of<FifthBitsMask<kQ5_1>>(p, a, n0, n1);
+  else if (p.fmt == kQ4_K)
+    kquant_gemv512<kQ4_K>(p, a, n0, n1);
+  else if (p.fmt == kQ6_K)
+    kquant_gemv512<kQ6_K>(p, a, n0, n1);
   else
     return false;
   return true;

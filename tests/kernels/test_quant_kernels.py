@@ -117,12 +117,12 @@ def test_gemv_matches_dequantized_matmul(cpu_ops, isa, fmt):
         assert relative_error(out, x.double() @ dense.T + bias) < 1e-4
 
 
-@pytest.mark.parametrize("fmt", ["q5_0", "q5_1"])
-def test_fifth_bits_through_masks_equal_the_avx2_merge(cpu_ops, fmt):
-    """The avx512 level's one-to-three-row Q5_0/Q5_1 kernel (csrc/quant_gemv_bw.cpp: the fifth
-    bits as a mask register) computes the same integer products in the same order as the AVX2
-    kernel (their spread to bytes): bit for bit, every width and 1-3 rows (the dequantized
-    product, the oracle of both, is checked above)."""
+@pytest.mark.parametrize("fmt", ["q5_0", "q5_1", "q4_k", "q6_k"])
+def test_avx512bw_row_kernels_equal_the_avx2_ones(cpu_ops, fmt):
+    """The avx512 level's one-to-three-row kernels (csrc/quant_gemv_bw.cpp: Q5_0/Q5_1's fifth
+    bits as a mask register, Q4_K and Q6_K in 512-bit vectors) compute the same integer sums
+    and apply the same scales in the same order as the AVX2 kernels: bit for bit, every width
+    and 1-3 rows (the dequantized product, the oracle of both, is checked above)."""
     if not (CPU.has_avx512 and "avx512bw" in CPU.flags):
         pytest.skip(f"no AVX-512 F/VL/DQ/BW at this process's level ({CPU.level})")
     gen = torch.Generator().manual_seed(5)
@@ -130,9 +130,10 @@ def test_fifth_bits_through_masks_equal_the_avx2_merge(cpu_ops, fmt):
         w = random_weight(fmt, 45, k, gen)
         for rows in (1, 2, 3):
             x = torch.randn(rows, k, generator=gen)
-            outs = [torch.empty(rows, 45) for _ in range(2)]
+            bias = torch.randn(45, generator=gen)
+            outs = [torch.empty(rows, 60)[:, 5:50] for _ in range(2)]  # a column slice: ldo 60
             for out, isa in zip(outs, (Isa.AVX512, Isa.AVX2), strict=True):
-                cpu_ops.quant_gemv(out, x, w.data, w.fmt.code, None, None, int(isa))
+                cpu_ops.quant_gemv(out, x, w.data, w.fmt.code, None, bias, int(isa))
             assert torch.equal(outs[0], outs[1]), (fmt, k, rows)
 
 
