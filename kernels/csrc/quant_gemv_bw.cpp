@@ -114,7 +114,7 @@ inline __m256i totals512(const __m512i* t) {
 // same integer sums, scales and float operations as few_rows<KQuant45<kQ4_K>, G>, so the same
 // result bit for bit.
 template <int G>
-void q4k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t n) {
+void q4k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t r0, int64_t n) {
   using W = KQuant45<kQ4_K>;
   const uint8_t* row = p.w + n * p.row_bytes;
   const int64_t span = span_bytes(p);
@@ -131,7 +131,7 @@ void q4k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t n
       const __m512i e02 = _mm512_and_si512(bytes, low), o02 = _mm512_and_si512(shifted, low);
       const __m512i e13 = _mm512_and_si512(bytes, high), o13 = _mm512_and_si512(shifted, high);
       for (int g = 0; g < G; ++g) {
-        const int16_t* q = x + g * p.K + sb * 256 + h * 128;
+        const int16_t* q = x + (r0 + g) * p.K + sb * 256 + h * 128;
         const auto at = [&](int c) { return _mm512_loadu_si512(q + 32 * c); };
         t[g][2 * h] = _mm512_add_epi32(_mm512_madd_epi16(e02, at(0)), _mm512_madd_epi16(o02, at(1)));
         t[g][2 * h + 1] = _mm512_add_epi32(_mm512_madd_epi16(e13, at(2)), _mm512_madd_epi16(o13, at(3)));
@@ -141,12 +141,12 @@ void q4k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t n
     W::scale_vectors(blk, s, m);
     for (int g = 0; g < G; ++g) {
       acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals512(t[g])),
-                               _mm256_mul_ps(s, _mm256_loadu_ps(a.darow(g) + sb * 8)), acc[g]);
-      mins[g] = _mm256_fmadd_ps(m, _mm256_loadu_ps(a.abrow(g) + sb * 8), mins[g]);
+                               _mm256_mul_ps(s, _mm256_loadu_ps(a.darow(r0 + g) + sb * 8)), acc[g]);
+      mins[g] = _mm256_fmadd_ps(m, _mm256_loadu_ps(a.abrow(r0 + g) + sb * 8), mins[g]);
     }
   }
   for (int g = 0; g < G; ++g)
-    p.out[g * p.ldo + n] = hsum(_mm256_add_ps(acc[g], mins[g])) + (p.bias ? p.bias[n] : 0.f);
+    p.out[(r0 + g) * p.ldo + n] = hsum(_mm256_add_ps(acc[g], mins[g])) + (p.bias ? p.bias[n] : 0.f);
 }
 
 // Q6_K's two 32-blocks of one 512-bit vector as int16 codes minus 32: ql holds the low nibbles
@@ -174,7 +174,7 @@ inline __m256i halves512(__m512i ab, __m512i cd) {
 // Activation rows 0 .. G - 1 (x in pair_blocks' Q6_K order) against Q6_K row n: the integer sums,
 // scales and float operations of few_rows<Q6_K, G>, so its result bit for bit.
 template <int G>
-void q6k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t n) {
+void q6k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t r0, int64_t n) {
   const uint8_t* row = p.w + n * p.row_bytes;
   const int64_t span = span_bytes(p);
   // quarters 0 | 1: bits 0-1 | 2-3 left to 4-5; quarters 2 | 3: bits 4-5 | 6-7 right by 0 | 2
@@ -194,7 +194,7 @@ void q6k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t n
       q6k_codes512(ql, qh, up01, false, e01, o01);
       q6k_codes512(_mm512_srli_epi16(ql, 4), qh, down23, true, e23, o23);
       for (int g = 0; g < G; ++g) {
-        const int16_t* q = x + g * p.K + sb * 256 + h * 128;
+        const int16_t* q = x + (r0 + g) * p.K + sb * 256 + h * 128;
         const auto at = [&](int c) { return _mm512_loadu_si512(q + 32 * c); };
         t[g][2 * h] = _mm512_add_epi32(_mm512_madd_epi16(e01, at(0)), _mm512_madd_epi16(o01, at(1)));
         t[g][2 * h + 1] = _mm512_add_epi32(_mm512_madd_epi16(e23, at(2)), _mm512_madd_epi16(o23, at(3)));
@@ -203,7 +203,7 @@ void q6k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t n
     __m256 s, u;
     Q6_K::scale_vectors(blk, s, u);
     for (int g = 0; g < G; ++g) {
-      const float* da = a.darow(g) + sb * 8;
+      const float* da = a.darow(r0 + g) + sb * 8;
       const __m256 lo = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(da));
       const __m256 hi = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(da + 4));
       acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(halves512(t[g][0], t[g][1])), _mm256_mul_ps(s, lo), acc[g]);
@@ -211,30 +211,41 @@ void q6k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t n
     }
   }
   for (int g = 0; g < G; ++g)
-    p.out[g * p.ldo + n] = hsum(_mm256_add_ps(acc[g], _mm256_setzero_ps())) + (p.bias ? p.bias[n] : 0.f);
+    p.out[(r0 + g) * p.ldo + n] = hsum(_mm256_add_ps(acc[g], _mm256_setzero_ps())) + (p.bias ? p.bias[n] : 0.f);
 }
 
-// Q4_K or Q6_K rows [n0, n1) against 1-3 activation rows in 512-bit vectors.
+// G activation rows from r0 against weight row n: Q4_K's or Q6_K's 512-bit kernel.
+template <int64_t Fmt, int G>
+inline void kquant_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t r0, int64_t n) {
+  if constexpr (Fmt == kQ4_K)
+    q4k_rows512<G>(p, a, x, r0, n);
+  else
+    q6k_rows512<G>(p, a, x, r0, n);
+}
+
+// Q4_K or Q6_K rows [n0, n1) against 1-7 activation rows in 512-bit vectors: 4-7 rows as
+// pieces of 2-3 (quant_gemv.cpp's k_pieces, the same split), each weight row still in L1 for the
+// next piece. Why pieces, not the AVX2 wide groups (4-7 rows) or panel (Q6_K from 5): on
+// SmolLM2-1.7B's shapes (Zen 5 capped at avx512, 2 threads) a 3-row piece took 36 (Q4_K) and 41
+// (Q6_K) ms a pass where 4 rows in the wide groups took 90 and 154 and Q6_K's panel 124-130 at
+// 5-7 rows.
 template <int64_t Fmt>
 void kquant_gemv512(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
   static thread_local std::vector<int16_t> paired;
   pair_blocks(a, p.K, Fmt == kQ4_K ? kQ4KOrder : kQ6KOrder, paired);
   const int16_t* x = paired.data();
   for (int64_t n = n0; n < n1; ++n) {
-    if constexpr (Fmt == kQ4_K) {
-      if (a.rows == 1)
-        q4k_rows512<1>(p, a, x, n);
-      else if (a.rows == 2)
-        q4k_rows512<2>(p, a, x, n);
-      else
-        q4k_rows512<3>(p, a, x, n);
-    } else {
-      if (a.rows == 1)
-        q6k_rows512<1>(p, a, x, n);
-      else if (a.rows == 2)
-        q6k_rows512<2>(p, a, x, n);
-      else
-        q6k_rows512<3>(p, a, x, n);
+    switch (a.rows) {
+      case 1: kquant_rows512<Fmt, 1>(p, a, x, 0, n); break;
+      case 2: kquant_rows512<Fmt, 2>(p, a, x, 0, n); break;
+      case 3: kquant_rows512<Fmt, 3>(p, a, x, 0, n); break;
+      case 4: kquant_rows512<Fmt, 2>(p, a, x, 0, n); kquant_rows512<Fmt, 2>(p, a, x, 2, n); break;
+      case 5: kquant_rows512<Fmt, 3>(p, a, x, 0, n); kquant_rows512<Fmt, 2>(p, a, x, 3, n); break;
+      case 6: kquant_rows512<Fmt, 3>(p, a, x, 0, n); kquant_rows512<Fmt, 3>(p, a, x, 3, n); break;
+      default:
+        kquant_rows512<Fmt, 3>(p, a, x, 0, n);
+        kquant_rows512<Fmt, 2>(p, a, x, 3, n);
+        kquant_rows512<Fmt, 2>(p, a, x, 5, n);
     }
   }
 }
@@ -254,15 +265,17 @@ void rows_of(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
 }  // namespace
 
 bool few_rows_gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
-  if (a.rows < 1 || a.rows > 3) return false;
-  if (p.fmt == kQ5_0)
-    rows_of<FifthBitsMask<kQ5_0>>(p, a, n0, n1);
-  else if (p.fmt == kQ5_1)
-    rows_of<FifthBitsMask<kQ5_1>>(p, a, n0, n1);
-  else if (p.fmt == kQ4_K)
+  if (a.rows < 1 || a.rows > 7) return false;
+  if (p.fmt == kQ4_K)
     kquant_gemv512<kQ4_K>(p, a, n0, n1);
   else if (p.fmt == kQ6_K)
     kquant_gemv512<kQ6_K>(p, a, n0, n1);
+  else if (a.rows > 3)
+    return false;
+  else if (p.fmt == kQ5_0)
+    rows_of<FifthBitsMask<kQ5_0>>(p, a, n0, n1);
+  else if (p.fmt == kQ5_1)
+    rows_of<FifthBitsMask<kQ5_1>>(p, a, n0, n1);
   else
     return false;
   return true;

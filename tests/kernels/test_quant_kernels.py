@@ -117,6 +117,26 @@ def test_gemv_matches_dequantized_matmul(cpu_ops, isa, fmt):
         assert relative_error(out, x.double() @ dense.T + bias) < 1e-4
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
+def test_four_to_seven_rows_of_a_k_quant_equal_each_row_alone(cpu_ops, isa, fmt):
+    """The AVX2 GEMV (and the avx512 level's 512-bit one) takes 4-7 activation rows of a K-quant
+    as pieces of 2-3 rows of the row kernel: each row's output is its own one-row result, bit
+    for bit (a speculative step's verification rows then equal plain decoding's)."""
+    gen = torch.Generator().manual_seed(8)
+    w = random_weight(fmt, 37, 512, gen)
+    rows = 4 if fmt == "q6_k" else 7  # Q6_K's AVX2 panel takes 5 rows on
+    x = torch.randn(rows, 512, generator=gen)
+    together = torch.empty(rows, 37)
+    cpu_ops.quant_gemv(together, x, w.data, w.fmt.code, None, None, isa)
+    for r in range(rows):
+        alone = torch.empty(1, 37)
+        cpu_ops.quant_gemv(alone, x[r:r + 1], w.data, w.fmt.code, None, None, isa)
+        if isa == int(Isa.AVX512_VNNI):  # the grouped GEMV's layouts differ by row count
+            torch.testing.assert_close(together[r:r + 1], alone, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(together[r:r + 1], alone), (fmt, r)
+
+
 @pytest.mark.parametrize("fmt", ["q5_0", "q5_1", "q4_k", "q6_k"])
 def test_avx512bw_row_kernels_equal_the_avx2_ones(cpu_ops, fmt):
     """The avx512 level's one-to-three-row kernels (csrc/quant_gemv_bw.cpp: Q5_0/Q5_1's fifth
@@ -126,9 +146,11 @@ def test_avx512bw_row_kernels_equal_the_avx2_ones(cpu_ops, fmt):
     if not (CPU.has_avx512 and "avx512bw" in CPU.flags):
         pytest.skip(f"no AVX-512 F/VL/DQ/BW at this process's level ({CPU.level})")
     gen = torch.Generator().manual_seed(5)
+    # Q4_K and Q6_K take 4-7 rows as pieces of 2-3 on both levels (Q6_K's AVX2 panel from 5)
+    most = {"q4_k": 7, "q6_k": 4}.get(fmt, 3)
     for k in widths(fmt):
         w = random_weight(fmt, 45, k, gen)
-        for rows in (1, 2, 3):
+        for rows in range(1, most + 1):
             x = torch.randn(rows, k, generator=gen)
             bias = torch.randn(45, generator=gen)
             outs = [torch.empty(rows, 60)[:, 5:50] for _ in range(2)]  # a column slice: ldo 60
