@@ -98,6 +98,19 @@ void pair_blocks(const Acts& a, int64_t K, const BlockOrder& order, std::vector<
                     a.qrow(r) + (b4 * 4 + order[c][0]) * kActBlock + order[c][1] * 16, 32);
 }
 
+// Two vectors of two blocks' codes each ([a | b] and [c | d], parity halves e, o) met by G
+// activation rows (q: row 0's 128 activations in pair_blocks' order, rows K apart): t[g][i] the
+// first pair's int32 sums, t[g][i + 1] the second's.
+template <int G>
+inline void products512(const int16_t* q, int64_t K, __m512i e0, __m512i o0, __m512i e1, __m512i o1,
+                        __m512i (*t)[4], int i) {
+  for (int g = 0; g < G; ++g) {
+    const auto at = [&](int c) { return _mm512_loadu_si512(q + g * K + 32 * c); };
+    t[g][i] = _mm512_add_epi32(_mm512_madd_epi16(e0, at(0)), _mm512_madd_epi16(o0, at(1)));
+    t[g][i + 1] = _mm512_add_epi32(_mm512_madd_epi16(e1, at(2)), _mm512_madd_epi16(o1, at(3)));
+  }
+}
+
 // Lane j: block j's integer total, from t[0] = blocks [0 | 2], t[1] = [1 | 3], t[2] = [4 | 6],
 // t[3] = [5 | 7] (eight lanes of each block's sums a 256-bit half).
 inline __m256i totals512(const __m512i* t) {
@@ -130,12 +143,7 @@ void q4k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t r
       const __m512i shifted = _mm512_srli_epi16(bytes, 8);
       const __m512i e02 = _mm512_and_si512(bytes, low), o02 = _mm512_and_si512(shifted, low);
       const __m512i e13 = _mm512_and_si512(bytes, high), o13 = _mm512_and_si512(shifted, high);
-      for (int g = 0; g < G; ++g) {
-        const int16_t* q = x + (r0 + g) * p.K + sb * 256 + h * 128;
-        const auto at = [&](int c) { return _mm512_loadu_si512(q + 32 * c); };
-        t[g][2 * h] = _mm512_add_epi32(_mm512_madd_epi16(e02, at(0)), _mm512_madd_epi16(o02, at(1)));
-        t[g][2 * h + 1] = _mm512_add_epi32(_mm512_madd_epi16(e13, at(2)), _mm512_madd_epi16(o13, at(3)));
-      }
+      products512<G>(x + r0 * p.K + sb * 256 + h * 128, p.K, e02, o02, e13, o13, t, 2 * h);
     }
     __m256 s, m;
     W::scale_vectors(blk, s, m);
@@ -193,12 +201,7 @@ void q6k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t r
       __m512i e01, o01, e23, o23;
       q6k_codes512(ql, qh, up01, false, e01, o01);
       q6k_codes512(_mm512_srli_epi16(ql, 4), qh, down23, true, e23, o23);
-      for (int g = 0; g < G; ++g) {
-        const int16_t* q = x + (r0 + g) * p.K + sb * 256 + h * 128;
-        const auto at = [&](int c) { return _mm512_loadu_si512(q + 32 * c); };
-        t[g][2 * h] = _mm512_add_epi32(_mm512_madd_epi16(e01, at(0)), _mm512_madd_epi16(o01, at(1)));
-        t[g][2 * h + 1] = _mm512_add_epi32(_mm512_madd_epi16(e23, at(2)), _mm512_madd_epi16(o23, at(3)));
-      }
+      products512<G>(x + r0 * p.K + sb * 256 + h * 128, p.K, e01, o01, e23, o23, t, 2 * h);
     }
     __m256 s, u;
     Q6_K::scale_vectors(blk, s, u);
