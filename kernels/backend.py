@@ -167,9 +167,11 @@ PANEL_ROWS_Q6K = 5  # Q6_K alone (kPanelRowsQ6K): its row-at-a-time kernel is th
 WIDE_PANEL_ROWS = 12  # from here AVX-512BW CPUs without VNNI run it 16 rows a vector (kWidePanelRows)
 
 
-def panel_from(weight_format: str) -> int:
-    """The row count from which the AVX2 GEMV runs its panel for ``weight_format``."""
-    return PANEL_ROWS_Q6K if weight_format == "q6_k" else PANEL_ROWS
+def panel_from(weight_format: str, isa: int = Isa.AVX2) -> int:
+    """The row count from which the AVX2 GEMV runs its panel for ``weight_format``: Q6_K from
+    5 rows, but at the avx512 level (``Isa.AVX512``), where its 1-7 rows run in 512-bit
+    vectors (csrc/quant_gemv_bw.cpp), from 8 like the rest."""
+    return PANEL_ROWS_Q6K if weight_format == "q6_k" and isa != Isa.AVX512 else PANEL_ROWS
 
 
 # Without AMX the GEMM multiplies fp32 tiles (precision "fp32": ATen's sgemm). Rows up to which
@@ -284,7 +286,7 @@ class PackedChoice:
     def name(self) -> str:
         if self.kind != "cpp":
             return {"triton": "triton-wq", "torch": "torch-dequant"}[self.kind]
-        first = panel_from(self.weight_format)
+        first = panel_from(self.weight_format, self.isa)
         name, panel = self.kernel(1), self.kernel(first)
         if first <= self.gemv_rows and panel != name:  # the AVX2 panel from its first row on
             name = f"{name}<{first}+{panel}"
@@ -302,7 +304,7 @@ class PackedChoice:
         if rows <= self.gemv_rows:
             if self.isa == Isa.AVX512_VNNI:
                 return "cpp-gemv-vnni" + ("-int8" if self.int8_acts else "")
-            if rows >= panel_from(self.weight_format) and self.weight_format != "bf16":
+            if rows >= panel_from(self.weight_format, self.isa) and self.weight_format != "bf16":
                 # int16 activations, whichever width was asked for; 16 rows a vector with
                 # AVX-512BW (csrc/panel_gemv512.cpp)
                 wide = self.isa == Isa.AVX512 and rows >= WIDE_PANEL_ROWS

@@ -111,6 +111,8 @@ def test_without_amx_the_gemm_multiplies_fp32_tiles(cpu_ops):
         "cpp-gemv-avx2"] * 2 + ["cpp-panel-avx2"] * 2 + ["cpp-gemm-fp32"]
     # Q6_K's row-at-a-time kernel is the slowest: its panel from PANEL_ROWS_Q6K rows
     assert kernels(AVX2, "q6_k", [PANEL_ROWS_Q6K - 1, PANEL_ROWS_Q6K]) == ["cpp-gemv-avx2", "cpp-panel-avx2"]
+    # ... but with AVX-512BW its 1-7 rows run in 512-bit vectors (csrc/quant_gemv_bw.cpp)
+    assert kernels(SKYLAKE, "q6_k", [PANEL_ROWS - 1, PANEL_ROWS]) == ["cpp-gemv-avx2", "cpp-panel-avx2"]
     # AVX-512BW without VNNI (Skylake-SP): the same GEMV, the panel 16 rows a vector from 12
     assert kernels(SKYLAKE, "q8_0", [1, PANEL_ROWS, WIDE_PANEL_ROWS - 1, WIDE_PANEL_ROWS, limit,
                                      limit + 1]) == (["cpp-gemv-avx2"] + ["cpp-panel-avx2"] * 2
