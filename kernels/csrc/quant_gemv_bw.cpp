@@ -123,7 +123,7 @@ inline __m256i totals512(const __m512i* t) {
   return _mm256_permutevar8x32_epi32(sum, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
 }
 
-// Activation rows 0 .. G - 1 (their activations x in pair_blocks' order) against Q4_K row n: the
+// Activation rows r0 .. r0 + G - 1 (x: their activations in pair_blocks' order) against Q4_K row n: the
 // same integer sums, scales and float operations as few_rows<KQuant45<kQ4_K>, G>, so the same
 // result bit for bit.
 template <int G>
@@ -179,7 +179,7 @@ inline __m256i halves512(__m512i ab, __m512i cd) {
       _mm512_setr_epi32(0, 8, 1, 9, 4, 12, 5, 13, 0, 0, 0, 0, 0, 0, 0, 0), w));
 }
 
-// Activation rows 0 .. G - 1 (x in pair_blocks' Q6_K order) against Q6_K row n: the integer sums,
+// Activation rows r0 .. r0 + G - 1 (x in pair_blocks' Q6_K order) against Q6_K row n: the sums,
 // scales and float operations of few_rows<Q6_K, G>, so its result bit for bit.
 template <int G>
 void q6k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t r0, int64_t n) {
