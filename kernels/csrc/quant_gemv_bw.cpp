@@ -123,9 +123,9 @@ inline __m256i totals512(const __m512i* t) {
   return _mm256_permutevar8x32_epi32(sum, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
 }
 
-// Activation rows r0 .. r0 + G - 1 (x: their activations in pair_blocks' order) against Q4_K row n: the
-// same integer sums, scales and float operations as few_rows<KQuant45<kQ4_K>, G>, so the same
-// result bit for bit.
+// Activation rows r0 .. r0 + G - 1 (x: activations in pair_blocks' order) against Q4_K row n:
+// the integer sums, scales and float operations of few_rows<KQuant45<kQ4_K>, G>, so its result
+// bit for bit.
 template <int G>
 void q4k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t r0, int64_t n) {
   using W = KQuant45<kQ4_K>;
