@@ -262,10 +262,19 @@ constexpr int64_t kRowPrefetchRows = 4;
 inline int64_t span_bytes(const LinearArgs& p) { return p.row_bytes * 256 / p.K; }
 
 
+// x @ w^T + bias into out (col < 0: out is [rows, N], bias [N]) or into its columns
+// [col, col + N) (N = w's rows; the bias's values from bias[col]), checked. A fused projection
+// writes its parts side by side; each part's columns are pointer arithmetic here, not a
+// narrow()ed tensor: ~7 tensor allocations a layer of a one-stream step (torch.profiler put
+// narrow / slice / as_strided at ~10% of a 2.6 ms step of the bundled model, its own cost
+// included); without them one stream 395-403 -> 404-410 tok/s (AMD EPYC Zen 5, 2 threads,
+// scripts/one_stream.py, three alternated pairs).
 inline LinearArgs check_linear(const char* op, at::Tensor& out, const at::Tensor& x,
                                const at::Tensor& w, int64_t fmt,
                                const c10::optional<at::Tensor>& scales,
-                               const c10::optional<at::Tensor>& bias) {
+                               const c10::optional<at::Tensor>& bias, int64_t col = -1) {
+  const bool whole = col < 0;
+  col = whole ? 0 : col;
   const bool grouped = (fmt & kGrouped) != 0;
   fmt &= ~kGrouped;
   int64_t block = 0, bytes = 0;
@@ -280,7 +289,8 @@ inline LinearArgs check_linear(const char* op, at::Tensor& out, const at::Tensor
               op, ": w must be contiguous packed bytes [N, K / block * block_bytes] with K % 32 == 0");
   const int64_t N = w.size(0);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == rows &&
-                  out.size(1) == N && out.stride(1) == 1 && (rows <= 1 || out.stride(0) >= N),
+                  (whole ? out.size(1) == N : col + N <= out.size(1)) &&
+                  out.stride(1) == 1 && (rows <= 1 || out.stride(0) >= out.size(1)),
               op, ": out must be fp32 [rows, N] with unit column stride");
   const float* sp = nullptr;
   if (fmt == kInt8) {
@@ -291,12 +301,13 @@ inline LinearArgs check_linear(const char* op, at::Tensor& out, const at::Tensor
   }
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    (whole ? bias->numel() == N : col + N <= bias->numel()),
                 op, ": bias must be fp32 [N]");
-    bp = bias->data_ptr<float>();
+    bp = bias->data_ptr<float>() + col;
   }
   return {fmt, rows, K, N, w.size(1), rows > 1 ? out.stride(0) : N, grouped, x.data_ptr<float>(),
-          static_cast<const uint8_t*>(w.data_ptr()), sp, bp, out.data_ptr<float>()};
+          static_cast<const uint8_t*>(w.data_ptr()), sp, bp, out.data_ptr<float>() + col};
 }
 
 // The rows of `count` weights that read the same x (a fused projection's segments) as one index

@@ -60,19 +60,12 @@ bool QuantLinear::one_gemv(int64_t rows) const {
 at::Tensor QuantLinear::parts_forward(const at::Tensor& x) const {
   check_isa(isa);
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-  std::vector<at::Tensor> slices;
   std::vector<LinearArgs> parts;
-  slices.reserve(data.size());
   parts.reserve(data.size());
   int64_t col = 0;
-  for (size_t i = 0; i < data.size(); ++i) {
-    const int64_t n = data[i].size(0);
-    slices.push_back(out.narrow(1, col, n));
-    c10::optional<at::Tensor> b;
-    if (bias.has_value() && bias->defined()) b = bias->narrow(0, col, n);
-    parts.push_back(check_linear("quant_linear", slices.back(), x, data[i], fmts[i],
-                                 scales.get(i), b));
-    col += n;
+  for (size_t i = 0; i < data.size(); ++i) {  // each part's columns of out (and of the bias)
+    parts.push_back(check_linear("quant_linear", out, x, data[i], fmts[i], scales.get(i), bias, col));
+    col += data[i].size(0);
   }
   const int64_t count = static_cast<int64_t>(parts.size());
   if (isa == kAvx512Vnni)
