@@ -58,7 +58,7 @@ inline bool wide_panel() {
 
 namespace v256bw {
 // Weight rows [n0, n1) against a few activation rows in AVX-512BW (quant_gemv_bw.cpp): Q5_0 and
-// Q5_1 (1-3 rows) with their fifth bits merged through mask registers, Q4_K and Q6_K (1-7 rows)
+// Q5_1 (1-3 rows) with their fifth bits merged through mask registers, Q4_K, Q5_K and Q6_K (1-7 rows)
 // in 512-bit vectors; the AVX2 row kernels' result bit for bit. Call only where wide_panel()
 // holds. False (nothing written) for other formats and row counts.
 bool few_rows_gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1);

@@ -400,7 +400,7 @@ void gemv_parts(const LinearArgs* parts, int64_t count, int64_t isa) {
   const Acts& a = codes;
   const bool decoded = std::all_of(parts, parts + count, [](const LinearArgs& p) { return p.fmt != kBF16; });
   const bool q6k = std::all_of(parts, parts + count, [](const LinearArgs& p) { return p.fmt == kQ6_K; });
-  // AVX-512BW (the avx512 level): Q5_0/Q5_1's fifth bits through mask registers, Q4_K and Q6_K
+  // AVX-512BW (the avx512 level): Q5_0/Q5_1's fifth bits through mask registers, Q4_K, Q5_K and Q6_K
   // in 512-bit vectors (quant_gemv_bw.cpp), up to 7 rows (Q6_K's too, which the AVX2 panel
   // takes from 5 rows on the avx2 level)
   const bool masks = isa == kAvx512 && wide_panel();

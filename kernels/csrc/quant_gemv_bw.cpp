@@ -1,6 +1,6 @@
 // The one-to-three-row GEMV of the avx512 level (AVX-512 without VNNI: Skylake-SP/X, or any
 // AVX-512 CPU capped there), compiled for AVX-512BW/VL: Q5_0 and Q5_1 through few_rows.inc with
-// their fifth bits in mask registers, Q4_K and Q6_K in 512-bit vectors (below). VNNI CPUs run
+// their fifth bits in mask registers, Q4_K, Q5_K and Q6_K in 512-bit vectors (below). VNNI CPUs run
 // the grouped GEMV instead (group_gemv.cpp); AVX2 ones quant_gemv.cpp's build.
 //
 // Why: one stream's decode reads each weight once, and below VNNI these row kernels are bound
@@ -123,15 +123,46 @@ inline __m256i totals512(const __m512i* t) {
   return _mm256_permutevar8x32_epi32(sum, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
 }
 
-// Activation rows r0 .. r0 + G - 1 (x: activations in pair_blocks' order) against Q4_K row n:
-// the integer sums, scales and float operations of few_rows<KQuant45<kQ4_K>, G>, so its result
-// bit for bit.
-template <int G>
-void q4k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t r0, int64_t n) {
-  using W = KQuant45<kQ4_K>;
+// Super-block half h (blocks 4h .. 4h + 3) of a Q4_K or Q5_K row as int16 codes: e02 / o02 the
+// parity halves of blocks [4h | 4h + 2] (the low nibbles of two 32-byte runs), e13 / o13 of
+// [4h + 1 | 4h + 3] (the high ones). Q4_K's high nibbles stay in place, 16 x the code, as in
+// quant_avx2.h's KQuant45 (its scale_vectors takes the 16 back); Q5_K's fifth bits come from
+// qh, bit j of byte t for element t of block j, each half shifted by its own block's j.
+template <int64_t Fmt>
+inline void k45_codes512(const uint8_t* blk, int h, __m512i& e02, __m512i& o02, __m512i& e13,
+                         __m512i& o13) {
+  if constexpr (Fmt == kQ4_K) {
+    const __m512i low = _mm512_set1_epi16(0x000F), high = _mm512_set1_epi16(0x00F0);
+    const __m512i bytes = _mm512_loadu_si512(blk + 16 + 64 * h);
+    const __m512i shifted = _mm512_srli_epi16(bytes, 8);
+    e02 = _mm512_and_si512(bytes, low), o02 = _mm512_and_si512(shifted, low);
+    e13 = _mm512_and_si512(bytes, high), o13 = _mm512_and_si512(shifted, high);
+  } else {
+    const __m512i bytes = _mm512_loadu_si512(blk + 48 + 64 * h);
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)));
+    const auto fifth = [&](int j0, int j1) {  // bit j0 (low half) / j1 (high half) of each byte, to bit 4
+      const __m512i by = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(j0)),
+                                            _mm256_set1_epi16(static_cast<int16_t>(j1)), 1);
+      return _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, by), _mm512_set1_epi8(1)), 4);
+    };
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i c02 = _mm512_or_si512(_mm512_and_si512(bytes, nibble), fifth(4 * h, 4 * h + 2));
+    const __m512i c13 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble),
+                                        fifth(4 * h + 1, 4 * h + 3));
+    const __m512i byte = _mm512_set1_epi16(0x00FF);
+    e02 = _mm512_and_si512(c02, byte), o02 = _mm512_srli_epi16(c02, 8);
+    e13 = _mm512_and_si512(c13, byte), o13 = _mm512_srli_epi16(c13, 8);
+  }
+}
+
+// Activation rows r0 .. r0 + G - 1 (x: activations in pair_blocks' order) against Q4_K or Q5_K
+// row n: the integer sums, scales and float operations of few_rows<KQuant45<Fmt>, G>, so its
+// result bit for bit.
+template <int64_t Fmt, int G>
+void k45_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t r0, int64_t n) {
+  using W = KQuant45<Fmt>;
   const uint8_t* row = p.w + n * p.row_bytes;
   const int64_t span = span_bytes(p);
-  const __m512i low = _mm512_set1_epi16(0x000F), high = _mm512_set1_epi16(0x00F0);
   __m256 acc[G], mins[G];
   for (int g = 0; g < G; ++g) acc[g] = mins[g] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < p.K / 256; ++sb) {
@@ -139,10 +170,8 @@ void q4k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t r
     if (r0 == 0) prefetch_ahead(blk, span);  // the first piece of a weight row fetches for all
     __m512i t[G][4];
     for (int h = 0; h < 2; ++h) {
-      const __m512i bytes = _mm512_loadu_si512(blk + 16 + 64 * h);
-      const __m512i shifted = _mm512_srli_epi16(bytes, 8);
-      const __m512i e02 = _mm512_and_si512(bytes, low), o02 = _mm512_and_si512(shifted, low);
-      const __m512i e13 = _mm512_and_si512(bytes, high), o13 = _mm512_and_si512(shifted, high);
+      __m512i e02, o02, e13, o13;
+      k45_codes512<Fmt>(blk, h, e02, o02, e13, o13);
       products512<G>(x + r0 * p.K + sb * 256 + h * 128, p.K, e02, o02, e13, o13, t, 2 * h);
     }
     __m256 s, m;
@@ -217,16 +246,16 @@ void q6k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t r
     p.out[(r0 + g) * p.ldo + n] = hsum(_mm256_add_ps(acc[g], _mm256_setzero_ps())) + (p.bias ? p.bias[n] : 0.f);
 }
 
-// G activation rows from r0 against weight row n: Q4_K's or Q6_K's 512-bit kernel.
+// G activation rows from r0 against weight row n: the format's 512-bit kernel.
 template <int64_t Fmt, int G>
 inline void kquant_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t r0, int64_t n) {
-  if constexpr (Fmt == kQ4_K)
-    q4k_rows512<G>(p, a, x, r0, n);
-  else
+  if constexpr (Fmt == kQ6_K)
     q6k_rows512<G>(p, a, x, r0, n);
+  else
+    k45_rows512<Fmt, G>(p, a, x, r0, n);
 }
 
-// Q4_K or Q6_K rows [n0, n1) against 1-7 activation rows in 512-bit vectors: 4-7 rows as
+// Q4_K, Q5_K or Q6_K rows [n0, n1) against 1-7 activation rows in 512-bit vectors: 4-7 rows as
 // pieces of 2-3 (quant_gemv.cpp's k_pieces, the same split), each weight row still in L1 for the
 // next piece. Why pieces, not the AVX2 wide groups (4-7 rows) or panel (Q6_K from 5): on
 // SmolLM2-1.7B's shapes (Zen 5 capped at avx512, 2 threads) a 3-row piece took 36 (Q4_K) and 41
@@ -235,7 +264,7 @@ inline void kquant_rows512(const LinearArgs& p, const Acts& a, const int16_t* x,
 template <int64_t Fmt>
 void kquant_gemv512(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
   static thread_local std::vector<int16_t> paired;
-  pair_blocks(a, p.K, Fmt == kQ4_K ? kQ4KOrder : kQ6KOrder, paired);
+  pair_blocks(a, p.K, Fmt == kQ6_K ? kQ6KOrder : kQ4KOrder, paired);
   const int16_t* x = paired.data();
   for (int64_t n = n0; n < n1; ++n) {
     switch (a.rows) {
@@ -271,6 +300,8 @@ bool few_rows_gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
   if (a.rows < 1 || a.rows > 7) return false;
   if (p.fmt == kQ4_K)
     kquant_gemv512<kQ4_K>(p, a, n0, n1);
+  else if (p.fmt == kQ5_K)
+    kquant_gemv512<kQ5_K>(p, a, n0, n1);
   else if (p.fmt == kQ6_K)
     kquant_gemv512<kQ6_K>(p, a, n0, n1);
   else if (a.rows > 3)

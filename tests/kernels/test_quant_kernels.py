@@ -137,17 +137,17 @@ def test_four_to_seven_rows_of_a_k_quant_equal_each_row_alone(cpu_ops, isa, fmt)
             assert torch.equal(together[r:r + 1], alone), (fmt, r)
 
 
-@pytest.mark.parametrize("fmt", ["q5_0", "q5_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q5_0", "q5_1", "q4_k", "q5_k", "q6_k"])
 def test_avx512bw_row_kernels_equal_the_avx2_ones(cpu_ops, fmt):
     """The avx512 level's one-to-three-row kernels (csrc/quant_gemv_bw.cpp: Q5_0/Q5_1's fifth
-    bits as a mask register, Q4_K and Q6_K in 512-bit vectors) compute the same integer sums
+    bits as a mask register, Q4_K, Q5_K and Q6_K in 512-bit vectors) compute the same integer sums
     and apply the same scales in the same order as the AVX2 kernels: bit for bit, every width
     and 1-3 rows (the dequantized product, the oracle of both, is checked above)."""
     if not (CPU.has_avx512 and "avx512bw" in CPU.flags):
         pytest.skip(f"no AVX-512 F/VL/DQ/BW at this process's level ({CPU.level})")
     gen = torch.Generator().manual_seed(5)
     # Q4_K and Q6_K take 4-7 rows as pieces of 2-3 on both levels (Q6_K's AVX2 panel from 5)
-    most = {"q4_k": 7, "q6_k": 4}.get(fmt, 3)
+    most = {"q4_k": 7, "q5_k": 7, "q6_k": 4}.get(fmt, 3)
     for k in widths(fmt):
         w = random_weight(fmt, 45, k, gen)
         for rows in range(1, most + 1):
