@@ -259,7 +259,7 @@ void int_group_narrow(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n)
 }
 
 // G = 4-7 activation rows of a K-quant from b0 against weight row n as few_rows pieces of 2-3
-// rows (4 = 2 + 2, 5 = 3 + 2, 6 = 3 + 3, 7 = 3 + 2 + 2), the weight row still in L1 for each.
+// rows (for_row_pieces), the weight row still in L1 for each.
 // Why: int_group_wide's per-block walk (each block's scales unpacked on their own, eight rows'
 // sums reduced whatever G) was slower than the pieces' super-block at a time: SmolLM2-1.7B's
 // shapes, AMD EPYC Zen 5 capped at avx2, 2 threads, ms a pass, wide -> pieces: Q4_K 4 rows
@@ -269,14 +269,7 @@ void int_group_narrow(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n)
 template <class W, int G>
 void k_pieces(const LinearArgs& p, const Acts& a, int64_t b0, int64_t n) {
   static_assert(G >= 4 && G <= 7, "pieces of 4-7 rows");
-  constexpr int first = G == 4 ? 2 : 3;
-  few_rows<W, first>(p, a, b0, n);
-  if constexpr (G - first <= 3) {
-    few_rows<W, G - first>(p, a, b0 + first, n);
-  } else {
-    few_rows<W, 2>(p, a, b0 + first, n);
-    few_rows<W, 2>(p, a, b0 + first + 2, n);
-  }
+  for_row_pieces(G, [&](int64_t r, auto piece) { few_rows<W, decltype(piece)::value>(p, a, b0 + r, n); });
 }
 
 template <class W, int G>
@@ -403,16 +396,16 @@ void gemv_parts(const LinearArgs* parts, int64_t count, int64_t isa) {
   // AVX-512BW (the avx512 level): Q5_0/Q5_1's fifth bits through mask registers, Q4_K, Q5_K and Q6_K
   // in 512-bit vectors (quant_gemv_bw.cpp), up to 7 rows (Q6_K's too, which the AVX2 panel
   // takes from 5 rows on the avx2 level)
-  const bool masks = isa == kAvx512 && wide_panel();
-  if (decoded && parts[0].rows >= (q6k && !masks ? kPanelRowsQ6K : kPanelRows)) {
-    if (isa == kAvx512 && parts[0].rows >= kWidePanelRows && wide_panel())
+  const bool bw = isa == kAvx512 && wide_panel();
+  if (decoded && parts[0].rows >= (q6k && !bw ? kPanelRowsQ6K : kPanelRows)) {
+    if (bw && parts[0].rows >= kWidePanelRows)
       v512::panel_gemv_parts(parts, count, a);
     else
       panel_gemv_parts(parts, count, a);
     return;
   }
   parallel_parts(parts, count, 1, [&](int64_t i, int64_t n0, int64_t n1) {
-    if (!(masks && v256bw::few_rows_gemv(parts[i], a, n0, n1))) gemv(parts[i], a, n0, n1);
+    if (!(bw && v256bw::few_rows_gemv(parts[i], a, n0, n1))) gemv(parts[i], a, n0, n1);
   });
 }
 

@@ -1,6 +1,6 @@
-// The one-to-three-row GEMV of the avx512 level (AVX-512 without VNNI: Skylake-SP/X, or any
-// AVX-512 CPU capped there), compiled for AVX-512BW/VL: Q5_0 and Q5_1 through few_rows.inc with
-// their fifth bits in mask registers, Q4_K, Q5_K and Q6_K in 512-bit vectors (below). VNNI CPUs run
+// The few-row GEMV of the avx512 level (AVX-512 without VNNI: Skylake-SP/X, or any AVX-512 CPU
+// capped there), compiled for AVX-512BW/VL: Q5_0 and Q5_1 (1-3 rows) through few_rows.inc with
+// their fifth bits in mask registers, Q4_K, Q5_K and Q6_K (1-7 rows) in 512-bit vectors (below). VNNI CPUs run
 // the grouped GEMV instead (group_gemv.cpp); AVX2 ones quant_gemv.cpp's build.
 //
 // Why: one stream's decode reads each weight once, and below VNNI these row kernels are bound
@@ -64,7 +64,7 @@ struct FifthBitsMask : Nibble32<Fmt> {
 
 #include "few_rows.inc"
 
-// ---- Q4_K in 512-bit vectors ------------------------------------------------------------------
+// ---- the K-quants in 512-bit vectors ------------------------------------------------------------
 //
 // Why: one stream of a Q4_K_M model is mostly Q4_K rows (SmolLM2-1.7B's shape: 764 of its 1053
 // MB), and the AVX2 row kernel is bound by its vector operations, not the weights' bandwidth
@@ -243,7 +243,7 @@ void q6k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t r
     }
   }
   for (int g = 0; g < G; ++g)
-    p.out[(r0 + g) * p.ldo + n] = hsum(_mm256_add_ps(acc[g], _mm256_setzero_ps())) + (p.bias ? p.bias[n] : 0.f);
+    p.out[(r0 + g) * p.ldo + n] = hsum(acc[g]) + (p.bias ? p.bias[n] : 0.f);
 }
 
 // G activation rows from r0 against weight row n: the format's 512-bit kernel.
@@ -256,8 +256,8 @@ inline void kquant_rows512(const LinearArgs& p, const Acts& a, const int16_t* x,
 }
 
 // Q4_K, Q5_K or Q6_K rows [n0, n1) against 1-7 activation rows in 512-bit vectors: 4-7 rows as
-// pieces of 2-3 (quant_gemv.cpp's k_pieces, the same split), each weight row still in L1 for the
-// next piece. Why pieces, not the AVX2 wide groups (4-7 rows) or panel (Q6_K from 5): on
+// pieces of 2-3 (for_row_pieces, as quant_gemv.cpp's k_pieces), each weight row still in L1 for
+// the next piece. Why pieces, not the AVX2 wide groups (4-7 rows) or panel (Q6_K from 5): on
 // SmolLM2-1.7B's shapes (Zen 5 capped at avx512, 2 threads) a 3-row piece took 36 (Q4_K) and 41
 // (Q6_K) ms a pass where 4 rows in the wide groups took 90 and 154 and Q6_K's panel 124-130 at
 // 5-7 rows.
@@ -266,32 +266,16 @@ void kquant_gemv512(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) 
   static thread_local std::vector<int16_t> paired;
   pair_blocks(a, p.K, Fmt == kQ6_K ? kQ6KOrder : kQ4KOrder, paired);
   const int16_t* x = paired.data();
-  for (int64_t n = n0; n < n1; ++n) {
-    switch (a.rows) {
-      case 1: kquant_rows512<Fmt, 1>(p, a, x, 0, n); break;
-      case 2: kquant_rows512<Fmt, 2>(p, a, x, 0, n); break;
-      case 3: kquant_rows512<Fmt, 3>(p, a, x, 0, n); break;
-      case 4: kquant_rows512<Fmt, 2>(p, a, x, 0, n); kquant_rows512<Fmt, 2>(p, a, x, 2, n); break;
-      case 5: kquant_rows512<Fmt, 3>(p, a, x, 0, n); kquant_rows512<Fmt, 2>(p, a, x, 3, n); break;
-      case 6: kquant_rows512<Fmt, 3>(p, a, x, 0, n); kquant_rows512<Fmt, 3>(p, a, x, 3, n); break;
-      default:
-        kquant_rows512<Fmt, 3>(p, a, x, 0, n);
-        kquant_rows512<Fmt, 2>(p, a, x, 3, n);
-        kquant_rows512<Fmt, 2>(p, a, x, 5, n);
-    }
-  }
+  for (int64_t n = n0; n < n1; ++n)
+    for_row_pieces(a.rows, [&](int64_t r, auto piece) {
+      kquant_rows512<Fmt, decltype(piece)::value>(p, a, x, r, n);
+    });
 }
 
 template <class W>
 void rows_of(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    if (a.rows == 1)
-      few_rows<W, 1>(p, a, 0, n);
-    else if (a.rows == 2)
-      few_rows<W, 2>(p, a, 0, n);
-    else
-      few_rows<W, 3>(p, a, 0, n);
-  }
+  for (int64_t n = n0; n < n1; ++n)
+    for_row_pieces(a.rows, [&](int64_t r, auto piece) { few_rows<W, decltype(piece)::value>(p, a, r, n); });
 }
 
 }  // namespace
