@@ -312,26 +312,44 @@ inline LinearArgs check_linear(const char* op, at::Tensor& out, const at::Tensor
 
 // The rows of `count` weights that read the same x (a fused projection's segments) as one index
 // space in units of `unit` rows, split over the threads in one parallel region:
-// body(part, first unit, end unit) for each task's share of each part.
+// body(part, first unit, end unit) for each task's share of each part. The tasks take equal
+// shares of the weights' bytes, not of their rows: a fused qkv whose v is Q6_K (a Q4_K_M file)
+// has rows of 1680 and 1152 bytes, and an even split of its rows left one of two threads idle
+// for a quarter of the projection.
 template <class F>
 inline void parallel_parts(const LinearArgs* parts, int64_t count, int64_t unit, F&& body) {
   const LinearArgs& first = parts[0];
-  std::vector<int64_t> ends(count);  // units of parts [0, i] together
-  int64_t total = 0, widest = 1;
+  std::vector<int64_t> ends(count), bytes(count);  // units / bytes of parts [0, i] together
+  int64_t total = 0, total_bytes = 0, widest = 1;
   for (int64_t i = 0; i < count; ++i) {
     TORCH_CHECK(parts[i].x == first.x && parts[i].rows == first.rows && parts[i].K == first.K,
                 "quant_linear: every part of a fused projection reads the same activations");
-    total += (parts[i].N + unit - 1) / unit;
+    const int64_t units = (parts[i].N + unit - 1) / unit;
+    total += units;
+    total_bytes += units * unit * parts[i].row_bytes;
     ends[i] = total;
+    bytes[i] = total_bytes;
     widest = std::max(widest, parts[i].row_bytes);
   }
   // Units per task: enough weight bytes (~32 KiB) that a thread's start-up cost stays small.
   const int64_t grain = std::max<int64_t>(1, 32768 / (unit * widest));
-  at::parallel_for(0, total, grain, [&](int64_t u0, int64_t u1) {
-    int64_t start = 0;
-    for (int64_t i = 0; i < count && u0 < u1; start = ends[i++]) {
-      const int64_t lo = std::max(u0, start), hi = std::min(u1, ends[i]);
-      if (lo < hi) body(i, lo - start, hi - start);
+  const int64_t tasks = total <= grain ? 1 : std::min<int64_t>(at::get_num_threads(), (total + grain - 1) / grain);
+  // the unit where byte `b` of the whole falls (rounded to the nearer unit edge)
+  const auto unit_at = [&](int64_t b) {
+    int64_t i = 0, start = 0, start_bytes = 0;
+    while (i + 1 < count && b >= bytes[i]) start = ends[i], start_bytes = bytes[i++];
+    const int64_t per = unit * parts[i].row_bytes;
+    return std::min(ends[i], start + (b - start_bytes + per / 2) / per);
+  };
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t u0 = unit_at(total_bytes * t / tasks);
+      const int64_t u1 = t + 1 == tasks ? total : unit_at(total_bytes * (t + 1) / tasks);
+      int64_t start = 0;
+      for (int64_t i = 0; i < count && u0 < u1; start = ends[i++]) {
+        const int64_t lo = std::max(u0, start), hi = std::min(u1, ends[i]);
+        if (lo < hi) body(i, lo - start, hi - start);
+      }
     }
   });
 }
