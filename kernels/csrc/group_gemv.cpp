@@ -285,7 +285,7 @@ void nibble_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t 
   each_group<G>(p, b0, g0, g1, [&](const uint8_t* base, __m512* acc, __m512* mins) {
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const uint8_t* at = base + blk * kGroupRows * W::kBytes;
-      prefetch_ahead(at, kGroupRows * W::kBytes);
+      prefetch_ahead(at, kGroupRows * W::kBytes, kAheadBytesFar);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
       __m512 m;
       if constexpr (W::kMin)
@@ -328,7 +328,8 @@ void q8_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t g0, 
   each_group<G>(p, b0, g0, g1, [&](const uint8_t* base, __m512* acc, __m512* mins) {
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const uint8_t* at = base + blk * kGroupRows * 34;
-      prefetch_ahead(at, kGroupRows * 34);
+      // (one row of Q8_0 reads 6% faster 3 KB ahead: quant_formats.h)
+      prefetch_ahead(at, kGroupRows * 34, G == 1 ? kAheadBytes : kAheadBytesFar);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
       const __m512 m = _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
       __m512i v[8];
@@ -400,7 +401,7 @@ void kquant_groups(const LinearArgs& p, const SplitActs& a, int64_t b0, int64_t 
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 2 * kGroupRows))));
       for (int c = 0; c < 4; ++c) {
         const uint8_t* q = at + kGroupRows * (qs_at + 32 * c);
-        prefetch_ahead(q, 512);
+        prefetch_ahead(q, 512, kAheadBytesFar);
         for (int half = 0; half < 2; ++half) {  // sub-block j = 2c + half: one half at a time
           const int j = 2 * c + half;
           __m512 sc, mn;

@@ -100,6 +100,18 @@ inline int64_t chunk_position(int64_t e, bool nibbles) {
 // measured best of 1-8 KB into L1 or L2 (Q8_0 20.6 GB/s against 17.3 into L1 at 2 KB; the
 // K-quants within 3% of their best).
 constexpr uintptr_t kAheadBytes = 3072;
+// The grouped VNNI GEMV and the 512-bit K-quant rows (quant_gemv_bw.cpp) reach further: their
+// chunks are short in time against a DRAM miss, and from two activation rows on the products of
+// a chunk outlasted a 3 KB lead, so the memory stream paused while they ran (the 1.7B shape's
+// one-row GEMV 17.6 ms a pass, two rows 21.5, three 25: each row's products added, not
+// overlapped). 8 KB ahead (AMD EPYC Zen 5, 2 threads, `quant_kernels --shapes memory`, Q4_1 /
+// Q4_K / Q8_0): two rows 22.0 / 19.9 / 31.9 -> 18.6 / 15.5 / 27.8 ms, three 25.7-27.6 / 23.9-24.5 /
+// 34.7-35.7 -> 22.2 / 18.8 / 31.4, one row of Q4_1 / Q4_K 2-12% faster (Q8_0's one row 6% slower:
+// it keeps 3 KB); 6-12 KB alike, 16 KB slower. In the engine (native level): one stream of the
+// 1.7B shape's Q4_K_M 18.9-20.2 -> 16.6-18.6 ms a step, three streams 30.9-35.5 -> 27.1-30.3, the
+// bundled Q4_1 model's one stream 369-396 -> 398-425 tok/s; the 512-bit K-quant rows (level
+// avx512) one stream 23.2-25.5 -> 21.5-23.7 ms.
+constexpr uintptr_t kAheadBytesFar = 8192;
 inline void prefetch_ahead(const uint8_t* at, int64_t bytes, uintptr_t ahead = kAheadBytes) {
   const uintptr_t from = reinterpret_cast<uintptr_t>(at) + ahead;
   for (uintptr_t line = from & ~uintptr_t(63); line < from + bytes; line += 64)
@@ -333,7 +345,8 @@ inline void parallel_parts(const LinearArgs* parts, int64_t count, int64_t unit,
   }
   // Units per task: enough weight bytes (~32 KiB) that a thread's start-up cost stays small.
   const int64_t grain = std::max<int64_t>(1, 32768 / (unit * widest));
-  const int64_t tasks = total <= grain ? 1 : std::min<int64_t>(at::get_num_threads(), (total + grain - 1) / grain);
+  const int64_t tasks =
+      total <= grain ? 1 : std::min<int64_t>(at::get_num_threads(), (total + grain - 1) / grain);
   // the unit where byte `b` of the whole falls (rounded to the nearer unit edge)
   const auto unit_at = [&](int64_t b) {
     int64_t i = 0, start = 0, start_bytes = 0;

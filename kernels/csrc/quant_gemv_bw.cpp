@@ -167,7 +167,7 @@ void k45_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t r
   for (int g = 0; g < G; ++g) acc[g] = mins[g] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < p.K / 256; ++sb) {
     const uint8_t* blk = row + sb * W::kBytes;
-    if (r0 == 0) prefetch_ahead(blk, span);  // the first piece of a weight row fetches for all
+    if (r0 == 0) prefetch_ahead(blk, span, kAheadBytesFar);  // the first piece fetches for all
     __m512i t[G][4];
     for (int h = 0; h < 2; ++h) {
       __m512i e02, o02, e13, o13;
@@ -222,7 +222,7 @@ void q6k_rows512(const LinearArgs& p, const Acts& a, const int16_t* x, int64_t r
   for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < p.K / 256; ++sb) {
     const uint8_t* blk = row + sb * Q6_K::kBytes;
-    if (r0 == 0) prefetch_ahead(blk, span);  // the first piece of a weight row fetches for all
+    if (r0 == 0) prefetch_ahead(blk, span, kAheadBytesFar);  // the first piece fetches for all
     __m512i t[G][4];
     for (int h = 0; h < 2; ++h) {
       const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
