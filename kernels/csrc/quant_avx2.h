@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "quant_formats.h"
@@ -248,6 +249,18 @@ struct Q6_K {  // 6-bit codes minus 32, one int8 scale per 16 elements
     }
   }
 };
+
+// The walkers by layout: the 32-element blocks (fp16 scales at a fixed stride along a row: a
+// walker derived from Nibble32 counts) and the K-quants (eight 32-blocks a super-block, their
+// scales as vectors: scale_vectors). The row kernels (few_rows.inc) and the panel's chunk decode
+// (panel_kernel.inc) pick their paths by these.
+template <class W>
+constexpr bool kBlock32 = std::is_same_v<W, Q8_0> || std::is_base_of_v<Nibble32<kQ4_0>, W> ||
+                          std::is_base_of_v<Nibble32<kQ4_1>, W> || std::is_base_of_v<Nibble32<kQ5_0>, W> ||
+                          std::is_base_of_v<Nibble32<kQ5_1>, W>;
+template <class W>
+constexpr bool kSuper256 = std::is_same_v<W, KQuant45<kQ4_K>> || std::is_same_v<W, KQuant45<kQ5_K>> ||
+                           std::is_same_v<W, Q6_K>;
 
 // Lane g of the result: the sum of d[g]'s 8 lanes. The GEMVs' wide groups (4-8 activation rows)
 // reduce one block's integer dot products of all their rows at once, so its scale costs one
