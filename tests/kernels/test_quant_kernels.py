@@ -300,6 +300,41 @@ def test_grouped_segments_run_as_one_gemv(cpu_ops, int8_acts):
         torch.testing.assert_close(linear.forward(x), want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 9, 20])
+def test_fused_segments_split_over_two_threads_by_bytes(cpu_ops, rows):
+    """Two threads share a fused projection by its weights' bytes (csrc/quant_formats.h,
+    parallel_parts): Q4_K q (576-byte rows) beside Q6_K v (840), large enough for two tasks,
+    whose byte halves meet inside q. Every output column is computed, once: each equals the
+    segment's own GEMV bit for bit (the row and panel kernels; at VNNI the grouped one), and
+    the segments' own GEMVs match the dequantized product (test_gemv_matches_dequantized_matmul)."""
+    gen = torch.Generator().manual_seed(23)
+    k = 1024
+    parts = [random_weight(f, n, k, gen) for f, n in (("q4_k", 512), ("q6_k", 256))]
+    if BEST == int(Isa.AVX512_VNNI):
+        for part in parts:
+            part.set_grouped(True)
+    total = sum(p.shape[0] for p in parts)
+    x = torch.randn(rows, k, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        linear = cpu_ops.quant_linear([p.data for p in parts], [p.kernel_code for p in parts],
+                                      [p.scales for p in parts], None, k, [64] * len(parts), BEST,
+                                      int(GemmPrecision.F32))
+        got = linear.forward(x)
+        want = torch.full((rows, total), float("nan"))
+        col = 0
+        for part in parts:
+            n = part.shape[0]
+            cpu_ops.quant_gemv(want[:, col:col + n], x, part.data, part.kernel_code, part.scales,
+                               None, BEST)
+            col += n
+    finally:
+        torch.set_num_threads(threads)
+    assert not want.isnan().any()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("isa", [Isa.AVX2, Isa.AVX512], ids=lambda i: i.name)
 def test_segments_run_as_one_avx2_gemv(cpu_ops, isa):
     """Below VNNI a QuantLinear whose segments all take the GEMV (GGUF rows of several formats,
