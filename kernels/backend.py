@@ -160,8 +160,9 @@ GEMV_ROWS = {"q4_0": 10, "q4_1": 10, "q5_0": 10, "q5_1": 10, "q8_0": 10, "q4_k":
              "q6_k": 10, "int8": 10, "bf16": 8, "float32": SKINNY_MAX_ROWS}
 BF16X3_GEMV_ROWS = 16
 # Activation rows from which the AVX2 GEMV runs its panel (csrc/int16_acts.h: kPanelRows;
-# csrc/panel_gemv.cpp), on int16 activations even where int8 ones were asked for (it is faster
-# than the byte GEMV there, and rounds finer).
+# csrc/panel_gemv.cpp), on int16 activations; where int8 ones were asked for, the byte panel
+# (csrc/byte_panel.cpp) for Q4_0, Q4_1 and Q4_K, the int16 one for the rest (faster than the
+# byte GEMV there, and rounds finer).
 PANEL_ROWS = 8
 PANEL_ROWS_Q6K = 5  # Q6_K alone (kPanelRowsQ6K): its row-at-a-time kernel is the slowest
 WIDE_PANEL_ROWS = 12  # from here AVX-512BW CPUs without VNNI run it 16 rows a vector (kWidePanelRows)
@@ -211,8 +212,10 @@ F32_GEMV_ROWS = {
 # grouped Q6_K and Q5_K (the Intel Xeon above) to the 128 rows measured (Q6_K 56.5 against 58.3
 # ms, Q5_K 57.2 against 67.5).
 # Formats without an int8 kernel keep their F32_GEMV_ROWS entry.
-# On AVX2 the byte GEMV runs below 8 rows only (from there the int16 panel is faster), so the
-# crossovers are F32_GEMV_ROWS's.
+# On AVX2 the byte GEMV runs below 8 rows only; from there the byte panel (Q4_0, Q4_1, Q4_K)
+# or the int16 panel, both ahead of fp32 tiles to 256 rows and beyond (the byte panel at 512 rows:
+# 338 against 721 ms a pass, Q4_1, the bundled model's shapes; AMD EPYC Zen 5 capped at avx2,
+# 2 threads), so the crossovers are F32_GEMV_ROWS's.
 F32_GEMV_ROWS_INT8 = {
     "grouped": {**dict.fromkeys(("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k"), ALL_ROWS),
                 "q5_k": 128, "q6_k": 128},

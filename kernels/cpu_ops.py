@@ -48,7 +48,7 @@ SOURCES = tuple(CSRC / f for f in ("attention.cpp", "gemv.cpp", "rmsnorm.cpp", "
                                    "fused_layer.cpp",
                                    "quant_gemv.cpp", "quant_gemv_bw.cpp", "panel_gemv.cpp",
                                    "panel_gemv512.cpp",
-                                   "group_gemv.cpp", "byte_gemv.cpp",
+                                   "group_gemv.cpp", "byte_gemv.cpp", "byte_panel.cpp",
                                    "quant_gemm.cpp", "quant_linear.cpp", "library.cpp"))
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 STALE_LOCK_SECONDS = 600  # a build lock this old was left by a process killed mid-compile

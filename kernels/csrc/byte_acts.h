@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "quant_formats.h"
+
 namespace pagedq_cpu {
 
 struct ByteActs {
@@ -59,5 +61,11 @@ inline void quantize_bytes(const float* x, int64_t rows, int64_t K, ByteActs& a)
     a.sx[i] = a.da[i] * static_cast<float>(_mm_cvtsi128_si32(s));
   }
 }
+
+namespace v256 {
+// Activation rows r0 .. a.rows - 1 (1-3 of them; a quantized, da and sx not transposed) against
+// weight row n with byte_gemv's row-at-a-time kernel: byte_panel.cpp's rows past its groups.
+void byte_tail(const LinearArgs& p, const ByteActs& a, int64_t r0, int64_t n);
+}  // namespace v256
 
 }  // namespace pagedq_cpu

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "byte_acts.h"
+#include "byte_walkers.h"
 #include "cpu_ops.h"
 #include "quant_avx2.h"
 #include "quant_formats.h"
@@ -32,61 +33,6 @@ namespace pagedq_cpu::v256 {
 namespace {
 
 constexpr int kMaxRows = 8;  // activation rows per pass over a weight row (accumulators in registers)
-
-// 32 unsigned codes times 32 signed activations: 8 int32 sums of 4 products each.
-inline __m256i dot_u8(__m256i codes, __m256i q) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q), _mm256_set1_epi16(1));
-}
-
-// Each walker calls f(b, codes, s, m) for 32-block b of a row: 32 codes in natural order, the
-// block's value s * code + m (kSigned: int8 codes, m = 0; else unsigned).
-struct ByteQ8_0 {
-  static constexpr bool kSigned = true, kHasMin = false;
-  template <class F>
-  static inline void walk(const uint8_t* row, int64_t K, F&& f) {
-    for (int64_t b = 0; b < K / 32; ++b) {
-      const uint8_t* blk = row + b * 34;
-      f(b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), fp16(blk), 0.f);
-    }
-  }
-};
-
-template <int64_t Fmt>
-struct ByteNibble32 {  // Q4_0 (code - 8), Q4_1 (code + min)
-  static constexpr bool kSigned = false, kHasMin = true;
-  static constexpr int64_t kBytes = Fmt == kQ4_0 ? 18 : 20;
-  template <class F>
-  static inline void walk(const uint8_t* row, int64_t K, F&& f) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int64_t b = 0; b < K / 32; ++b) {
-      const uint8_t* blk = row + b * kBytes;
-      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (Fmt == kQ4_1 ? 4 : 2)));
-      const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low);
-      const float d = fp16(blk);
-      f(b, codes, d, Fmt == kQ4_1 ? fp16(blk + 2) : -8.f * d);
-    }
-  }
-};
-
-struct ByteQ4_K {  // 8 sub-blocks of 32 per 256, 6-bit scales and mins
-  static constexpr bool kSigned = false, kHasMin = true;
-  template <class F>
-  static inline void walk(const uint8_t* row, int64_t K, F&& f) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int64_t sb = 0; sb < K / 256; ++sb) {
-      const uint8_t* blk = row + sb * 144;
-      const float d = fp16(blk), dmin = fp16(blk + 2);
-      uint8_t sc[8], mn[8];
-      k_scales(blk + 4, sc, mn);
-      for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 high
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
-        f(sb * 8 + 2 * c, _mm256_and_si256(q, low), d * sc[2 * c], -dmin * mn[2 * c]);
-        f(sb * 8 + 2 * c + 1, _mm256_and_si256(_mm256_srli_epi16(q, 4), low), d * sc[2 * c + 1],
-          -dmin * mn[2 * c + 1]);
-      }
-    }
-  }
-};
 
 // 4-8 activation rows from b0 against weight row n: each block's sums of all rows reduced into
 // one vector (quant_avx2.h: sum_rows8), one convert and FMA per block for the group.
@@ -177,6 +123,22 @@ void run(const LinearArgs& p, const ByteActs& a) {
 
 bool byte_format(int64_t fmt) {
   return fmt == kQ8_0 || fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ4_K;
+}
+
+void byte_tail(const LinearArgs& p, const ByteActs& a, int64_t r0, int64_t n) {
+  const auto rows = [&](auto walker) {
+    using W = decltype(walker);
+    switch (a.rows - r0) {
+      case 1: byte_group<W, 1>(p, a, r0, n); break;
+      case 2: byte_group<W, 2>(p, a, r0, n); break;
+      default: byte_group<W, 3>(p, a, r0, n); break;
+    }
+  };
+  switch (p.fmt) {
+    case kQ4_0: rows(ByteNibble32<kQ4_0>{}); break;
+    case kQ4_1: rows(ByteNibble32<kQ4_1>{}); break;
+    default: rows(ByteQ4_K{}); break;
+  }
 }
 
 void byte_gemv(const LinearArgs& p) {

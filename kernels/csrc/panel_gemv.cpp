@@ -33,6 +33,7 @@
 
 #include "cpu_ops.h"
 #include "int16_acts.h"
+#include "panel_tile.h"
 #include "quant_avx2.h"
 #include "quant_formats.h"
 

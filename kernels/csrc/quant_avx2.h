@@ -138,6 +138,22 @@ struct Int8 {  // per-channel int8: the row's scale for every block
   }
 };
 
+// A Q4_K / Q5_K super-block's eight scales d sc_j and offsets -dmin mn_j, lane j for 32-block j
+// (k_scales' six-bit unpacking, four bytes at a time instead of one).
+inline void k_scale_vectors(const uint8_t* blk, __m256& s, __m256& m) {
+  uint32_t a, b, c;
+  std::memcpy(&a, blk + 4, 4);
+  std::memcpy(&b, blk + 8, 4);
+  std::memcpy(&c, blk + 12, 4);
+  const uint64_t sc = (a & 0x3F3F3F3Fu) | static_cast<uint64_t>((c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)) << 32;
+  const uint64_t mn = (b & 0x3F3F3F3Fu) | static_cast<uint64_t>(((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u)) << 32;
+  const auto widen = [](uint64_t bytes) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))));
+  };
+  s = _mm256_mul_ps(_mm256_set1_ps(fp16(blk)), widen(sc));
+  m = _mm256_mul_ps(_mm256_set1_ps(-fp16(blk + 2)), widen(mn));
+}
+
 // The K-quants also serve the few-row GEMV (quant_gemv.cpp) a super-block at a time: codes(blk,
 // j, ...) decodes its 32-block j, scale_vectors its eight blocks' scales as vectors.
 template <int64_t Fmt>
@@ -169,21 +185,11 @@ struct KQuant45 {  // Q4_K, Q5_K: 8 sub-blocks of 32 per 256, six-bit scales and
     split_unsigned(c, e, o);
   }
 
-  // Lane j: block j's scale d sc_j and offset -dmin mn_j (k_scales' unpacking, 4 bytes at a time).
+  // Lane j: block j's scale d sc_j (x kOddScale) and offset -dmin mn_j.
   static inline void scale_vectors(const uint8_t* blk, __m256& s, __m256& m) {
-    uint32_t a, b, c;
-    std::memcpy(&a, blk + 4, 4);
-    std::memcpy(&b, blk + 8, 4);
-    std::memcpy(&c, blk + 12, 4);
-    const uint64_t sc = (a & 0x3F3F3F3Fu) | static_cast<uint64_t>((c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)) << 32;
-    const uint64_t mn = (b & 0x3F3F3F3Fu) | static_cast<uint64_t>(((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u)) << 32;
-    const auto widen = [](uint64_t bytes) {
-      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))));
-    };
-    s = _mm256_mul_ps(_mm256_set1_ps(fp16(blk)), widen(sc));
+    k_scale_vectors(blk, s, m);
     if constexpr (kOddScale != 1.f)
       s = _mm256_mul_ps(s, _mm256_setr_ps(1.f, kOddScale, 1.f, kOddScale, 1.f, kOddScale, 1.f, kOddScale));
-    m = _mm256_mul_ps(_mm256_set1_ps(-fp16(blk + 2)), widen(mn));
   }
 
   template <class F>

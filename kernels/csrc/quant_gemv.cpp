@@ -19,7 +19,8 @@
 //   scales applied to the int32 sums. (It dequantized each row to fp32 before: compute-bound,
 //   half of llama.cpp's speed on an AVX2 machine.)
 // - acts = 8 (opt-in): int8 activations per 32 values, llama.cpp's rounding, one byte product per
-//   weight: byte_gemv.cpp (AVX2 maddubs; Q8_0, Q4_0, Q4_1, Q4_K) and group_gemv.cpp's byte mode.
+//   weight: byte_gemv.cpp (AVX2 maddubs; Q8_0, Q4_0, Q4_1, Q4_K; below kPanelRows rows),
+//   byte_panel.cpp (the same from kPanelRows, the nibble formats) and group_gemv.cpp's byte mode.
 //   The matching-prefix bars against the dequantized twin fail with it (docs/quantization.md),
 //   so it is never the default; the other formats keep int16 when asked for it.
 //
@@ -387,18 +388,26 @@ void panel_tail(const LinearArgs& p, const Acts& a, int64_t r0, int64_t n) {
 // gate and up) are GEMVs short enough that quantizing the same activations for each and each
 // one's fork and join barrier were a visible share of them (the VNNI path's group_gemv_parts
 // does the same for grouped rows).
-void gemv_parts(const LinearArgs* parts, int64_t count, int64_t isa) {
-  static thread_local Acts codes;
-  quantize_acts(parts[0].x, parts[0].rows, parts[0].K, codes);
-  const Acts& a = codes;
-  const bool decoded = std::all_of(parts, parts + count, [](const LinearArgs& p) { return p.fmt != kBF16; });
-  const bool q6k = std::all_of(parts, parts + count, [](const LinearArgs& p) { return p.fmt == kQ6_K; });
+void gemv_parts(const LinearArgs* parts, int64_t count, int64_t isa, bool bytes) {
   // AVX-512BW (the avx512 level): Q5_0/Q5_1's fifth bits through mask registers, Q4_K, Q5_K and Q6_K
   // in 512-bit vectors (quant_gemv_bw.cpp), up to 7 rows (Q6_K's too, which the AVX2 panel
   // takes from 5 rows on the avx2 level)
   const bool bw = isa == kAvx512 && wide_panel();
-  if (decoded && parts[0].rows >= (q6k && !bw ? kPanelRowsQ6K : kPanelRows)) {
-    if (bw && parts[0].rows >= kWidePanelRows)
+  const int64_t rows = parts[0].rows;
+  // int8 activations: the byte panel from kPanelRows (1.4-1.6x the int16 panel at 8-64 rows), up
+  // to where the AVX-512 int16 panel (twice its products a vpmaddwd) is as fast (kWidePanelRows)
+  if (bytes && rows >= kPanelRows && !(bw && rows >= kWidePanelRows) &&
+      std::all_of(parts, parts + count, [](const LinearArgs& p) { return byte_panel_format(p.fmt); })) {
+    byte_panel_parts(parts, count);
+    return;
+  }
+  static thread_local Acts codes;
+  quantize_acts(parts[0].x, rows, parts[0].K, codes);
+  const Acts& a = codes;
+  const bool decoded = std::all_of(parts, parts + count, [](const LinearArgs& p) { return p.fmt != kBF16; });
+  const bool q6k = std::all_of(parts, parts + count, [](const LinearArgs& p) { return p.fmt == kQ6_K; });
+  if (decoded && rows >= (q6k && !bw ? kPanelRowsQ6K : kPanelRows)) {
+    if (bw && rows >= kWidePanelRows)
       v512::panel_gemv_parts(parts, count, a);
     else
       panel_gemv_parts(parts, count, a);
@@ -427,14 +436,14 @@ void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
     v512::group_gemv(p, acts == kInt8Acts);
     return;
   }
-  // AVX2 instructions: every isa runs them. Below VNNI, from kPanelRows rows the int16 panel is
-  // faster than the byte GEMV (and rounds finer), so it takes those steps.
+  // AVX2 instructions: every isa runs them. Below VNNI, from kPanelRows rows the panels take
+  // the steps (gemv_parts: the byte panel for its formats, else the int16 one).
   if (acts == kInt8Acts && v256::byte_format(fmt) && (vnni || p.rows < v256::kPanelRows)) {
     v256::byte_gemv(p);
     return;
   }
   if (!vnni && fmt != kBF16) {  // the AVX2 GEMV: a projection of one part
-    v256::gemv_parts(&p, 1, isa);
+    v256::gemv_parts(&p, 1, isa, acts == kInt8Acts);
     return;
   }
   static thread_local Acts codes;

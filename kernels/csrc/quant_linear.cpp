@@ -48,7 +48,7 @@ QuantLinear::QuantLinear(std::vector<at::Tensor> data_, std::vector<int64_t> fmt
 bool QuantLinear::one_gemv(int64_t rows) const {
   if (data.size() < 2) return false;
   const bool vnni = isa == kAvx512Vnni;
-  // byte_gemv runs its formats alone; from kPanelRows on the int16 panel takes them (faster)
+  // byte_gemv runs its formats alone; from kPanelRows on the panels take them (gemv_parts)
   if (!vnni && (precision & kInt8ActsBit) && rows < v256::kPanelRows) return false;
   for (size_t i = 0; i < data.size(); ++i) {
     if (rows > gemv_max_rows[i]) return false;
@@ -71,7 +71,7 @@ at::Tensor QuantLinear::parts_forward(const at::Tensor& x) const {
   if (isa == kAvx512Vnni)
     v512::group_gemv_parts(parts.data(), count, (precision & kInt8ActsBit) != 0);
   else
-    v256::gemv_parts(parts.data(), count, isa);
+    v256::gemv_parts(parts.data(), count, isa, (precision & kInt8ActsBit) != 0);
   return out;
 }
 

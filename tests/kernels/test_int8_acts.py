@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedq.kernels.backend import GROUPED_FORMATS, PANEL_ROWS, process_selector
+from pagedq.kernels.backend import GROUPED_FORMATS, PANEL_ROWS, WIDE_PANEL_ROWS, process_selector
 from pagedq.kernels.block_formats import FORMATS, QuantWeight, dequantize
 from pagedq.kernels.cpu_ops import INT8_ACTS_BIT, ActWidth, GemmPrecision, Isa
 from tests.quant_fixtures import ALL, random_weight
@@ -20,6 +20,7 @@ from tests.quant_fixtures import ALL, random_weight
 CPU = process_selector().cpu  # this CPU, capped at PAGEDQ_CPU_ISA where that is set
 BEST = int(Isa.AVX512_VNNI if CPU.has_avx512_vnni else Isa.AVX2)
 BYTE_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k")  # byte_gemv.cpp's
+BYTE_PANEL_FORMATS = ("q4_0", "q4_1", "q4_k")  # byte_panel.cpp's (unsigned nibble codes)
 GROUPABLE = GROUPED_FORMATS  # grouped by the engine on AVX-512 VNNI
 INT8 = int(ActWidth.INT8)
 needs_vnni = pytest.mark.skipif(not CPU.has_avx512_vnni,
@@ -55,18 +56,20 @@ def check(out: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias: torch.T
 
 @pytest.mark.parametrize("fmt", BYTE_FORMATS)
 def test_int8_gemv_matches_dequantized_matmul(cpu_ops, isa, fmt):
-    """Plain rows on any isa: byte_gemv.cpp's maddubs kernel (AVX2 instructions), below
-    PANEL_ROWS rows without VNNI; from there the int16 panel, bit for bit the int16 call."""
+    """Plain rows on any isa: byte_gemv.cpp's maddubs kernel (AVX2 instructions) below
+    PANEL_ROWS rows without VNNI; from there the byte panel (byte_panel.cpp) for the nibble
+    formats (groups of 8 rows, a padded last group, 1-3 rows past the groups, two passes of 32
+    from 33 rows) and the int16 panel for Q8_0, bit for bit the int16 call."""
     gen = torch.Generator().manual_seed(31)
     for k in (256, 1536) if fmt == "q4_k" else (32, 96, 576):
         w = random_weight(fmt, 37, k, gen)
         dense = dequantize(w).double()
         bias = torch.randn(37, generator=gen)
-        for rows in (1, 3, 7, 8, 11, 17):
+        for rows in (1, 3, 7, 8, 11, 17, 36, 67):
             x = torch.randn(rows, k, generator=gen)
             out, plain = torch.empty(rows, 37), torch.empty(rows, 37)
             cpu_ops.quant_gemv(out, x, w.data, w.fmt.code, None, bias, isa, INT8)
-            if isa != Isa.AVX512_VNNI and rows >= PANEL_ROWS:
+            if isa != Isa.AVX512_VNNI and rows >= PANEL_ROWS and fmt not in BYTE_PANEL_FORMATS:
                 cpu_ops.quant_gemv(plain, x, w.data, w.fmt.code, None, bias, isa)
                 torch.testing.assert_close(out, plain, rtol=0, atol=0)
             else:
@@ -147,3 +150,35 @@ def test_linear_with_the_int8_bit_runs_int8_gemv_and_plain_gemm(cpu_ops):
             torch.testing.assert_close(out[:, col:col + n] - bias[col:col + n], want,
                                        rtol=1e-6, atol=1e-5)
             col += n
+
+
+@pytest.mark.parametrize("isa", [Isa.AVX2, Isa.AVX512], ids=lambda i: i.name)
+def test_fused_parts_run_the_byte_panel_when_every_part_has_it(cpu_ops, isa):
+    """QuantLinear's fused parts from PANEL_ROWS rows with the int8 bit, below VNNI: Q4_K and
+    Q4_1 parts go through the byte panel in one call (each part's columns as its own int8 GEMV);
+    a Q6_K part beside them sends the whole projection to the int16 panel (as without the bit),
+    and so does the AVX-512 level from WIDE_PANEL_ROWS (its int16 panel is as fast there)."""
+    if isa == Isa.AVX512 and not CPU.has_wide_panel:
+        pytest.skip(f"no AVX-512BW panel at this process's level ({CPU.level})")
+    gen = torch.Generator().manual_seed(37)
+    for formats, panel in ((("q4_k", "q4_1"), True), (("q4_k", "q6_k"), False)):
+        parts = [random_weight(f, n, 512, gen) for f, n in zip(formats, (40, 24), strict=True)]
+        precision = int(GemmPrecision.F32) | INT8_ACTS_BIT
+        linear = cpu_ops.quant_linear([p.data for p in parts], [p.fmt.code for p in parts],
+                                      [p.scales for p in parts], None, 512, [256, 256], int(isa),
+                                      precision)
+        for rows in (8, 19, 45):
+            bytes_ = panel and (isa == Isa.AVX2 or rows < WIDE_PANEL_ROWS)
+            x = torch.randn(rows, 512, generator=gen)
+            out = linear.forward(x)
+            col = 0
+            for part in parts:
+                n = part.shape[0]
+                want = torch.empty(rows, n)
+                cpu_ops.quant_gemv(want, x, part.data, part.fmt.code, part.scales, None, int(isa),
+                                   INT8 if bytes_ else int(ActWidth.INT16))
+                torch.testing.assert_close(out[:, col:col + n], want, rtol=1e-6, atol=1e-5)
+                if bytes_:
+                    check(out[:, col:col + n], x, dequantize(part).double(), torch.zeros(n),
+                          (formats, rows))
+                col += n

@@ -1,0 +1,236 @@
+// The AVX2 panel on int8 activations (quant_gemv's acts = 8, opt-in) from 8 rows, for the
+// formats whose codes are unsigned nibbles: Q4_0, Q4_1 and Q4_K.
+//
+// Why: the int16 panel (panel_gemv.cpp) makes 16 products per vpmaddwd and adds each result
+// (two instructions per 16). Here a vpmaddubsw makes 32 (unsigned codes x signed int8
+// activations, pairs summed to int16), and a nibble's products are small enough (a pair at most
+// 2 x 15 x 127 = 3810) that a block's eight are summed in int16 (at most 30480) before one
+// vpmaddwd widens them: 16 instructions per 256 products where the int16 panel takes 32.
+// Q8_0's signed codes would need the sign trick (one vpsignb per product) and int32 sums per
+// pair: no fewer instructions than int16, so Q8_0 (and the formats without a byte walker) keep
+// the int16 panel.
+//
+// Layout, as the int16 panel's:
+// - the activations (byte_acts.h's rounding, natural order) interleaved 8 rows to a vector:
+//   32-bit lane r of vector t holds row r's codes 4t .. 4t + 3;
+// - 4 weight rows decoded a chunk (8 blocks of 32) at a time into bytes on the stack, each
+//   quad of codes broadcast from there;
+// - per block and weight row and group: 8 vpmaddubsw, 7 vpaddw, one vpmaddwd against ones, one
+//   convert and FMA (scale x each row's step da), and the offset's FMA against the rows' sx;
+// - outputs through panel_tile.h's stripes; a last group of 4-7 rows is padded with zero rows,
+//   1-3 go through byte_gemv's row-at-a-time kernel (byte_tail) while the weights are cached.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "byte_acts.h"
+#include "cpu_ops.h"
+#include "int16_acts.h"
+#include "panel_tile.h"
+#include "quant_avx2.h"
+#include "quant_formats.h"
+
+namespace pagedq_cpu::v256 {
+namespace {
+
+constexpr int kW = 4;                // weight rows per pass
+constexpr int64_t kLanes = 8;        // activation rows a vector
+constexpr int64_t kGroups = 4;       // groups of them per pass (32 rows: as the int16 panel)
+constexpr int64_t kPadRows = 4;      // a last group of this many rows or more is padded
+constexpr int64_t kChunkBlocks = 8;  // 32-blocks decoded at a time (a K-quant super-block)
+
+// Rows kLanes g .. kLanes g + 7's int8 codes, quad t at x[(g * quads + t) * kLanes + r].
+struct BytePanelActs {
+  int64_t groups = 0, quads = 0;
+  std::vector<int32_t> x;
+};
+
+void interleave(const ByteActs& a, int64_t K, BytePanelActs& pa) {
+  pa.groups = (a.rows + kLanes - kPadRows) / kLanes;
+  pa.quads = K / 4;
+  pa.x.resize(pa.groups * pa.quads * kLanes);
+  for (int64_t r = 0; r < pa.groups * kLanes; ++r) {
+    int32_t* dst = pa.x.data() + (r / kLanes) * pa.quads * kLanes + r % kLanes;
+    const int32_t* src = reinterpret_cast<const int32_t*>(a.q.data() + r * K);
+    for (int64_t t = 0; t < pa.quads; ++t) dst[t * kLanes] = r < a.rows ? src[t] : 0;
+  }
+}
+
+// kW weight rows' codes (bytes, natural order) and their blocks' scales and offsets.
+struct ByteChunk {
+  alignas(32) uint8_t codes[kW][kChunkBlocks * 32];
+  float s[kW][kChunkBlocks], m[kW][kChunkBlocks];
+};
+
+// Q4_0 (value d (code - 8)) and Q4_1 (d code + m): 32-element blocks.
+template <int64_t Fmt>
+struct PanelNibble {
+  static constexpr int64_t kBytes = Fmt == kQ4_0 ? 18 : 20;
+  static void decode(const uint8_t* row, int64_t b0, int64_t nb, int j, ByteChunk& c) {
+    const uint8_t* blk = row + b0 * kBytes;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + b * kBytes + kBytes - 16));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(c.codes[j] + b * 32),
+                         _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low));
+    }
+    if (nb == kChunkBlocks) {
+      __m256 d, m;
+      half_pairs8(blk, kBytes, d, m);
+      _mm256_storeu_ps(c.s[j], d);
+      _mm256_storeu_ps(c.m[j], Fmt == kQ4_1 ? m : _mm256_mul_ps(d, _mm256_set1_ps(-8.f)));
+      return;
+    }
+    for (int64_t b = 0; b < nb; ++b) {  // a row's last, shorter chunk
+      c.s[j][b] = fp16(blk + b * kBytes);
+      c.m[j][b] = Fmt == kQ4_1 ? fp16(blk + b * kBytes + 2) : -8.f * c.s[j][b];
+    }
+  }
+};
+
+// Q4_K: a chunk is one super-block; 32 bytes hold block 2c in their low nibbles, 2c + 1 high.
+struct PanelQ4_K {
+  static void decode(const uint8_t* row, int64_t b0, int64_t, int j, ByteChunk& c) {
+    const uint8_t* blk = row + b0 / 8 * 144;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int h = 0; h < 4; ++h) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * h));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(c.codes[j] + 64 * h), _mm256_and_si256(q, low));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(c.codes[j] + 64 * h + 32),
+                         _mm256_and_si256(_mm256_srli_epi16(q, 4), low));
+    }
+    __m256 s, m;
+    k_scale_vectors(blk, s, m);
+    _mm256_storeu_ps(c.s[j], s);
+    _mm256_storeu_ps(c.m[j], m);
+  }
+};
+
+template <class W>
+inline void decode_chunk(const LinearArgs& p, int64_t n, int j, int64_t b0, int64_t nb, ByteChunk& c) {
+  const int64_t span = span_bytes(p);
+  const uint8_t* row = p.w + n * p.row_bytes;
+  // the same codes of the next pass's row: a whole pass of compute ahead
+  for (int64_t off = 0; off < span; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row + b0 / 8 * span + kW * p.row_bytes + off), _MM_HINT_T0);
+  W::decode(row, b0, nb, j, c);
+}
+
+// Groups g .. g + GR - 1 against the chunk's weight rows: sums[(i * kW + j) * kLanes + r] +=
+// row kLanes (g + i) + r's dot with weight row j over the chunk.
+template <int GR>
+inline void byte_group(const ByteChunk& c, const BytePanelActs& pa, const ByteActs& a, int64_t g,
+                       int64_t b0, int64_t nb, float* sums) {
+  __m256 out[GR * kW];
+  for (int k = 0; k < GR * kW; ++k) out[k] = _mm256_loadu_ps(sums + k * kLanes);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int32_t* xb[GR];
+    for (int i = 0; i < GR; ++i) xb[i] = pa.x.data() + ((g + i) * pa.quads + (b0 + b) * 8) * kLanes;
+    __m256i s16[GR][kW];
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      __m256i xa[GR];
+      for (int i = 0; i < GR; ++i) xa[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[i] + t * kLanes));
+      for (int j = 0; j < kW; ++j) {
+        int32_t quad;
+        std::memcpy(&quad, c.codes[j] + b * 32 + 4 * t, 4);
+        const __m256i wv = _mm256_set1_epi32(quad);
+        for (int i = 0; i < GR; ++i) {
+          const __m256i prod = _mm256_maddubs_epi16(wv, xa[i]);
+          s16[i][j] = t ? _mm256_add_epi16(s16[i][j], prod) : prod;
+          asm("" : "+v"(s16[i][j]));  // a chain per sum, in registers (as the int16 panel)
+        }
+      }
+    }
+    for (int i = 0; i < GR; ++i) {
+      const __m256 da = _mm256_loadu_ps(a.dat.data() + (b0 + b) * a.tstride + kLanes * (g + i));
+      const __m256 sx = _mm256_loadu_ps(a.sxt.data() + (b0 + b) * a.tstride + kLanes * (g + i));
+      for (int j = 0; j < kW; ++j) {
+        __m256 o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i][j], ones)),
+                                   _mm256_mul_ps(_mm256_set1_ps(c.s[j][b]), da), out[i * kW + j]);
+        out[i * kW + j] = _mm256_fmadd_ps(_mm256_set1_ps(c.m[j][b]), sx, o);
+      }
+    }
+  }
+  for (int k = 0; k < GR * kW; ++k) _mm256_storeu_ps(sums + k * kLanes, out[k]);
+}
+
+// Groups [g0, g1) against weight rows [n0, n1), kW at a time; `tail`: also the 1-3 rows past the
+// groups (byte_tail, while the weights are cached).
+template <class W>
+void panel_block(const LinearArgs& p, const ByteActs& a, const BytePanelActs& pa, int64_t g0, int64_t g1,
+                 int64_t n0, int64_t n1, bool tail) {
+  static thread_local ByteChunk chunk;
+  static thread_local std::vector<float> sums;
+  static thread_local PanelTile stripe;
+  ByteChunk& c = chunk;
+  std::vector<float>& acc = sums;
+  PanelTile& tile = stripe;
+  acc.resize((g1 - g0) * kW * kLanes);
+  const int64_t row0 = kLanes * g0, rows = std::min(kLanes * g1, a.rows) - row0;
+  for (int64_t n = n0; n < n1; n += kW) {
+    const int w = static_cast<int>(std::min<int64_t>(kW, n1 - n));
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t b0 = 0; b0 < a.blocks; b0 += kChunkBlocks) {
+      const int64_t nb = std::min<int64_t>(kChunkBlocks, a.blocks - b0);
+      for (int j = 0; j < kW; ++j) decode_chunk<W>(p, n + std::min(j, w - 1), j, b0, nb, c);
+      int64_t g = g0;
+      for (; g + 2 <= g1; g += 2) byte_group<2>(c, pa, a, g, b0, nb, acc.data() + (g - g0) * kW * kLanes);
+      if (g < g1) byte_group<1>(c, pa, a, g, b0, nb, acc.data() + (g - g0) * kW * kLanes);
+    }
+    if ((n - n0) % kStripe == 0) tile.start(row0, rows, n);
+    const int64_t col = n - tile.n;
+    for (int64_t g = g0; g < g1; ++g)
+      for (int j = 0; j < w; ++j) {
+        const float* src = acc.data() + ((g - g0) * kW + j) * kLanes;
+        float* dst = tile.v.data() + (kLanes * (g - g0)) * kStripe + col + j;
+        for (int64_t r = 0; r < kLanes && kLanes * g + r < a.rows; ++r) dst[r * kStripe] = src[r];
+      }
+    if (col + w == kStripe || n + kW >= n1) tile.flush(p, col + w);
+    for (int j = 0; tail && pa.groups * kLanes < a.rows && j < w; ++j) byte_tail(p, a, pa.groups * kLanes, n + j);
+  }
+}
+
+template <class W>
+void panel_rows(const LinearArgs& p, const ByteActs& a, const BytePanelActs& pa, int64_t n0, int64_t n1) {
+  for (int64_t g0 = 0; g0 < pa.groups; g0 += kGroups) {
+    const int64_t g1 = std::min(pa.groups, g0 + kGroups);
+    panel_block<W>(p, a, pa, g0, g1, n0, n1, g1 == pa.groups);
+  }
+}
+
+}  // namespace
+
+bool byte_panel_format(int64_t fmt) { return fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ4_K; }
+
+void byte_panel_parts(const LinearArgs* parts, int64_t count) {
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(byte_panel_format(parts[i].fmt) && !parts[i].grouped,
+                "byte_panel: int8 activations in the panel take plain Q4_0, Q4_1 or Q4_K rows");
+  static thread_local ByteActs acts;
+  static thread_local BytePanelActs panel;
+  const LinearArgs& first = parts[0];
+  quantize_bytes(first.x, first.rows, first.K, acts);
+  acts.tstride = transpose_steps(acts.da.data(), first.rows, acts.blocks, acts.dat);
+  transpose_steps(acts.sx.data(), first.rows, acts.blocks, acts.sxt);
+  interleave(acts, first.K, panel);
+  const ByteActs& a = acts;  // the workers read this thread's copies (a thread_local is not captured)
+  const BytePanelActs& pa = panel;
+  parallel_parts(parts, count, kW, [&](int64_t i, int64_t u0, int64_t u1) {
+    const LinearArgs& p = parts[i];
+    const int64_t n0 = u0 * kW, n1 = std::min(u1 * kW, p.N);
+    switch (p.fmt) {
+      case kQ4_0: panel_rows<PanelNibble<kQ4_0>>(p, a, pa, n0, n1); break;
+      case kQ4_1: panel_rows<PanelNibble<kQ4_1>>(p, a, pa, n0, n1); break;
+      default: panel_rows<PanelQ4_K>(p, a, pa, n0, n1); break;
+    }
+  });
+}
+
+}  // namespace pagedq_cpu::v256

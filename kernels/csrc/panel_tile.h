@@ -1,0 +1,45 @@
+// The panels' output tile (panel_kernel.inc: the int16 panels of both widths; byte_panel.cpp:
+// the int8 one): kStripe weight rows' outputs gathered per activation row before they are written.
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "quant_formats.h"
+
+namespace pagedq_cpu {
+
+// Weight rows whose outputs are written together: each activation row's kStripe outputs are one
+// 64-byte line. Why: written a quad (16 bytes) at a time, straight into `out`, each activation
+// row's line was visited four times, and the rows of a pass lie ldo floats apart: with N a
+// multiple of 1024 (gate_up 3072, the LM head 49152) every row's line falls in the same L1 set,
+// so the pass's 32-64 lines evicted one another between visits. That cost the panel 1.6-1.8x at
+// 64 rows on those matrices (Zen 5 capped at avx512, 1 thread, N = 3072, K = 576: 74 GMAC/s
+// writing the quads, 131 with no writes at all); the stripe's tile is L1-resident and contiguous.
+constexpr int64_t kStripe = 16;
+
+// The outputs of one stripe: row-major, kStripe floats per activation row of the pass.
+struct PanelTile {
+  std::vector<float> v;
+  int64_t row0 = 0, rows = 0, n = 0;  // first activation row, rows, first column
+
+  void start(int64_t first_row, int64_t count, int64_t column) {
+    row0 = first_row, rows = count, n = column;
+    v.resize(count * kStripe);
+  }
+  // the stripe's first `cols` columns to `out` (+ bias), one contiguous run per activation row
+  void flush(const LinearArgs& p, int64_t cols) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst = p.out + (row0 + r) * p.ldo + n;
+      const float* src = v.data() + r * kStripe;
+      if (p.bias)
+        for (int64_t j = 0; j < cols; ++j) dst[j] = src[j] + p.bias[n + j];
+      else
+        std::memcpy(dst, src, cols * sizeof(float));
+    }
+  }
+};
+
+}  // namespace pagedq_cpu
