@@ -280,6 +280,21 @@ inline __m256i sum_rows8(const __m256i d[8]) {
                           _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// Lane j: block j's whole total, from two vectors whose low 128-bit lanes hold blocks 0-3's
+// (u0) and 4-7's (u1) totals over their elements 0-15 and whose high lanes hold those over
+// 16-31 (two hadd_epi32 rounds of four blocks' eight-lane sums: few_rows.inc's reduce8,
+// byte_gemv.cpp's narrow rows).
+inline __m256i totals8(__m256i u0, __m256i u1) {
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
 // The fp16 pairs at p + j * stride for j = 0..7 (eight blocks' scale d and, in the formats with
 // one, their minimum m right after it) as fp32 vectors, lane j for block j.
 inline void half_pairs8(const uint8_t* p, int64_t stride, __m256& d, __m256& m) {
