@@ -161,7 +161,7 @@ GEMV_ROWS = {"q4_0": 10, "q4_1": 10, "q5_0": 10, "q5_1": 10, "q8_0": 10, "q4_k":
 BF16X3_GEMV_ROWS = 16
 # Activation rows from which the AVX2 GEMV runs its panel (csrc/int16_acts.h: kPanelRows;
 # csrc/panel_gemv.cpp), on int16 activations; where int8 ones were asked for, the byte panel
-# (csrc/byte_panel.cpp) for Q4_0, Q4_1 and Q4_K, the int16 one for the rest (faster than the
+# (csrc/byte_panel.cpp) for Q4_0, Q4_1, Q5_0, Q5_1 and Q4_K, the int16 one for the rest (faster than the
 # byte GEMV there, and rounds finer).
 PANEL_ROWS = 8
 PANEL_ROWS_Q6K = 5  # Q6_K alone (kPanelRowsQ6K): its row-at-a-time kernel is the slowest
@@ -212,7 +212,7 @@ F32_GEMV_ROWS = {
 # grouped Q6_K and Q5_K (the Intel Xeon above) to the 128 rows measured (Q6_K 56.5 against 58.3
 # ms, Q5_K 57.2 against 67.5).
 # Formats without an int8 kernel keep their F32_GEMV_ROWS entry.
-# On AVX2 the byte GEMV runs below 8 rows only; from there the byte panel (Q4_0, Q4_1, Q4_K)
+# On AVX2 the byte GEMV runs below 8 rows only; from there the byte panel (not Q8_0)
 # or the int16 panel, both ahead of fp32 tiles to 256 rows and beyond (the byte panel at 512 rows:
 # 338 against 721 ms a pass, Q4_1, the bundled model's shapes; AMD EPYC Zen 5 capped at avx2,
 # 2 threads), so the crossovers are F32_GEMV_ROWS's.
@@ -228,9 +228,12 @@ F32_GEMV_ROWS_INT8 = {
 # keeps the row-at-a-time GEMV under the same limit (no model we know has one). Q6_K and Q5_K take
 # the same limits (their grouped kernels cost ~1.1-1.35x Q4_K's per pass; not measured on AMX).
 GROUPED_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
-# The formats whose GEMV has an int8-activation kernel, per GEMV kind (csrc/byte_gemv.cpp for
-# AVX2, csrc/group_gemv.cpp's byte mode for VNNI); the others keep int16 activations.
-INT8_FORMATS = {"grouped": GROUPED_FORMATS, "avx2": ("q4_0", "q4_1", "q8_0", "q4_k")}
+# The formats whose GEMV has an int8-activation kernel, per GEMV kind (csrc/byte_gemv.cpp and,
+# from 8 rows, csrc/byte_panel.cpp (not Q8_0) for AVX2; csrc/group_gemv.cpp's byte mode for
+# VNNI); the others keep int16 activations.
+INT8_FORMATS = {"grouped": GROUPED_FORMATS,
+                "avx2": ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k")}
+BYTE_PANEL_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k")  # csrc/byte_panel.cpp's: unsigned codes
 GROUPED_GEMV_ROWS = {"bf16": 24, "bf16x2": 32, "bf16x3": 40}
 PACKED_FORMATS = tuple(GEMV_ROWS)
 # The packed GEMM's precisions (EngineConfig.packed_gemm_precision names the same ones and the
@@ -308,10 +311,14 @@ class PackedChoice:
             if self.isa == Isa.AVX512_VNNI:
                 return "cpp-gemv-vnni" + ("-int8" if self.int8_acts else "")
             if rows >= panel_from(self.weight_format, self.isa) and self.weight_format != "bf16":
-                # int16 activations, whichever width was asked for; 16 rows a vector with
-                # AVX-512BW (csrc/panel_gemv512.cpp)
+                # 16 rows a vector with AVX-512BW (csrc/panel_gemv512.cpp), int16 activations;
+                # below that, int8 ones where asked for and the format's codes are unsigned
+                # (csrc/byte_panel.cpp), else int16
                 wide = self.isa == Isa.AVX512 and rows >= WIDE_PANEL_ROWS
-                return "cpp-panel-avx512" if wide else "cpp-panel-avx2"
+                if wide:
+                    return "cpp-panel-avx512"
+                bytes_ = self.int8_acts and self.weight_format in BYTE_PANEL_FORMATS
+                return "cpp-panel-avx2" + ("-int8" if bytes_ else "")
             return "cpp-gemv-avx2" + ("-int8" if self.int8_acts else "")
         return f"cpp-gemm-{self.precision}"
 

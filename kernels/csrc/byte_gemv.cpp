@@ -1,5 +1,5 @@
-// The AVX2 GEMV on int8 activations (quant_gemv's acts = 8) for Q8_0, Q4_0, Q4_1 and Q4_K: the
-// activations are rounded to int8 per 32 values (step da = max|x| / 127), once per call, and
+// The AVX2 GEMV on int8 activations (quant_gemv's acts = 8) for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and
+// Q4_K: the activations are rounded to int8 per 32 values (step da = max|x| / 127), once per call, and
 // each 32-code block of a weight row meets them in one _mm256_maddubs_epi16 (unsigned x signed
 // bytes, pairs summed to int16) and one _mm256_madd_epi16 against ones (to int32), as llama.cpp's
 // AVX2 kernels do.
@@ -11,8 +11,8 @@
 // (docs/quantization.md: fidelity of int8 activations). Callers opt in.
 //
 // Per block: value = s * code + m (quant_avx2.h's convention). Unsigned codes (the nibble
-// formats, 0-15) go into maddubs as they are; the offsets m (Q4_0: -8 d; Q4_1, Q4_K: their mins)
-// meet the block's da * sum(q). Q8_0's signed codes use the sign trick (|w| unsigned, q with w's
+// formats, 0-15; Q5_0/Q5_1 0-31 with their fifth bits) go into maddubs as they are; the offsets m
+// (Q4_0: -8 d, Q5_0: -16 d; Q4_1, Q5_1, Q4_K: their mins) meet the block's da * sum(q). Q8_0's signed codes use the sign trick (|w| unsigned, q with w's
 // sign): |w| <= 128 and |q| <= 127, so a pair's sum stays within int16.
 
 #include <ATen/Parallel.h>
@@ -156,38 +156,28 @@ void run(const LinearArgs& p, const ByteActs& a) {
 }  // namespace
 
 bool byte_format(int64_t fmt) {
-  return fmt == kQ8_0 || fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ4_K;
+  return fmt == kQ8_0 || fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ5_0 || fmt == kQ5_1 || fmt == kQ4_K;
 }
 
 void byte_tail(const LinearArgs& p, const ByteActs& a, int64_t r0, int64_t n) {
-  const auto rows = [&](auto walker) {
+  visit_byte_walker(p.fmt, [&](auto walker) {
     using W = decltype(walker);
     switch (a.rows - r0) {
       case 1: byte_group<W, 1>(p, a, r0, n); break;
       case 2: byte_group<W, 2>(p, a, r0, n); break;
       default: byte_group<W, 3>(p, a, r0, n); break;
     }
-  };
-  switch (p.fmt) {
-    case kQ4_0: rows(ByteNibble32<kQ4_0>{}); break;
-    case kQ4_1: rows(ByteNibble32<kQ4_1>{}); break;
-    default: rows(ByteQ4_K{}); break;
-  }
+  });
 }
 
 void byte_gemv(const LinearArgs& p) {
   TORCH_CHECK(byte_format(p.fmt) && !p.grouped,
-              "byte_gemv: int8 activations on AVX2 take plain Q8_0, Q4_0, Q4_1 or Q4_K rows");
+              "byte_gemv: int8 activations on AVX2 take plain Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or Q4_K rows");
   static thread_local ByteActs acts;
   quantize_bytes(p.x, p.rows, p.K, acts);
   acts.tstride = transpose_steps(acts.da.data(), p.rows, acts.blocks, acts.dat);
   transpose_steps(acts.sx.data(), p.rows, acts.blocks, acts.sxt);
-  switch (p.fmt) {
-    case kQ8_0: run<ByteQ8_0>(p, acts); break;
-    case kQ4_0: run<ByteNibble32<kQ4_0>>(p, acts); break;
-    case kQ4_1: run<ByteNibble32<kQ4_1>>(p, acts); break;
-    default: run<ByteQ4_K>(p, acts); break;
-  }
+  visit_byte_walker(p.fmt, [&](auto walker) { run<decltype(walker)>(p, acts); });
 }
 
 }  // namespace pagedq_cpu::v256

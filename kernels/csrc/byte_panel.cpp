@@ -1,14 +1,14 @@
 // The AVX2 panel on int8 activations (quant_gemv's acts = 8, opt-in) from 8 rows, for the
-// formats whose codes are unsigned nibbles: Q4_0, Q4_1 and Q4_K.
+// formats whose codes are unsigned: Q4_0, Q4_1, Q4_K (nibbles) and Q5_0, Q5_1 (five bits).
 //
 // Why: the int16 panel (panel_gemv.cpp) makes 16 products per vpmaddwd and adds each result
 // (two instructions per 16). Here a vpmaddubsw makes 32 (unsigned codes x signed int8
 // activations, pairs summed to int16), and a nibble's products are small enough (a pair at most
 // 2 x 15 x 127 = 3810) that a block's eight are summed in int16 (at most 30480) before one
-// vpmaddwd widens them: 16 instructions per 256 products where the int16 panel takes 32.
-// Q8_0's signed codes would need the sign trick (one vpsignb per product) and int32 sums per
-// pair: no fewer instructions than int16, so Q8_0 (and the formats without a byte walker) keep
-// the int16 panel.
+// vpmaddwd widens them: 16 instructions per 256 products where the int16 panel takes 32 (five
+// bits: four at a time, byte_walkers.h's kSumQuads). Q8_0's signed codes would need the sign
+// trick (one vpsignb per product) and int32 sums per pair: no fewer instructions than int16, so
+// Q8_0 (and the formats without a byte walker) keep the int16 panel.
 //
 // Layout, as the int16 panel's:
 // - the activations (byte_acts.h's rounding, natural order) interleaved 8 rows to a vector:
@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "byte_acts.h"
+#include "byte_walkers.h"
 #include "cpu_ops.h"
 #include "int16_acts.h"
 #include "panel_tile.h"
@@ -67,50 +68,8 @@ struct ByteChunk {
   float s[kW][kChunkBlocks], m[kW][kChunkBlocks];
 };
 
-// Q4_0 (value d (code - 8)) and Q4_1 (d code + m): 32-element blocks.
-template <int64_t Fmt>
-struct PanelNibble {
-  static constexpr int64_t kBytes = Fmt == kQ4_0 ? 18 : 20;
-  static void decode(const uint8_t* row, int64_t b0, int64_t nb, int j, ByteChunk& c) {
-    const uint8_t* blk = row + b0 * kBytes;
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + b * kBytes + kBytes - 16));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(c.codes[j] + b * 32),
-                         _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low));
-    }
-    if (nb == kChunkBlocks) {
-      __m256 d, m;
-      half_pairs8(blk, kBytes, d, m);
-      _mm256_storeu_ps(c.s[j], d);
-      _mm256_storeu_ps(c.m[j], Fmt == kQ4_1 ? m : _mm256_mul_ps(d, _mm256_set1_ps(-8.f)));
-      return;
-    }
-    for (int64_t b = 0; b < nb; ++b) {  // a row's last, shorter chunk
-      c.s[j][b] = fp16(blk + b * kBytes);
-      c.m[j][b] = Fmt == kQ4_1 ? fp16(blk + b * kBytes + 2) : -8.f * c.s[j][b];
-    }
-  }
-};
-
-// Q4_K: a chunk is one super-block; 32 bytes hold block 2c in their low nibbles, 2c + 1 high.
-struct PanelQ4_K {
-  static void decode(const uint8_t* row, int64_t b0, int64_t, int j, ByteChunk& c) {
-    const uint8_t* blk = row + b0 / 8 * 144;
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int h = 0; h < 4; ++h) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * h));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(c.codes[j] + 64 * h), _mm256_and_si256(q, low));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(c.codes[j] + 64 * h + 32),
-                         _mm256_and_si256(_mm256_srli_epi16(q, 4), low));
-    }
-    __m256 s, m;
-    k_scale_vectors(blk, s, m);
-    _mm256_storeu_ps(c.s[j], s);
-    _mm256_storeu_ps(c.m[j], m);
-  }
-};
-
+// Weight row n's blocks [b0, b0 + nb) into the chunk's row j: eight at a time with their scales
+// as vectors (the byte walkers' eight()), a row's last, shorter chunk block by block.
 template <class W>
 inline void decode_chunk(const LinearArgs& p, int64_t n, int j, int64_t b0, int64_t nb, ByteChunk& c) {
   const int64_t span = span_bytes(p);
@@ -118,21 +77,36 @@ inline void decode_chunk(const LinearArgs& p, int64_t n, int j, int64_t b0, int6
   // the same codes of the next pass's row: a whole pass of compute ahead
   for (int64_t off = 0; off < span; off += 64)
     _mm_prefetch(reinterpret_cast<const char*>(row + b0 / 8 * span + kW * p.row_bytes + off), _MM_HINT_T0);
-  W::decode(row, b0, nb, j, c);
+  const auto put = [&](int64_t b, __m256i codes) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(c.codes[j] + b * 32), codes);
+  };
+  if (nb == kChunkBlocks) {
+    __m256 s, m;
+    W::eight(row, b0, put, s, m);
+    _mm256_storeu_ps(c.s[j], s);
+    _mm256_storeu_ps(c.m[j], m);
+    return;
+  }
+  W::walk(row + b0 * W::kBytes, nb * 32, [&](int64_t b, __m256i codes, float s, float m) {
+    put(b, codes);
+    c.s[j][b] = s;
+    c.m[j][b] = m;
+  });
 }
 
 // Groups g .. g + GR - 1 against the chunk's weight rows: sums[(i * kW + j) * kLanes + r] +=
 // row kLanes (g + i) + r's dot with weight row j over the chunk.
-template <int GR>
+template <class W, int GR>
 inline void byte_group(const ByteChunk& c, const BytePanelActs& pa, const ByteActs& a, int64_t g,
                        int64_t b0, int64_t nb, float* sums) {
+  constexpr int kSum = W::kSumQuads;  // int16 sums widened every kSum quads
   __m256 out[GR * kW];
   for (int k = 0; k < GR * kW; ++k) out[k] = _mm256_loadu_ps(sums + k * kLanes);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
     const int32_t* xb[GR];
     for (int i = 0; i < GR; ++i) xb[i] = pa.x.data() + ((g + i) * pa.quads + (b0 + b) * 8) * kLanes;
-    __m256i s16[GR][kW];
+    __m256i s16[GR][kW], s32[GR][kW];
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) {
       __m256i xa[GR];
@@ -143,8 +117,12 @@ inline void byte_group(const ByteChunk& c, const BytePanelActs& pa, const ByteAc
         const __m256i wv = _mm256_set1_epi32(quad);
         for (int i = 0; i < GR; ++i) {
           const __m256i prod = _mm256_maddubs_epi16(wv, xa[i]);
-          s16[i][j] = t ? _mm256_add_epi16(s16[i][j], prod) : prod;
+          s16[i][j] = t % kSum ? _mm256_add_epi16(s16[i][j], prod) : prod;
           asm("" : "+v"(s16[i][j]));  // a chain per sum, in registers (as the int16 panel)
+          if (t % kSum == kSum - 1) {
+            const __m256i wide = _mm256_madd_epi16(s16[i][j], ones);
+            s32[i][j] = t == kSum - 1 ? wide : _mm256_add_epi32(s32[i][j], wide);
+          }
         }
       }
     }
@@ -152,7 +130,7 @@ inline void byte_group(const ByteChunk& c, const BytePanelActs& pa, const ByteAc
       const __m256 da = _mm256_loadu_ps(a.dat.data() + (b0 + b) * a.tstride + kLanes * (g + i));
       const __m256 sx = _mm256_loadu_ps(a.sxt.data() + (b0 + b) * a.tstride + kLanes * (g + i));
       for (int j = 0; j < kW; ++j) {
-        __m256 o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i][j], ones)),
+        __m256 o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i][j]),
                                    _mm256_mul_ps(_mm256_set1_ps(c.s[j][b]), da), out[i * kW + j]);
         out[i * kW + j] = _mm256_fmadd_ps(_mm256_set1_ps(c.m[j][b]), sx, o);
       }
@@ -181,8 +159,8 @@ void panel_block(const LinearArgs& p, const ByteActs& a, const BytePanelActs& pa
       const int64_t nb = std::min<int64_t>(kChunkBlocks, a.blocks - b0);
       for (int j = 0; j < kW; ++j) decode_chunk<W>(p, n + std::min(j, w - 1), j, b0, nb, c);
       int64_t g = g0;
-      for (; g + 2 <= g1; g += 2) byte_group<2>(c, pa, a, g, b0, nb, acc.data() + (g - g0) * kW * kLanes);
-      if (g < g1) byte_group<1>(c, pa, a, g, b0, nb, acc.data() + (g - g0) * kW * kLanes);
+      for (; g + 2 <= g1; g += 2) byte_group<W, 2>(c, pa, a, g, b0, nb, acc.data() + (g - g0) * kW * kLanes);
+      if (g < g1) byte_group<W, 1>(c, pa, a, g, b0, nb, acc.data() + (g - g0) * kW * kLanes);
     }
     if ((n - n0) % kStripe == 0) tile.start(row0, rows, n);
     const int64_t col = n - tile.n;
@@ -207,12 +185,14 @@ void panel_rows(const LinearArgs& p, const ByteActs& a, const BytePanelActs& pa,
 
 }  // namespace
 
-bool byte_panel_format(int64_t fmt) { return fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ4_K; }
+bool byte_panel_format(int64_t fmt) {
+  return fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ5_0 || fmt == kQ5_1 || fmt == kQ4_K;
+}
 
 void byte_panel_parts(const LinearArgs* parts, int64_t count) {
   for (int64_t i = 0; i < count; ++i)
     TORCH_CHECK(byte_panel_format(parts[i].fmt) && !parts[i].grouped,
-                "byte_panel: int8 activations in the panel take plain Q4_0, Q4_1 or Q4_K rows");
+                "byte_panel: int8 activations in the panel take plain Q4_0, Q4_1, Q5_0, Q5_1 or Q4_K rows");
   static thread_local ByteActs acts;
   static thread_local BytePanelActs panel;
   const LinearArgs& first = parts[0];
@@ -225,11 +205,7 @@ void byte_panel_parts(const LinearArgs* parts, int64_t count) {
   parallel_parts(parts, count, kW, [&](int64_t i, int64_t u0, int64_t u1) {
     const LinearArgs& p = parts[i];
     const int64_t n0 = u0 * kW, n1 = std::min(u1 * kW, p.N);
-    switch (p.fmt) {
-      case kQ4_0: panel_rows<PanelNibble<kQ4_0>>(p, a, pa, n0, n1); break;
-      case kQ4_1: panel_rows<PanelNibble<kQ4_1>>(p, a, pa, n0, n1); break;
-      default: panel_rows<PanelQ4_K>(p, a, pa, n0, n1); break;
-    }
+    visit_byte_walker(p.fmt, [&](auto walker) { panel_rows<decltype(walker)>(p, a, pa, n0, n1); });
   });
 }
 

@@ -23,9 +23,13 @@ inline __m256i dot_u8(__m256i codes, __m256i q) {
 // m) calls f(j, codes) for the eight blocks from c0 (a multiple of 8, all eight in the row) and
 // gives their scales and offsets as vectors, lane j for block c0 + j. kBytes: a 32-block's
 // bytes (0: the format's blocks are 256-element super-blocks, and K a multiple of 256).
+// kSumQuads: how many maddubs results of a block (4 codes of 8 rows each) byte_panel.cpp may add
+// in int16 before they overflow: a pair of products is at most 2 x 15 x 127 = 3810 for the
+// nibbles (8 of them: 30480), 2 x 31 x 127 = 7874 with a fifth bit (4: 31496).
 struct ByteQ8_0 {
   static constexpr bool kSigned = true, kHasMin = false;
   static constexpr int64_t kBytes = 34;
+  static constexpr int kSumQuads = 1;  // (signed codes: not a panel format)
   template <class F>
   static inline void eight(const uint8_t* row, int64_t c0, F&& f, __m256& s, __m256& m) {
     const uint8_t* blk = row + c0 * kBytes;
@@ -44,12 +48,18 @@ struct ByteQ8_0 {
 };
 
 template <int64_t Fmt>
-struct ByteNibble32 {  // Q4_0 (code - 8), Q4_1 (code + min)
+struct ByteNibble32 {  // Q4_0 (code - 8), Q4_1 (code + min), Q5_0 (code - 16), Q5_1 (code + min)
   static constexpr bool kSigned = false, kHasMin = true;
-  static constexpr int64_t kBytes = Fmt == kQ4_0 ? 18 : 20;
+  static constexpr bool kFive = Fmt == kQ5_0 || Fmt == kQ5_1, kOwnMin = Fmt == kQ4_1 || Fmt == kQ5_1;
+  static constexpr int64_t kBytes = Fmt == kQ4_0 ? 18 : Fmt == kQ4_1 ? 20 : Fmt == kQ5_0 ? 22 : 24;
+  static constexpr float kOffset = Fmt == kQ4_0 ? -8.f : -16.f;  // of the formats without a min
+  static constexpr int kSumQuads = kFive ? 4 : 8;
+  // the natural order's codes, 0-15 (0-31 with the fifth bits, quant_avx2.h's bits_as_bytes)
   static inline __m256i codes(const uint8_t* blk) {
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (Fmt == kQ4_1 ? 4 : 2)));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0x0F));
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kBytes - 16));
+    const __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0x0F));
+    if constexpr (!kFive) return c;
+    return _mm256_or_si256(c, _mm256_and_si256(bits_as_bytes(blk + kBytes - 20), _mm256_set1_epi8(0x10)));
   }
   template <class F>
   static inline void eight(const uint8_t* row, int64_t c0, F&& f, __m256& s, __m256& m) {
@@ -57,14 +67,14 @@ struct ByteNibble32 {  // Q4_0 (code - 8), Q4_1 (code + min)
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) f(j, codes(blk + j * kBytes));
     half_pairs8(blk, kBytes, s, m);
-    if constexpr (Fmt == kQ4_0) m = _mm256_mul_ps(s, _mm256_set1_ps(-8.f));
+    if constexpr (!kOwnMin) m = _mm256_mul_ps(s, _mm256_set1_ps(kOffset));
   }
   template <class F>
   static inline void walk(const uint8_t* row, int64_t K, F&& f) {
     for (int64_t b = 0; b < K / 32; ++b) {
       const uint8_t* blk = row + b * kBytes;
       const float d = fp16(blk);
-      f(b, codes(blk), d, Fmt == kQ4_1 ? fp16(blk + 2) : -8.f * d);
+      f(b, codes(blk), d, kOwnMin ? fp16(blk + 2) : kOffset * d);
     }
   }
 };
@@ -72,6 +82,7 @@ struct ByteNibble32 {  // Q4_0 (code - 8), Q4_1 (code + min)
 struct ByteQ4_K {  // 8 sub-blocks of 32 per 256, 6-bit scales and mins
   static constexpr bool kSigned = false, kHasMin = true;
   static constexpr int64_t kBytes = 0;
+  static constexpr int kSumQuads = 8;
   template <class F>
   static inline void eight(const uint8_t* row, int64_t c0, F&& f, __m256& s, __m256& m) {
     const uint8_t* blk = row + c0 / 8 * 144;
@@ -102,5 +113,19 @@ struct ByteQ4_K {  // 8 sub-blocks of 32 per 256, 6-bit scales and mins
     }
   }
 };
+
+// f(walker) with the byte walker of `fmt` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; anything else Q4_K:
+// callers check the format first).
+template <class F>
+inline void visit_byte_walker(int64_t fmt, F&& f) {
+  switch (fmt) {
+    case kQ8_0: f(ByteQ8_0{}); break;
+    case kQ4_0: f(ByteNibble32<kQ4_0>{}); break;
+    case kQ4_1: f(ByteNibble32<kQ4_1>{}); break;
+    case kQ5_0: f(ByteNibble32<kQ5_0>{}); break;
+    case kQ5_1: f(ByteNibble32<kQ5_1>{}); break;
+    default: f(ByteQ4_K{}); break;
+  }
+}
 
 }  // namespace pagedq_cpu::v256

@@ -395,11 +395,16 @@ void gemv_parts(const LinearArgs* parts, int64_t count, int64_t isa, bool bytes)
   const bool bw = isa == kAvx512 && wide_panel();
   const int64_t rows = parts[0].rows;
   // int8 activations: the byte panel from kPanelRows (1.4-1.6x the int16 panel at 8-64 rows), up
-  // to where the AVX-512 int16 panel (twice its products a vpmaddwd) is as fast (kWidePanelRows)
-  if (bytes && rows >= kPanelRows && !(bw && rows >= kWidePanelRows) &&
-      std::all_of(parts, parts + count, [](const LinearArgs& p) { return byte_panel_format(p.fmt); })) {
-    byte_panel_parts(parts, count);
-    return;
+  // to where the AVX-512 int16 panel (twice its products a vpmaddwd) is as fast (kWidePanelRows),
+  // for the parts it takes; the rest (a Q8_0 or Q6_K v beside Q5_0 q and k) go on below.
+  std::vector<LinearArgs> rest;
+  if (bytes && rows >= kPanelRows && !(bw && rows >= kWidePanelRows)) {
+    std::vector<LinearArgs> byte_parts;
+    for (int64_t i = 0; i < count; ++i) (byte_panel_format(parts[i].fmt) ? byte_parts : rest).push_back(parts[i]);
+    if (!byte_parts.empty()) byte_panel_parts(byte_parts.data(), static_cast<int64_t>(byte_parts.size()));
+    if (rest.empty()) return;
+    parts = rest.data();
+    count = static_cast<int64_t>(rest.size());
   }
   static thread_local Acts codes;
   quantize_acts(parts[0].x, rows, parts[0].K, codes);

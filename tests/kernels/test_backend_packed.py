@@ -223,7 +223,7 @@ def test_int8_activations_route_the_formats_that_have_an_int8_gemv(cpu_ops, cpu,
     """--packed-activations int8: the formats with an int8 kernel at this level take it (named
     "-int8", with INT8_ACTS_BIT in QuantLinear's precision and F32_GEMV_ROWS_INT8's crossover);
     the others keep int16 and their own crossover; int16 (the default) sets no bit."""
-    from pagedq.kernels.backend import F32_GEMV_ROWS_INT8, INT8_FORMATS
+    from pagedq.kernels.backend import BYTE_PANEL_FORMATS, F32_GEMV_ROWS_INT8, INT8_FORMATS
     from pagedq.kernels.cpu_ops import INT8_ACTS_BIT
 
     int8 = Selector(cpu=cpu).select("cpu", F32, None, 64, packed_activations="int8")
@@ -236,8 +236,10 @@ def test_int8_activations_route_the_formats_that_have_an_int8_gemv(cpu_ops, cpu,
             assert choice.int8_acts and choice.precision_code & INT8_ACTS_BIT
             assert choice.gemv_rows == F32_GEMV_ROWS_INT8.get(kind, F32_GEMV_ROWS[kind])[fmt]
             assert choice.kernel(1) == gemv + "-int8"
-            if kind == "avx2":  # from PANEL_ROWS the int16 panel, faster than the byte GEMV
-                assert choice.kernel(PANEL_ROWS) == plain.kernel(PANEL_ROWS) == "cpp-panel-avx2"
+            if kind == "avx2":  # from PANEL_ROWS a panel: the byte one for unsigned codes
+                assert plain.kernel(PANEL_ROWS) == "cpp-panel-avx2"
+                assert choice.kernel(PANEL_ROWS) == ("cpp-panel-avx2-int8" if fmt in BYTE_PANEL_FORMATS
+                                                     else "cpp-panel-avx2")
         else:
             assert choice == plain, fmt
     with pytest.raises(ValueError, match="packed_activations must be one of"):

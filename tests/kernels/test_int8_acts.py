@@ -2,8 +2,8 @@
 
 The oracle applies the kernels' activation rounding in PyTorch (each run of 32 values rounded to
 int8 steps of max|x| / 127, nearest even), dequantizes the weights and multiplies in float64: the
-kernel must then agree to fp32 accumulation. The AVX2 kernel (byte_gemv.cpp: Q8_0, Q4_0, Q4_1,
-Q4_K) runs at every level; the grouped VNNI byte mode (group_gemv.cpp) where the process's level
+kernel must then agree to fp32 accumulation. The AVX2 kernels (byte_gemv.cpp: Q8_0, Q4_0, Q4_1,
+Q5_0, Q5_1, Q4_K; from 8 rows byte_panel.cpp, all but Q8_0) run at every level; the grouped VNNI byte mode (group_gemv.cpp) where the process's level
 has AVX-512 VNNI. tests/kernels/test_isa_levels.py runs this file again at every lower level.
 """
 
@@ -19,8 +19,8 @@ from tests.quant_fixtures import ALL, random_weight
 
 CPU = process_selector().cpu  # this CPU, capped at PAGEDQ_CPU_ISA where that is set
 BEST = int(Isa.AVX512_VNNI if CPU.has_avx512_vnni else Isa.AVX2)
-BYTE_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k")  # byte_gemv.cpp's
-BYTE_PANEL_FORMATS = ("q4_0", "q4_1", "q4_k")  # byte_panel.cpp's (unsigned nibble codes)
+BYTE_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k")  # byte_gemv.cpp's
+BYTE_PANEL_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k")  # byte_panel.cpp's (unsigned codes)
 GROUPABLE = GROUPED_FORMATS  # grouped by the engine on AVX-512 VNNI
 INT8 = int(ActWidth.INT8)
 needs_vnni = pytest.mark.skipif(not CPU.has_avx512_vnni,
@@ -86,6 +86,25 @@ def test_int8_gemv_takes_extreme_codes(cpu_ops, isa):
     out = torch.empty(2, 16)
     cpu_ops.quant_gemv(out, x, w.data, w.fmt.code, None, None, isa, INT8)
     check(out, x, dequantize(w).double(), torch.zeros(16), "extremes")
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q5_1"])
+def test_int8_panel_takes_extreme_codes(cpu_ops, isa, fmt):
+    """Every code at its largest (15, 31) against activations all at +max or -max, 8-19 rows: the
+    byte panel's int16 sums of a block's quads (8 of them for nibbles, 4 with a fifth bit) must
+    not saturate."""
+    gen = torch.Generator().manual_seed(38)
+    w = random_weight(fmt, 20, 256, gen)
+    five = fmt == "q5_1"
+    blocks = w.data.view(20, 8, 24 if five else 20)
+    blocks[:, :, -16:] = 0xFF  # both nibbles 15
+    if five:
+        blocks[:, :, 4:8] = 0xFF  # every fifth bit set: codes 31
+    for rows in (8, 19):
+        x = torch.where(torch.arange(rows)[:, None] % 2 == 0, 1.0, -1.0).expand(rows, 256).contiguous()
+        out = torch.empty(rows, 20)
+        cpu_ops.quant_gemv(out, x, w.data, w.fmt.code, None, None, isa, INT8)
+        check(out, x, dequantize(w).double(), torch.zeros(20), (fmt, rows, "extremes"))
 
 
 @needs_vnni
@@ -155,24 +174,25 @@ def test_linear_with_the_int8_bit_runs_int8_gemv_and_plain_gemm(cpu_ops):
 @pytest.mark.parametrize("isa", [Isa.AVX2, Isa.AVX512], ids=lambda i: i.name)
 def test_fused_parts_run_the_byte_panel_when_every_part_has_it(cpu_ops, isa):
     """QuantLinear's fused parts from PANEL_ROWS rows with the int8 bit, below VNNI: Q4_K and
-    Q4_1 parts go through the byte panel in one call (each part's columns as its own int8 GEMV);
-    a Q6_K part beside them sends the whole projection to the int16 panel (as without the bit),
-    and so does the AVX-512 level from WIDE_PANEL_ROWS (its int16 panel is as fast there)."""
+    Q5_0 parts go through the byte panel in one call (each part's columns as its own int8 GEMV);
+    a Q6_K or Q8_0 part beside them takes the int16 panel (as without the bit), the others
+    still the byte panel; the AVX-512 level from WIDE_PANEL_ROWS keeps its int16 panel for all
+    (as fast there)."""
     if isa == Isa.AVX512 and not CPU.has_wide_panel:
         pytest.skip(f"no AVX-512BW panel at this process's level ({CPU.level})")
     gen = torch.Generator().manual_seed(37)
-    for formats, panel in ((("q4_k", "q4_1"), True), (("q4_k", "q6_k"), False)):
-        parts = [random_weight(f, n, 512, gen) for f, n in zip(formats, (40, 24), strict=True)]
+    for formats in (("q4_k", "q5_0"), ("q4_k", "q6_k"), ("q5_0", "q8_0", "q5_0")):
+        parts = [random_weight(f, n, 512, gen) for f, n in zip(formats, (40, 24, 12), strict=False)]
         precision = int(GemmPrecision.F32) | INT8_ACTS_BIT
         linear = cpu_ops.quant_linear([p.data for p in parts], [p.fmt.code for p in parts],
-                                      [p.scales for p in parts], None, 512, [256, 256], int(isa),
-                                      precision)
+                                      [p.scales for p in parts], None, 512, [256] * len(parts),
+                                      int(isa), precision)
         for rows in (8, 19, 45):
-            bytes_ = panel and (isa == Isa.AVX2 or rows < WIDE_PANEL_ROWS)
             x = torch.randn(rows, 512, generator=gen)
             out = linear.forward(x)
             col = 0
-            for part in parts:
+            for fmt, part in zip(formats, parts, strict=True):
+                bytes_ = fmt in BYTE_PANEL_FORMATS and (isa == Isa.AVX2 or rows < WIDE_PANEL_ROWS)
                 n = part.shape[0]
                 want = torch.empty(rows, n)
                 cpu_ops.quant_gemv(want, x, part.data, part.fmt.code, part.scales, None, int(isa),
