@@ -161,7 +161,7 @@ GEMV_ROWS = {"q4_0": 10, "q4_1": 10, "q5_0": 10, "q5_1": 10, "q8_0": 10, "q4_k":
 BF16X3_GEMV_ROWS = 16
 # Activation rows from which the AVX2 GEMV runs its panel (csrc/int16_acts.h: kPanelRows;
 # csrc/panel_gemv.cpp), on int16 activations; where int8 ones were asked for, the byte panel
-# (csrc/byte_panel.cpp) for Q4_0, Q4_1, Q5_0, Q5_1 and Q4_K, the int16 one for the rest (faster than the
+# (csrc/byte_panel.cpp) for every format but Q8_0 (and int8, bf16), the int16 one for those (faster than the
 # byte GEMV there, and rounds finer).
 PANEL_ROWS = 8
 PANEL_ROWS_Q6K = 5  # Q6_K alone (kPanelRowsQ6K): its row-at-a-time kernel is the slowest
@@ -232,8 +232,9 @@ GROUPED_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k
 # from 8 rows, csrc/byte_panel.cpp (not Q8_0) for AVX2; csrc/group_gemv.cpp's byte mode for
 # VNNI); the others keep int16 activations.
 INT8_FORMATS = {"grouped": GROUPED_FORMATS,
-                "avx2": ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k")}
-BYTE_PANEL_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k")  # csrc/byte_panel.cpp's: unsigned codes
+                "avx2": ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k")}
+# csrc/byte_panel.cpp's: the formats whose codes are unsigned
+BYTE_PANEL_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k")
 GROUPED_GEMV_ROWS = {"bf16": 24, "bf16x2": 32, "bf16x3": 40}
 PACKED_FORMATS = tuple(GEMV_ROWS)
 # The packed GEMM's precisions (EngineConfig.packed_gemm_precision names the same ones and the

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "quant_avx2.h"
 #include "quant_formats.h"
 
 namespace pagedq_cpu {
@@ -22,16 +23,23 @@ struct ByteActs {
   std::vector<int8_t> q;         // [rows * blocks, 32]
   std::vector<float> da, sx;     // [rows * blocks]
   std::vector<float> dat, sxt;   // byte_gemv: da and sx transposed, [blocks, tstride]
+  // Q6_K's offsets (a scale per 16 values): da * sum(q) over each block's first and second 16,
+  // [rows * blocks], and transposed as dat; filled only when quantize_bytes is asked for halves
+  std::vector<float> s0, s1, s0t, s1t;
   int64_t tstride = 0;
   const int8_t* block(int64_t i) const { return q.data() + i * 32; }  // i = row * blocks + block
 };
 
-inline void quantize_bytes(const float* x, int64_t rows, int64_t K, ByteActs& a) {
+inline void quantize_bytes(const float* x, int64_t rows, int64_t K, ByteActs& a, bool halves = false) {
   a.rows = rows;
   a.blocks = K / 32;
   a.q.resize(rows * K);
   a.da.resize(rows * a.blocks);
   a.sx.resize(rows * a.blocks);
+  if (halves) {
+    a.s0.resize(rows * a.blocks);
+    a.s1.resize(rows * a.blocks);
+  }
   const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   // packs interleaves 128-bit lanes: dword j of the packed bytes holds values 4 order[j]..
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -59,6 +67,10 @@ inline void quantize_bytes(const float* x, int64_t rows, int64_t K, ByteActs& a)
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
     a.da[i] = m / 127.f;
     a.sx[i] = a.da[i] * static_cast<float>(_mm_cvtsi128_si32(s));
+    if (halves) {
+      a.s0[i] = a.da[i] * static_cast<float>(v256::hsum_epi32(_mm256_add_epi32(c[0], c[1])));
+      a.s1[i] = a.da[i] * static_cast<float>(v256::hsum_epi32(_mm256_add_epi32(c[2], c[3])));
+    }
   }
 }
 

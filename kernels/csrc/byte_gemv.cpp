@@ -62,6 +62,23 @@ void byte_group_wide(const LinearArgs& p, const ByteActs& a, int64_t b0, int64_t
   for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = sums[g] + bias;
 }
 
+// The last K / 32 % 8 blocks of a row one by one (the 32-element formats' rows whose K is no
+// multiple of 256), for byte_group_narrow's rows: total[g] += their sums.
+template <class W, int G>
+inline void tail_blocks(const LinearArgs& p, const ByteActs& a, int64_t b0, const uint8_t* row, int64_t whole,
+                        float* total) {
+  if (whole == a.blocks) return;
+  W::walk(row + whole * W::kBytes, (a.blocks - whole) * 32, [&](int64_t b, __m256i codes, float s, float m) {
+    const __m256i u = W::kSigned ? _mm256_sign_epi8(codes, codes) : codes;
+    for (int g = 0; g < G; ++g) {
+      const int64_t i = (b0 + g) * a.blocks + whole + b;
+      __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block(i)));
+      if constexpr (W::kSigned) q = _mm256_sign_epi8(q, codes);
+      total[g] += s * a.da[i] * static_cast<float>(hsum_epi32(dot_u8(u, q))) + m * a.sx[i];
+    }
+  });
+}
+
 // 1-3 activation rows from b0 against weight row n, eight blocks at a time: their int32 sums
 // reduced into one vector (lane j for block j, hadd pairs as they come), so the eight scales
 // (one vector: half_pairs8, k_scale_vectors) apply in one convert and one FMA, as the int16
@@ -79,13 +96,13 @@ void byte_group_narrow(const LinearArgs& p, const ByteActs& a, int64_t b0, int64
   for (int64_t c0 = 0; c0 < whole; c0 += 8) {
     if (b0 == 0 && a.rows < kRowPrefetchRows) prefetch_ahead(row + c0 / 8 * span, span, ahead);
     __m256i prev[G], pair[G], half[G][2];
-    __m256 s, m;
-    W::eight(row, c0, [&](int j, __m256i codes) {
+    __m256 s, m, m2;
+    W::eight(row, c0, [&](int j, __m256i codes, __m256i widen) {
       const __m256i u = W::kSigned ? _mm256_sign_epi8(codes, codes) : codes;
       for (int g = 0; g < G; ++g) {
         __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block((b0 + g) * a.blocks + c0 + j)));
         if constexpr (W::kSigned) q = _mm256_sign_epi8(q, codes);
-        const __m256i d = dot_u8(u, q);
+        const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), widen);
         if (j % 2 == 0) {
           prev[g] = d;
         } else if (j % 4 == 1) {
@@ -94,37 +111,37 @@ void byte_group_narrow(const LinearArgs& p, const ByteActs& a, int64_t b0, int64
           half[g][j / 4] = _mm256_hadd_epi32(pair[g], _mm256_hadd_epi32(prev[g], d));
         }
       }
-    }, s, m);
+    }, s, m, m2);
     for (int g = 0; g < G; ++g) {
       const int64_t i = (b0 + g) * a.blocks + c0;
       acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals8(half[g][0], half[g][1])),
                                _mm256_mul_ps(s, _mm256_loadu_ps(a.da.data() + i)), acc[g]);
-      if constexpr (W::kHasMin) mins[g] = _mm256_fmadd_ps(m, _mm256_loadu_ps(a.sx.data() + i), mins[g]);
+      if constexpr (W::kSixBit) {
+        mins[g] = _mm256_fmadd_ps(m, _mm256_loadu_ps(a.s0.data() + i), mins[g]);
+        mins[g] = _mm256_fmadd_ps(m2, _mm256_loadu_ps(a.s1.data() + i), mins[g]);
+      } else if constexpr (W::kHasMin) {
+        mins[g] = _mm256_fmadd_ps(m, _mm256_loadu_ps(a.sx.data() + i), mins[g]);
+      }
     }
   }
   float total[G];
   for (int g = 0; g < G; ++g) total[g] = hsum(_mm256_add_ps(acc[g], mins[g]));
-  if (whole < a.blocks) {  // the last K / 32 % 8 blocks one by one (32-element formats only)
-    W::walk(row + whole * W::kBytes, (a.blocks - whole) * 32, [&](int64_t b, __m256i codes, float s, float m) {
-      const __m256i u = W::kSigned ? _mm256_sign_epi8(codes, codes) : codes;
-      for (int g = 0; g < G; ++g) {
-        const int64_t i = (b0 + g) * a.blocks + whole + b;
-        __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block(i)));
-        if constexpr (W::kSigned) q = _mm256_sign_epi8(q, codes);
-        total[g] += s * a.da[i] * static_cast<float>(hsum_epi32(dot_u8(u, q))) + m * a.sx[i];
-      }
-    });
-  }
+  if constexpr (!W::kSixBit) tail_blocks<W, G>(p, a, b0, row, whole, total);
   const float bias = p.bias ? p.bias[n] : 0.f;
   for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = total[g] + bias;
 }
 
 template <class W, int G>
 void byte_group(const LinearArgs& p, const ByteActs& a, int64_t b0, int64_t n) {
-  if constexpr (G >= 4)
+  if constexpr (G >= 4 && W::kSixBit) {  // Q6_K: pieces of 2-3 rows (the wide rows take one scale a block)
+    constexpr int first = G == 4 ? 2 : 3;
+    byte_group_narrow<W, first>(p, a, b0, n);
+    byte_group<W, G - first>(p, a, b0 + first, n);
+  } else if constexpr (G >= 4) {
     byte_group_wide<W, G>(p, a, b0, n);
-  else
+  } else {
     byte_group_narrow<W, G>(p, a, b0, n);
+  }
 }
 
 template <class W>
@@ -156,7 +173,8 @@ void run(const LinearArgs& p, const ByteActs& a) {
 }  // namespace
 
 bool byte_format(int64_t fmt) {
-  return fmt == kQ8_0 || fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ5_0 || fmt == kQ5_1 || fmt == kQ4_K;
+  return fmt == kQ8_0 || fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ5_0 || fmt == kQ5_1 || fmt == kQ4_K ||
+         fmt == kQ6_K;
 }
 
 void byte_tail(const LinearArgs& p, const ByteActs& a, int64_t r0, int64_t n) {
@@ -172,9 +190,9 @@ void byte_tail(const LinearArgs& p, const ByteActs& a, int64_t r0, int64_t n) {
 
 void byte_gemv(const LinearArgs& p) {
   TORCH_CHECK(byte_format(p.fmt) && !p.grouped,
-              "byte_gemv: int8 activations on AVX2 take plain Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or Q4_K rows");
+              "byte_gemv: int8 activations on AVX2 take plain Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q6_K rows");
   static thread_local ByteActs acts;
-  quantize_bytes(p.x, p.rows, p.K, acts);
+  quantize_bytes(p.x, p.rows, p.K, acts, p.fmt == kQ6_K);
   acts.tstride = transpose_steps(acts.da.data(), p.rows, acts.blocks, acts.dat);
   transpose_steps(acts.sx.data(), p.rows, acts.blocks, acts.sxt);
   visit_byte_walker(p.fmt, [&](auto walker) { run<decltype(walker)>(p, acts); });

@@ -66,6 +66,8 @@ void interleave(const ByteActs& a, int64_t K, BytePanelActs& pa) {
 struct ByteChunk {
   alignas(32) uint8_t codes[kW][kChunkBlocks * 32];
   float s[kW][kChunkBlocks], m[kW][kChunkBlocks];
+  float m2[kW][kChunkBlocks];              // Q6_K: the second halves' offsets
+  int16_t sc[kW][kChunkBlocks][2];         // Q6_K: each half's int8 scale (ByteQ6_K)
 };
 
 // Weight row n's blocks [b0, b0 + nb) into the chunk's row j: eight at a time with their scales
@@ -81,17 +83,26 @@ inline void decode_chunk(const LinearArgs& p, int64_t n, int j, int64_t b0, int6
     _mm256_store_si256(reinterpret_cast<__m256i*>(c.codes[j] + b * 32), codes);
   };
   if (nb == kChunkBlocks) {
-    __m256 s, m;
-    W::eight(row, b0, put, s, m);
+    __m256 s, m, m2;
+    W::eight(row, b0, [&](int b, __m256i codes, __m256i widen) {
+      put(b, codes);
+      if constexpr (W::kSixBit) {
+        c.sc[j][b][0] = static_cast<int16_t>(_mm256_extract_epi16(widen, 0));
+        c.sc[j][b][1] = static_cast<int16_t>(_mm256_extract_epi16(widen, 8));
+      }
+    }, s, m, m2);
     _mm256_storeu_ps(c.s[j], s);
     _mm256_storeu_ps(c.m[j], m);
+    if constexpr (W::kSixBit) _mm256_storeu_ps(c.m2[j], m2);
     return;
   }
-  W::walk(row + b0 * W::kBytes, nb * 32, [&](int64_t b, __m256i codes, float s, float m) {
-    put(b, codes);
-    c.s[j][b] = s;
-    c.m[j][b] = m;
-  });
+  if constexpr (!W::kSixBit) {  // a row's last, shorter chunk (32-element formats only)
+    W::walk(row + b0 * W::kBytes, nb * 32, [&](int64_t b, __m256i codes, float s, float m) {
+      put(b, codes);
+      c.s[j][b] = s;
+      c.m[j][b] = m;
+    });
+  }
 }
 
 // Groups g .. g + GR - 1 against the chunk's weight rows: sums[(i * kW + j) * kLanes + r] +=
@@ -119,20 +130,26 @@ inline void byte_group(const ByteChunk& c, const BytePanelActs& pa, const ByteAc
           const __m256i prod = _mm256_maddubs_epi16(wv, xa[i]);
           s16[i][j] = t % kSum ? _mm256_add_epi16(s16[i][j], prod) : prod;
           asm("" : "+v"(s16[i][j]));  // a chain per sum, in registers (as the int16 panel)
-          if (t % kSum == kSum - 1) {
-            const __m256i wide = _mm256_madd_epi16(s16[i][j], ones);
+          if (t % kSum == kSum - 1) {  // Q6_K: the half's scale in the widening (ByteQ6_K)
+            const __m256i by = W::kSixBit ? _mm256_set1_epi16(c.sc[j][b][t / 4]) : ones;
+            const __m256i wide = _mm256_madd_epi16(s16[i][j], by);
             s32[i][j] = t == kSum - 1 ? wide : _mm256_add_epi32(s32[i][j], wide);
           }
         }
       }
     }
     for (int i = 0; i < GR; ++i) {
-      const __m256 da = _mm256_loadu_ps(a.dat.data() + (b0 + b) * a.tstride + kLanes * (g + i));
-      const __m256 sx = _mm256_loadu_ps(a.sxt.data() + (b0 + b) * a.tstride + kLanes * (g + i));
+      const int64_t at = (b0 + b) * a.tstride + kLanes * (g + i);
+      const __m256 da = _mm256_loadu_ps(a.dat.data() + at);
+      // the offsets' activation sums: the block's (sx), or Q6_K's two halves'
+      const __m256 sx = _mm256_loadu_ps((W::kSixBit ? a.s0t : a.sxt).data() + at);
+      const __m256 sx2 = W::kSixBit ? _mm256_loadu_ps(a.s1t.data() + at) : _mm256_setzero_ps();
       for (int j = 0; j < kW; ++j) {
         __m256 o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i][j]),
                                    _mm256_mul_ps(_mm256_set1_ps(c.s[j][b]), da), out[i * kW + j]);
-        out[i * kW + j] = _mm256_fmadd_ps(_mm256_set1_ps(c.m[j][b]), sx, o);
+        o = _mm256_fmadd_ps(_mm256_set1_ps(c.m[j][b]), sx, o);
+        if constexpr (W::kSixBit) o = _mm256_fmadd_ps(_mm256_set1_ps(c.m2[j][b]), sx2, o);
+        out[i * kW + j] = o;
       }
     }
   }
@@ -186,19 +203,24 @@ void panel_rows(const LinearArgs& p, const ByteActs& a, const BytePanelActs& pa,
 }  // namespace
 
 bool byte_panel_format(int64_t fmt) {
-  return fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ5_0 || fmt == kQ5_1 || fmt == kQ4_K;
+  return fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ5_0 || fmt == kQ5_1 || fmt == kQ4_K || fmt == kQ6_K;
 }
 
 void byte_panel_parts(const LinearArgs* parts, int64_t count) {
   for (int64_t i = 0; i < count; ++i)
     TORCH_CHECK(byte_panel_format(parts[i].fmt) && !parts[i].grouped,
-                "byte_panel: int8 activations in the panel take plain Q4_0, Q4_1, Q5_0, Q5_1 or Q4_K rows");
+                "byte_panel: int8 activations in the panel take plain Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q6_K rows");
   static thread_local ByteActs acts;
   static thread_local BytePanelActs panel;
   const LinearArgs& first = parts[0];
-  quantize_bytes(first.x, first.rows, first.K, acts);
+  const bool six = std::any_of(parts, parts + count, [](const LinearArgs& p) { return p.fmt == kQ6_K; });
+  quantize_bytes(first.x, first.rows, first.K, acts, six);
   acts.tstride = transpose_steps(acts.da.data(), first.rows, acts.blocks, acts.dat);
   transpose_steps(acts.sx.data(), first.rows, acts.blocks, acts.sxt);
+  if (six) {
+    transpose_steps(acts.s0.data(), first.rows, acts.blocks, acts.s0t);
+    transpose_steps(acts.s1.data(), first.rows, acts.blocks, acts.s1t);
+  }
   interleave(acts, first.K, panel);
   const ByteActs& a = acts;  // the workers read this thread's copies (a thread_local is not captured)
   const BytePanelActs& pa = panel;

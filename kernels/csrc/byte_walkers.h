@@ -20,23 +20,26 @@ inline __m256i dot_u8(__m256i codes, __m256i q) {
 
 // Each walker calls f(b, codes, s, m) for 32-block b of a row: 32 codes in natural order, the
 // block's value s * code + m (kSigned: int8 codes, m = 0; else unsigned). eight(row, c0, f, s,
-// m) calls f(j, codes) for the eight blocks from c0 (a multiple of 8, all eight in the row) and
-// gives their scales and offsets as vectors, lane j for block c0 + j. kBytes: a 32-block's
+// m, m2) calls f(j, codes, widen) for the eight blocks from c0 (a multiple of 8, all eight in the
+// row) and gives their scales and offsets as vectors, lane j for block c0 + j; widen is what
+// the block's maddubs pairs meet in vpmaddwd (ones, or Q6_K's int8 scales: ByteQ6_K), m2 the
+// offset of Q6_K's second halves (zero elsewhere). kBytes: a 32-block's
 // bytes (0: the format's blocks are 256-element super-blocks, and K a multiple of 256).
 // kSumQuads: how many maddubs results of a block (4 codes of 8 rows each) byte_panel.cpp may add
 // in int16 before they overflow: a pair of products is at most 2 x 15 x 127 = 3810 for the
 // nibbles (8 of them: 30480), 2 x 31 x 127 = 7874 with a fifth bit (4: 31496).
 struct ByteQ8_0 {
-  static constexpr bool kSigned = true, kHasMin = false;
+  static constexpr bool kSigned = true, kHasMin = false, kSixBit = false;
   static constexpr int64_t kBytes = 34;
   static constexpr int kSumQuads = 1;  // (signed codes: not a panel format)
   template <class F>
-  static inline void eight(const uint8_t* row, int64_t c0, F&& f, __m256& s, __m256& m) {
+  static inline void eight(const uint8_t* row, int64_t c0, F&& f, __m256& s, __m256& m, __m256& m2) {
     const uint8_t* blk = row + c0 * kBytes;
+    const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) f(j, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + j * kBytes + 2)));
+    for (int j = 0; j < 8; ++j) f(j, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + j * kBytes + 2)), ones);
     half_pairs8(blk, kBytes, s, m);
-    m = _mm256_setzero_ps();
+    m = m2 = _mm256_setzero_ps();
   }
   template <class F>
   static inline void walk(const uint8_t* row, int64_t K, F&& f) {
@@ -49,7 +52,7 @@ struct ByteQ8_0 {
 
 template <int64_t Fmt>
 struct ByteNibble32 {  // Q4_0 (code - 8), Q4_1 (code + min), Q5_0 (code - 16), Q5_1 (code + min)
-  static constexpr bool kSigned = false, kHasMin = true;
+  static constexpr bool kSigned = false, kHasMin = true, kSixBit = false;
   static constexpr bool kFive = Fmt == kQ5_0 || Fmt == kQ5_1, kOwnMin = Fmt == kQ4_1 || Fmt == kQ5_1;
   static constexpr int64_t kBytes = Fmt == kQ4_0 ? 18 : Fmt == kQ4_1 ? 20 : Fmt == kQ5_0 ? 22 : 24;
   static constexpr float kOffset = Fmt == kQ4_0 ? -8.f : -16.f;  // of the formats without a min
@@ -62,12 +65,14 @@ struct ByteNibble32 {  // Q4_0 (code - 8), Q4_1 (code + min), Q5_0 (code - 16), 
     return _mm256_or_si256(c, _mm256_and_si256(bits_as_bytes(blk + kBytes - 20), _mm256_set1_epi8(0x10)));
   }
   template <class F>
-  static inline void eight(const uint8_t* row, int64_t c0, F&& f, __m256& s, __m256& m) {
+  static inline void eight(const uint8_t* row, int64_t c0, F&& f, __m256& s, __m256& m, __m256& m2) {
     const uint8_t* blk = row + c0 * kBytes;
+    const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) f(j, codes(blk + j * kBytes));
+    for (int j = 0; j < 8; ++j) f(j, codes(blk + j * kBytes), ones);
     half_pairs8(blk, kBytes, s, m);
     if constexpr (!kOwnMin) m = _mm256_mul_ps(s, _mm256_set1_ps(kOffset));
+    m2 = _mm256_setzero_ps();
   }
   template <class F>
   static inline void walk(const uint8_t* row, int64_t K, F&& f) {
@@ -80,20 +85,21 @@ struct ByteNibble32 {  // Q4_0 (code - 8), Q4_1 (code + min), Q5_0 (code - 16), 
 };
 
 struct ByteQ4_K {  // 8 sub-blocks of 32 per 256, 6-bit scales and mins
-  static constexpr bool kSigned = false, kHasMin = true;
+  static constexpr bool kSigned = false, kHasMin = true, kSixBit = false;
   static constexpr int64_t kBytes = 0;
   static constexpr int kSumQuads = 8;
   template <class F>
-  static inline void eight(const uint8_t* row, int64_t c0, F&& f, __m256& s, __m256& m) {
+  static inline void eight(const uint8_t* row, int64_t c0, F&& f, __m256& s, __m256& m, __m256& m2) {
     const uint8_t* blk = row + c0 / 8 * 144;
-    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 high
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
-      f(2 * c, _mm256_and_si256(q, low));
-      f(2 * c + 1, _mm256_and_si256(_mm256_srli_epi16(q, 4), low));
+      f(2 * c, _mm256_and_si256(q, low), ones);
+      f(2 * c + 1, _mm256_and_si256(_mm256_srli_epi16(q, 4), low), ones);
     }
     k_scale_vectors(blk, s, m);
+    m2 = _mm256_setzero_ps();
   }
   template <class F>
   static inline void walk(const uint8_t* row, int64_t K, F&& f) {
@@ -114,7 +120,45 @@ struct ByteQ4_K {  // 8 sub-blocks of 32 per 256, 6-bit scales and mins
   }
 };
 
-// f(walker) with the byte walker of `fmt` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; anything else Q4_K:
+// Q6_K: six-bit codes stored +32 (0-63), one int8 scale per 16 codes: value d sc (code - 32).
+// Block j's maddubs pairs meet [sc 2j x 8 | sc 2j+1 x 8] in vpmaddwd (the pairs of elements 0-15
+// fill the low 8 int16 lanes), so its int32 sums come out scaled, both halves exact (a pair at
+// most 2 x 63 x 127 = 16002, times 128): s is d alone, and the -32 offsets meet the activations'
+// half sums (ByteActs' s0, s1) with m = -32 d sc_2j, m2 = -32 d sc_2j+1.
+struct ByteQ6_K {
+  static constexpr bool kSigned = false, kHasMin = false, kSixBit = true;
+  static constexpr int64_t kBytes = 0;
+  static constexpr int kSumQuads = 2;
+  // 32-block j = 4 half + quarter of the super-block: elements 128 half + 32 quarter + t
+  static inline __m256i codes(const uint8_t* blk, int j) {
+    const int half = j / 4, quarter = j % 4;
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + half * 32));
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + half * 64 + (quarter % 2) * 32));
+    const __m256i lo4 = _mm256_and_si256(quarter < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(0x0F));
+    const int up = 4 - 2 * quarter;  // the quarter's two high bits to bits 4-5
+    const __m256i moved = up > 0 ? _mm256_slli_epi16(qh, up) : up < 0 ? _mm256_srli_epi16(qh, -up) : qh;
+    return _mm256_or_si256(lo4, _mm256_and_si256(moved, _mm256_set1_epi8(0x30)));
+  }
+  static inline __m256i widen(const uint8_t* blk, int j) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    return _mm256_setr_m128i(_mm_set1_epi16(sc[2 * j]), _mm_set1_epi16(sc[2 * j + 1]));
+  }
+  template <class F>
+  static inline void eight(const uint8_t* row, int64_t c0, F&& f, __m256& s, __m256& m, __m256& m2) {
+    const uint8_t* blk = row + c0 / 8 * 210;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) f(j, codes(blk, j), widen(blk, j));
+    const float d = fp16(blk + 208);
+    const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)),
+                                        _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    const __m256 off = _mm256_set1_ps(-32.f * d);
+    s = _mm256_set1_ps(d);
+    m = _mm256_mul_ps(off, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+    m2 = _mm256_mul_ps(off, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+  }
+};
+
+// f(walker) with the byte walker of `fmt` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q6_K; anything else Q4_K:
 // callers check the format first).
 template <class F>
 inline void visit_byte_walker(int64_t fmt, F&& f) {
@@ -124,6 +168,7 @@ inline void visit_byte_walker(int64_t fmt, F&& f) {
     case kQ4_1: f(ByteNibble32<kQ4_1>{}); break;
     case kQ5_0: f(ByteNibble32<kQ5_0>{}); break;
     case kQ5_1: f(ByteNibble32<kQ5_1>{}); break;
+    case kQ6_K: f(ByteQ6_K{}); break;
     default: f(ByteQ4_K{}); break;
   }
 }

@@ -3,7 +3,7 @@
 The oracle applies the kernels' activation rounding in PyTorch (each run of 32 values rounded to
 int8 steps of max|x| / 127, nearest even), dequantizes the weights and multiplies in float64: the
 kernel must then agree to fp32 accumulation. The AVX2 kernels (byte_gemv.cpp: Q8_0, Q4_0, Q4_1,
-Q5_0, Q5_1, Q4_K; from 8 rows byte_panel.cpp, all but Q8_0) run at every level; the grouped VNNI byte mode (group_gemv.cpp) where the process's level
+Q5_0, Q5_1, Q4_K, Q6_K; from 8 rows byte_panel.cpp, all but Q8_0) run at every level; the grouped VNNI byte mode (group_gemv.cpp) where the process's level
 has AVX-512 VNNI. tests/kernels/test_isa_levels.py runs this file again at every lower level.
 """
 
@@ -19,8 +19,8 @@ from tests.quant_fixtures import ALL, random_weight
 
 CPU = process_selector().cpu  # this CPU, capped at PAGEDQ_CPU_ISA where that is set
 BEST = int(Isa.AVX512_VNNI if CPU.has_avx512_vnni else Isa.AVX2)
-BYTE_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k")  # byte_gemv.cpp's
-BYTE_PANEL_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k")  # byte_panel.cpp's (unsigned codes)
+BYTE_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k")  # byte_gemv.cpp's
+BYTE_PANEL_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k")  # byte_panel.cpp's (unsigned codes)
 GROUPABLE = GROUPED_FORMATS  # grouped by the engine on AVX-512 VNNI
 INT8 = int(ActWidth.INT8)
 needs_vnni = pytest.mark.skipif(not CPU.has_avx512_vnni,
@@ -61,7 +61,7 @@ def test_int8_gemv_matches_dequantized_matmul(cpu_ops, isa, fmt):
     formats (groups of 8 rows, a padded last group, 1-3 rows past the groups, two passes of 32
     from 33 rows) and the int16 panel for Q8_0, bit for bit the int16 call."""
     gen = torch.Generator().manual_seed(31)
-    for k in (256, 1536) if fmt == "q4_k" else (32, 96, 576):
+    for k in (256, 1536) if fmt in ("q4_k", "q6_k") else (32, 96, 576):
         w = random_weight(fmt, 37, k, gen)
         dense = dequantize(w).double()
         bias = torch.randn(37, generator=gen)
@@ -88,19 +88,24 @@ def test_int8_gemv_takes_extreme_codes(cpu_ops, isa):
     check(out, x, dequantize(w).double(), torch.zeros(16), "extremes")
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q5_1"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q5_1", "q6_k"])
 def test_int8_panel_takes_extreme_codes(cpu_ops, isa, fmt):
-    """Every code at its largest (15, 31) against activations all at +max or -max, 8-19 rows: the
-    byte panel's int16 sums of a block's quads (8 of them for nibbles, 4 with a fifth bit) must
-    not saturate."""
+    """Every code at its largest (15, 31, 63; Q6_K's scales 127) against activations all at +max
+    or -max, 1-19 rows: the byte panel's int16 sums of a block's quads (8 of them for nibbles, 4
+    with a fifth bit, 2 for Q6_K) and the row kernels' pairs must not saturate."""
     gen = torch.Generator().manual_seed(38)
     w = random_weight(fmt, 20, 256, gen)
-    five = fmt == "q5_1"
-    blocks = w.data.view(20, 8, 24 if five else 20)
-    blocks[:, :, -16:] = 0xFF  # both nibbles 15
-    if five:
-        blocks[:, :, 4:8] = 0xFF  # every fifth bit set: codes 31
-    for rows in (8, 19):
+    if fmt == "q6_k":
+        blocks = w.data.view(20, 210)
+        blocks[:, :192] = 0xFF  # low nibbles and high bits: codes 63
+        blocks[:, 192:208] = 127  # every scale
+    else:
+        five = fmt == "q5_1"
+        blocks = w.data.view(20, 8, 24 if five else 20)
+        blocks[:, :, -16:] = 0xFF  # both nibbles 15
+        if five:
+            blocks[:, :, 4:8] = 0xFF  # every fifth bit set: codes 31
+    for rows in (1, 5, 8, 19):
         x = torch.where(torch.arange(rows)[:, None] % 2 == 0, 1.0, -1.0).expand(rows, 256).contiguous()
         out = torch.empty(rows, 20)
         cpu_ops.quant_gemv(out, x, w.data, w.fmt.code, None, None, isa, INT8)
