@@ -11,7 +11,7 @@
 - ``quant_gemv`` / ``quant_gemm`` (quant_gemv.cpp, quant_gemm.cpp): ``x @ W.T`` straight from
   packed weights (GGUF blocks, int8, bf16 rows): integer dot products for few rows (int16
   activations, panel_gemv.cpp from 8 rows on AVX2; or int8 ones on request: byte_gemv.cpp,
-  group_gemv.cpp), bf16 tiles
+  byte_panel.cpp from 8 rows on AVX2, group_gemv.cpp), bf16 tiles
   for brgemm (AMX) or fp32 tiles for ATen's GEMM (any CPU) for many; ``QuantLinear``
   (quant_linear.cpp) picks between them per step.
 
