@@ -45,14 +45,22 @@ from pagedq.kernels.cpu_ops import CSRC, Isa
 from pagedq.logging import get_logger
 from pagedq.redis_url import pagedq_cache_dir
 
-LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048)  # row counts timed, lowest first
+# Row counts timed, lowest first. Not 2048 (a prefill chunk's most): each buffer of a rung
+# grows with its rows (the activations, their int16 or int8 codes, the GEMM's packing, the
+# output), and a rung of 2048 raised the process's peak by ~75 MB, which the first `pagedq
+# chat` on an empty cache (the measurement runs in it) paid against its 500 MB promise: 472-505
+# MB measured (AMD EPYC Zen 5), against 425-428 without the measurement. From a few hundred
+# rows on both kernels are compute-bound and their times grow alike with the rows, so a GEMV
+# ahead at 1024 keeps its lead at 2048 (the panel against fp32 tiles, capped at avx2: 1.5x at
+# 256, 512 and 1024 rows).
+LADDER = (16, 32, 64, 128, 256, 512, 1024)
 # (N, K) of the matrix timed: K a multiple of 256 (the K-quants' super-block), the bundled
 # model's down projection's width; N big enough that the weights leave L1/L2 as a real
-# model's do (1.6 MB in Q8_0), small enough that a rung at 2048 rows takes ~50 ms
+# model's do (1.6 MB in Q8_0), small enough that a rung at 1024 rows takes ~25 ms
 SHAPE = (1024, 1536)
 REPEATS = 3  # timed calls per kernel and rung, after a warm-up call; the fastest counts
 CACHE_FILE = "crossovers.json"
-VERSION = 2  # bump when the measurement itself changes (ladder, shape); kernel sources key themselves
+VERSION = 3  # bump when the measurement itself changes (ladder, shape); kernel sources key themselves
 
 _log = get_logger("pagedq.kernels.crossover")
 
