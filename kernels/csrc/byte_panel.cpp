@@ -57,8 +57,12 @@ void interleave(const ByteActs& a, int64_t K, BytePanelActs& pa) {
   pa.x.resize(pa.groups * pa.quads * kLanes);
   for (int64_t r = 0; r < pa.groups * kLanes; ++r) {
     int32_t* dst = pa.x.data() + (r / kLanes) * pa.quads * kLanes + r % kLanes;
+    if (r >= a.rows) {  // padding rows of the last group
+      for (int64_t t = 0; t < pa.quads; ++t) dst[t * kLanes] = 0;
+      continue;
+    }
     const int32_t* src = reinterpret_cast<const int32_t*>(a.q.data() + r * K);
-    for (int64_t t = 0; t < pa.quads; ++t) dst[t * kLanes] = r < a.rows ? src[t] : 0;
+    for (int64_t t = 0; t < pa.quads; ++t) dst[t * kLanes] = src[t];
   }
 }
 
