@@ -320,7 +320,9 @@ class PackedChoice:
                     return "cpp-panel-avx512"
                 bytes_ = self.int8_acts and self.weight_format in BYTE_PANEL_FORMATS
                 return "cpp-panel-avx2" + ("-int8" if bytes_ else "")
-            return "cpp-gemv-avx2" + ("-int8" if self.int8_acts else "")
+            # at avx512 the K-quants' 1-7 rows keep their 512-bit int16 kernels (csrc/quant_gemv.cpp)
+            wide_rows = self.isa == Isa.AVX512 and self.weight_format in ("q4_k", "q6_k")
+            return "cpp-gemv-avx2" + ("-int8" if self.int8_acts and not wide_rows else "")
         return f"cpp-gemm-{self.precision}"
 
 

@@ -442,8 +442,11 @@ void quant_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64
     return;
   }
   // AVX2 instructions: every isa runs them. Below VNNI, from kPanelRows rows the panels take
-  // the steps (gemv_parts: the byte panel for its formats, else the int16 one).
-  if (acts == kInt8Acts && v256::byte_format(fmt) && (vnni || p.rows < v256::kPanelRows)) {
+  // the steps (gemv_parts: the byte panel for its formats, else the int16 one); at avx512 the
+  // K-quants' 1-7 rows keep their 512-bit int16 kernels (quant_gemv_bw.cpp), level with the
+  // byte GEMV for Q4_K and 1.1-1.4x it for Q6_K (AMD EPYC Zen 5 capped at avx512, 1.7B shape).
+  const bool wide_rows = isa == kAvx512 && v256::wide_panel() && (fmt == kQ4_K || fmt == kQ6_K);
+  if (acts == kInt8Acts && v256::byte_format(fmt) && (vnni || (p.rows < v256::kPanelRows && !wide_rows))) {
     v256::byte_gemv(p);
     return;
   }

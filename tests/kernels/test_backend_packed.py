@@ -242,6 +242,10 @@ def test_int8_activations_route_the_formats_that_have_an_int8_gemv(cpu_ops, cpu,
                                                      else "cpp-panel-avx2")
         else:
             assert choice == plain, fmt
+    if kind == "avx2":  # at avx512 the K-quants' few rows keep their 512-bit int16 kernels
+        wide = Selector(cpu=SKYLAKE).select("cpu", F32, None, 64, packed_activations="int8")
+        assert [wide.packed_for(f).kernel(3) for f in ("q4_1", "q4_k", "q6_k")] == [
+            "cpp-gemv-avx2-int8", "cpp-gemv-avx2", "cpp-gemv-avx2"]
     with pytest.raises(ValueError, match="packed_activations must be one of"):
         Selector(cpu=cpu).select("cpu", F32, None, 64, packed_activations="int4")
     with pytest.raises(ValueError, match="packed_activations"):

@@ -88,6 +88,25 @@ def test_int8_gemv_takes_extreme_codes(cpu_ops, isa):
     check(out, x, dequantize(w).double(), torch.zeros(16), "extremes")
 
 
+@pytest.mark.skipif(not CPU.has_wide_panel, reason=f"no AVX-512BW rows at this process's level ({CPU.level})")
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_int8_keeps_the_512_bit_k_quant_rows_at_avx512(cpu_ops, fmt):
+    """At the avx512 level the K-quants' 1-7 rows run their 512-bit int16 kernels whatever width
+    was asked for (as fast or faster than the 256-bit byte GEMV, and finer): bit for bit the
+    int16 call; from 8 rows int8 takes the byte panel (to WIDE_PANEL_ROWS)."""
+    gen = torch.Generator().manual_seed(39)
+    w = random_weight(fmt, 24, 512, gen)
+    for rows in (1, 3, 7, 9):
+        x = torch.randn(rows, 512, generator=gen)
+        asked, plain = torch.empty(rows, 24), torch.empty(rows, 24)
+        cpu_ops.quant_gemv(asked, x, w.data, w.fmt.code, None, None, int(Isa.AVX512), INT8)
+        cpu_ops.quant_gemv(plain, x, w.data, w.fmt.code, None, None, int(Isa.AVX512))
+        if rows < PANEL_ROWS:
+            torch.testing.assert_close(asked, plain, rtol=0, atol=0)
+        else:
+            check(asked, x, dequantize(w).double(), torch.zeros(24), (fmt, rows))
+
+
 @pytest.mark.parametrize("fmt", ["q4_1", "q5_1", "q6_k"])
 def test_int8_panel_takes_extreme_codes(cpu_ops, isa, fmt):
     """Every code at its largest (15, 31, 63; Q6_K's scales 127) against activations all at +max
