@@ -1,12 +1,13 @@
 // The AVX2 panel on int8 activations (quant_gemv's acts = 8, opt-in) from 8 rows, for the
-// formats whose codes are unsigned: Q4_0, Q4_1, Q4_K (nibbles) and Q5_0, Q5_1 (five bits).
+// formats whose codes are unsigned: Q4_0, Q4_1, Q4_K (nibbles), Q5_0, Q5_1 (five bits) and
+// Q6_K (six, its int8 scales in the widening: byte_walkers.h's ByteQ6_K).
 //
 // Why: the int16 panel (panel_gemv.cpp) makes 16 products per vpmaddwd and adds each result
 // (two instructions per 16). Here a vpmaddubsw makes 32 (unsigned codes x signed int8
 // activations, pairs summed to int16), and a nibble's products are small enough (a pair at most
 // 2 x 15 x 127 = 3810) that a block's eight are summed in int16 (at most 30480) before one
 // vpmaddwd widens them: 16 instructions per 256 products where the int16 panel takes 32 (five
-// bits: four at a time, byte_walkers.h's kSumQuads). Q8_0's signed codes would need the sign
+// bits: four at a time, six bits two, byte_walkers.h's kSumQuads). Q8_0's signed codes would need the sign
 // trick (one vpsignb per product) and int32 sums per pair: no fewer instructions than int16, so
 // Q8_0 (and the formats without a byte walker) keep the int16 panel.
 //

@@ -379,14 +379,15 @@ void group_gemv_parts(const LinearArgs* parts, int64_t count, bool bytes);
 namespace v256 {
 // The same on the AVX2 GEMV over GGUF rows (quant_gemv.cpp), int16 activations: quantized once
 // for every part; `isa` kAvx512 runs the panel's steps with AVX-512 vectors (panel_gemv512.cpp)
-// where the CPU also has AVX-512BW. `bytes`: from kPanelRows rows, parts all of
-// byte_panel_format run the int8-activation panel (byte_panel.cpp) instead.
+// where the CPU also has AVX-512BW. `bytes` (int8 activations): from kPanelRows rows (at
+// kAvx512 up to kWidePanelRows) the parts of byte_panel_format run the byte panel
+// (byte_panel.cpp), the others the int16 one.
 void gemv_parts(const LinearArgs* parts, int64_t count, int64_t isa, bool bytes = false);
-// The formats byte_gemv takes (Q8_0, Q4_0, Q4_1, Q4_K), plain rows.
+// The formats byte_gemv takes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K), plain rows.
 bool byte_format(int64_t fmt);
 // x @ W^T on int8 activations with AVX2 (byte_gemv.cpp); any CPU the library runs on.
 void byte_gemv(const LinearArgs& p);
-// The formats the int8-activation panel takes (Q4_0, Q4_1, Q4_K: unsigned nibble codes).
+// The formats the int8-activation panel takes: byte_format's but Q8_0 (whose codes are signed).
 bool byte_panel_format(int64_t fmt);
 // x @ W^T on int8 activations for `count` weights reading the same activations, 8 rows a vector
 // (byte_panel.cpp): for kPanelRows rows or more.

@@ -19,8 +19,9 @@
 //   scales applied to the int32 sums. (It dequantized each row to fp32 before: compute-bound,
 //   half of llama.cpp's speed on an AVX2 machine.)
 // - acts = 8 (opt-in): int8 activations per 32 values, llama.cpp's rounding, one byte product per
-//   weight: byte_gemv.cpp (AVX2 maddubs; Q8_0, Q4_0, Q4_1, Q4_K; below kPanelRows rows),
-//   byte_panel.cpp (the same from kPanelRows, the nibble formats) and group_gemv.cpp's byte mode.
+//   weight: byte_gemv.cpp (AVX2 maddubs; Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K; below
+//   kPanelRows rows), byte_panel.cpp (the same from kPanelRows, but Q8_0) and group_gemv.cpp's
+//   byte mode.
 //   The matching-prefix bars against the dequantized twin fail with it (docs/quantization.md),
 //   so it is never the default; the other formats keep int16 when asked for it.
 //
@@ -396,7 +397,7 @@ void gemv_parts(const LinearArgs* parts, int64_t count, int64_t isa, bool bytes)
   const int64_t rows = parts[0].rows;
   // int8 activations: the byte panel from kPanelRows (1.4-1.6x the int16 panel at 8-64 rows), up
   // to where the AVX-512 int16 panel (twice its products a vpmaddwd) is as fast (kWidePanelRows),
-  // for the parts it takes; the rest (a Q8_0 or Q6_K v beside Q5_0 q and k) go on below.
+  // for the parts it takes; the rest (a Q8_0 v beside Q5_0 q and k) go on below.
   std::vector<LinearArgs> rest;
   if (bytes && rows >= kPanelRows && !(bw && rows >= kWidePanelRows)) {
     std::vector<LinearArgs> byte_parts;
