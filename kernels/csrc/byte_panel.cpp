@@ -7,9 +7,9 @@
 // activations, pairs summed to int16), and a nibble's products are small enough (a pair at most
 // 2 x 15 x 127 = 3810) that a block's eight are summed in int16 (at most 30480) before one
 // vpmaddwd widens them: 16 instructions per 256 products where the int16 panel takes 32 (five
-// bits: four at a time, six bits two, byte_walkers.h's kSumQuads). Q8_0's signed codes would need the sign
-// trick (one vpsignb per product) and int32 sums per pair: no fewer instructions than int16, so
-// Q8_0 (and the formats without a byte walker) keep the int16 panel.
+// bits: four at a time, six bits two, byte_walkers.h's kSumQuads). Q8_0's signed codes would
+// need the sign trick (one vpsignb per product) and int32 sums per pair: no fewer instructions
+// than int16, so Q8_0 (and the formats without a byte walker) keep the int16 panel.
 //
 // Layout, as the int16 panel's:
 // - the activations (byte_acts.h's rounding, natural order) interleaved 8 rows to a vector:
