@@ -1,8 +1,8 @@
-// The AVX2 GEMV on int8 activations (quant_gemv's acts = 8) for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and
-// Q4_K: the activations are rounded to int8 per 32 values (step da = max|x| / 127), once per call, and
-// each 32-code block of a weight row meets them in one _mm256_maddubs_epi16 (unsigned x signed
-// bytes, pairs summed to int16) and one _mm256_madd_epi16 against ones (to int32), as llama.cpp's
-// AVX2 kernels do.
+// The AVX2 GEMV on int8 activations (quant_gemv's acts = 8) for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+// Q4_K and Q6_K: the activations are rounded to int8 per 32 values (step da = max|x| / 127), once
+// per call, and each 32-code block of a weight row meets them in one _mm256_maddubs_epi16
+// (unsigned x signed bytes, pairs summed to int16) and one _mm256_madd_epi16 against ones (to
+// int32; Q6_K: against its int8 scales), as llama.cpp's AVX2 kernels do.
 //
 // Why: the int16-activation GEMV (quant_gemv.cpp) widens every code to 16 bits and multiplies in
 // _mm256_madd_epi16, 16 products per instruction; here 32 codes go in one instruction as bytes,
@@ -11,8 +11,9 @@
 // (docs/quantization.md: fidelity of int8 activations). Callers opt in.
 //
 // Per block: value = s * code + m (quant_avx2.h's convention). Unsigned codes (the nibble
-// formats, 0-15; Q5_0/Q5_1 0-31 with their fifth bits) go into maddubs as they are; the offsets m
-// (Q4_0: -8 d, Q5_0: -16 d; Q4_1, Q5_1, Q4_K: their mins) meet the block's da * sum(q). Q8_0's signed codes use the sign trick (|w| unsigned, q with w's
+// formats, 0-15; Q5_0/Q5_1 0-31 with their fifth bits; Q6_K 0-63) go into maddubs as they are;
+// the offsets m (Q4_0: -8 d, Q5_0: -16 d; Q4_1, Q5_1, Q4_K: their mins; Q6_K: -32 d sc per half)
+// meet the block's da * sum(q). Q8_0's signed codes use the sign trick (|w| unsigned, q with w's
 // sign): |w| <= 128 and |q| <= 127, so a pair's sum stays within int16.
 
 #include <ATen/Parallel.h>
