@@ -3,8 +3,9 @@
 The oracle applies the kernels' activation rounding in PyTorch (each run of 32 values rounded to
 int8 steps of max|x| / 127, nearest even), dequantizes the weights and multiplies in float64: the
 kernel must then agree to fp32 accumulation. The AVX2 kernels (byte_gemv.cpp: Q8_0, Q4_0, Q4_1,
-Q5_0, Q5_1, Q4_K, Q6_K; from 8 rows byte_panel.cpp, all but Q8_0) run at every level; the grouped VNNI byte mode (group_gemv.cpp) where the process's level
-has AVX-512 VNNI. tests/kernels/test_isa_levels.py runs this file again at every lower level.
+Q5_0, Q5_1, Q4_K, Q6_K; from 8 rows byte_panel.cpp, all but Q8_0) run at every level; the
+grouped VNNI byte mode (group_gemv.cpp) where the process's level has AVX-512 VNNI.
+tests/kernels/test_isa_levels.py runs this file again at every lower level.
 """
 
 from __future__ import annotations
