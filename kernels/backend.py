@@ -161,8 +161,7 @@ GEMV_ROWS = {"q4_0": 10, "q4_1": 10, "q5_0": 10, "q5_1": 10, "q8_0": 10, "q4_k":
 BF16X3_GEMV_ROWS = 16
 # Activation rows from which the AVX2 GEMV runs its panel (csrc/int16_acts.h: kPanelRows;
 # csrc/panel_gemv.cpp), on int16 activations; where int8 ones were asked for, the byte panel
-# (csrc/byte_panel.cpp) for every format but Q8_0 (and int8, bf16), the int16 one for those (faster than the
-# byte GEMV there, and rounds finer).
+# (csrc/byte_panel.cpp) for BYTE_PANEL_FORMATS, the int16 one for the rest.
 PANEL_ROWS = 8
 PANEL_ROWS_Q6K = 5  # Q6_K alone (kPanelRowsQ6K): its row-at-a-time kernel is the slowest
 WIDE_PANEL_ROWS = 12  # from here AVX-512BW CPUs without VNNI run it 16 rows a vector (kWidePanelRows)
@@ -233,8 +232,11 @@ GROUPED_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k
 # VNNI); the others keep int16 activations.
 INT8_FORMATS = {"grouped": GROUPED_FORMATS,
                 "avx2": ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k")}
-# csrc/byte_panel.cpp's: the formats whose codes are unsigned
-BYTE_PANEL_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k")
+# csrc/byte_panel.cpp's: the AVX2 int8 formats whose codes are unsigned (all but Q8_0)
+BYTE_PANEL_FORMATS = tuple(f for f in INT8_FORMATS["avx2"] if f != "q8_0")
+# At avx512 these formats' 1-7 rows keep their 512-bit int16 kernels whatever width was asked
+# for (csrc/quant_gemv.cpp: as fast as or faster than the 256-bit byte GEMV there, and finer)
+WIDE_INT16_ROWS = ("q4_k", "q6_k")
 GROUPED_GEMV_ROWS = {"bf16": 24, "bf16x2": 32, "bf16x3": 40}
 PACKED_FORMATS = tuple(GEMV_ROWS)
 # The packed GEMM's precisions (EngineConfig.packed_gemm_precision names the same ones and the
@@ -320,8 +322,7 @@ class PackedChoice:
                     return "cpp-panel-avx512"
                 bytes_ = self.int8_acts and self.weight_format in BYTE_PANEL_FORMATS
                 return "cpp-panel-avx2" + ("-int8" if bytes_ else "")
-            # at avx512 the K-quants' 1-7 rows keep their 512-bit int16 kernels (csrc/quant_gemv.cpp)
-            wide_rows = self.isa == Isa.AVX512 and self.weight_format in ("q4_k", "q6_k")
+            wide_rows = self.isa == Isa.AVX512 and self.weight_format in WIDE_INT16_ROWS
             return "cpp-gemv-avx2" + ("-int8" if self.int8_acts and not wide_rows else "")
         return f"cpp-gemm-{self.precision}"
 

@@ -53,18 +53,9 @@ struct BytePanelActs {
 };
 
 void interleave(const ByteActs& a, int64_t K, BytePanelActs& pa) {
-  pa.groups = (a.rows + kLanes - kPadRows) / kLanes;
   pa.quads = K / 4;
-  pa.x.resize(pa.groups * pa.quads * kLanes);
-  for (int64_t r = 0; r < pa.groups * kLanes; ++r) {
-    int32_t* dst = pa.x.data() + (r / kLanes) * pa.quads * kLanes + r % kLanes;
-    if (r >= a.rows) {  // padding rows of the last group
-      for (int64_t t = 0; t < pa.quads; ++t) dst[t * kLanes] = 0;
-      continue;
-    }
-    const int32_t* src = reinterpret_cast<const int32_t*>(a.q.data() + r * K);
-    for (int64_t t = 0; t < pa.quads; ++t) dst[t * kLanes] = src[t];
-  }
+  pa.groups = interleave_rows(reinterpret_cast<const int32_t*>(a.q.data()), pa.quads, a.rows, pa.quads,
+                              kLanes, kPadRows, pa.x);
 }
 
 // kW weight rows' codes (bytes, natural order) and their blocks' scales and offsets.
@@ -186,12 +177,7 @@ void panel_block(const LinearArgs& p, const ByteActs& a, const BytePanelActs& pa
     }
     if ((n - n0) % kStripe == 0) tile.start(row0, rows, n);
     const int64_t col = n - tile.n;
-    for (int64_t g = g0; g < g1; ++g)
-      for (int j = 0; j < w; ++j) {
-        const float* src = acc.data() + ((g - g0) * kW + j) * kLanes;
-        float* dst = tile.v.data() + (kLanes * (g - g0)) * kStripe + col + j;
-        for (int64_t r = 0; r < kLanes && kLanes * g + r < a.rows; ++r) dst[r * kStripe] = src[r];
-      }
+    tile.put(acc.data(), kLanes, kW, w, col);
     if (col + w == kStripe || n + kW >= n1) tile.flush(p, col + w);
     for (int j = 0; tail && pa.groups * kLanes < a.rows && j < w; ++j) byte_tail(p, a, pa.groups * kLanes, n + j);
   }
@@ -207,9 +193,7 @@ void panel_rows(const LinearArgs& p, const ByteActs& a, const BytePanelActs& pa,
 
 }  // namespace
 
-bool byte_panel_format(int64_t fmt) {
-  return fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ5_0 || fmt == kQ5_1 || fmt == kQ4_K || fmt == kQ6_K;
-}
+bool byte_panel_format(int64_t fmt) { return byte_format(fmt) && fmt != kQ8_0; }
 
 void byte_panel_parts(const LinearArgs* parts, int64_t count) {
   for (int64_t i = 0; i < count; ++i)

@@ -1,5 +1,6 @@
-// The panels' output tile (panel_kernel.inc: the int16 panels of both widths; byte_panel.cpp:
-// the int8 one): kStripe weight rows' outputs gathered per activation row before they are written.
+// What the panels share (panel_kernel.inc: the int16 panels of both widths; byte_panel.cpp: the
+// int8 one): their activations interleaved a group of rows to a vector, and the output tile,
+// kStripe weight rows' outputs gathered per activation row before they are written.
 
 #pragma once
 
@@ -20,6 +21,26 @@ namespace pagedq_cpu {
 // writing the quads, 131 with no writes at all); the stripe's tile is L1-resident and contiguous.
 constexpr int64_t kStripe = 16;
 
+// Activation rows as int32 words (a pair of int16 codes, or a quad of int8 ones; row r's words
+// at src + r * stride), interleaved `lanes` rows to a vector: word t of rows lanes g .. lanes g +
+// lanes - 1 at x[(g * words + t) * lanes + r]. A last group of `pad` rows or more is padded with
+// zero rows (fewer are left to the row-at-a-time kernels). Returns the groups.
+inline int64_t interleave_rows(const int32_t* src, int64_t stride, int64_t rows, int64_t words,
+                               int64_t lanes, int64_t pad, std::vector<int32_t>& x) {
+  const int64_t groups = (rows + lanes - pad) / lanes;
+  x.resize(groups * words * lanes);  // every slot is written below: no clearing pass
+  for (int64_t r = 0; r < groups * lanes; ++r) {
+    int32_t* dst = x.data() + (r / lanes) * words * lanes + r % lanes;
+    if (r >= rows) {  // padding rows of the last group
+      for (int64_t t = 0; t < words; ++t) dst[t * lanes] = 0;
+      continue;
+    }
+    const int32_t* row = src + r * stride;
+    for (int64_t t = 0; t < words; ++t) dst[t * lanes] = row[t];
+  }
+  return groups;
+}
+
 // The outputs of one stripe: row-major, kStripe floats per activation row of the pass.
 struct PanelTile {
   std::vector<float> v;
@@ -28,6 +49,15 @@ struct PanelTile {
   void start(int64_t first_row, int64_t count, int64_t column) {
     row0 = first_row, rows = count, n = column;
     v.resize(count * kStripe);
+  }
+  // A pass's sums of `w` weight rows into the stripe at column `col`: the sum of weight row j
+  // and the pass's activation row r at sums[((r / lanes) * width + j) * lanes + r % lanes] (the
+  // panels' groups of `lanes` rows, `width` weight rows each).
+  void put(const float* sums, int64_t lanes, int width, int w, int64_t col) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* src = sums + (r / lanes) * width * lanes + r % lanes;
+      for (int j = 0; j < w; ++j) v[r * kStripe + col + j] = src[j * lanes];
+    }
   }
   // the stripe's first `cols` columns to `out` (+ bias), one contiguous run per activation row
   void flush(const LinearArgs& p, int64_t cols) const {

@@ -214,8 +214,10 @@ struct Q6_K {  // 6-bit codes minus 32, one int8 scale per 16 elements
   static constexpr bool kHasMin = false, kTwoScales = true;
   static constexpr int64_t kBytes = 210;
 
-  // 32-block j = 4 half + quarter of the super-block: elements 128 half + 32 quarter + t.
-  static inline void codes(const uint8_t* blk, int j, __m256i& e, __m256i& o) {
+  // 32-block j = 4 half + quarter of the super-block: elements 128 half + 32 quarter + t, as
+  // bytes 0-63 in natural order (the stored code, 32 over the value's; byte_walkers.h's Q6_K
+  // takes them so).
+  static inline __m256i bytes(const uint8_t* blk, int j) {
     const int half = j / 4, quarter = j % 4;
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + half * 32));
     const __m256i ql = _mm256_loadu_si256(
@@ -224,8 +226,11 @@ struct Q6_K {  // 6-bit codes minus 32, one int8 scale per 16 elements
     // the quarter's two high bits straight to bits 4-5 (one shift each way, none for quarter 2)
     const int up = 4 - 2 * quarter;
     const __m256i moved = up > 0 ? _mm256_slli_epi16(qh, up) : up < 0 ? _mm256_srli_epi16(qh, -up) : qh;
-    const __m256i hi2 = _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
-    split_unsigned(_mm256_or_si256(lo4, hi2), e, o);
+    return _mm256_or_si256(lo4, _mm256_and_si256(moved, _mm256_set1_epi8(0x30)));
+  }
+  // The same block's codes minus 32, split by parity as int16.
+  static inline void codes(const uint8_t* blk, int j, __m256i& e, __m256i& o) {
+    split_unsigned(bytes(blk, j), e, o);
     e = minus(e, 32);
     o = minus(o, 32);
   }
