@@ -314,14 +314,15 @@ class PackedChoice:
             if self.isa == Isa.AVX512_VNNI:
                 return "cpp-gemv-vnni" + ("-int8" if self.int8_acts else "")
             if rows >= panel_from(self.weight_format, self.isa) and self.weight_format != "bf16":
-                # 16 rows a vector with AVX-512BW (csrc/panel_gemv512.cpp), int16 activations;
-                # below that, int8 ones where asked for and the format's codes are unsigned
-                # (csrc/byte_panel.cpp), else int16
-                wide = self.isa == Isa.AVX512 and rows >= WIDE_PANEL_ROWS
-                if wide:
-                    return "cpp-panel-avx512"
+                # int8 activations where asked for and the format's codes are unsigned
+                # (csrc/byte_panel.cpp, from PANEL_ROWS at every level: Q6_K's 5-7 rows keep
+                # int16); else int16, 16 rows a vector with AVX-512BW from WIDE_PANEL_ROWS
+                # (csrc/panel_gemv512.cpp)
                 bytes_ = self.int8_acts and self.weight_format in BYTE_PANEL_FORMATS
-                return "cpp-panel-avx2" + ("-int8" if bytes_ else "")
+                if bytes_ and rows >= PANEL_ROWS:
+                    return "cpp-panel-avx2-int8"
+                wide = self.isa == Isa.AVX512 and rows >= WIDE_PANEL_ROWS
+                return "cpp-panel-avx512" if wide else "cpp-panel-avx2"
             wide_rows = self.isa == Isa.AVX512 and self.weight_format in WIDE_INT16_ROWS
             return "cpp-gemv-avx2" + ("-int8" if self.int8_acts and not wide_rows else "")
         return f"cpp-gemm-{self.precision}"

@@ -379,9 +379,9 @@ void group_gemv_parts(const LinearArgs* parts, int64_t count, bool bytes);
 namespace v256 {
 // The same on the AVX2 GEMV over GGUF rows (quant_gemv.cpp), int16 activations: quantized once
 // for every part; `isa` kAvx512 runs the panel's steps with AVX-512 vectors (panel_gemv512.cpp)
-// where the CPU also has AVX-512BW. `bytes` (int8 activations): from kPanelRows rows (at
-// kAvx512 up to kWidePanelRows) the parts of byte_panel_format run the byte panel
-// (byte_panel.cpp), the others the int16 one.
+// where the CPU also has AVX-512BW. `bytes` (int8 activations): from kPanelRows rows the parts
+// of byte_panel_format run the byte panel (byte_panel.cpp, at kAvx512 too), the others the
+// int16 one.
 void gemv_parts(const LinearArgs* parts, int64_t count, int64_t isa, bool bytes = false);
 // The formats byte_gemv takes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K), plain rows.
 bool byte_format(int64_t fmt);

@@ -395,11 +395,14 @@ void gemv_parts(const LinearArgs* parts, int64_t count, int64_t isa, bool bytes)
   // takes from 5 rows on the avx2 level)
   const bool bw = isa == kAvx512 && wide_panel();
   const int64_t rows = parts[0].rows;
-  // int8 activations: the byte panel from kPanelRows (1.4-1.6x the int16 panel at 8-64 rows), up
-  // to where the AVX-512 int16 panel (twice its products a vpmaddwd) is as fast (kWidePanelRows),
-  // for the parts it takes; the rest (a Q8_0 v beside Q5_0 q and k) go on below.
+  // int8 activations: the byte panel from kPanelRows (1.4-1.6x the int16 panel at 8-64 rows) for
+  // the parts it takes, at the avx512 level too: there the 512-bit int16 panel (twice its
+  // products a vpmaddwd) was level with it from 16 rows on a Zen 5, whose 512-bit units are full
+  // width, and 1.2-1.45x slower at 12-256 rows on an Intel Xeon (Q6_K 1.04-1.18x), whose
+  // vpmaddwd makes as many products a cycle in 256 as in 512 bits. The rest (a Q8_0 v beside
+  // Q5_0 q and k) go on below.
   std::vector<LinearArgs> rest;
-  if (bytes && rows >= kPanelRows && !(bw && rows >= kWidePanelRows)) {
+  if (bytes && rows >= kPanelRows) {
     std::vector<LinearArgs> byte_parts;
     for (int64_t i = 0; i < count; ++i) (byte_panel_format(parts[i].fmt) ? byte_parts : rest).push_back(parts[i]);
     if (!byte_parts.empty()) byte_panel_parts(byte_parts.data(), static_cast<int64_t>(byte_parts.size()));

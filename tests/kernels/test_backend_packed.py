@@ -246,6 +246,14 @@ def test_int8_activations_route_the_formats_that_have_an_int8_gemv(cpu_ops, cpu,
         wide = Selector(cpu=SKYLAKE).select("cpu", F32, None, 64, packed_activations="int8")
         assert [wide.packed_for(f).kernel(3) for f in ("q4_1", "q4_k", "q6_k")] == [
             "cpp-gemv-avx2-int8", "cpp-gemv-avx2", "cpp-gemv-avx2"]
+        # ... and from PANEL_ROWS the byte panel at every row count (the 512-bit int16 panel
+        # only for Q8_0, whose codes are signed)
+        for fmt in ("q4_1", "q4_k", "q6_k", "q8_0"):
+            names = {wide.packed_for(fmt).kernel(r) for r in (PANEL_ROWS, WIDE_PANEL_ROWS, 64)}
+            assert names == ({"cpp-panel-avx2-int8"} if fmt in BYTE_PANEL_FORMATS
+                             else {"cpp-panel-avx2", "cpp-panel-avx512"}), fmt
+        # Q6_K's 5-7 rows at avx2 take its int16 panel (the byte panel starts at PANEL_ROWS)
+        assert int8.packed_for("q6_k").kernel(PANEL_ROWS_Q6K) == "cpp-panel-avx2"
     with pytest.raises(ValueError, match="packed_activations must be one of"):
         Selector(cpu=cpu).select("cpu", F32, None, 64, packed_activations="int4")
     with pytest.raises(ValueError, match="packed_activations"):

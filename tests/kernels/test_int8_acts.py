@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedq.kernels.backend import GROUPED_FORMATS, PANEL_ROWS, WIDE_PANEL_ROWS, process_selector
+from pagedq.kernels.backend import GROUPED_FORMATS, PANEL_ROWS, process_selector
 from pagedq.kernels.block_formats import FORMATS, QuantWeight, dequantize
 from pagedq.kernels.cpu_ops import INT8_ACTS_BIT, ActWidth, GemmPrecision, Isa
 from tests.quant_fixtures import ALL, random_weight
@@ -94,10 +94,10 @@ def test_int8_gemv_takes_extreme_codes(cpu_ops, isa):
 def test_int8_keeps_the_512_bit_k_quant_rows_at_avx512(cpu_ops, fmt):
     """At the avx512 level the K-quants' 1-7 rows run their 512-bit int16 kernels whatever width
     was asked for (as fast or faster than the 256-bit byte GEMV, and finer): bit for bit the
-    int16 call; from 8 rows int8 takes the byte panel (to WIDE_PANEL_ROWS)."""
+    int16 call; from 8 rows int8 takes the byte panel."""
     gen = torch.Generator().manual_seed(39)
     w = random_weight(fmt, 24, 512, gen)
-    for rows in (1, 3, 7, 9):
+    for rows in (1, 3, 7, 9, 16, 40):
         x = torch.randn(rows, 512, generator=gen)
         asked, plain = torch.empty(rows, 24), torch.empty(rows, 24)
         cpu_ops.quant_gemv(asked, x, w.data, w.fmt.code, None, None, int(Isa.AVX512), INT8)
@@ -201,8 +201,8 @@ def test_fused_parts_run_the_byte_panel_when_every_part_has_it(cpu_ops, isa):
     """QuantLinear's fused parts from PANEL_ROWS rows with the int8 bit, below VNNI: Q4_K and
     Q5_0 parts go through the byte panel in one call (each part's columns as its own int8 GEMV);
     a Q6_K or Q8_0 part beside them takes the int16 panel (as without the bit), the others
-    still the byte panel; the AVX-512 level from WIDE_PANEL_ROWS keeps its int16 panel for all
-    (as fast there)."""
+    still the byte panel, at the AVX-512 level too (whose 512-bit int16 panel was level with it
+    on a Zen 5 and slower on an Intel Xeon)."""
     if isa == Isa.AVX512 and not CPU.has_wide_panel:
         pytest.skip(f"no AVX-512BW panel at this process's level ({CPU.level})")
     gen = torch.Generator().manual_seed(37)
@@ -217,7 +217,7 @@ def test_fused_parts_run_the_byte_panel_when_every_part_has_it(cpu_ops, isa):
             out = linear.forward(x)
             col = 0
             for fmt, part in zip(formats, parts, strict=True):
-                bytes_ = fmt in BYTE_PANEL_FORMATS and (isa == Isa.AVX2 or rows < WIDE_PANEL_ROWS)
+                bytes_ = fmt in BYTE_PANEL_FORMATS
                 n = part.shape[0]
                 want = torch.empty(rows, n)
                 cpu_ops.quant_gemv(want, x, part.data, part.fmt.code, part.scales, None, int(isa),
