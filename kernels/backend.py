@@ -224,8 +224,8 @@ F32_GEMV_ROWS_INT8 = {
 # row-at-a-time kernel's cost per row, and beats the GEMM up to these many rows (quant_bench, ms
 # per pass at 16/24/32 rows, Q4_1: grouped GEMV 28.7/41.7/53.2, GEMM bf16 38.3/46.9/46.5, bf16x2
 # 45.9/64.1/63.4, bf16x3 59.6/82.4/82.0). A matrix whose rows are not a whole number of groups
-# keeps the row-at-a-time GEMV under the same limit (no model we know has one). Q6_K and Q5_K take
-# the same limits (their grouped kernels cost ~1.1-1.35x Q4_K's per pass; not measured on AMX).
+# keeps the row-at-a-time GEMV under the same limit (no model we know has one). Under bf16 and
+# bf16x3 every format takes the same limit (not measured per format); bf16x2's are per format.
 GROUPED_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 # The formats whose GEMV has an int8-activation kernel, per GEMV kind (csrc/byte_gemv.cpp and,
 # from 8 rows, csrc/byte_panel.cpp (not Q8_0) for AVX2; csrc/group_gemv.cpp's byte mode for
@@ -237,7 +237,18 @@ BYTE_PANEL_FORMATS = tuple(f for f in INT8_FORMATS["avx2"] if f != "q8_0")
 # At avx512 these formats' 1-7 rows keep their 512-bit int16 kernels whatever width was asked
 # for (csrc/quant_gemv.cpp: as fast as or faster than the 256-bit byte GEMV there, and finer)
 WIDE_INT16_ROWS = ("q4_k", "q6_k")
-GROUPED_GEMV_ROWS = {"bf16": 24, "bf16x2": 32, "bf16x3": 40}
+# The default bf16x2's limits per format, measured again on the same Xeon on 6 December 2026
+# (quant_kernels, ms a pass at 33 / 40 / 48 rows against the tiles at their padded 48: Q4_1
+# 29.2 / 32.8 / 38.7 against 43.5, Q8_0 35.5 / 40.9 / 44.8 against 46.4, Q5_0 41.5 against 41.9 at
+# 48; Q4_K 7.24 / 8.49 / 10.1 against 9.35, Q5_K alike; Q6_K 9.23 against 8.51 at 32, 10.4
+# against 10.0 at 40): the grouped GEMV had grown faster (transposed from 2 rows, prefetching
+# 8 KB ahead) since the 32 above was set for every format.
+GROUPED_GEMV_ROWS = {
+    "bf16": dict.fromkeys(GROUPED_FORMATS, 24),
+    "bf16x2": {**dict.fromkeys(("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"), 48),
+               "q4_k": 40, "q5_k": 40, "q6_k": 32},
+    "bf16x3": dict.fromkeys(GROUPED_FORMATS, 40),
+}
 PACKED_FORMATS = tuple(GEMV_ROWS)
 # The packed GEMM's precisions (EngineConfig.packed_gemm_precision names the same ones and the
 # same default, which docs/quantization.md justifies with the fidelity and speed figures).
@@ -259,7 +270,7 @@ def _gemv_rows(fmt: str, rows: int, precision: str, grouped: bool, int8: bool = 
             return F32_GEMV_ROWS_INT8[kind][fmt]
         return F32_GEMV_ROWS[kind][fmt]
     if grouped and fmt in GROUPED_FORMATS:
-        return GROUPED_GEMV_ROWS[precision]
+        return GROUPED_GEMV_ROWS[precision][fmt]
     if fmt == "bf16":  # exact bf16 rows: every precision multiplies them alike
         return rows
     return max(rows, BF16X3_GEMV_ROWS) if precision == "bf16x3" else rows

@@ -50,10 +50,10 @@ def kernels(cpu: CpuFeatures, fmt: str, rows: list[int], switches: Switches | No
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_block_formats_take_the_vnni_gemv_then_the_bf16_gemm(cpu_ops, fmt):
     """With bf16 matmul hardware the GEMV runs small decode steps (where it is faster:
-    backend.GEMV_ROWS, 8-10 rows; the grouped GEMV of the 32-element block formats and Q4_K 32) and the
-    bf16 tiles everything larger."""
-    limit = GROUPED_GEMV_ROWS["bf16x2"] if fmt in GROUPED_FORMATS else GEMV_ROWS[fmt]
-    assert 8 <= limit <= 10 or (fmt in GROUPED_FORMATS and limit == 32)
+    backend.GEMV_ROWS, 8-10 rows; the grouped GEMV of the 32-element block formats 48, the
+    K-quants 32-40) and the bf16 tiles everything larger."""
+    limit = GROUPED_GEMV_ROWS["bf16x2"][fmt] if fmt in GROUPED_FORMATS else GEMV_ROWS[fmt]
+    assert 8 <= limit <= 10 or (fmt in GROUPED_FORMATS and 32 <= limit <= 48)
     assert kernels(AMX, fmt, [1, limit, limit + 1, 256]) == (["cpp-gemv-vnni"] * 2
                                                              + ["cpp-gemm-bf16x2"] * 2)
 
@@ -158,7 +158,7 @@ def test_the_gemm_runs_in_the_precision_asked_for(cpu_ops):
     model builds from it; the GEMV is the same in both."""
     for precision in ("bf16", "bf16x2", "bf16x3"):
         backend = Selector(cpu=AMX).select("cpu", F32, None, 64, packed_precision=precision)
-        limit = GROUPED_GEMV_ROWS[precision]  # q4_1 is read grouped on VNNI
+        limit = GROUPED_GEMV_ROWS[precision]["q4_1"]  # q4_1 is read grouped on VNNI
         assert [backend.packed_for("q4_1").kernel(r) for r in (limit, limit + 1)] == [
             "cpp-gemv-vnni", f"cpp-gemm-{precision}"]
         assert re.search(rf"\+cpp-gemm-{precision}(,|$)", backend.summary()["packed"])
