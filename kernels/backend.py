@@ -242,7 +242,7 @@ WIDE_INT16_ROWS = ("q4_k", "q6_k")
 # 29.2 / 32.8 / 38.7 against 43.5, Q8_0 35.5 / 40.9 / 44.8 against 46.4, Q5_0 41.5 against 41.9 at
 # 48; Q4_K 7.24 / 8.49 / 10.1 against 9.35, Q5_K alike; Q6_K 9.23 against 8.51 at 32, 10.4
 # against 10.0 at 40): the grouped GEMV had grown faster (transposed from 2 rows, prefetching
-# 8 KB ahead) since the 32 above was set for every format.
+# 8 KB ahead) since 32 was set for every format on 4 December.
 GROUPED_GEMV_ROWS = {
     "bf16": dict.fromkeys(GROUPED_FORMATS, 24),
     "bf16x2": {**dict.fromkeys(("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"), 48),

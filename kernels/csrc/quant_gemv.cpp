@@ -397,10 +397,10 @@ void gemv_parts(const LinearArgs* parts, int64_t count, int64_t isa, bool bytes)
   const int64_t rows = parts[0].rows;
   // int8 activations: the byte panel from kPanelRows (1.4-1.6x the int16 panel at 8-64 rows) for
   // the parts it takes, at the avx512 level too: there the 512-bit int16 panel (twice its
-  // products a vpmaddwd) was level with it from 16 rows on a Zen 5, whose 512-bit units are full
-  // width, and 1.2-1.45x slower at 12-256 rows on an Intel Xeon (Q6_K 1.04-1.18x), whose
-  // vpmaddwd makes as many products a cycle in 256 as in 512 bits. The rest (a Q8_0 v beside
-  // Q5_0 q and k) go on below.
+  // products a vpmaddwd) was level with it at 16-32 rows on a Zen 5 capped at avx512 (1.14x
+  // faster at 64), and 1.2-1.45x slower at 12-256 rows on an Intel Xeon (Q6_K 1.04-1.18x), where
+  // it is only 1.2x the 256-bit int16 panel; the CPUs of that level are Intel's. The rest (a
+  // Q8_0 v beside Q5_0 q and k) go on below.
   std::vector<LinearArgs> rest;
   if (bytes && rows >= kPanelRows) {
     std::vector<LinearArgs> byte_parts;
