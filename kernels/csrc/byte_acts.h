@@ -22,7 +22,7 @@ struct ByteActs {
   int64_t rows = 0, blocks = 0;  // blocks of 32 per row
   std::vector<int8_t> q;         // [rows * blocks, 32]
   std::vector<float> da, sx;     // [rows * blocks]
-  std::vector<float> dat, sxt;   // byte_gemv: da and sx transposed, [blocks, tstride]
+  std::vector<float> dat, sxt;   // da and sx transposed, [blocks, tstride] (quantize_bytes_transposed)
   // Q6_K's offsets (a scale per 16 values): da * sum(q) over each block's first and second 16,
   // [rows * blocks], and transposed as dat; filled only when quantize_bytes is asked for halves
   std::vector<float> s0, s1, s0t, s1t;
@@ -75,6 +75,19 @@ inline void quantize_bytes(const float* x, int64_t rows, int64_t K, ByteActs& a,
 }
 
 namespace v256 {
+// quantize_bytes for the AVX2 kernels (byte_gemv.cpp, byte_panel.cpp), which read each block's
+// da and sx (with halves, Q6_K's s0 and s1) for consecutive rows in one load: transposed into
+// dat, sxt (s0t, s1t), a.tstride apart.
+inline void quantize_bytes_transposed(const float* x, int64_t rows, int64_t K, ByteActs& a, bool halves) {
+  quantize_bytes(x, rows, K, a, halves);
+  a.tstride = transpose_steps(a.da.data(), rows, a.blocks, a.dat);
+  transpose_steps(a.sx.data(), rows, a.blocks, a.sxt);
+  if (halves) {
+    transpose_steps(a.s0.data(), rows, a.blocks, a.s0t);
+    transpose_steps(a.s1.data(), rows, a.blocks, a.s1t);
+  }
+}
+
 // Activation rows r0 .. a.rows - 1 (1-3 of them; a quantized, da and sx not transposed) against
 // weight row n with byte_gemv's row-at-a-time kernel: byte_panel.cpp's rows past its groups.
 void byte_tail(const LinearArgs& p, const ByteActs& a, int64_t r0, int64_t n);

@@ -66,8 +66,7 @@ void byte_group_wide(const LinearArgs& p, const ByteActs& a, int64_t b0, int64_t
 // The last K / 32 % 8 blocks of a row one by one (the 32-element formats' rows whose K is no
 // multiple of 256), for byte_group_narrow's rows: total[g] += their sums.
 template <class W, int G>
-inline void tail_blocks(const LinearArgs& p, const ByteActs& a, int64_t b0, const uint8_t* row, int64_t whole,
-                        float* total) {
+inline void tail_blocks(const ByteActs& a, int64_t b0, const uint8_t* row, int64_t whole, float* total) {
   if (whole == a.blocks) return;
   W::walk(row + whole * W::kBytes, (a.blocks - whole) * 32, [&](int64_t b, __m256i codes, float s, float m) {
     const __m256i u = W::kSigned ? _mm256_sign_epi8(codes, codes) : codes;
@@ -127,7 +126,7 @@ void byte_group_narrow(const LinearArgs& p, const ByteActs& a, int64_t b0, int64
   }
   float total[G];
   for (int g = 0; g < G; ++g) total[g] = hsum(_mm256_add_ps(acc[g], mins[g]));
-  if constexpr (!W::kSixBit) tail_blocks<W, G>(p, a, b0, row, whole, total);
+  if constexpr (!W::kSixBit) tail_blocks<W, G>(a, b0, row, whole, total);
   const float bias = p.bias ? p.bias[n] : 0.f;
   for (int g = 0; g < G; ++g) p.out[(b0 + g) * p.ldo + n] = total[g] + bias;
 }
@@ -193,9 +192,7 @@ void byte_gemv(const LinearArgs& p) {
   TORCH_CHECK(byte_format(p.fmt) && !p.grouped,
               "byte_gemv: int8 activations on AVX2 take plain Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q6_K rows");
   static thread_local ByteActs acts;
-  quantize_bytes(p.x, p.rows, p.K, acts, p.fmt == kQ6_K);
-  acts.tstride = transpose_steps(acts.da.data(), p.rows, acts.blocks, acts.dat);
-  transpose_steps(acts.sx.data(), p.rows, acts.blocks, acts.sxt);
+  quantize_bytes_transposed(p.x, p.rows, p.K, acts, p.fmt == kQ6_K);
   visit_byte_walker(p.fmt, [&](auto walker) { run<decltype(walker)>(p, acts); });
 }
 

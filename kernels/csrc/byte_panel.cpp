@@ -203,13 +203,7 @@ void byte_panel_parts(const LinearArgs* parts, int64_t count) {
   static thread_local BytePanelActs panel;
   const LinearArgs& first = parts[0];
   const bool six = std::any_of(parts, parts + count, [](const LinearArgs& p) { return p.fmt == kQ6_K; });
-  quantize_bytes(first.x, first.rows, first.K, acts, six);
-  acts.tstride = transpose_steps(acts.da.data(), first.rows, acts.blocks, acts.dat);
-  transpose_steps(acts.sx.data(), first.rows, acts.blocks, acts.sxt);
-  if (six) {
-    transpose_steps(acts.s0.data(), first.rows, acts.blocks, acts.s0t);
-    transpose_steps(acts.s1.data(), first.rows, acts.blocks, acts.s1t);
-  }
+  quantize_bytes_transposed(first.x, first.rows, first.K, acts, six);
   interleave(acts, first.K, panel);
   const ByteActs& a = acts;  // the workers read this thread's copies (a thread_local is not captured)
   const BytePanelActs& pa = panel;
