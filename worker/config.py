@@ -38,7 +38,7 @@ from pagedq.redis_url import pagedq_cache_dir
 Dtype = Literal["float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: the model's dtype
 Quantization = Literal["auto", "none", "int8", "int4"]
-CpuIsa = Literal["auto", "avx2", "avx512", "avx512_vnni", "amx"]  # pagedq.kernels.ISA_LEVELS
+CpuIsa = Literal["auto", "avx2", "avx2_vnni", "avx512", "avx512_vnni", "amx"]  # pagedq.kernels.ISA_LEVELS
 KernelCrossovers = Literal["measure", "table"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
 
@@ -256,7 +256,8 @@ class EngineConfig:
     AVX2 CPUs), at the cost of greedy output leaving the dequantized model's sooner
     (docs/quantization.md, "int8 activations", has both figures). Other formats keep int16."""
     cpu_isa: CpuIsa = field(default_factory=lambda: environment_switches().cpu_isa)
-    """The highest CPU instruction-set level the kernels may use: avx2, avx512 (AVX-512F/VL/DQ/BW),
+    """The highest CPU instruction-set level the kernels may use: avx2, avx2_vnni (+ AVX-VNNI, an
+    Intel Core without AVX-512: the many-row GEMV on vpdpwssd), avx512 (AVX-512F/VL/DQ/BW),
     avx512_vnni (+ VNNI: integer dot products), amx (+ AMX bf16 tiles); auto: all this CPU has
     (default: $PAGEDQ_CPU_ISA, which also caps the whole process, else auto). A cap runs exactly
     what a CPU of that level runs (pagedq.kernels.cpu_isa_levels() lists the levels this machine

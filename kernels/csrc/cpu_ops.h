@@ -19,8 +19,10 @@ namespace pagedq_cpu {
 // mirrors it). The backend selector picks it once from the CPU's features, so which path runs is
 // the caller's stated choice, not a hidden global.
 // kAvx512Vnni adds BW and VNNI (the packed-weight kernels' integer dot products); the skinny
-// GEMV runs its AVX-512 tiles for it too.
-enum Isa : int64_t { kAvx2 = 0, kAvx512 = 1, kAvx512Vnni = 2 };
+// GEMV runs its AVX-512 tiles for it too. kAvx2Vnni is the AVX2 paths with AVX-VNNI (the 256-bit
+// vpdpwssd: Intel Core from Alder Lake on, which has no AVX-512): the packed kernels' many-row
+// panel fuses each vpmaddwd and its vpaddd (panel_gemv_vnni.cpp); everything else runs as kAvx2.
+enum Isa : int64_t { kAvx2 = 0, kAvx512 = 1, kAvx512Vnni = 2, kAvx2Vnni = 3 };
 
 // The whole library is compiled for AVX2 + FMA + F16C: every op checks that first, so a call on
 // an older CPU (or through a stale build) is a clear error, not an illegal instruction.
@@ -31,19 +33,34 @@ inline void check_cpu() {
               "with PAGEDQ_CPU_KERNEL=0 (the PyTorch kernels)");
 }
 
-// The level this process may use (pagedq.kernels.cpu_features.ISA_LEVELS, 0 = avx2 .. 3 = amx):
-// PAGEDQ_CPU_ISA caps it, as the Python selector does, so a capped process (the tests' way to run
-// an AVX2 machine's paths on a bigger CPU) cannot reach a path above its level from C++ either.
+// The level this process may use (pagedq.kernels.cpu_features.ISA_LEVELS; here 0 = avx2 and
+// avx2_vnni, 1 = avx512, 2 = avx512_vnni, 3 = amx): PAGEDQ_CPU_ISA caps it, as the Python selector
+// does, so a capped process (the tests' way to run an AVX2 machine's paths on a bigger CPU)
+// cannot reach a path above its level from C++ either.
+inline std::string isa_cap_name() {
+  const char* env = std::getenv("PAGEDQ_CPU_ISA");
+  return env ? env : "";
+}
 inline int64_t isa_cap() {
   static const int64_t cap = [] {
-    const char* env = std::getenv("PAGEDQ_CPU_ISA");
-    const std::string level = env ? env : "";
-    if (level == "avx2") return 0;
+    const std::string level = isa_cap_name();
+    if (level == "avx2" || level == "avx2_vnni") return 0;
     if (level == "avx512") return 1;
     if (level == "avx512_vnni") return 2;
     return 3;
   }();
   return cap;
+}
+
+// AVX-VNNI (the VEX-encoded 256-bit vpdpwssd) is beside the chain of levels, not on it: the
+// avx2_vnni level (an Intel Core without AVX-512) and amx have it; avx2 (a Zen 3), avx512 (a
+// Skylake-X) and avx512_vnni (an Ice Lake or a Zen 4) do not, so a cap at those hides it.
+inline bool avx_vnni_allowed() {
+  static const bool ok = [] {
+    const std::string level = isa_cap_name();
+    return level != "avx2" && level != "avx512" && level != "avx512_vnni";
+  }();
+  return ok;
 }
 
 // Whether this CPU runs level `isa` and PAGEDQ_CPU_ISA allows it.
@@ -53,7 +70,9 @@ inline bool runs_isa(int64_t isa) {
                                  __builtin_cpu_supports("avx512dq");
   static const bool has_vnni = has_avx512 && isa_cap() >= 2 && __builtin_cpu_supports("avx512bw") &&
                                __builtin_cpu_supports("avx512vnni");
-  return isa == kAvx2 || (isa == kAvx512 && has_avx512) || (isa == kAvx512Vnni && has_vnni);
+  static const bool has_avx_vnni = avx_vnni_allowed() && __builtin_cpu_supports("avxvnni");
+  return isa == kAvx2 || (isa == kAvx512 && has_avx512) || (isa == kAvx512Vnni && has_vnni) ||
+         (isa == kAvx2Vnni && has_avx_vnni);
 }
 
 // A wrong `isa` would crash on an illegal instruction; refuse it with a message instead.
@@ -61,8 +80,8 @@ inline void check_isa(int64_t isa) {
   check_cpu();
   TORCH_CHECK(runs_isa(isa),
               "isa ", isa, " is not one this CPU runs (or PAGEDQ_CPU_ISA allows): pass 0 (AVX2), 1 "
-              "(AVX-512) on a CPU with AVX-512F/VL/DQ, or 2 (AVX-512 VNNI) on one that also has "
-              "AVX-512BW/VNNI");
+              "(AVX-512) on a CPU with AVX-512F/VL/DQ, 2 (AVX-512 VNNI) on one that also has "
+              "AVX-512BW/VNNI, or 3 (AVX2 with AVX-VNNI) on one with AVX-VNNI");
 }
 
 // The `precision` argument of quant_gemm (pagedq.kernels.cpu_ops.GemmPrecision mirrors it):

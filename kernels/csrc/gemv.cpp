@@ -211,7 +211,7 @@ void skinny_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
     case 3: skinny_rows<3>(xp, wp, bp, op, N, K); break;
     case 4: skinny_rows<4>(xp, wp, bp, op, N, K); break;
     default:
-      if (isa >= kAvx512)
+      if (isa == kAvx512 || isa == kAvx512Vnni)  // (kAvx2Vnni: AVX2's tiles)
         tiled_rows<Avx512Tile>(xp, wp, bp, op, rows, N, K);
       else
         tiled_rows<Avx2Tile>(xp, wp, bp, op, rows, N, K);

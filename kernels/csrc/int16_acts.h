@@ -56,6 +56,12 @@ inline bool wide_panel() {
 }
 }  // namespace v256
 
+namespace v256vnni {
+// The AVX2 panel with AVX-VNNI's vpdpwssd (panel_gemv_vnni.cpp): call only where
+// runs_isa(kAvx2Vnni) holds.
+void panel_gemv_parts(const LinearArgs* parts, int64_t count, const Acts& a);
+}  // namespace v256vnni
+
 namespace v256bw {
 // Weight rows [n0, n1) against a few activation rows in AVX-512BW (quant_gemv_bw.cpp): Q5_0 and
 // Q5_1 (1-3 rows) with their fifth bits merged through mask registers, Q4_K, Q5_K and Q6_K (1-7 rows)

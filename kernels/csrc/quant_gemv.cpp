@@ -418,6 +418,8 @@ void gemv_parts(const LinearArgs* parts, int64_t count, int64_t isa, bool bytes)
   if (decoded && rows >= (q6k && !bw ? kPanelRowsQ6K : kPanelRows)) {
     if (bw && rows >= kWidePanelRows)
       v512::panel_gemv_parts(parts, count, a);
+    else if (isa == kAvx2Vnni)
+      v256vnni::panel_gemv_parts(parts, count, a);
     else
       panel_gemv_parts(parts, count, a);
     return;

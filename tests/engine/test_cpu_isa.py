@@ -15,7 +15,7 @@ from tests.oracle import assert_greedy
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-@pytest.mark.parametrize("level", ["avx2", "avx512", "avx512_vnni"])
+@pytest.mark.parametrize("level", ["avx2", "avx2_vnni", "avx512", "avx512_vnni"])
 def test_a_capped_engine_runs_that_levels_kernels(cpu_ops, tiny_model_dir, level):
     if level not in process_cpu().levels:
         pytest.skip(f"this CPU runs {', '.join(process_cpu().levels)}, not {level}")
@@ -25,6 +25,9 @@ def test_a_capped_engine_runs_that_levels_kernels(cpu_ops, tiny_model_dir, level
     assert backend.cpu.level == level
     assert all(("vnni" in c.kernel(1)) == (level == "avx512_vnni")
                for c in backend.packed if c.weight_format != "float32")
+    # the many-row panel on AVX-VNNI's vpdpwssd at avx2_vnni only (the int8 weights' from 8 rows)
+    assert all(("avx2-vnni" in c.kernel(64)) == (level == "avx2_vnni")
+               for c in backend.packed if c.weight_format not in ("float32", "bf16"))
     prompt = list(range(3, 40))
     out = engine.generate([prompt], GREEDY)[0].outputs[0].token_ids
     assert len(out) == 6
@@ -34,7 +37,8 @@ def test_a_capped_engine_runs_that_levels_kernels(cpu_ops, tiny_model_dir, level
 
 
 def test_a_level_above_the_cpu_is_refused_before_loading(tmp_path):
-    missing = [lvl for lvl in ("avx512", "avx512_vnni", "amx") if lvl not in process_cpu().levels]
+    missing = [lvl for lvl in ("avx2_vnni", "avx512", "avx512_vnni", "amx")
+               if lvl not in process_cpu().levels]
     if not missing:
         pytest.skip("this CPU runs every level")
     with pytest.raises(UnsupportedIsaError, match="this CPU runs"):

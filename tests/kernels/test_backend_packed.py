@@ -27,6 +27,7 @@ from pagedq.kernels.backend import (
 )
 from pagedq.kernels.block_formats import quantize_int4
 from pagedq.kernels.cpu_features import ISA_LEVELS, CpuFeatures
+from pagedq.kernels.cpu_ops import Isa
 from pagedq.worker.config import PACKED_GEMM_PRECISIONS, EngineConfig
 from pagedq.worker.models.packed import build_projection
 
@@ -35,6 +36,7 @@ AMX = CpuFeatures.of(*BASE, "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"
 VNNI_NO_BF16 = CpuFeatures.of(*BASE, "avx512_vnni")
 ZEN4 = CpuFeatures.of(*BASE, "avx512_vnni", "avx512_bf16")  # AVX-512 BF16 without AMX
 AVX2 = CpuFeatures.of("avx2", "fma", "f16c")
+ALDER_LAKE = CpuFeatures.of("avx2", "fma", "f16c", "avx_vnni")  # AVX-VNNI without AVX-512
 SKYLAKE = CpuFeatures.of(*BASE)  # AVX-512 F/VL/DQ/BW, no VNNI
 AVX512_NO_BW = CpuFeatures.of(*BASE[:-1])
 ARM = CpuFeatures.of(arch="aarch64")
@@ -118,6 +120,13 @@ def test_without_amx_the_gemm_multiplies_fp32_tiles(cpu_ops):
                                      limit + 1]) == (["cpp-gemv-avx2"] + ["cpp-panel-avx2"] * 2
                                                      + ["cpp-panel-avx512"] * 2 + ["cpp-gemm-fp32"])
     assert kernels(AVX512_NO_BW, "q8_0", [WIDE_PANEL_ROWS]) == ["cpp-panel-avx2"]
+    # AVX-VNNI without AVX-512 (Intel Core from Alder Lake on): the panel on vpdpwssd, AVX2's
+    # row-at-a-time GEMV and crossovers
+    assert kernels(ALDER_LAKE, "q8_0", [1, PANEL_ROWS, limit, limit + 1]) == (
+        ["cpp-gemv-avx2"] + ["cpp-panel-avx2-vnni"] * 2 + ["cpp-gemm-fp32"])
+    assert Selector(cpu=ALDER_LAKE).packed_isa() == int(Isa.AVX2_VNNI)
+    # a Zen 4 or a Sapphire Rapids keeps its grouped VNNI GEMV, AVX-VNNI or not
+    assert Selector(cpu=CpuFeatures.of(*AMX.flags, "avx_vnni")).packed_isa() == int(Isa.AVX512_VNNI)
     assert F32_GEMV_ROWS["avx2"].keys() == set(GEMV_ROWS) - {"float32"}
     backend = Selector(cpu=AVX2).select("cpu", F32, None, 64, packed_precision="bf16x3")
     assert "fp32 tiles, not bf16x3 (no AMX at level avx2" in " ".join(backend.reasons)
@@ -142,15 +151,18 @@ def test_each_level_routes_only_kernels_it_runs(cpu_ops, level):
     gen = torch.Generator().manual_seed(8)
     weight = random_weight("q4_k", 32, 256, gen)
     projection = build_projection([weight], None, backend.plan().packed, torch.device("cpu"))
-    x = torch.randn(300, 256, generator=gen)
-    # 300 rows: past the AVX2 panel's 256 (the grouped VNNI GEMV takes every count), the GEMM: at
-    # amx its default bf16x2 multiplies the bf16-rounded weights
-    # by the fp32 activations (docs/quantization.md), elsewhere fp32 tiles the weights as they are
-    dense = dequantize(weight)
-    if backend.packed_for("q4_k").precision == "bf16x2":
-        dense = dense.bfloat16()
-    want = x.double() @ dense.double().T
-    assert ((projection.forward(x).double() - want).abs().max() / want.abs().max()) < 1e-4
+    # 40 rows: the GEMV (at the AVX2 levels the panel, on vpdpwssd at avx2_vnni); 300 rows: past
+    # the AVX2 panel's 256 (the grouped VNNI GEMV takes every count), the GEMM: at amx its
+    # default bf16x2 multiplies the bf16-rounded weights by the fp32 activations
+    # (docs/quantization.md), elsewhere fp32 tiles the weights as they are
+    for rows in (40, 300):
+        x = torch.randn(rows, 256, generator=gen)
+        dense = dequantize(weight)
+        if backend.packed_for("q4_k").kernel(rows) == "cpp-gemm-bf16x2":
+            dense = dense.bfloat16()
+        want = x.double() @ dense.double().T
+        err = (projection.forward(x).double() - want).abs().max() / want.abs().max()
+        assert err < 1e-4, (level, rows, err)
 
 
 def test_the_gemm_runs_in_the_precision_asked_for(cpu_ops):

@@ -64,11 +64,13 @@ def test_this_machine_agrees_with_torch():
 
 ZEN4 = CpuFeatures.of("avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512dq", "avx512bw",
                       "avx512_vnni", "avx512_bf16")
-SAPPHIRE_RAPIDS = CpuFeatures.of(*ZEN4.flags, "amx_tile", "amx_bf16", "amx_int8")
+SAPPHIRE_RAPIDS = CpuFeatures.of(*ZEN4.flags, "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+ALDER_LAKE = CpuFeatures.of("avx2", "fma", "f16c", "avx_vnni")  # AVX-VNNI, no AVX-512
 
 
 def test_levels_lowest_first():
-    assert SAPPHIRE_RAPIDS.levels == ("avx2", "avx512", "avx512_vnni", "amx")
+    assert SAPPHIRE_RAPIDS.levels == ("avx2", "avx2_vnni", "avx512", "avx512_vnni", "amx")
+    assert ALDER_LAKE.levels == ("avx2", "avx2_vnni") and ALDER_LAKE.level == "avx2_vnni"
     assert ZEN4.levels == ("avx2", "avx512", "avx512_vnni") and ZEN4.level == "avx512_vnni"
     assert CpuFeatures.of("avx2", "fma", "f16c").levels == ("avx2",)
     assert CpuFeatures.of("avx2").levels == () and CpuFeatures.of("avx2").level is None
@@ -84,6 +86,10 @@ def test_a_cap_hides_every_flag_above_its_level():
     assert avx512.has_avx512 and not avx512.has_avx512_vnni and avx512.level == "avx512"
     vnni = SAPPHIRE_RAPIDS.capped("avx512_vnni")
     assert vnni.has_avx512_vnni and "avx512_bf16" in vnni.flags and not vnni.has_amx
+    assert not avx2.has_avx_vnni and not avx512.has_avx_vnni and not vnni.has_avx_vnni
+    core = SAPPHIRE_RAPIDS.capped("avx2_vnni")  # what an Intel Core without AVX-512 runs
+    assert core.flags == ALDER_LAKE.flags and core.has_avx_vnni and not core.has_avx512
+    assert core.level == "avx2_vnni" and SAPPHIRE_RAPIDS.capped("amx").has_avx_vnni
     assert SAPPHIRE_RAPIDS.capped("amx") == SAPPHIRE_RAPIDS.capped("auto") or \
         SAPPHIRE_RAPIDS.capped("amx").flags == SAPPHIRE_RAPIDS.flags
 
@@ -91,8 +97,19 @@ def test_a_cap_hides_every_flag_above_its_level():
 def test_a_cap_above_the_cpu_is_refused_naming_what_it_runs():
     with pytest.raises(UnsupportedIsaError, match="this CPU runs: avx2, avx512, avx512_vnni"):
         ZEN4.capped("amx")
-    with pytest.raises(UnsupportedIsaError, match="one of avx2, avx512"):
+    with pytest.raises(UnsupportedIsaError, match="one of avx2, avx2_vnni, avx512"):
         ZEN4.capped("sse4")
+    with pytest.raises(UnsupportedIsaError, match="this CPU runs: avx2, avx512, avx512_vnni"):
+        ZEN4.capped("avx2_vnni")  # a Zen 4 has AVX-512 VNNI, not the VEX AVX-VNNI
+    with pytest.raises(UnsupportedIsaError, match="this CPU runs: avx2, avx2_vnni"):
+        ALDER_LAKE.capped("avx512")
+
+
+def test_each_level_caps_the_libraries_under_torch_as_its_cpus_have_them():
+    assert cpu_features.isa_environment("avx2_vnni") == {
+        "PAGEDQ_CPU_ISA": "avx2_vnni", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI",
+        "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert cpu_features.isa_environment("avx2")["ONEDNN_MAX_CPU_ISA"] == "AVX2"
 
 
 def test_this_machines_levels():

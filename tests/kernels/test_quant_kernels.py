@@ -25,15 +25,18 @@ from tests.quant_fixtures import ALL, random_weight
 CPU = process_selector().cpu  # this CPU, capped at PAGEDQ_CPU_ISA where that is set
 
 
-@pytest.fixture(params=[Isa.AVX512_VNNI, Isa.AVX512, Isa.AVX2], ids=lambda i: i.name)
+@pytest.fixture(params=[Isa.AVX512_VNNI, Isa.AVX512, Isa.AVX2_VNNI, Isa.AVX2], ids=lambda i: i.name)
 def isa(request) -> int:
     """Every packed path: the VNNI kernels; AVX2's with the many-row panel in AVX-512BW (isa
     AVX512: 16 rows a vector, csrc/panel_gemv512.cpp; also where VNNI is present, so a VNNI
-    machine tests what a Skylake-SP runs); AVX2's own."""
+    machine tests what a Skylake-SP runs); AVX2's with the panel on AVX-VNNI's vpdpwssd (isa
+    AVX2_VNNI, csrc/panel_gemv_vnni.cpp); AVX2's own."""
     if request.param == Isa.AVX512_VNNI and not CPU.has_avx512_vnni:
         pytest.skip(f"no AVX-512 VNNI at this process's level ({CPU.level})")
     if request.param == Isa.AVX512 and not (CPU.has_avx512 and "avx512bw" in CPU.flags):
         pytest.skip(f"no AVX-512 F/VL/DQ/BW at this process's level ({CPU.level})")
+    if request.param == Isa.AVX2_VNNI and not CPU.has_avx_vnni:
+        pytest.skip(f"no AVX-VNNI at this process's level ({CPU.level})")
     return int(request.param)
 
 
@@ -135,6 +138,27 @@ def test_four_to_seven_rows_of_a_k_quant_equal_each_row_alone(cpu_ops, isa, fmt)
             torch.testing.assert_close(together[r:r + 1], alone, rtol=1e-5, atol=1e-5)
         else:
             assert torch.equal(together[r:r + 1], alone), (fmt, r)
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_the_avx_vnni_panel_equals_the_avx2_one(cpu_ops, fmt):
+    """The panel on vpdpwssd (isa AVX2_VNNI) makes the same int32 sums as vpmaddwd + vpaddd and
+    applies the same scales in the same order: bit for bit at every row count the panel takes
+    (8 to a pass of 32 and past it, a padded last group, a tail of 1-3 rows), every format,
+    with a bias and into a column slice (the dequantized product, the oracle of both, is checked
+    by test_gemv_matches_dequantized_matmul)."""
+    if not CPU.has_avx_vnni:
+        pytest.skip(f"no AVX-VNNI at this process's level ({CPU.level})")
+    gen = torch.Generator().manual_seed(9)
+    for k in widths(fmt):
+        w = random_weight(fmt, 45, k, gen)
+        for rows in (5, 8, 13, 19, 32, 41, 70):
+            x = torch.randn(rows, k, generator=gen)
+            bias = torch.randn(45, generator=gen)
+            outs = [torch.empty(rows, 60)[:, 5:50] for _ in range(2)]  # a column slice: ldo 60
+            for out, isa in zip(outs, (Isa.AVX2_VNNI, Isa.AVX2), strict=True):
+                cpu_ops.quant_gemv(out, x, w.data, w.fmt.code, w.scales, bias, int(isa))
+            assert torch.equal(outs[0], outs[1]), (fmt, k, rows)
 
 
 @pytest.mark.parametrize("fmt", ["q5_0", "q5_1", "q4_k", "q5_k", "q6_k"])
