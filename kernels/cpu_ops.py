@@ -47,7 +47,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(CSRC / f for f in ("attention.cpp", "gemv.cpp", "rmsnorm.cpp", "argmax.cpp",
                                    "fused_layer.cpp",
                                    "quant_gemv.cpp", "quant_gemv_bw.cpp", "panel_gemv.cpp",
-                                   "panel_gemv512.cpp", "panel_gemv_vnni.cpp",
+                                   "panel_gemv512.cpp", "panel_gemv_vnni.cpp", "quant_gemv_vnni.cpp",
                                    "group_gemv.cpp", "byte_gemv.cpp", "byte_panel.cpp",
                                    "quant_gemm.cpp", "quant_linear.cpp", "library.cpp"))
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]

@@ -60,6 +60,10 @@ namespace v256vnni {
 // The AVX2 panel with AVX-VNNI's vpdpwssd (panel_gemv_vnni.cpp): call only where
 // runs_isa(kAvx2Vnni) holds.
 void panel_gemv_parts(const LinearArgs* parts, int64_t count, const Acts& a);
+// Weight rows [n0, n1) against 1-3 activation rows (the K-quants 1-7) with AVX-VNNI
+// (quant_gemv_vnni.cpp), the AVX2 kernels' result bit for bit; false (nothing done) for other
+// row counts and formats. Call only where runs_isa(kAvx2Vnni) holds.
+bool few_rows_gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1);
 }  // namespace v256vnni
 
 namespace v256bw {

@@ -424,8 +424,11 @@ void gemv_parts(const LinearArgs* parts, int64_t count, int64_t isa, bool bytes)
       panel_gemv_parts(parts, count, a);
     return;
   }
+  const bool avx_vnni = isa == kAvx2Vnni;
   parallel_parts(parts, count, 1, [&](int64_t i, int64_t n0, int64_t n1) {
-    if (!(bw && v256bw::few_rows_gemv(parts[i], a, n0, n1))) gemv(parts[i], a, n0, n1);
+    if (bw && v256bw::few_rows_gemv(parts[i], a, n0, n1)) return;
+    if (avx_vnni && v256vnni::few_rows_gemv(parts[i], a, n0, n1)) return;
+    gemv(parts[i], a, n0, n1);
   });
 }
 

@@ -141,10 +141,11 @@ def test_four_to_seven_rows_of_a_k_quant_equal_each_row_alone(cpu_ops, isa, fmt)
 
 
 @pytest.mark.parametrize("fmt", ALL)
-def test_the_avx_vnni_panel_equals_the_avx2_one(cpu_ops, fmt):
-    """The panel on vpdpwssd (isa AVX2_VNNI) makes the same int32 sums as vpmaddwd + vpaddd and
-    applies the same scales in the same order: bit for bit at every row count the panel takes
-    (8 to a pass of 32 and past it, a padded last group, a tail of 1-3 rows), every format,
+def test_the_avx_vnni_kernels_equal_the_avx2_ones(cpu_ops, fmt):
+    """The AVX2 GEMV on vpdpwssd (isa AVX2_VNNI: the one-to-seven-row kernels and the panel)
+    makes the same int32 sums as vpmaddwd + vpaddd and applies the same scales in the same
+    order: bit for bit at every row count (1-3 rows, the K-quants' pieces at 4-7, the panel
+    from 8 to a pass of 32 and past it, a padded last group, a tail of 1-3 rows), every format,
     with a bias and into a column slice (the dequantized product, the oracle of both, is checked
     by test_gemv_matches_dequantized_matmul)."""
     if not CPU.has_avx_vnni:
@@ -152,7 +153,7 @@ def test_the_avx_vnni_panel_equals_the_avx2_one(cpu_ops, fmt):
     gen = torch.Generator().manual_seed(9)
     for k in widths(fmt):
         w = random_weight(fmt, 45, k, gen)
-        for rows in (5, 8, 13, 19, 32, 41, 70):
+        for rows in (1, 2, 3, 4, 5, 7, 8, 13, 19, 32, 41, 70):
             x = torch.randn(rows, k, generator=gen)
             bias = torch.randn(45, generator=gen)
             outs = [torch.empty(rows, 60)[:, 5:50] for _ in range(2)]  # a column slice: ldo 60
