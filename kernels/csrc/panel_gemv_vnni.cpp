@@ -31,28 +31,11 @@
 namespace pagedq_cpu::v256vnni {
 namespace {
 
-using v256::Nibble32;
-using v256::Q8_0;
-using v256::Int8;
-using v256::KQuant45;
-using v256::Q6_K;
+using namespace v256;  // the walkers (quant_avx2.h) and Lanes256 (panel_tile.h)
 
 // panel_gemv.cpp's lanes (8 rows a vector, 4 groups a pass) with the fused multiply-add.
-struct Lanes {
-  static constexpr int64_t kRows = 8, kGroups = 4;
-  using F = __m256;
-  using I = __m256i;
-  static F zero() { return _mm256_setzero_ps(); }
-  static I izero() { return _mm256_setzero_si256(); }
-  static F load(const float* p) { return _mm256_loadu_ps(p); }
-  static I iload(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
-  static F splat(float v) { return _mm256_set1_ps(v); }
-  static I splat(int32_t v) { return _mm256_set1_epi32(v); }
+struct Lanes : Lanes256 {
   static I madd_add(I acc, I w, I x) { return _mm256_dpwssd_avx_epi32(acc, w, x); }
-  static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
 };
 
 #include "panel_kernel.inc"

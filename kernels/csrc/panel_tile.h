@@ -4,6 +4,8 @@
 
 #pragma once
 
+#include <immintrin.h>
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -71,5 +73,26 @@ struct PanelTile {
     }
   }
 };
+
+namespace v256 {
+// The int16 panel's AVX2 vectors (panel_kernel.inc's Lanes: 8 activation rows a vector, 4 groups
+// a pass) but for the multiply-add, which panel_gemv.cpp (vpmaddwd + vpaddd) and
+// panel_gemv_vnni.cpp (AVX-VNNI's vpdpwssd) each add.
+struct Lanes256 {
+  static constexpr int64_t kRows = 8, kGroups = 4;
+  using F = __m256;
+  using I = __m256i;
+  static F zero() { return _mm256_setzero_ps(); }
+  static I izero() { return _mm256_setzero_si256(); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static I iload(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F splat(float v) { return _mm256_set1_ps(v); }
+  static I splat(int32_t v) { return _mm256_set1_epi32(v); }
+  static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+};
+}  // namespace v256
 
 }  // namespace pagedq_cpu
