@@ -4,12 +4,16 @@ known, and no test depends on this machine's timing."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from pagedq.worker.engine.threads import (
     EXPLORE_AT_MOST,
     ThreadGovernor,
+    cpu_list,
+    performance_cores,
     size_class,
     usable_cpus,
 )
@@ -112,3 +116,56 @@ def test_load_arriving_is_noticed_within_steps_not_a_back_off():
     machine.cost = {2: 0.300, 1: 0.020}  # the load arrives
     runs = run_steps(governor, machine, 10)
     assert runs[-1] == 1 and governor.chosen == 1 and runs.count(2) <= 2
+
+
+def hybrid_sysfs(root, p_cores: int, e_cores: int):
+    """A /sys of a hybrid Intel CPU: P-cores with two hyperthreads each (CPUs 0 .. 2p - 1, core
+    ids 0 .. p - 1), then single-threaded E-cores; Linux's cpu_core / cpu_atom PMU lists."""
+    (root / "devices" / "cpu_core").mkdir(parents=True)
+    (root / "devices" / "cpu_atom").mkdir(parents=True)
+    (root / "devices" / "cpu_core" / "cpus").write_text(f"0-{2 * p_cores - 1}\n")
+    (root / "devices" / "cpu_atom" / "cpus").write_text(f"{2 * p_cores}-{2 * p_cores + e_cores - 1}\n")
+    for cpu in range(2 * p_cores + e_cores):
+        topology = root / "devices" / "system" / "cpu" / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        core = cpu // 2 if cpu < 2 * p_cores else p_cores + cpu
+        (topology / "core_id").write_text(f"{core}\n")
+        (topology / "physical_package_id").write_text("0\n")
+    return root
+
+
+def test_cpu_lists_parse_as_linux_writes_them():
+    assert cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert cpu_list("5") == {5} and cpu_list("") == set()
+
+
+def test_a_hybrid_cpus_performance_cores_are_counted_once_per_core(tmp_path):
+    sysfs = hybrid_sysfs(tmp_path, p_cores=6, e_cores=8)  # an Alder Lake i7-12700H's shape
+    assert performance_cores(sysfs, allowed=set(range(20))) == 6
+    assert performance_cores(sysfs, allowed={0, 1, 2, 12, 13}) == 2  # cores 0 and 1; E-cores not
+    assert performance_cores(sysfs, allowed={12, 13}) is None  # only E-cores allowed
+
+
+def test_a_cpu_of_one_kind_has_no_performance_cores(tmp_path):
+    (tmp_path / "devices" / "cpu").mkdir(parents=True)  # the PMU a non-hybrid CPU lists
+    assert performance_cores(tmp_path, allowed={0, 1}) is None
+    assert performance_cores() in (None, *range(1, (os.cpu_count() or 1) + 1))  # this machine
+
+
+def test_the_governor_measures_the_performance_cores_against_all_and_one(monkeypatch):
+    """On a hybrid CPU with the default thread count the P-cores' count is a candidate beside
+    all the threads and one, and the fastest is kept (here: an even split waits for E-cores)."""
+    from pagedq.worker.config import EngineConfig
+    from pagedq.worker.engine import engine
+
+    monkeypatch.setattr(engine, "usable_cpus", lambda: 14)
+    monkeypatch.setattr(engine, "performance_cores", lambda: 6)
+    torch.set_num_threads(14)
+    governor = engine.thread_governor(EngineConfig(), torch.device("cpu"))
+    assert governor.counts == (14, 6, 1)
+    assert engine.thread_governor(EngineConfig(num_threads=8), torch.device("cpu")).counts == (8, 1)
+    machine = Machine({14: 2.0, 6: 1.0, 1: 3.0})
+    timed = ThreadGovernor(governor.counts, clock=machine.clock)
+    for _ in range(40):
+        timed.run(1, machine.forward)
+    assert timed.chosen == 6 and machine.runs[-8:].count(6) >= 7

@@ -40,7 +40,7 @@ from pagedq.worker.engine.sampler import Sampler, greedy_argmax
 from pagedq.worker.engine.scheduler import Scheduler
 from pagedq.worker.engine.sequence import Request, SamplingHook, Sequence
 from pagedq.worker.engine.structured import StructuredOutputs
-from pagedq.worker.engine.threads import ThreadGovernor, usable_cpus
+from pagedq.worker.engine.threads import ThreadGovernor, performance_cores, usable_cpus
 from pagedq.worker.models.build import ModelFiles, build_model
 
 log = get_logger("pagedq.engine")
@@ -366,11 +366,15 @@ class Engine(OfflineAPI):
 
 def thread_governor(config: EngineConfig, device: torch.device) -> ThreadGovernor:
     """The step's thread counts: num_threads (default torch's, capped at the usable CPUs) and,
-    on the CPU with adaptive_threads, one thread too (threads.py says why)."""
+    on the CPU with adaptive_threads, one thread too, and on a hybrid CPU with the default
+    count its P-cores' count (threads.py says why)."""
     threads = config.num_threads or min(torch.get_num_threads(), usable_cpus())
     torch.set_num_threads(threads)
     adaptive = config.adaptive_threads and device.type == "cpu" and threads > 1
-    return ThreadGovernor((threads, 1) if adaptive else (threads,))
+    if not adaptive:
+        return ThreadGovernor((threads,))
+    p_cores = None if config.num_threads else performance_cores()
+    return ThreadGovernor((threads, p_cores, 1) if p_cores and 1 < p_cores < threads else (threads, 1))
 
 
 def split_draft_rows(logits: torch.Tensor, seqs: list[Sequence]

@@ -11,7 +11,11 @@ scale differently), runs the faster count, and every few steps tries another cou
 notices when the machine gets busy or quiet again.
 
 It also caps the starting count at the CPU quota of the process's cgroup (a container given 1.5
-CPUs of a 16-core host must not start 16 threads): :func:`usable_cpus`.
+CPUs of a 16-core host must not start 16 threads): :func:`usable_cpus`. On a hybrid Intel CPU
+(Alder Lake and later: performance and efficient cores) the P-cores' count is a third candidate
+(:func:`performance_cores`): every region splits its work evenly, so with the E-cores in it each
+barrier waits for the slowest, and llama.cpp's advice there is one thread per P-core; which of
+all, the P-cores or one is fastest is measured, as the rest.
 """
 
 from __future__ import annotations
@@ -55,6 +59,41 @@ def _cgroup_quota(root: Path) -> float | None:
         return quota / period if quota > 0 and period > 0 else None
     except (OSError, ValueError):
         return None
+
+
+def cpu_list(text: str) -> set[int]:
+    """Linux's CPU list format ("0-5,8,10-11") as a set of CPU numbers."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            out.update(range(int(first), int(last or first) + 1))
+    return out
+
+
+def performance_cores(sysfs: Path = Path("/sys"), allowed: set[int] | None = None) -> int | None:
+    """Physical P-cores this process may use on a hybrid CPU, else None.
+
+    Linux lists a hybrid Intel CPU's P-core and E-core logical CPUs in
+    ``devices/cpu_core/cpus`` and ``devices/cpu_atom/cpus`` (one PMU each); a CPU of one kind has
+    neither. ``allowed``: the logical CPUs the process may run on (default: its affinity); a
+    core counts once however many of its hyperthreads are allowed."""
+    try:
+        p_cpus = cpu_list((sysfs / "devices" / "cpu_core" / "cpus").read_text())
+        cpu_list((sysfs / "devices" / "cpu_atom" / "cpus").read_text())
+    except (OSError, ValueError):
+        return None
+    if allowed is None:
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else p_cpus
+    cores: set[tuple[str, str]] = set()
+    for cpu in sorted(p_cpus & allowed):
+        topology = sysfs / "devices" / "system" / "cpu" / f"cpu{cpu}" / "topology"
+        try:
+            cores.add(((topology / "physical_package_id").read_text().strip(),
+                       (topology / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("", str(cpu)))
+    return len(cores) or None
 
 
 def size_class(tokens: int) -> int:
