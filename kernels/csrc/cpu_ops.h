@@ -52,6 +52,15 @@ inline int64_t isa_cap() {
   return cap;
 }
 
+// Whether this compiler can target AVX-VNNI (gcc 11 or later: `-mavxvnni`,
+// _mm256_dpwssd_avx_epi32). An older one builds panel_gemv_vnni.cpp and quant_gemv_vnni.cpp as
+// calls to the AVX2 kernels, so isa kAvx2Vnni still runs (at AVX2's speed) and the library builds.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 11
+#define PAGEDQ_AVX_VNNI_BUILD 0
+#else
+#define PAGEDQ_AVX_VNNI_BUILD 1
+#endif
+
 // AVX-VNNI (the VEX-encoded 256-bit vpdpwssd) is beside the chain of levels, not on it: the
 // avx2_vnni level (an Intel Core without AVX-512) and amx have it; avx2 (a Zen 3), avx512 (a
 // Skylake-X) and avx512_vnni (an Ice Lake or a Zen 4) do not, so a cap at those hides it.

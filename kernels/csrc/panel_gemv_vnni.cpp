@@ -25,6 +25,7 @@
 #include "quant_avx2.h"
 #include "quant_formats.h"
 
+#if PAGEDQ_AVX_VNNI_BUILD
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,bmi2,avxvnni")
 
@@ -47,3 +48,10 @@ void panel_gemv_parts(const LinearArgs* parts, int64_t count, const Acts& a) { p
 }  // namespace pagedq_cpu::v256vnni
 
 #pragma GCC pop_options
+#else  // a compiler without AVX-VNNI (cpu_ops.h): the AVX2 panel
+namespace pagedq_cpu::v256vnni {
+void panel_gemv_parts(const LinearArgs* parts, int64_t count, const Acts& a) {
+  v256::panel_gemv_parts(parts, count, a);
+}
+}  // namespace pagedq_cpu::v256vnni
+#endif

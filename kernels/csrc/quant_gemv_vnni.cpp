@@ -18,6 +18,7 @@
 #include "quant_avx2.h"
 #include "quant_formats.h"
 
+#if PAGEDQ_AVX_VNNI_BUILD
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,bmi2,avxvnni")
 
@@ -60,3 +61,8 @@ bool few_rows_gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
 }  // namespace pagedq_cpu::v256vnni
 
 #pragma GCC pop_options
+#else  // a compiler without AVX-VNNI (cpu_ops.h): the AVX2 row kernels take every row count
+namespace pagedq_cpu::v256vnni {
+bool few_rows_gemv(const LinearArgs&, const Acts&, int64_t, int64_t) { return false; }
+}  // namespace pagedq_cpu::v256vnni
+#endif
