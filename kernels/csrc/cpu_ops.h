@@ -79,7 +79,11 @@ inline bool runs_isa(int64_t isa) {
                                  __builtin_cpu_supports("avx512dq");
   static const bool has_vnni = has_avx512 && isa_cap() >= 2 && __builtin_cpu_supports("avx512bw") &&
                                __builtin_cpu_supports("avx512vnni");
+#if PAGEDQ_AVX_VNNI_BUILD
   static const bool has_avx_vnni = avx_vnni_allowed() && __builtin_cpu_supports("avxvnni");
+#else
+  static const bool has_avx_vnni = avx_vnni_allowed();  // isa 3 runs AVX2's kernels in this build
+#endif
   return isa == kAvx2 || (isa == kAvx512 && has_avx512) || (isa == kAvx512Vnni && has_vnni) ||
          (isa == kAvx2Vnni && has_avx_vnni);
 }
