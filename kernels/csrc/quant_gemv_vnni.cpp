@@ -42,20 +42,16 @@ void rows_of(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
 }  // namespace
 
 bool few_rows_gemv(const LinearArgs& p, const Acts& a, int64_t n0, int64_t n1) {
-  const bool kquant = p.fmt == kQ4_K || p.fmt == kQ5_K || p.fmt == kQ6_K;
-  if (a.rows < 1 || a.rows > (kquant ? 7 : 3)) return false;
-  switch (p.fmt) {
-    case kQ4_0: rows_of<Nibble32<kQ4_0>>(p, a, n0, n1); break;
-    case kQ4_1: rows_of<Nibble32<kQ4_1>>(p, a, n0, n1); break;
-    case kQ5_0: rows_of<Nibble32<kQ5_0>>(p, a, n0, n1); break;
-    case kQ5_1: rows_of<Nibble32<kQ5_1>>(p, a, n0, n1); break;
-    case kQ8_0: rows_of<Q8_0>(p, a, n0, n1); break;
-    case kQ4_K: rows_of<KQuant45<kQ4_K>>(p, a, n0, n1); break;
-    case kQ5_K: rows_of<KQuant45<kQ5_K>>(p, a, n0, n1); break;
-    case kQ6_K: rows_of<Q6_K>(p, a, n0, n1); break;
-    default: return false;
-  }
-  return true;
+  bool taken = false;
+  visit_walker<Nibble32, Q8_0, Int8, KQuant45, Q6_K>(p.fmt, [&](auto w) {
+    using W = decltype(w);
+    // quant_gemv.cpp's int_group rule: few_rows for 1-3 rows, the K-quants' 4-7 as its pieces
+    if constexpr (kBlock32<W> || kSuper256<W>) {
+      taken = a.rows >= 1 && a.rows <= (kSuper256<W> ? 7 : 3);
+      if (taken) rows_of<W>(p, a, n0, n1);
+    }
+  });
+  return taken;
 }
 
 }  // namespace pagedq_cpu::v256vnni

@@ -86,7 +86,7 @@ def performance_cores(sysfs: Path = Path("/sys"), allowed: set[int] | None = Non
     if allowed is None:
         allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else p_cpus
     cores: set[tuple[str, str]] = set()
-    for cpu in sorted(p_cpus & allowed):
+    for cpu in p_cpus & allowed:
         topology = sysfs / "devices" / "system" / "cpu" / f"cpu{cpu}" / "topology"
         try:
             cores.add(((topology / "physical_package_id").read_text().strip(),
