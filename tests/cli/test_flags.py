@@ -33,7 +33,7 @@ ENGINE_SAMPLE = {
     "packed_gemm_precision": "bf16", "packed_activations": "int8", "cpu_isa": "avx2",
     "kernel_crossovers": "table",
     "adaptive_threads": False,
-    "cpu_kernels": False, "onednn": False, "fused_layer": False,
+    "cpu_kernels": False, "onednn": False, "fused_layer": False, "huge_pages": False,
     "speculative_config": {"method": "suffix", "num_speculative_tokens": 3,
                            "prompt_lookup_min": 1, "prompt_lookup_max": 4,
                            "suffix_decoding_max_tree_depth": 8,

@@ -68,3 +68,15 @@ def test_auto_widens_a_type_it_cannot_read_with_a_log_line(tiny_model_dir, tmp_p
 def test_an_unknown_quantization_says_what_is_accepted():
     with pytest.raises(InvalidRequestError, match="int4"):
         Engine(quantization="fp8")
+
+
+def test_huge_pages_change_no_output(tiny_model_dir, tmp_path):
+    """A GGUF's packed weights read onto huge pages (the default) decode the same greedy tokens
+    as on ordinary pages: the same bytes, only their pages differ."""
+    gguf = write_gguf(tiny_model_dir("llama", **WIDE), tmp_path / "m.gguf", "Q4_K")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = []
+    for huge in (True, False):
+        engine = Engine(str(gguf), num_kv_blocks=64, max_model_len=128, huge_pages=huge)
+        outs.append([o.outputs[0].token_ids for o in engine.generate([[1, 5, 9, 13], [2, 7]], params)])
+    assert outs[0] == outs[1]

@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from pagedq.kernels.block_formats import QuantWeight, dequantize
+from pagedq.kernels.huge_pages import huge_pages_available, mapping_huge_bytes, thp_mode
 from pagedq.worker.models.gguf_weights import hf_name, iter_gguf_weights
 from tests.gguf_files import ALL_TYPES, K_QUANTS, fits, quantize, quantized_state, write_gguf
 from tests.tiny_models import build_tiny_model
@@ -58,19 +59,38 @@ def test_every_type_reads_packed_and_exact(tmp_path, wide_models, type_name):
         torch.testing.assert_close(as_float(w), want[name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("huge_pages", [False, True])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_matches_transformers_gguf_loader(tmp_path, wide_models, family):
-    """Names, q/k row order and values agree with transformers' own GGUF dequantization.
-    (Its Qwen3 GGUF reader ignores head_dim, which the tiny Qwen3 sets: see the next test.)"""
+def test_matches_transformers_gguf_loader(tmp_path, wide_models, family, huge_pages):
+    """Names, q/k row order and values agree with transformers' own GGUF dequantization, read
+    onto huge pages too (where llama's q/k rows are unpermuted in place). (Its Qwen3 GGUF reader
+    ignores head_dim, which the tiny Qwen3 sets: see the next test.)"""
     from transformers import AutoModelForCausalLM
 
     model = wide_models(family)
     path = write_gguf(model, tmp_path / "m.gguf", "Q6_K", types={"ffn_down": "Q4_0"})
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     state = hf.state_dict()
-    got = dict(iter_gguf_weights(path))
+    got = dict(iter_gguf_weights(path, huge_pages=huge_pages))
     for name, w in got.items():
         torch.testing.assert_close(as_float(w), state[name].float(), rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.skipif(not huge_pages_available(),
+                    reason=f"this kernel gives no transparent huge pages (mode {thp_mode()})")
+def test_packed_weights_are_read_onto_huge_pages(tmp_path, wide_models):
+    """Every packed weight, the unpermuted q/k included, lies in a mapping the kernel backs
+    with huge pages; with the switch off none does."""
+    path = write_gguf(wide_models("llama"), tmp_path / "m.gguf", "Q4_K")
+    on = dict(iter_gguf_weights(path, huge_pages=True))
+    off = dict(iter_gguf_weights(path, huge_pages=False))
+    packed = [n for n, w in on.items() if isinstance(w, QuantWeight)]
+    assert "model.layers.0.self_attn.q_proj.weight" in packed
+    for name in packed:
+        assert mapping_huge_bytes(on[name].data.data_ptr()) > 0, name
+        if thp_mode() == "madvise":  # ("always" may back torch's own memory too)
+            assert mapping_huge_bytes(off[name].data.data_ptr()) == 0, name
+        assert torch.equal(on[name].data, off[name].data), name
 
 
 def test_qwen3_norms_and_fallback_types(tmp_path, wide_models):

@@ -156,7 +156,7 @@ def build_model(config: EngineConfig, device: torch.device, kv_dtype: torch.dtyp
                            config.packed_gemm_precision, config.packed_activations).plan()
     positions = config.max_model_len or hf_config.max_position_embeddings
     with waiting(f"loading the weights of {files.path.name}", log):
-        weights = read_weights(files.path, form.mode)
+        weights = read_weights(files.path, form.mode, config.huge_pages and form.mode == "keep")
         model = CausalLM(hf_config, plan, device, positions)
         model.load_weights(weights)
         model.eval()
@@ -206,14 +206,16 @@ def pack_weights(weights: Iterable[tuple[str, Weight]], mode: str) -> Iterator[t
                  tensors=requantized)
 
 
-def read_weights(path: Path, mode: str) -> dict[str, Weight]:
+def read_weights(path: Path, mode: str, huge_pages: bool = False) -> dict[str, Weight]:
     """Every checkpoint tensor of ``path`` in the form ``mode`` asks for, read here, before the
     model takes them: the stream (loader, GGUF reader, :func:`pack_weights`) runs out in this
     room instead of inside ``CausalLM.load_weights``. The peak is a stream's all the same: the
     model gathers every tensor before it places any (q/k/v and gate/up fuse across names), and
     it pops each from this dict as it places it, so a fused tensor's parts are freed as it goes.
+    ``huge_pages``: a GGUF's packed blocks are read onto huge pages (mode ``keep`` only: any
+    other mode replaces them).
     """
-    return dict(pack_weights(iter_weights(path), mode))
+    return dict(pack_weights(iter_weights(path, huge_pages), mode))
 
 
 def _to_form(name: str, weight: torch.Tensor, mode: str) -> Any:

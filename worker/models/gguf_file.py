@@ -60,9 +60,10 @@ class GGUFIndex:
         value = self.metadata.get(f"{self.architecture}.{key}")
         return None if value is None else int(value)
 
-    def read(self, info: TensorInfo, fh: BinaryIO) -> torch.Tensor:
-        """The tensor's bytes from ``fh`` (this file, opened binary) as a new uint8 tensor."""
-        out = torch.empty(info.nbytes, dtype=torch.uint8)
+    def read(self, info: TensorInfo, fh: BinaryIO, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor's bytes from ``fh`` (this file, opened binary) as a uint8 tensor: ``out``
+        (``info.nbytes`` of uint8, e.g. from a huge-page arena) or a new one."""
+        out = torch.empty(info.nbytes, dtype=torch.uint8) if out is None else out
         fh.seek(info.offset)
         if fh.readinto(out.numpy()) != info.nbytes:
             raise ModelNotFoundError(f"{self.path} is truncated: tensor {info.name!r} runs past "

@@ -24,6 +24,7 @@ from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from pagedq.kernels.block_formats import BY_CODE, QuantWeight
+from pagedq.kernels.huge_pages import ALIGN, Arena
 from pagedq.logging import get_logger
 from pagedq.worker.models.gguf_file import TensorInfo, read_index
 
@@ -68,29 +69,51 @@ def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
 Weight = torch.Tensor | QuantWeight
 
 
-def iter_gguf_weights(path: Path, keep_packed: bool = True) -> Iterator[tuple[str, Weight]]:
+def iter_gguf_weights(path: Path, keep_packed: bool = True,
+                      huge_pages: bool = False) -> Iterator[tuple[str, Weight]]:
     """Yield (HF name, weight) for every tensor of the forward pass, one at a time, each read
-    from the file into the tensor that keeps it (gguf_file.py says why not GGUFReader)."""
+    from the file into the tensor that keeps it (gguf_file.py says why not GGUFReader).
+    ``huge_pages``: the packed weights are read into one huge-page arena (huge_pages.py), where
+    they stay: the q/k rows are unpermuted in place."""
     index = read_index(path)
     heads = {"q_proj": index.arch_int("attention.head_count")}
     heads["k_proj"] = index.arch_int("attention.head_count_kv") or heads["q_proj"]
     permuted = index.architecture in PERMUTED_ARCHITECTURES
     widened: Counter[str] = Counter()
+    kept = [i for i in index.tensors if hf_name(i.name) and keep_packed and _packed(i)]
+    arena = Arena(sum(i.nbytes + ALIGN for i in kept), enabled=huge_pages)
     with open(path, "rb") as fh:
         for info in index.tensors:
             name = hf_name(info.name)
             if name is None:
                 log.info("gguf tensor not used by the forward pass", tensor=info.name)
                 continue
-            weight = _weight(info, index.read(info, fh), keep_packed, widened)
+            out = arena.empty(info.nbytes) if keep_packed and _packed(info) else None
+            weight = _weight(info, index.read(info, fh, out), keep_packed, widened)
             proj = name.split(".")[-2]
             if permuted and proj in heads and heads[proj]:
-                order = unpermute_rows(info.shape[0], heads[proj])
-                weight = weight.rows(order) if isinstance(weight, QuantWeight) else weight[order]
+                weight = _unpermuted(weight, unpermute_rows(info.shape[0], heads[proj]))
             yield name, weight
+    if arena.enabled:
+        log.info("packed weights on transparent huge pages", bytes=arena.used,
+                 huge_bytes=arena.huge_bytes())
     for type_name, count in sorted(widened.items()):
         log.info("gguf tensors widened to float (no packed kernel for this type)", type=type_name,
                  tensors=count, gguf=str(path), packed=keep_packed)
+
+
+def _packed(info: TensorInfo) -> bool:
+    """Whether the tensor stays packed blocks (a QuantWeight) when the kernels read its type."""
+    return info.code in BY_CODE and len(info.shape) == 2
+
+
+def _unpermuted(weight: Weight, order: torch.Tensor) -> Weight:
+    """The rows of q or k in ``order``: a packed weight's rewritten in place (it keeps the
+    memory it was read into, a huge-page arena's), a float one's as a new tensor."""
+    if isinstance(weight, QuantWeight):
+        weight.data.copy_(weight.data[order])
+        return weight
+    return weight[order]
 
 
 def _weight(info: TensorInfo, raw: torch.Tensor, keep_packed: bool,
@@ -99,7 +122,7 @@ def _weight(info: TensorInfo, raw: torch.Tensor, keep_packed: bool,
     kernels read as a QuantWeight (``keep_packed``), any other type dequantized by ``gguf``."""
     if info.code in FLOAT_TYPES:
         return raw.view(FLOAT_TYPES[info.code]).reshape(info.shape)
-    if keep_packed and info.code in BY_CODE and len(info.shape) == 2:
+    if keep_packed and _packed(info):
         return QuantWeight(BY_CODE[info.code], raw.view(info.shape[0], -1), info.shape)
     qtype = GGMLQuantizationType(info.code)
     widened[qtype.name] += 1

@@ -249,16 +249,17 @@ def weight_files(path: Path) -> list[Path]:
     )
 
 
-def iter_weights(path: Path) -> Iterator[tuple[str, Weight]]:
+def iter_weights(path: Path, huge_pages: bool = False) -> Iterator[tuple[str, Weight]]:
     """Yield (checkpoint name, tensor) one at a time, so peak memory stays ~one tensor.
 
     safetensors are opened lazily (each tensor is read on demand); .bin files are memory-mapped.
     Names are exactly the checkpoint's (Hugging Face names); dtypes are the checkpoint's too. A
-    packed GGUF conversion yields its GGUF's tensors, blocks kept (QuantWeight).
+    packed GGUF conversion yields its GGUF's tensors, blocks kept (QuantWeight), on huge pages
+    with ``huge_pages`` (iter_gguf_weights).
     """
     source = packed_source(path)
     if source is not None:
-        yield from iter_gguf_weights(source)
+        yield from iter_gguf_weights(source, huge_pages=huge_pages)
         return
     for file in weight_files(path):
         if file.suffix == ".safetensors":
