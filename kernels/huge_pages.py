@@ -30,6 +30,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,6 +41,11 @@ log = get_logger(__name__)
 HUGE_PAGE = 2 * 2**20  # x86-64's PMD-sized page, the only size transparent huge pages use there
 ALIGN = 64  # every tensor starts on a cache line (the kernels' vector loads)
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+MIN_TENSOR_BYTES = 64 * 2**10  # smaller tensors (norms, biases) are not worth a copy
+# Address ranges of every arena this process mapped, never removed: a range unmapped and
+# reused by torch at worst makes on_huge_pages() answer yes for a tensor there, which only
+# spares it a copy onto huge pages.
+_MAPPED: list[tuple[int, int]] = []
 
 
 def thp_mode(path: Path = THP_ENABLED) -> str:
@@ -89,6 +95,7 @@ class Arena:
         start = -whole.data_ptr() % HUGE_PAGE
         self._buffer = whole[start:start + size]
         self.capacity = size
+        _MAPPED.append((self._buffer.data_ptr(), self._buffer.data_ptr() + size))
 
     def empty(self, nbytes: int) -> torch.Tensor:
         """An uninitialised uint8 tensor of ``nbytes``: from the mapping while it has room,
@@ -105,6 +112,45 @@ class Arena:
         if self._buffer is None:
             return 0
         return mapping_huge_bytes(self._buffer.data_ptr())
+
+
+def on_huge_pages(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lies in an arena's mapping (read there, or copied by :func:`onto`)."""
+    at = tensor.data_ptr()
+    return any(start <= at < end for start, end in _MAPPED)
+
+
+# Where a tensor lives: (holder, attribute name) or (list, index); onto() swaps it there.
+Slot = tuple[Any, str | int]
+
+
+def onto(slots: list[Slot], enabled: bool = True) -> Arena:
+    """Move the tensors at ``slots`` onto one new arena, in place: each slot is set to a copy
+    on huge pages (same dtype, shape and values) before the next is copied, so the original
+    is freed as it goes and the peak is the arena and one tensor. For weights that were not
+    read into an arena (GGUF reads are, huge_pages in gguf_weights.py); those already on one,
+    those under :data:`MIN_TENSOR_BYTES` and non-contiguous ones stay where they are."""
+    def get(slot: Slot) -> torch.Tensor:
+        holder, key = slot
+        return holder[key] if isinstance(key, int) else getattr(holder, key)
+
+    def wanted(t: torch.Tensor) -> bool:
+        return (t.device.type == "cpu" and t.is_contiguous() and not on_huge_pages(t)
+                and t.numel() * t.element_size() >= MIN_TENSOR_BYTES)
+
+    moving = [slot for slot in slots if wanted(get(slot))]
+    arena = Arena(sum(get(s).numel() * get(s).element_size() + ALIGN for s in moving),
+                  enabled=enabled)
+    if not arena.enabled:
+        return arena
+    for holder, key in moving:
+        t = get((holder, key))
+        copy = arena.empty(t.numel() * t.element_size()).view(t.dtype).view(t.shape).copy_(t)
+        if isinstance(key, int):
+            holder[key] = copy
+        else:
+            setattr(holder, key, copy)
+    return arena
 
 
 def mapping_huge_bytes(address: int, smaps: Path = Path("/proc/self/smaps")) -> int:

@@ -80,3 +80,31 @@ def test_huge_pages_change_no_output(tiny_model_dir, tmp_path):
         engine = Engine(str(gguf), num_kv_blocks=64, max_model_len=128, huge_pages=huge)
         outs.append([o.outputs[0].token_ids for o in engine.generate([[1, 5, 9, 13], [2, 7]], params)])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("quantization", ["int8", "none"])
+def test_other_forms_move_onto_huge_pages_with_the_same_output(tiny_model_dir, quantization):
+    """A safetensors checkpoint's weights (packed here to int8, or kept fp32) are copied onto
+    huge pages after loading; greedy tokens equal those of the engine that keeps torch's pages,
+    and (where this Linux grants huge pages) the big weights lie on them."""
+    from pagedq.kernels.huge_pages import (
+        MIN_TENSOR_BYTES,
+        huge_pages_available,
+        mapping_huge_bytes,
+        on_huge_pages,
+    )
+
+    path = tiny_model_dir("llama", **WIDE)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs, engines = [], []
+    for huge in (True, False):
+        engine = Engine(str(path), num_kv_blocks=64, quantization=quantization, huge_pages=huge)
+        outs.append([o.outputs[0].token_ids for o in engine.generate([[1, 5, 9, 13], [2, 7]], params)])
+        engines.append(engine)
+    assert outs[0] == outs[1]
+    if not huge_pages_available():
+        return
+    slots = engines[0].model.weight_slots()
+    held = [h[k] if isinstance(k, int) else getattr(h, k) for h, k in slots]
+    big = [t for t in held if t.numel() * t.element_size() >= MIN_TENSOR_BYTES]
+    assert big and all(on_huge_pages(t) and mapping_huge_bytes(t.data_ptr()) > 0 for t in big)

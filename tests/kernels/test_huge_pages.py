@@ -11,9 +11,12 @@ import torch
 from pagedq.kernels.huge_pages import (
     ALIGN,
     HUGE_PAGE,
+    MIN_TENSOR_BYTES,
     Arena,
     huge_pages_available,
     mapping_huge_bytes,
+    on_huge_pages,
+    onto,
     thp_mode,
 )
 
@@ -85,3 +88,38 @@ def test_a_disabled_arena_maps_nothing():
     arena = Arena(8 * HUGE_PAGE, enabled=False)
     assert not arena.enabled and arena.huge_bytes() == 0
     assert arena.empty(100).numel() == 100
+
+
+class Holder:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.data = tensor
+
+
+def test_onto_moves_each_slot_in_place_and_leaves_the_rest():
+    """Attribute, list entry and a Parameter's .data are swapped for equal copies on one new
+    arena; a small tensor, a non-contiguous one and one already on an arena stay put."""
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(MIN_TENSOR_BYTES // 4 + 5, generator=gen)
+    param = torch.nn.Parameter(torch.randn(128, MIN_TENSOR_BYTES // 256, generator=gen), False)
+    listed = [torch.randint(0, 255, (MIN_TENSOR_BYTES,), dtype=torch.uint8, generator=gen)]
+    small = torch.randn(10, generator=gen)
+    strided = torch.randn(512, MIN_TENSOR_BYTES // 1024, generator=gen).t()
+    resident = Arena(MIN_TENSOR_BYTES).empty(MIN_TENSOR_BYTES).fill_(5)
+    holders = [Holder(big), Holder(small), Holder(strided), Holder(resident)]
+    want = [big.clone(), param.data.clone(), listed[0].clone(), small, strided, resident]
+    arena = onto([(holders[0], "data"), (param, "data"), (listed, 0), (holders[1], "data"),
+                  (holders[2], "data"), (holders[3], "data")])
+    got = [holders[0].data, param.data, listed[0], holders[1].data, holders[2].data,
+           holders[3].data]
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+    assert holders[1].data is small and holders[2].data is strided and holders[3].data is resident
+    if arena.enabled:
+        assert all(on_huge_pages(t) for t in got[:3])
+        assert isinstance(param, torch.nn.Parameter) and param.data_ptr() == got[1].data_ptr()
+
+
+def test_onto_disabled_moves_nothing():
+    big = Holder(torch.randn(MIN_TENSOR_BYTES, dtype=torch.float32))
+    before = big.data
+    assert not onto([(big, "data")], enabled=False).enabled and big.data is before

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedq.kernels import huge_pages
 from pagedq.kernels.backend import Backend, Selector, process_selector
 from pagedq.kernels.block_formats import (
     QK,
@@ -156,10 +157,13 @@ def build_model(config: EngineConfig, device: torch.device, kv_dtype: torch.dtyp
                            config.packed_gemm_precision, config.packed_activations).plan()
     positions = config.max_model_len or hf_config.max_position_embeddings
     with waiting(f"loading the weights of {files.path.name}", log):
-        weights = read_weights(files.path, form.mode, config.huge_pages and form.mode == "keep")
+        weights = read_weights(files.path, form.mode, config.huge_pages and form.mode == "keep"
+                               and device.type == "cpu")
         model = CausalLM(hf_config, plan, device, positions)
         model.load_weights(weights)
         model.eval()
+        if config.huge_pages and device.type == "cpu":  # what a GGUF read did not put there
+            huge_pages.onto(model.weight_slots())
     if config.kernel_crossovers == "measure":
         with waiting("timing the packed kernels on this CPU (once per machine)", log):
             plan = measured_plan(plan, model.packed_formats())

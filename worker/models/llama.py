@@ -32,6 +32,7 @@ from pagedq.kernels import Backend, LinearChoice, paged_attention, write_kv
 from pagedq.kernels.backend import KernelPlan
 from pagedq.kernels.block_formats import QuantWeight, dequantize, weight_nbytes
 from pagedq.kernels.cpu_attention import kernel_rows, kernel_takes_step
+from pagedq.kernels.huge_pages import Slot
 from pagedq.worker.models.packed import Segment, build_projection, segment_format
 from pagedq.worker.models.packed_embedding import PackedEmbedding
 
@@ -356,6 +357,18 @@ class CausalLM(nn.Module):
         held = [s for layer in self.layers for segs in layer.segments.values() for s in segs]
         return {segment_format(s) for s in held + ([table] if table is not None else [])
                 if isinstance(s, QuantWeight)}
+
+    def weight_slots(self) -> list[Slot]:
+        """Where each loaded weight tensor lives, for huge_pages.onto to move: every
+        parameter's data, each packed segment's blocks (a float segment as its list entry), the
+        packed tables'; a tensor shared by two holders (a tied table) is listed once."""
+        slots: list[Slot] = [(p, "data") for p in self.parameters() if not p.is_meta]
+        for layer in self.layers:
+            for segs in layer.segments.values():
+                slots += [(s, "data") if isinstance(s, QuantWeight) else (segs, i)
+                          for i, s in enumerate(segs)]
+        tables = {id(t): t for t in (self.embed_packed, self.head_packed) if t is not None}
+        return slots + [(t, "data") for t in tables.values()]
 
     def use_kernels(self, plan: KernelPlan) -> None:
         """Run on ``plan``'s kernels from now on, packing the weights for them in one pass:
