@@ -1,11 +1,12 @@
-"""Long-lived large buffers (a GGUF's packed weights) on transparent huge pages.
+"""A model's weights on transparent huge pages.
 
 Why: a decode step streams every weight once. On 4 KiB pages each 4 KiB of weights costs a TLB
 miss and a page walk, and under a hypervisor (nested paging: most cloud machines) a walk is
 several memory reads of its own. On a KVM guest (Intel Xeon, CPU model 167, 2 threads) a plain
 read streamed 23 GB/s from 4 KiB pages and 29 GB/s from 2 MiB pages, and one stream of the
-1.7B-shape Q8_0 model decoded 12.8-13.0 tok/s with its weights on 4 KiB pages against 13.6-14.0
-on huge pages (docs/quantization.md, "Weights on huge pages"). The KV cache stays on torch's
+1.7B-shape Q8_0 model decoded 13.2-13.6 tok/s with its weights on 4 KiB pages against 14.6-15.2
+on huge pages, the bundled model in fp32 30-33 against 40-41 (docs/quantization.md, "Weights on
+huge pages"). The KV cache stays on torch's
 pages: on huge pages it measured level at 64 streams (attention reads whole blocks, far fewer
 pages a step than the weights).
 
@@ -14,7 +15,9 @@ Linux gives a process huge pages in two modes (``/sys/kernel/mm/transparent_huge
 them: an anonymous private mapping advised ``MADV_HUGEPAGE``. torch's allocator does not ask.
 Its own switch, ``THP_MEM_ALLOC_ENABLE=1``, asks for every allocation of 2 MiB or more,
 transient activations included, and measured slower at 64 streams (each fresh buffer faults and
-zeroes whole 2 MiB pages), so only the buffers that live as long as the model come from here.
+zeroes whole 2 MiB pages), so only the weights, which live as long as the model, come here: a
+GGUF's packed blocks are read straight into an arena (gguf_weights.py), every other form is
+moved onto one after loading (:func:`onto`).
 
 An :class:`Arena` is one such mapping, carved into tensors by a bump pointer: a model's many
 small matrices share its huge pages instead of each rounding up to 2 MiB. Each tensor keeps the
