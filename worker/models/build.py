@@ -163,7 +163,10 @@ def build_model(config: EngineConfig, device: torch.device, kv_dtype: torch.dtyp
         model.load_weights(weights)
         model.eval()
         if config.huge_pages and device.type == "cpu":  # what a GGUF read did not put there
-            huge_pages.onto(model.weight_slots())
+            arena = huge_pages.onto(model.weight_slots())
+            if arena.used:
+                log.info("weights moved onto transparent huge pages", bytes=arena.used,
+                         huge_bytes=arena.huge_bytes())
     if config.kernel_crossovers == "measure":
         with waiting("timing the packed kernels on this CPU (once per machine)", log):
             plan = measured_plan(plan, model.packed_formats())
