@@ -6,9 +6,8 @@ several memory reads of its own. On a KVM guest (Intel Xeon, CPU model 167, 2 th
 read streamed 23 GB/s from 4 KiB pages and 29 GB/s from 2 MiB pages, and one stream of the
 1.7B-shape Q8_0 model decoded 13.2-13.6 tok/s with its weights on 4 KiB pages against 14.6-15.2
 on huge pages, the bundled model in fp32 30-33 against 40-41 (docs/quantization.md, "Weights on
-huge pages"). The KV cache stays on torch's
-pages: on huge pages it measured level at 64 streams (attention reads whole blocks, far fewer
-pages a step than the weights).
+huge pages"). The KV cache stays on torch's pages: on huge pages it measured level at 64
+streams (attention reads whole blocks, far fewer pages a step than the weights).
 
 Linux gives a process huge pages in two modes (``/sys/kernel/mm/transparent_hugepage/enabled``):
 ``always``, and ``madvise`` (Debian's and Ubuntu's default), where only memory that asks gets

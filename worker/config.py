@@ -282,9 +282,10 @@ class EngineConfig:
     """KV cache dtype (auto: the model's). float16 under a float32 model on the CPU halves the
     memory attention reads per token."""
     huge_pages: bool = True
-    """Load a GGUF's packed weights onto transparent huge pages where Linux allows it (THP
-    "always" or "madvise"): a decode step streams every weight, and 2 MiB pages spare it a TLB
-    miss every 4 KiB (most under a hypervisor). Off: ordinary torch memory."""
+    """Keep the weights on transparent huge pages where Linux allows it (THP "always" or
+    "madvise"; a GGUF's packed blocks are read straight onto them): a decode step streams every
+    weight, and 2 MiB pages spare it a TLB miss every 4 KiB (most under a hypervisor). Off:
+    ordinary torch memory."""
     device: str | None = None
     """cpu, cuda or cuda:N (default: cuda when available, else cpu)."""
     block_size: int | None = None

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagedq.kernels import huge_pages
 from pagedq.kernels.backend import Backend, Selector, process_selector
 from pagedq.kernels.block_formats import (
     QK,
@@ -44,6 +43,7 @@ from pagedq.kernels.block_formats import (
     quantize_int8,
 )
 from pagedq.kernels.crossover import measured_plan
+from pagedq.kernels.huge_pages import onto as onto_huge_pages
 from pagedq.logging import get_logger
 from pagedq.progress import waiting
 from pagedq.worker.config import EngineConfig
@@ -163,7 +163,7 @@ def build_model(config: EngineConfig, device: torch.device, kv_dtype: torch.dtyp
         model.load_weights(weights)
         model.eval()
         if config.huge_pages and device.type == "cpu":  # what a GGUF read did not put there
-            arena = huge_pages.onto(model.weight_slots())
+            arena = onto_huge_pages(model.weight_slots())
             if arena.used:
                 log.info("weights moved onto transparent huge pages", bytes=arena.used,
                          huge_bytes=arena.huge_bytes())
