@@ -138,21 +138,24 @@ def onto(slots: list[Slot], enabled: bool = True) -> Arena:
 
     def wanted(t: torch.Tensor) -> bool:
         return (t.device.type == "cpu" and t.is_contiguous() and not on_huge_pages(t)
-                and t.numel() * t.element_size() >= MIN_TENSOR_BYTES)
+                and _nbytes(t) >= MIN_TENSOR_BYTES)
 
     moving = [slot for slot in slots if wanted(get(slot))]
-    arena = Arena(sum(get(s).numel() * get(s).element_size() + ALIGN for s in moving),
-                  enabled=enabled)
+    arena = Arena(sum(_nbytes(get(s)) + ALIGN for s in moving), enabled=enabled)
     if not arena.enabled:
         return arena
     for holder, key in moving:
         t = get((holder, key))
-        copy = arena.empty(t.numel() * t.element_size()).view(t.dtype).view(t.shape).copy_(t)
+        copy = arena.empty(_nbytes(t)).view(t.dtype).view(t.shape).copy_(t)
         if isinstance(key, int):
             holder[key] = copy
         else:
             setattr(holder, key, copy)
     return arena
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def mapping_huge_bytes(address: int, smaps: Path = Path("/proc/self/smaps")) -> int:
